@@ -1,0 +1,314 @@
+//! The `ConsumerGroupPolicy` resource (SPEC section 2): spec, status, admission rules and printer columns.
+
+mod duration;
+
+pub use duration::parse_duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Go-style durations made of integer parts: `90s`, `5m`, `1h30m`, `250ms`.
+pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
+
+// clippy reads the repeated `type_ = ...` of the printer columns as duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "pelican.io",
+    version = "v1alpha1",
+    kind = "ConsumerGroupPolicy",
+    namespaced,
+    shortname = "cgp",
+    category = "pelican",
+    status = "ConsumerGroupPolicyStatus",
+    doc = "Declares a Redis/Valkey Streams consumer group and the reclaim, retry and dead-letter policy Pelican runs for it.",
+    printcolumn(name = "Stream", type_ = "string", json_path = ".spec.stream"),
+    printcolumn(name = "Group", type_ = "string", json_path = ".spec.group"),
+    printcolumn(name = "Pending", type_ = "integer", json_path = ".status.pending"),
+    printcolumn(
+        name = "Oldest",
+        type_ = "date",
+        json_path = ".status.oldestPendingTime",
+        description = "age of the oldest pending entry"
+    ),
+    printcolumn(name = "Lag", type_ = "integer", json_path = ".status.lag"),
+    printcolumn(
+        name = "Dead-Lettered",
+        type_ = "integer",
+        json_path = ".status.totals.deadLettered"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Consumers",
+        type_ = "integer",
+        json_path = ".status.consumers",
+        priority = "1"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = "1"
+    )
+)]
+#[x_kube(validation = Rule::new("self.deadLetter.stream != self.stream").message("spec.deadLetter.stream must differ from spec.stream: dead-lettered entries would be read again by the group").field_path(".deadLetter.stream"))]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerGroupPolicySpec {
+    pub redis: RedisSpec,
+    /// The stream key. Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.stream is immutable: create a new policy for another stream"))]
+    #[schemars(length(min = 1, max = 1024))]
+    pub stream: String,
+    /// The consumer group name. Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable: create a new policy for another group"))]
+    #[schemars(length(min = 1, max = 256))]
+    pub group: String,
+    /// Where a newly created group starts: `$` (new entries only), `0` (the whole stream) or an entry id.
+    #[serde(default = "default_start_id")]
+    #[schemars(regex(pattern = r"^(\$|0|[0-9]+(-[0-9]+)?)$"))]
+    pub start_id: String,
+    #[serde(default)]
+    pub reclaim: ReclaimSpec,
+    #[serde(default)]
+    pub retry: RetrySpec,
+    pub dead_letter: DeadLetterSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<ConsumersSpec>,
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+    /// Pause the reclaim and dead-letter jobs; status keeps refreshing.
+    #[serde(default)]
+    pub suspend: bool,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisSpec {
+    /// `redis://host:port/db` or `rediss://host:port/db`. Credentials go in Secrets, never in the URL. Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.url is immutable: create a new policy for another server"))]
+    #[x_kube(validation = Rule::new("!self.matches('^rediss?://[^/]*@')").message("spec.redis.url must not contain credentials: put them in a Secret and use spec.redis.usernameSecretRef / passwordSecretRef"))]
+    #[schemars(regex(pattern = r"^rediss?://[^\s]+$"), length(max = 2048))]
+    pub url: String,
+    #[serde(default)]
+    pub mode: RedisMode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RedisMode {
+    #[default]
+    Standalone,
+    Cluster,
+}
+
+/// A key of a Secret in the policy's own namespace.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SecretKeyRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_secret_ref: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_secret_ref: Option<SecretKeyRef>,
+    #[serde(default)]
+    pub insecure_skip_verify: bool,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ReclaimSpec {
+    /// A pending entry idle at least this long is eligible for reclaim (>= 1s).
+    #[serde(default = "default_min_idle")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.reclaim.minIdle must be at least 1s"))]
+    pub min_idle: String,
+    /// How often the reclaim / dead-letter pass runs (>= 1s).
+    #[serde(default = "default_interval")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.reclaim.interval must be at least 1s"))]
+    pub interval: String,
+    /// Upper bound on entries handled in one pass.
+    #[serde(default = "default_max_per_pass")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub max_per_pass: i32,
+    #[serde(default)]
+    pub strategy: ReclaimStrategy,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReclaimStrategy {
+    #[default]
+    Requeue,
+    Reassign,
+    DeadLetterOnly,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RetrySpec {
+    /// The most deliveries a message gets before it is dead-lettered (>= 1).
+    #[serde(default = "default_max_deliveries")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub max_deliveries: i32,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetterSpec {
+    /// The dead-letter stream key; must differ from `spec.stream`.
+    #[schemars(length(min = 1, max = 1024))]
+    pub stream: String,
+    /// Approximate cap on the dead-letter stream length (`XADD MAXLEN ~`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_len: Option<i64>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumersSpec {
+    /// Delete consumers inactive this long that own no pending entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.consumers.expireAfter must be at least 1s"))]
+    pub expire_after: Option<String>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeletionPolicy {
+    /// Deleting the policy leaves Redis untouched.
+    #[default]
+    Retain,
+    /// Deleting the policy destroys the consumer group (never the streams).
+    Delete,
+}
+
+fn default_start_id() -> String {
+    "$".into()
+}
+fn default_min_idle() -> String {
+    "5m".into()
+}
+fn default_interval() -> String {
+    "1m".into()
+}
+fn default_max_per_pass() -> i32 {
+    1000
+}
+fn default_max_deliveries() -> i32 {
+    3
+}
+
+impl Default for ReclaimSpec {
+    fn default() -> Self {
+        Self {
+            min_idle: default_min_idle(),
+            interval: default_interval(),
+            max_per_pass: default_max_per_pass(),
+            strategy: ReclaimStrategy::default(),
+        }
+    }
+}
+
+impl Default for RetrySpec {
+    fn default() -> Self {
+        Self {
+            max_deliveries: default_max_deliveries(),
+        }
+    }
+}
+
+/// What Pelican observed on the server, refreshed every pass and at least every `spec.reclaim.interval`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerGroupPolicyStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_length: Option<i64>,
+    /// Entries not yet delivered to the group; absent when the server cannot tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_id: Option<String>,
+    /// Time of the oldest pending entry, from its id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
+    pub oldest_pending_time: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_idle_seconds: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_length: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub totals: Option<Totals>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["reason"]))]
+    pub terminal_acks: Vec<TerminalAckCount>,
+    /// When the last reclaim / dead-letter pass ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
+    pub last_pass_time: Option<String>,
+}
+
+/// The operator's own counters, mirrored from the `{T}:pelican:<group>:totals` hash.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Totals {
+    pub requeued: i64,
+    pub reassigned: i64,
+    pub dead_lettered: i64,
+    pub payload_deleted: i64,
+    pub consumers_expired: i64,
+}
+
+/// Messages ended as terminal with one reason code, from `{T}:pelican:<group>:terminal`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct TerminalAckCount {
+    pub reason: String,
+    pub count: i64,
+}
+
+impl ConsumerGroupPolicy {
+    /// The condition of the given type, if the status has one.
+    pub fn condition(&self, type_: &str) -> Option<&Condition> {
+        self.status
+            .as_ref()?
+            .conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+    }
+}

@@ -1,0 +1,451 @@
+//! The reconciler: gather facts (Secrets, Redis), act (create or recreate the group), write status.
+
+mod status;
+
+pub use status::{READY, RECONCILED, RECONCILING, STALLED};
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{info, instrument, warn};
+
+use crate::api::{
+    ConsumerGroupPolicy, ConsumerGroupPolicyStatus, DeletionPolicy, SecretKeyRef, parse_duration,
+};
+use crate::redis::{self as redis_ops, Credentials, GroupKeys, Pools, Target};
+use crate::{Error, Result};
+use status::Outcome;
+
+/// Field manager of every status write; the operator owns nothing else of the object but its finalizer.
+pub const FIELD_MANAGER: &str = "pelican";
+pub const FINALIZER: &str = "pelican.io/cleanup";
+/// How often a Stalled policy whose interval cannot be read is looked at again.
+const STALLED_RECHECK: Duration = Duration::from_secs(60);
+
+/// Shared by all reconciles.
+pub struct Context {
+    pub client: Client,
+    pub pools: Pools,
+    pub recorder: Recorder,
+    /// Every policy the controller sees, for the (server, stream, group) ownership check.
+    pub policies: Store<ConsumerGroupPolicy>,
+    failures: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, u32>>,
+}
+
+/// Where to watch and how to identify ourselves.
+pub struct Settings {
+    /// Watch one namespace, or all when `None`.
+    pub namespace: Option<String>,
+    pub instance: Option<String>,
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run(
+    client: Client,
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let (policies, secrets): (Api<ConsumerGroupPolicy>, Api<PartialObjectMeta<Secret>>) =
+        match &settings.namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        };
+    let controller = Controller::new(policies, watcher::Config::default().any_semantic());
+    let store = controller.store();
+    let reporter = Reporter {
+        controller: "pelican".into(),
+        instance: settings.instance,
+    };
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        pools: Pools::default(),
+        recorder: Recorder::new(client, reporter),
+        policies: store.clone(),
+        failures: Mutex::default(),
+    });
+    // Only Secret metadata is watched: a change to a referenced Secret re-runs its policies at once, and
+    // no Secret value is held in the watch cache.
+    controller
+        .watches(secrets, watcher::Config::default(), move |secret| {
+            policies_using_secret(&store, &secret)
+        })
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                warn!(error = %e, "reconcile failed");
+            }
+        })
+        .await;
+}
+
+fn policies_using_secret<S: Resource>(
+    store: &Store<ConsumerGroupPolicy>,
+    secret: &S,
+) -> Vec<ObjectRef<ConsumerGroupPolicy>> {
+    let (namespace, name) = (
+        secret.meta().namespace.as_deref(),
+        secret.meta().name.as_deref().unwrap_or_default(),
+    );
+    store
+        .state()
+        .iter()
+        .filter(|p| p.namespace().as_deref() == namespace && secret_refs(p).any(|r| r.name == name))
+        .map(|p| ObjectRef::from_obj(p.as_ref()))
+        .collect()
+}
+
+fn secret_refs(policy: &ConsumerGroupPolicy) -> impl Iterator<Item = &SecretKeyRef> {
+    let redis = &policy.spec.redis;
+    let tls = redis
+        .tls
+        .iter()
+        .flat_map(|t| [&t.ca_secret_ref, &t.cert_secret_ref, &t.key_secret_ref]);
+    [&redis.username_secret_ref, &redis.password_secret_ref]
+        .into_iter()
+        .chain(tls)
+        .flatten()
+}
+
+#[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any()))]
+async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Result<Action> {
+    let namespace = policy.namespace().unwrap_or_default();
+    let api: Api<ConsumerGroupPolicy> = Api::namespaced(ctx.client.clone(), &namespace);
+    let action = finalizer(&api, FINALIZER, policy, |event| async {
+        match event {
+            Finalizer::Apply(policy) => apply(&policy, &ctx, &api).await,
+            Finalizer::Cleanup(policy) => cleanup(&policy, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e)
+        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        other => Error::Finalizer(Box::new(other)),
+    })?;
+    Ok(action)
+}
+
+/// Retries with exponential backoff per policy (1s, 2s, 4s ... 60s), reset by the next success.
+fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
+    let mut failures = ctx.failures.lock().expect("failures lock");
+    let count = failures
+        .entry(ObjectRef::from_obj(policy.as_ref()))
+        .or_insert(0);
+    *count = (*count + 1).min(7);
+    warn!(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any(), reason = error.reason(), error = %error, "reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(1 << (*count - 1)).min(Duration::from_secs(60)))
+}
+
+async fn apply(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    api: &Api<ConsumerGroupPolicy>,
+) -> Result<Action> {
+    let interval = parse_duration(&policy.spec.reclaim.interval);
+    let previous = policy.status.clone().unwrap_or_default();
+    let result = match &interval {
+        Ok(_) => observe(policy, ctx).await,
+        Err(e) => Err(Error::InvalidSpec(format!("spec.reclaim.interval: {e}"))),
+    };
+    let now = Timestamp::now();
+    let (status, outcome) = match &result {
+        Ok((server, facts)) => {
+            let message = format!(
+                "group {:?} on stream {:?} is ready",
+                policy.spec.group, policy.spec.stream
+            );
+            (
+                status::observed(&previous, server, facts),
+                Outcome::Ready { message },
+            )
+        }
+        Err(error) => (previous.clone(), Outcome::Failed(error)),
+    };
+    let status = ConsumerGroupPolicyStatus {
+        observed_generation: policy.metadata.generation,
+        conditions: status::conditions(
+            &previous.conditions,
+            &outcome,
+            policy.metadata.generation,
+            now,
+        ),
+        ..status
+    };
+    announce_transition(policy, ctx, &previous, &status).await;
+    if policy.status.as_ref() != Some(&status) {
+        write_status(api, policy, &status).await?;
+    }
+    match result {
+        Ok(_) => {
+            ctx.failures
+                .lock()
+                .expect("failures lock")
+                .remove(&ObjectRef::from_obj(policy));
+            Ok(Action::requeue(interval.unwrap_or(STALLED_RECHECK)))
+        }
+        // A Stalled policy waits for a change, but Redis can heal without any Kubernetes event (a key of the
+        // wrong type deleted, an ACL fixed), so it is looked at again every interval.
+        Err(e) if e.is_stalled() => Ok(Action::requeue(interval.unwrap_or(STALLED_RECHECK))),
+        Err(e) => Err(e),
+    }
+}
+
+/// Connects, creates the group when missing and reads the numbers the status shows.
+async fn observe(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+) -> Result<(redis_ops::ServerInfo, redis_ops::GroupFacts)> {
+    if let Some(owner) = conflicting_owner(policy, &ctx.policies) {
+        return Err(Error::ResourceConflict {
+            stream: policy.spec.stream.clone(),
+            group: policy.spec.group.clone(),
+            owner,
+        });
+    }
+    let target = target(policy, &ctx.client).await?;
+    let server = target.server();
+    let mut conn = ctx.pools.get(&target).await?;
+    let keys = group_keys(policy);
+    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id).await;
+    if let Err(Error::AuthenticationFailed { .. }) = &setup {
+        ctx.pools.forget(&target);
+    }
+    let setup = setup?;
+    if setup.created {
+        let was_ready = policy.condition(READY).is_some_and(|c| c.status == "True");
+        let (type_, reason, note) = if was_ready {
+            let note = format!(
+                "group {:?} on stream {:?} was missing and has been recreated at {:?}",
+                keys.group, keys.stream, policy.spec.start_id
+            );
+            (EventType::Warning, "GroupRecreated", note)
+        } else {
+            let note = format!(
+                "created group {:?} on stream {:?} at {:?}",
+                keys.group, keys.stream, policy.spec.start_id
+            );
+            (EventType::Normal, "GroupCreated", note)
+        };
+        info!(group = keys.group, stream = keys.stream, reason, "{note}");
+        publish(ctx, policy, type_, reason, note).await;
+    }
+    let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
+    Ok((setup.server, facts))
+}
+
+fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
+    GroupKeys {
+        stream: &policy.spec.stream,
+        group: &policy.spec.group,
+        dead_letter: &policy.spec.dead_letter.stream,
+    }
+}
+
+/// Two policies that claim the same (server, stream, group): the older one owns it (SPEC section 3).
+fn conflicting_owner(
+    policy: &ConsumerGroupPolicy,
+    store: &Store<ConsumerGroupPolicy>,
+) -> Option<String> {
+    let rank = |p: &ConsumerGroupPolicy| {
+        (
+            p.metadata.creation_timestamp.clone().map(|t| t.0),
+            p.namespace(),
+            p.name_any(),
+        )
+    };
+    store
+        .state()
+        .iter()
+        .filter(|other| {
+            other.metadata.uid != policy.metadata.uid
+                && other.metadata.deletion_timestamp.is_none()
+                && other.spec.redis.url == policy.spec.redis.url
+                && other.spec.stream == policy.spec.stream
+                && other.spec.group == policy.spec.group
+                && rank(other) < rank(policy)
+        })
+        .map(|other| {
+            format!(
+                "{}/{}",
+                other.namespace().unwrap_or_default(),
+                other.name_any()
+            )
+        })
+        .min()
+}
+
+/// The server and credentials of a policy, read from Secrets in its own namespace.
+async fn target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<Target> {
+    let namespace = policy.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let redis = &policy.spec.redis;
+    let credentials = Credentials {
+        username: secret_value(&secrets, &namespace, redis.username_secret_ref.as_ref()).await?,
+        password: secret_value(&secrets, &namespace, redis.password_secret_ref.as_ref()).await?,
+    };
+    Ok(Target {
+        url: redis.url.clone(),
+        credentials,
+    })
+}
+
+async fn secret_value(
+    secrets: &Api<Secret>,
+    namespace: &str,
+    reference: Option<&SecretKeyRef>,
+) -> Result<Option<String>> {
+    let Some(reference) = reference else {
+        return Ok(None);
+    };
+    let not_found = || Error::SecretNotFound {
+        namespace: namespace.into(),
+        name: reference.name.clone(),
+        key: reference.key.clone(),
+    };
+    let secret = secrets
+        .get_opt(&reference.name)
+        .await?
+        .ok_or_else(not_found)?;
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(&reference.key))
+        .map(|v| v.0.clone());
+    let bytes = bytes
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()?
+                .get(&reference.key)
+                .map(|s| s.clone().into_bytes())
+        })
+        .ok_or_else(not_found)?;
+    let text = String::from_utf8(bytes).map_err(|_| Error::SecretInvalid {
+        namespace: namespace.into(),
+        name: reference.name.clone(),
+        key: reference.key.clone(),
+    })?;
+    // Secrets written by hand often end in a newline (`echo pass | kubectl create secret --from-file`).
+    Ok(Some(text.trim_end_matches(['\r', '\n']).to_string()))
+}
+
+/// Runs on deletion. `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
+async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
+    if policy.spec.deletion_policy == DeletionPolicy::Retain {
+        return Ok(Action::await_change());
+    }
+    if let Some(owner) = conflicting_owner(policy, &ctx.policies) {
+        let note = format!(
+            "group {:?} is owned by {owner}; not destroyed",
+            policy.spec.group
+        );
+        publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
+        return Ok(Action::await_change());
+    }
+    let target = match target(policy, &ctx.client).await {
+        Ok(target) => target,
+        // Without credentials the group cannot be destroyed; holding the finalizer would hang the deletion
+        // (and its namespace) forever, so the group is left in place and the user told.
+        Err(e @ (Error::SecretNotFound { .. } | Error::SecretInvalid { .. })) => {
+            let note = format!("group {:?} left in Redis: {e}", policy.spec.group);
+            publish(ctx, policy, EventType::Warning, "CleanupSkipped", note).await;
+            return Ok(Action::await_change());
+        }
+        Err(e) => return Err(e),
+    };
+    let server = target.server();
+    let mut conn = ctx.pools.get(&target).await?;
+    let destroyed =
+        redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group)
+            .await?;
+    if destroyed {
+        let note = format!(
+            "destroyed group {:?} on stream {:?}",
+            policy.spec.group, policy.spec.stream
+        );
+        publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
+    }
+    Ok(Action::await_change())
+}
+
+async fn write_status(
+    api: &Api<ConsumerGroupPolicy>,
+    policy: &ConsumerGroupPolicy,
+    status: &ConsumerGroupPolicyStatus,
+) -> Result<()> {
+    let patch = json!({
+        "apiVersion": "pelican.io/v1alpha1",
+        "kind": "ConsumerGroupPolicy",
+        "status": status,
+    });
+    api.patch_status(
+        &policy.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+/// One Event per change of the Ready reason, never one per retry.
+async fn announce_transition(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    previous: &ConsumerGroupPolicyStatus,
+    next: &ConsumerGroupPolicyStatus,
+) {
+    let ready = |s: &ConsumerGroupPolicyStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == READY)
+            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    };
+    let (before, after) = (ready(previous), ready(next));
+    let Some((status, reason, message)) = after else {
+        return;
+    };
+    if before.as_ref().map(|(s, r, _)| (s, r)) == Some((&status, &reason)) {
+        return;
+    }
+    if status == "True" {
+        publish(ctx, policy, EventType::Normal, "Ready", message).await;
+    } else {
+        publish(ctx, policy, EventType::Warning, &reason, message).await;
+    }
+}
+
+async fn publish(
+    ctx: &Context,
+    policy: &ConsumerGroupPolicy,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let event = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
+        warn!(error = %e, reason, "could not publish event");
+    }
+}

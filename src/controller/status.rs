@@ -1,0 +1,250 @@
+//! Pure status building: "what Redis reports + what happened" -> the status to write (SPEC sections 2, 3 and 5).
+//! No IO here, so every rule is a plain unit test.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::Error;
+use crate::api::{ConsumerGroupPolicyStatus, TerminalAckCount, Totals};
+use crate::redis::{GroupFacts, ServerInfo};
+
+pub const READY: &str = "Ready";
+pub const RECONCILING: &str = "Reconciling";
+pub const STALLED: &str = "Stalled";
+/// Reason on all three conditions when the last reconcile succeeded.
+pub const RECONCILED: &str = "Reconciled";
+
+/// How the last reconcile ended, as far as conditions are concerned.
+pub enum Outcome<'a> {
+    Ready { message: String },
+    Failed(&'a Error),
+}
+
+/// Status numbers from the probe. Counters missing in Redis (a reset, or nothing counted yet) read as 0.
+pub fn observed(
+    previous: &ConsumerGroupPolicyStatus,
+    server: &ServerInfo,
+    facts: &GroupFacts,
+) -> ConsumerGroupPolicyStatus {
+    let total = |name: &str| facts.totals.get(name).copied().unwrap_or(0);
+    let oldest_millis = facts.oldest_pending.as_ref().and_then(|o| o.id_millis());
+    ConsumerGroupPolicyStatus {
+        server_version: Some(server.to_string()),
+        stream_length: Some(facts.stream_length),
+        lag: facts.lag,
+        pending: Some(facts.pending),
+        oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
+        oldest_pending_time: oldest_millis.and_then(format_millis),
+        oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms / 1000),
+        consumers: Some(facts.consumers),
+        dead_letter_length: Some(facts.dead_letter_length),
+        totals: Some(Totals {
+            requeued: total("requeued"),
+            reassigned: total("reassigned"),
+            dead_lettered: total("deadLettered"),
+            payload_deleted: total("payloadDeleted"),
+            consumers_expired: total("consumersExpired"),
+        }),
+        terminal_acks: facts
+            .terminal
+            .iter()
+            .map(|(reason, count)| TerminalAckCount {
+                reason: reason.clone(),
+                count: *count,
+            })
+            .collect(),
+        ..previous.clone()
+    }
+}
+
+fn format_millis(millis: i64) -> Option<String> {
+    Timestamp::from_second(millis.div_euclid(1000))
+        .ok()
+        .map(|t| t.to_string())
+}
+
+/// Ready / Reconciling / Stalled in the shape kstatus (Flux, kpt) and Argo CD read:
+/// success -> Ready=True; terminal error -> Stalled=True; transient error -> Reconciling=True (retrying).
+pub fn conditions(
+    previous: &[Condition],
+    outcome: &Outcome,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    let (ready, reconciling, stalled) = match outcome {
+        Outcome::Ready { message } => (
+            ("True", RECONCILED, message.clone()),
+            ("False", RECONCILED, String::new()),
+            ("False", RECONCILED, String::new()),
+        ),
+        Outcome::Failed(error) if error.is_stalled() => (
+            ("False", error.reason(), error.to_string()),
+            ("False", error.reason(), String::new()),
+            ("True", error.reason(), error.to_string()),
+        ),
+        Outcome::Failed(error) => (
+            ("False", error.reason(), error.to_string()),
+            ("True", error.reason(), format!("retrying: {error}")),
+            ("False", error.reason(), String::new()),
+        ),
+    };
+    [
+        (READY, ready),
+        (RECONCILING, reconciling),
+        (STALLED, stalled),
+    ]
+    .into_iter()
+    .map(|(type_, (status, reason, message))| {
+        let old = previous.iter().find(|c| c.type_ == type_);
+        // The transition time moves only when the status flips, as the Condition contract says.
+        let last_transition_time = match old {
+            Some(old) if old.status == status => old.last_transition_time.clone(),
+            _ => Time(now),
+        };
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message,
+            observed_generation: generation,
+            last_transition_time,
+        }
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::redis::OldestPending;
+
+    fn facts() -> GroupFacts {
+        GroupFacts {
+            stream_length: 10,
+            lag: None,
+            pending: 4,
+            oldest_pending: Some(OldestPending {
+                id: "1764421200000-0".into(),
+                consumer: "c1".into(),
+                idle_ms: 310_500,
+                deliveries: 2,
+            }),
+            consumers: 2,
+            dead_letter_length: 1,
+            totals: [("deadLettered".to_string(), 1)].into(),
+            terminal: [("RecordNotFound".to_string(), 40)].into(),
+            server_time_ms: 1_764_421_200_000 + 90_000,
+        }
+    }
+
+    fn valkey() -> ServerInfo {
+        ServerInfo {
+            flavor: "valkey",
+            version: "9.1.2".into(),
+        }
+    }
+
+    #[test]
+    fn status_mirrors_the_probe() {
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &facts());
+        assert_eq!(status.server_version.as_deref(), Some("valkey 9.1.2"));
+        assert_eq!(status.pending, Some(4));
+        assert_eq!(
+            status.oldest_pending_time.as_deref(),
+            Some("2025-11-29T13:00:00Z")
+        );
+        assert_eq!(status.oldest_pending_idle_seconds, Some(310));
+        assert_eq!(status.totals.unwrap().dead_lettered, 1);
+        assert_eq!(
+            status.terminal_acks,
+            vec![TerminalAckCount {
+                reason: "RecordNotFound".into(),
+                count: 40
+            }]
+        );
+    }
+
+    #[test]
+    fn lag_the_server_cannot_tell_is_omitted_not_zero() {
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &facts());
+        assert_eq!(status.lag, None);
+        let json = serde_json::to_value(&status).unwrap();
+        assert!(json.get("lag").is_none(), "{json}");
+    }
+
+    #[test]
+    fn empty_pel_has_no_oldest_entry() {
+        let mut empty = facts();
+        empty.pending = 0;
+        empty.oldest_pending = None;
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &empty);
+        assert_eq!(
+            (status.oldest_pending_id, status.oldest_pending_time),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn terminal_error_is_stalled_not_reconciling() {
+        let error = Error::SecretNotFound {
+            namespace: "apps".into(),
+            name: "auth".into(),
+            key: "password".into(),
+        };
+        let conds = conditions(
+            &[],
+            &Outcome::Failed(&error),
+            Some(2),
+            Timestamp::UNIX_EPOCH,
+        );
+        let get = |t: &str| conds.iter().find(|c| c.type_ == t).unwrap();
+        assert_eq!(
+            (get(READY).status.as_str(), get(READY).reason.as_str()),
+            ("False", "SecretNotFound")
+        );
+        assert_eq!(get(STALLED).status, "True");
+        assert_eq!(get(RECONCILING).status, "False");
+        assert!(conds.iter().all(|c| c.observed_generation == Some(2)));
+    }
+
+    #[test]
+    fn transient_error_is_reconciling() {
+        let error = Error::InvalidSpec("x".into());
+        assert!(error.is_stalled());
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let error = Error::from_redis("127.0.0.1:1", redis::RedisError::from(io));
+        assert_eq!(error.reason(), "RedisUnavailable");
+        let conds = conditions(
+            &[],
+            &Outcome::Failed(&error),
+            Some(1),
+            Timestamp::UNIX_EPOCH,
+        );
+        assert_eq!(
+            conds
+                .iter()
+                .find(|c| c.type_ == RECONCILING)
+                .unwrap()
+                .status,
+            "True"
+        );
+        assert_eq!(
+            conds.iter().find(|c| c.type_ == STALLED).unwrap().status,
+            "False"
+        );
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_flips() {
+        let ready = Outcome::Ready {
+            message: "ok".into(),
+        };
+        let first = conditions(&[], &ready, Some(1), Timestamp::UNIX_EPOCH);
+        let later = Timestamp::from_second(1_000).unwrap();
+        let same = conditions(&first, &ready, Some(2), later);
+        assert_eq!(same[0].last_transition_time, Time(Timestamp::UNIX_EPOCH));
+        let error = Error::InvalidSpec("x".into());
+        let flipped = conditions(&same, &Outcome::Failed(&error), Some(2), later);
+        assert_eq!(flipped[0].last_transition_time, Time(later));
+    }
+}

@@ -1,0 +1,143 @@
+//! One error type for the operator. Each error knows the condition reason it shows (SPEC section 5), whether it
+//! is terminal (Stalled: wait for a spec or Secret change) or transient (retry with backoff), and its metric label.
+
+use redis::{ErrorKind, RedisError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "Secret {namespace}/{name} or its key {key:?} not found: create it, or fix the reference in the policy"
+    )]
+    SecretNotFound {
+        namespace: String,
+        name: String,
+        key: String,
+    },
+
+    #[error("Secret {namespace}/{name} key {key:?} is not valid UTF-8")]
+    SecretInvalid {
+        namespace: String,
+        name: String,
+        key: String,
+    },
+
+    #[error(
+        "authentication refused by {server}: check the username and password Secrets ({detail})"
+    )]
+    AuthenticationFailed { server: String, detail: String },
+
+    #[error("Redis at {server} is unavailable: {source}")]
+    RedisUnavailable {
+        server: String,
+        #[source]
+        source: RedisError,
+    },
+
+    #[error("Redis at {server} refused a command: {source}")]
+    RedisCommand {
+        server: String,
+        #[source]
+        source: RedisError,
+    },
+
+    #[error(
+        "key {key:?} holds a {actual}, not a {expected}: rename the key in the policy or remove the other value"
+    )]
+    WrongKeyType {
+        key: String,
+        actual: String,
+        expected: &'static str,
+    },
+
+    #[error("{server} runs {version}; Pelican needs Redis >= 7.0 or Valkey >= 7.2")]
+    UnsupportedServerVersion { server: String, version: String },
+
+    #[error(
+        "stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}"
+    )]
+    ResourceConflict {
+        stream: String,
+        group: String,
+        owner: String,
+    },
+
+    #[error("invalid spec: {0}")]
+    InvalidSpec(String),
+
+    #[error("Kubernetes API error: {0}")]
+    Kube(#[source] kube::Error),
+
+    #[error("finalizer error: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+impl Error {
+    /// The condition reason (CamelCase) shown in status and used as Event reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Error::SecretNotFound { .. } | Error::SecretInvalid { .. } => "SecretNotFound",
+            Error::AuthenticationFailed { .. } => "AuthenticationFailed",
+            Error::RedisUnavailable { .. } => "RedisUnavailable",
+            Error::RedisCommand { .. } => "RedisError",
+            Error::WrongKeyType { .. } => "WrongKeyType",
+            Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
+            Error::ResourceConflict { .. } => "ResourceConflict",
+            Error::InvalidSpec(_) => "InvalidSpec",
+            Error::Kube(_) => "KubernetesApiError",
+            Error::Finalizer(_) => "FinalizerError",
+        }
+    }
+
+    /// Terminal errors need a change of the spec, a Secret or Redis data; the policy is Stalled until then.
+    pub fn is_stalled(&self) -> bool {
+        matches!(
+            self,
+            Error::SecretNotFound { .. }
+                | Error::SecretInvalid { .. }
+                | Error::AuthenticationFailed { .. }
+                | Error::WrongKeyType { .. }
+                | Error::UnsupportedServerVersion { .. }
+                | Error::ResourceConflict { .. }
+                | Error::InvalidSpec(_)
+        )
+    }
+
+    /// Low-cardinality label for the reconcile error metric.
+    pub fn metric_label(&self) -> String {
+        self.reason().to_string()
+    }
+
+    /// Classifies a Redis client error by what the user should do about it.
+    pub fn from_redis(server: &str, source: RedisError) -> Error {
+        let server = server.to_string();
+        if source.kind() == ErrorKind::AuthenticationFailed
+            || matches!(source.code(), Some("WRONGPASS" | "NOAUTH"))
+        {
+            let detail = source
+                .detail()
+                .unwrap_or("authentication failed")
+                .to_string();
+            return Error::AuthenticationFailed { server, detail };
+        }
+        if source.is_io_error()
+            || source.is_connection_refusal()
+            || source.is_connection_dropped()
+            || source.is_timeout()
+            || matches!(
+                source.code(),
+                Some("LOADING" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN")
+            )
+        {
+            return Error::RedisUnavailable { server, source };
+        }
+        Error::RedisCommand { server, source }
+    }
+}
+
+impl From<kube::Error> for Error {
+    fn from(e: kube::Error) -> Self {
+        Error::Kube(e)
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,20 @@
+//! Pelican: a Kubernetes operator for Redis and Valkey Streams consumer groups.
+//!
+//! The `operator` feature (default) holds everything Kubernetes; without it the crate is the key naming shared by
+//! workers and the operator.
+
+pub mod keys;
+
+#[cfg(feature = "operator")]
+pub mod api;
+#[cfg(feature = "operator")]
+pub mod controller;
+#[cfg(feature = "operator")]
+mod error;
+#[cfg(feature = "operator")]
+pub mod redis;
+#[cfg(feature = "operator")]
+pub mod telemetry;
+
+#[cfg(feature = "operator")]
+pub use error::{Error, Result};

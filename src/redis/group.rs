@@ -1,0 +1,365 @@
+//! Consumer group administration (SPEC section 3, "Group lifecycle") and the O(1) status probe
+//! (SPEC section 3, "Status refresh").
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use redis::aio::ConnectionManager;
+use redis::{Value, pipe};
+
+use super::reply::{self, Fields};
+use crate::keys::{OPERATOR_CONSUMER, terminal_key, totals_key};
+use crate::{Error, Result};
+
+/// Which server answers, from `INFO server`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// `redis` or `valkey`.
+    pub flavor: &'static str,
+    pub version: String,
+}
+
+impl ServerInfo {
+    pub fn parse(info: &str) -> ServerInfo {
+        let field = |name: &str| {
+            info.lines().find_map(|line| {
+                line.trim()
+                    .strip_prefix(name)?
+                    .strip_prefix(':')
+                    .map(str::to_string)
+            })
+        };
+        match field("valkey_version") {
+            Some(version) => ServerInfo {
+                flavor: "valkey",
+                version,
+            },
+            None => ServerInfo {
+                flavor: "redis",
+                version: field("redis_version").unwrap_or_default(),
+            },
+        }
+    }
+
+    fn major_minor(&self) -> (u32, u32) {
+        let mut parts = self
+            .version
+            .split('.')
+            .map(|p| p.parse::<u32>().unwrap_or(0));
+        (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+    }
+
+    /// Redis >= 7.0 (XAUTOCLAIM JUSTID, XINFO lag) and Valkey >= 7.2 (SPEC section 5).
+    pub fn is_supported(&self) -> bool {
+        match self.flavor {
+            "valkey" => self.major_minor() >= (7, 2),
+            _ => self.major_minor() >= (7, 0),
+        }
+    }
+}
+
+impl fmt::Display for ServerInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.flavor, self.version)
+    }
+}
+
+/// The keys one policy touches.
+#[derive(Clone, Debug)]
+pub struct GroupKeys<'a> {
+    pub stream: &'a str,
+    pub group: &'a str,
+    pub dead_letter: &'a str,
+}
+
+/// What `ensure_group` found and did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupSetup {
+    pub server: ServerInfo,
+    /// The group did not exist and was created now.
+    pub created: bool,
+}
+
+/// Checks the server and the key types before any write, then creates the group if it is missing
+/// (`XGROUP CREATE <stream> <group> <startId> MKSTREAM`).
+pub async fn ensure_group(
+    conn: &mut ConnectionManager,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    start_id: &str,
+) -> Result<GroupSetup> {
+    let totals = totals_key(keys.stream, keys.group);
+    let terminal = terminal_key(keys.stream, keys.group);
+    let (info, stream_type, dead_letter_type, totals_type, terminal_type): (
+        String,
+        String,
+        String,
+        String,
+        String,
+    ) = pipe()
+        .cmd("INFO")
+        .arg("server")
+        .cmd("TYPE")
+        .arg(keys.stream)
+        .cmd("TYPE")
+        .arg(keys.dead_letter)
+        .cmd("TYPE")
+        .arg(&totals)
+        .cmd("TYPE")
+        .arg(&terminal)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    let info = ServerInfo::parse(&info);
+    if !info.is_supported() {
+        return Err(Error::UnsupportedServerVersion {
+            server: server.into(),
+            version: info.to_string(),
+        });
+    }
+    expect_type(keys.stream, &stream_type, "stream")?;
+    expect_type(keys.dead_letter, &dead_letter_type, "stream")?;
+    expect_type(&totals, &totals_type, "hash")?;
+    expect_type(&terminal, &terminal_type, "hash")?;
+
+    let exists = stream_type == "stream"
+        && group_names(conn, server, keys.stream)
+            .await?
+            .iter()
+            .any(|g| g == keys.group);
+    if exists {
+        return Ok(GroupSetup {
+            server: info,
+            created: false,
+        });
+    }
+    let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(keys.stream)
+        .arg(keys.group)
+        .arg(start_id)
+        .arg("MKSTREAM")
+        .query_async(conn)
+        .await;
+    match created {
+        Ok(()) => Ok(GroupSetup {
+            server: info,
+            created: true,
+        }),
+        // Another writer created it between our check and our create: it exists, which is all we want.
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup {
+            server: info,
+            created: false,
+        }),
+        Err(e) if e.code() == Some("WRONGTYPE") => Err(Error::WrongKeyType {
+            key: keys.stream.into(),
+            actual: "non-stream value".into(),
+            expected: "stream",
+        }),
+        Err(e) => Err(Error::from_redis(server, e)),
+    }
+}
+
+fn expect_type(key: &str, actual: &str, expected: &'static str) -> Result<()> {
+    if actual == "none" || actual == expected {
+        Ok(())
+    } else {
+        Err(Error::WrongKeyType {
+            key: key.into(),
+            actual: actual.into(),
+            expected,
+        })
+    }
+}
+
+async fn group_names(
+    conn: &mut ConnectionManager,
+    server: &str,
+    stream: &str,
+) -> Result<Vec<String>> {
+    let groups: Vec<Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(groups
+        .into_iter()
+        .filter_map(reply::fields)
+        .filter_map(|g| reply::get::<String>(&g, "name"))
+        .collect())
+}
+
+/// `XGROUP DESTROY`, for `deletionPolicy: Delete`. The streams themselves are never deleted.
+pub async fn destroy_group(
+    conn: &mut ConnectionManager,
+    server: &str,
+    stream: &str,
+    group: &str,
+) -> Result<bool> {
+    let stream_type: String = redis::cmd("TYPE")
+        .arg(stream)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    if stream_type != "stream" {
+        return Ok(false);
+    }
+    let destroyed: i64 = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(stream)
+        .arg(group)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(destroyed == 1)
+}
+
+/// The oldest entry of the group's PEL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OldestPending {
+    pub id: String,
+    pub consumer: String,
+    pub idle_ms: i64,
+    pub deliveries: i64,
+}
+
+impl OldestPending {
+    /// Milliseconds part of the entry id, when the id is time based (`<ms>-<seq>`).
+    pub fn id_millis(&self) -> Option<i64> {
+        self.id
+            .split_once('-')
+            .map_or(self.id.as_str(), |(ms, _)| ms)
+            .parse()
+            .ok()
+    }
+}
+
+/// Everything the status shows, read in one round trip whose cost does not depend on the PEL size.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupFacts {
+    pub stream_length: i64,
+    pub lag: Option<i64>,
+    pub pending: i64,
+    pub oldest_pending: Option<OldestPending>,
+    /// Consumers of the group, the operator's own consumer excluded.
+    pub consumers: i64,
+    pub dead_letter_length: i64,
+    pub totals: BTreeMap<String, i64>,
+    pub terminal: BTreeMap<String, i64>,
+    pub server_time_ms: i64,
+}
+
+/// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, TIME.
+type ProbeReply = (
+    Value,
+    Vec<Value>,
+    Vec<Value>,
+    Vec<Value>,
+    i64,
+    BTreeMap<String, i64>,
+    BTreeMap<String, i64>,
+    (String, String),
+);
+
+pub async fn probe_group(
+    conn: &mut ConnectionManager,
+    server: &str,
+    keys: &GroupKeys<'_>,
+) -> Result<GroupFacts> {
+    let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, time): ProbeReply = pipe()
+        .cmd("XINFO")
+        .arg("STREAM")
+        .arg(keys.stream)
+        .cmd("XINFO")
+        .arg("GROUPS")
+        .arg(keys.stream)
+        .cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(keys.stream)
+        .arg(keys.group)
+        .cmd("XPENDING")
+        .arg(keys.stream)
+        .arg(keys.group)
+        .arg("-")
+        .arg("+")
+        .arg(1)
+        .cmd("XLEN")
+        .arg(keys.dead_letter)
+        .cmd("HGETALL")
+        .arg(totals_key(keys.stream, keys.group))
+        .cmd("HGETALL")
+        .arg(terminal_key(keys.stream, keys.group))
+        .cmd("TIME")
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+
+    let stream_info = reply::fields(stream_info).unwrap_or_default();
+    let group: Fields = groups
+        .into_iter()
+        .filter_map(reply::fields)
+        .find(|g| reply::get::<String>(g, "name").as_deref() == Some(keys.group))
+        .unwrap_or_default();
+    let consumers = consumers
+        .into_iter()
+        .filter_map(reply::fields)
+        .filter(|c| reply::get::<String>(c, "name").as_deref() != Some(OPERATOR_CONSUMER))
+        .count() as i64;
+    let oldest_pending = oldest.into_iter().next().and_then(|entry| {
+        let (id, consumer, idle_ms, deliveries): (String, String, i64, i64) =
+            redis::from_redis_value(entry).ok()?;
+        Some(OldestPending {
+            id,
+            consumer,
+            idle_ms,
+            deliveries,
+        })
+    });
+    let (seconds, micros) = time;
+    let server_time_ms =
+        seconds.parse::<i64>().unwrap_or(0) * 1000 + micros.parse::<i64>().unwrap_or(0) / 1000;
+
+    Ok(GroupFacts {
+        stream_length: reply::get(&stream_info, "length").unwrap_or(0),
+        lag: reply::get(&group, "lag"),
+        pending: reply::get(&group, "pending").unwrap_or(0),
+        oldest_pending,
+        consumers,
+        dead_letter_length,
+        totals,
+        terminal,
+        server_time_ms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_valkey_by_its_own_version_field() {
+        let info =
+            "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:9.1.2\r\n";
+        let server = ServerInfo::parse(info);
+        assert_eq!(server.to_string(), "valkey 9.1.2");
+        assert!(server.is_supported());
+    }
+
+    #[test]
+    fn redis_before_7_is_unsupported() {
+        assert!(!ServerInfo::parse("redis_version:6.2.14\r\n").is_supported());
+        assert!(ServerInfo::parse("redis_version:7.0.15\r\n").is_supported());
+    }
+
+    #[test]
+    fn oldest_pending_time_comes_from_the_id() {
+        let entry = OldestPending {
+            id: "1764421200000-3".into(),
+            consumer: "c".into(),
+            idle_ms: 0,
+            deliveries: 1,
+        };
+        assert_eq!(entry.id_millis(), Some(1_764_421_200_000));
+    }
+}

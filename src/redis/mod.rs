@@ -1,0 +1,11 @@
+//! Everything that talks to Redis/Valkey: shared connections, group administration and the status probe.
+
+mod group;
+mod pool;
+mod reply;
+
+pub use group::{
+    GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group,
+    probe_group,
+};
+pub use pool::{Credentials, Pools, Target};

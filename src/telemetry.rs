@@ -1,0 +1,26 @@
+//! Logging setup: JSON lines by default, human-readable text with `--log-format text`.
+
+use tracing_subscriber::EnvFilter;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Json,
+    Text,
+}
+
+/// `RUST_LOG` overrides the default level (`info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .init(),
+        LogFormat::Text => builder.init(),
+    }
+}

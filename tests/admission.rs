@@ -1,0 +1,107 @@
+//! Bad input is refused by the real API server at `kubectl apply`, with a message that names the field.
+
+mod common;
+
+use common::*;
+
+fn refused(namespace: &str, manifest: &str) -> String {
+    let (ok, out) = kubectl_apply(namespace, manifest);
+    assert!(!ok, "the API server accepted:\n{manifest}");
+    out
+}
+
+const URL: &str = "redis://127.0.0.1:6379/0";
+
+#[test]
+fn max_deliveries_zero_is_refused() {
+    let ns = namespace("adm");
+    let out = refused(
+        &ns,
+        &policy("p", URL, "s", "g", "  retry:\n    maxDeliveries: 0\n"),
+    );
+    assert!(out.contains("spec.retry.maxDeliveries"), "{out}");
+}
+
+#[test]
+fn min_idle_zero_is_refused() {
+    let ns = namespace("adm");
+    let out = refused(
+        &ns,
+        &policy("p", URL, "s", "g", "")
+            .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 0s\n"),
+    );
+    assert!(
+        out.contains("spec.reclaim.minIdle") && out.contains("at least 1s"),
+        "{out}"
+    );
+}
+
+#[test]
+fn duration_in_prose_is_refused() {
+    let ns = namespace("adm");
+    let out = refused(
+        &ns,
+        &policy("p", URL, "s", "g", "").replace("interval: 1s", "interval: 5 minutes"),
+    );
+    assert!(out.contains("spec.reclaim.interval"), "{out}");
+}
+
+#[test]
+fn dead_letter_stream_equal_to_stream_is_refused() {
+    let ns = namespace("adm");
+    let out = refused(
+        &ns,
+        &policy("p", URL, "s", "g", "").replace("stream: \"s:dlq\"", "stream: \"s\""),
+    );
+    assert!(
+        out.contains("spec.deadLetter.stream must differ from spec.stream"),
+        "{out}"
+    );
+}
+
+#[test]
+fn password_in_url_is_refused() {
+    let ns = namespace("adm");
+    let out = refused(
+        &ns,
+        &policy("p", "redis://:hunter2@127.0.0.1:6379/0", "s", "g", ""),
+    );
+    assert!(
+        out.contains("spec.redis.url must not contain credentials"),
+        "{out}"
+    );
+    let out = refused(&ns, &policy("p", "http://127.0.0.1:6379", "s", "g", ""));
+    assert!(out.contains("spec.redis.url"), "{out}");
+}
+
+#[test]
+fn changing_stream_group_or_url_is_refused() {
+    let ns = namespace("adm");
+    let original = policy("p", URL, "s", "g", "");
+    assert!(kubectl_apply(&ns, &original).0);
+    let out = refused(&ns, &original.replace("stream: \"s\"", "stream: \"t\""));
+    assert!(out.contains("spec.stream is immutable"), "{out}");
+    let out = refused(&ns, &original.replace("group: g", "group: h"));
+    assert!(out.contains("spec.group is immutable"), "{out}");
+    let out = refused(&ns, &original.replace(URL, "redis://127.0.0.1:6380/0"));
+    assert!(out.contains("spec.redis.url is immutable"), "{out}");
+}
+
+#[test]
+fn defaults_are_filled_in_by_the_api_server() {
+    let ns = namespace("adm");
+    let minimal = format!(
+        "apiVersion: pelican.io/v1alpha1\nkind: ConsumerGroupPolicy\nmetadata:\n  name: m\nspec:\n  redis:\n    url: {URL}\n  stream: s\n  group: g\n  deadLetter:\n    stream: s:dlq\n"
+    );
+    assert!(kubectl_apply(&ns, &minimal).0);
+    let spec = get_policy(&ns, "m")["spec"].clone();
+    assert_eq!(spec["startId"], "$");
+    assert_eq!(spec["reclaim"]["minIdle"], "5m");
+    assert_eq!(spec["reclaim"]["interval"], "1m");
+    assert_eq!(spec["reclaim"]["maxPerPass"], 1000);
+    assert_eq!(spec["reclaim"]["strategy"], "Requeue");
+    assert_eq!(spec["retry"]["maxDeliveries"], 3);
+    assert_eq!(spec["deletionPolicy"], "Retain");
+    assert_eq!(spec["redis"]["mode"], "Standalone");
+    assert_eq!(spec["suspend"], false);
+}

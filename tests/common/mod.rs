@@ -1,0 +1,365 @@
+//! The real test bed, as tests see it: the control plane started by `scripts/testenv up`, private Redis/Valkey
+//! servers per test, and the operator as a local process.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Once, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Paths and addresses written by `scripts/testenv up` into `$PELICAN_TESTENV/env`.
+pub struct Bed {
+    vars: HashMap<String, String>,
+}
+
+pub fn bed() -> &'static Bed {
+    static BED: OnceLock<Bed> = OnceLock::new();
+    BED.get_or_init(|| {
+        let dir =
+            std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
+        let file = Path::new(&dir).join("env");
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|_| {
+            panic!(
+                "the test bed is not up ({} missing): run `scripts/testenv up` first",
+                file.display()
+            )
+        });
+        let vars = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Bed { vars }
+    })
+}
+
+impl Bed {
+    pub fn var(&self, name: &str) -> &str {
+        self.vars.get(name).unwrap_or_else(|| {
+            panic!("{name} missing from the test bed env; run `scripts/testenv up`")
+        })
+    }
+
+    pub fn kubeconfig(&self) -> &str {
+        self.var("KUBECONFIG")
+    }
+
+    /// Installs the CRD from `crds/` once per test binary, the way a user would.
+    pub fn install_crd(&self) {
+        static CRD: Once = Once::new();
+        CRD.call_once(|| {
+            let crd = concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/crds/pelican.io_consumergrouppolicies.yaml"
+            );
+            kubectl_ok(&["apply", "--server-side", "--force-conflicts", "-f", crd]);
+            kubectl_ok(&[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/consumergrouppolicies.pelican.io",
+            ]);
+        });
+    }
+}
+
+pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
+    let bed = bed();
+    let mut child = Command::new(bed.var("PELICAN_KUBECTL"))
+        .args(args)
+        .env("KUBECONFIG", bed.kubeconfig())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kubectl");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().expect("kubectl output")
+}
+
+/// Runs kubectl and returns stdout; panics with stderr on failure.
+pub fn kubectl_ok(args: &[&str]) -> String {
+    let out = kubectl(args, None);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `kubectl apply -f -`; returns (success, stdout + stderr).
+pub fn kubectl_apply(namespace: &str, manifest: &str) -> (bool, String) {
+    let out = kubectl(&["apply", "-n", namespace, "-f", "-"], Some(manifest));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls `probe` until it returns `Some`, or panics with `what` and the last value seen.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl FnMut() -> Result<T, String>,
+) -> T {
+    let start = Instant::now();
+    let mut last = String::new();
+    while start.elapsed() < timeout {
+        match probe() {
+            Ok(v) => return v,
+            Err(e) => last = e,
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("timed out after {timeout:?} waiting for {what}; last: {last}");
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    Redis,
+    Valkey,
+}
+
+/// A private Redis or Valkey server for one test, on a free loopback port.
+pub struct Server {
+    pub flavor: Flavor,
+    pub port: u16,
+    args: Vec<String>,
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl Server {
+    pub fn start(flavor: Flavor) -> Server {
+        Server::start_with(flavor, &[])
+    }
+
+    pub fn start_with(flavor: Flavor, args: &[&str]) -> Server {
+        let mut server = Server {
+            flavor,
+            port: free_port(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
+        server.resume();
+        server
+    }
+
+    fn binary(&self) -> &'static str {
+        match self.flavor {
+            Flavor::Redis => bed().var("PELICAN_REDIS_SERVER"),
+            Flavor::Valkey => bed().var("PELICAN_VALKEY_SERVER"),
+        }
+    }
+
+    /// Starts (again) on the same port.
+    pub fn resume(&mut self) {
+        let log = std::fs::File::create(self.dir.path().join("server.log")).unwrap();
+        let child = Command::new(self.binary())
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.args)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.binary()));
+        self.child = Some(child);
+        wait_for("server to answer PING", Duration::from_secs(10), || {
+            let mut conn = self.admin().map_err(|e| e.to_string())?;
+            redis::cmd("PING")
+                .query::<String>(&mut conn)
+                .map_err(|e| e.to_string())
+        });
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The URL a policy uses: no credentials in it.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// A connection for the test's own checks, with the admin password when the server has one.
+    fn admin(&self) -> redis::RedisResult<redis::Connection> {
+        let password = self
+            .args
+            .iter()
+            .position(|a| a == "--requirepass")
+            .map(|i| self.args[i + 1].clone());
+        let url = match password {
+            Some(p) => format!("redis://:{p}@127.0.0.1:{}/0", self.port),
+            None => self.url(),
+        };
+        redis::Client::open(url)?.get_connection_with_timeout(Duration::from_secs(2))
+    }
+
+    pub fn conn(&self) -> redis::Connection {
+        self.admin().expect("connect to test server")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The operator, run as a local process against the test bed, watching one namespace.
+pub struct Operator {
+    child: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Operator {
+    pub fn start(namespace: &str) -> Operator {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("operator.log");
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_pelican"))
+            .args(["run", "--namespace", namespace])
+            .env("KUBECONFIG", bed().kubeconfig())
+            .env("RUST_LOG", "info,pelican=debug")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .expect("start pelican run");
+        Operator {
+            child,
+            log,
+            _dir: dir,
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A fresh namespace for one test. Left behind on purpose: without kube-controller-manager a deleted
+/// namespace never finishes terminating, and the bed is thrown away as a whole.
+pub fn namespace(prefix: &str) -> String {
+    bed().install_crd();
+    let suffix: u32 = rand_suffix();
+    let name = format!("{prefix}-{suffix:08x}");
+    kubectl_ok(&["create", "namespace", &name]);
+    name
+}
+
+fn rand_suffix() -> u32 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(Instant::now()) as u32
+}
+
+/// The policy as `kubectl get -o json` shows it.
+pub fn get_policy(namespace: &str, name: &str) -> Value {
+    serde_json::from_str(&kubectl_ok(&[
+        "get", "cgp", name, "-n", namespace, "-o", "json",
+    ]))
+    .unwrap()
+}
+
+/// (status, reason) of a condition.
+pub fn condition(policy: &Value, type_: &str) -> Option<(String, String)> {
+    let conds = policy["status"]["conditions"].as_array()?;
+    let c = conds.iter().find(|c| c["type"] == type_)?;
+    Some((
+        c["status"].as_str()?.to_string(),
+        c["reason"].as_str()?.to_string(),
+    ))
+}
+
+/// Waits until the condition has the given status and reason.
+pub fn wait_condition(
+    namespace: &str,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: &str,
+) -> Value {
+    wait_for(
+        &format!("{name} {type_}={status} ({reason})"),
+        Duration::from_secs(30),
+        || {
+            let policy = get_policy(namespace, name);
+            match condition(&policy, type_) {
+                Some((s, r)) if s == status && r == reason => Ok(policy),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+}
+
+/// A policy manifest; `extra` is YAML appended under `spec:` (indented by two spaces).
+pub fn policy(name: &str, url: &str, stream: &str, group: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: pelican.io/v1alpha1\nkind: ConsumerGroupPolicy\nmetadata:\n  name: {name}\nspec:\n  redis:\n    url: {url}\n  stream: \"{stream}\"\n  group: {group}\n  startId: \"0\"\n  reclaim:\n    interval: 1s\n  deadLetter:\n    stream: \"{stream}:dlq\"\n{extra}"
+    )
+}
+
+/// Events of a policy with the given reason, as `kubectl get events` shows them.
+pub fn events(namespace: &str, reason: &str) -> Vec<Value> {
+    let out = kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        &format!("reason={reason}"),
+        "-o",
+        "json",
+    ]);
+    let list: Value = serde_json::from_str(&out).unwrap();
+    list["items"].as_array().cloned().unwrap_or_default()
+}
