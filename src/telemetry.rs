@@ -1,5 +1,7 @@
 //! Logging setup: JSON lines by default, human-readable text with `--log-format text`.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -21,6 +23,6 @@ pub fn init_logging(format: LogFormat) {
             .flatten_event(true)
             .with_current_span(true)
             .init(),
-        LogFormat::Text => builder.init(),
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
     }
 }

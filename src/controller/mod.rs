@@ -425,8 +425,10 @@ async fn announce_transition(
         return;
     }
     if status == "True" {
+        info!(reason, "{message}");
         publish(ctx, policy, EventType::Normal, "Ready", message).await;
     } else {
+        warn!(reason, "{message}");
         publish(ctx, policy, EventType::Warning, &reason, message).await;
     }
 }
