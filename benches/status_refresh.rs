@@ -12,8 +12,7 @@ const SAMPLES: usize = 300;
 
 fn bed_var(name: &str) -> String {
     let dir = std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
-    let env = std::fs::read_to_string(format!("{dir}/env"))
-        .expect("the test bed is not up: run scripts/testenv up");
+    let env = std::fs::read_to_string(format!("{dir}/env")).expect("the test bed is not up: run scripts/testenv up");
     env.lines()
         .find_map(|l| l.strip_prefix(&format!("export {name}=")))
         .map(str::to_string)
@@ -22,31 +21,15 @@ fn bed_var(name: &str) -> String {
 
 /// A stream of `size` entries, all delivered to one consumer and none acknowledged.
 async fn fill(conn: &mut ConnectionManager, stream: &str, size: usize) {
-    let _: () = redis::cmd("DEL")
-        .arg(stream)
-        .query_async(conn)
-        .await
-        .unwrap();
+    let _: () = redis::cmd("DEL").arg(stream).query_async(conn).await.unwrap();
     for start in (0..size).step_by(1000) {
         let mut pipe = redis::pipe();
         for i in start..(start + 1000).min(size) {
-            pipe.cmd("XADD")
-                .arg(stream)
-                .arg("*")
-                .arg("n")
-                .arg(i)
-                .ignore();
+            pipe.cmd("XADD").arg(stream).arg("*").arg("n").arg(i).ignore();
         }
         let _: () = pipe.query_async(conn).await.unwrap();
     }
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(stream)
-        .arg("g")
-        .arg("0")
-        .query_async(conn)
-        .await
-        .unwrap();
+    let _: () = redis::cmd("XGROUP").arg("CREATE").arg(stream).arg("g").arg("0").query_async(conn).await.unwrap();
     let mut delivered = 0;
     while delivered < size {
         let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
@@ -79,54 +62,27 @@ fn summary(mut samples: Vec<Duration>) -> String {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let sizes: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let sizes = if sizes.is_empty() {
-        vec![1_000, 200_000]
-    } else {
-        sizes
-    };
+    let sizes: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let sizes = if sizes.is_empty() { vec![1_000, 200_000] } else { sizes };
     let pools = Pools::default();
-    println!(
-        "status refresh (one probe = 1 pipelined round trip), {SAMPLES} samples, microseconds"
-    );
+    println!("status refresh (one probe = 1 pipelined round trip), {SAMPLES} samples, microseconds");
     println!(
         "{:<14} {:>9} {:>10} {:>8} {:>8} {:>8}   {:>8} {:>8} {:>8}",
         "server", "pending", "", "mean", "p50", "p99", "mean", "p50", "p99"
     );
-    println!(
-        "{:<14} {:>9} {:>10} {:>26}   {:>26}",
-        "", "", "", "--- probe ---", "--- PING baseline ---"
-    );
-    for (label, var) in [
-        ("redis", "PELICAN_REDIS_URL"),
-        ("valkey", "PELICAN_VALKEY_URL"),
-    ] {
-        let target = Target {
-            url: bed_var(var),
-            credentials: Credentials::default(),
-        };
+    println!("{:<14} {:>9} {:>10} {:>26}   {:>26}", "", "", "", "--- probe ---", "--- PING baseline ---");
+    for (label, var) in [("redis", "PELICAN_REDIS_URL"), ("valkey", "PELICAN_VALKEY_URL")] {
+        let target = Target { url: bed_var(var), credentials: Credentials::default() };
         let mut conn = pools.get(&target).await.unwrap();
-        let info: String = redis::cmd("INFO")
-            .arg("server")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
         let server = pelican::redis::ServerInfo::parse(&info).to_string();
         for &size in &sizes {
             let stream = format!("bench:refresh:{size}");
             fill(&mut conn, &stream, size).await;
-            let keys = GroupKeys {
-                stream: &stream,
-                group: "g",
-                dead_letter: "bench:refresh:dlq",
-            };
+            let keys = GroupKeys { stream: &stream, group: "g", dead_letter: "bench:refresh:dlq" };
             let facts = probe_group(&mut conn, label, &keys).await.unwrap();
             assert_eq!(facts.pending, size as i64, "the PEL was not filled");
-            let (mut probes, mut pings) =
-                (Vec::with_capacity(SAMPLES), Vec::with_capacity(SAMPLES));
+            let (mut probes, mut pings) = (Vec::with_capacity(SAMPLES), Vec::with_capacity(SAMPLES));
             for _ in 0..SAMPLES {
                 let start = Instant::now();
                 probe_group(&mut conn, label, &keys).await.unwrap();
@@ -135,19 +91,8 @@ async fn main() {
                 let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
                 pings.push(start.elapsed());
             }
-            println!(
-                "{:<14} {:>9} {:>10} {}   {}",
-                server,
-                size,
-                "",
-                summary(probes),
-                summary(pings)
-            );
-            let _: () = redis::cmd("DEL")
-                .arg(&stream)
-                .query_async(&mut conn)
-                .await
-                .unwrap();
+            println!("{:<14} {:>9} {:>10} {}   {}", server, size, "", summary(probes), summary(pings));
+            let _: () = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await.unwrap();
         }
     }
 }

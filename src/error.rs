@@ -5,25 +5,13 @@ use redis::{ErrorKind, RedisError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error(
-        "Secret {namespace}/{name} or its key {key:?} not found: create it, or fix the reference in the policy"
-    )]
-    SecretNotFound {
-        namespace: String,
-        name: String,
-        key: String,
-    },
+    #[error("Secret {namespace}/{name} or its key {key:?} not found: create it, or fix the reference in the policy")]
+    SecretNotFound { namespace: String, name: String, key: String },
 
     #[error("Secret {namespace}/{name} key {key:?} is not valid UTF-8")]
-    SecretInvalid {
-        namespace: String,
-        name: String,
-        key: String,
-    },
+    SecretInvalid { namespace: String, name: String, key: String },
 
-    #[error(
-        "authentication refused by {server}: check the username and password Secrets ({detail})"
-    )]
+    #[error("authentication refused by {server}: check the username and password Secrets ({detail})")]
     AuthenticationFailed { server: String, detail: String },
 
     #[error("Redis at {server} is unavailable: {source}")]
@@ -40,26 +28,14 @@ pub enum Error {
         source: RedisError,
     },
 
-    #[error(
-        "key {key:?} holds a {actual}, not a {expected}: rename the key in the policy or remove the other value"
-    )]
-    WrongKeyType {
-        key: String,
-        actual: String,
-        expected: &'static str,
-    },
+    #[error("{0}: rename the key in the policy or remove the other value")]
+    WrongKeyType(String),
 
     #[error("{server} runs {version}; Pelican needs Redis >= 7.0 or Valkey >= 7.2")]
     UnsupportedServerVersion { server: String, version: String },
 
-    #[error(
-        "stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}"
-    )]
-    ResourceConflict {
-        stream: String,
-        group: String,
-        owner: String,
-    },
+    #[error("stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}")]
+    ResourceConflict { stream: String, group: String, owner: String },
 
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
@@ -79,7 +55,7 @@ impl Error {
             Error::AuthenticationFailed { .. } => "AuthenticationFailed",
             Error::RedisUnavailable { .. } => "RedisUnavailable",
             Error::RedisCommand { .. } => "RedisError",
-            Error::WrongKeyType { .. } => "WrongKeyType",
+            Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict { .. } => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
@@ -95,7 +71,7 @@ impl Error {
             Error::SecretNotFound { .. }
                 | Error::SecretInvalid { .. }
                 | Error::AuthenticationFailed { .. }
-                | Error::WrongKeyType { .. }
+                | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict { .. }
                 | Error::InvalidSpec(_)
@@ -110,27 +86,27 @@ impl Error {
     /// Classifies a Redis client error by what the user should do about it.
     pub fn from_redis(server: &str, source: RedisError) -> Error {
         let server = server.to_string();
-        if source.kind() == ErrorKind::AuthenticationFailed
-            || matches!(source.code(), Some("WRONGPASS" | "NOAUTH"))
-        {
-            let detail = source
-                .detail()
-                .unwrap_or("authentication failed")
-                .to_string();
+        if source.kind() == ErrorKind::AuthenticationFailed || matches!(source.code(), Some("WRONGPASS" | "NOAUTH")) {
+            let detail = source.detail().unwrap_or("authentication failed").to_string();
             return Error::AuthenticationFailed { server, detail };
         }
         if source.is_io_error()
             || source.is_connection_refusal()
             || source.is_connection_dropped()
             || source.is_timeout()
-            || matches!(
-                source.code(),
-                Some("LOADING" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN")
-            )
+            || matches!(source.code(), Some("LOADING" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN"))
         {
             return Error::RedisUnavailable { server, source };
         }
+        if source.code() == Some("WRONGTYPE") {
+            return Error::WrongKeyType(source.detail().unwrap_or("a key holds a value of another type").to_string());
+        }
         Error::RedisCommand { server, source }
+    }
+
+    /// The message of a key that holds another type than the one Pelican needs.
+    pub fn wrong_key_type(key: &str, actual: &str, expected: &str) -> Error {
+        Error::WrongKeyType(format!("key {key:?} holds a {actual}, not a {expected}"))
     }
 }
 

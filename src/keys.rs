@@ -44,13 +44,7 @@ mod tests {
 
     #[test]
     fn counter_keys_share_the_stream_slot() {
-        assert_eq!(
-            terminal_key("{orders}:events", "billing"),
-            "{orders}:pelican:billing:terminal"
-        );
-        assert_eq!(
-            totals_key("notifications", "notifier"),
-            "{notifications}:pelican:notifier:totals"
-        );
+        assert_eq!(terminal_key("{orders}:events", "billing"), "{orders}:pelican:billing:terminal");
+        assert_eq!(totals_key("notifications", "notifier"), "{notifications}:pelican:notifier:totals");
     }
 }

@@ -12,6 +12,8 @@ pub mod controller;
 #[cfg(feature = "operator")]
 mod error;
 #[cfg(feature = "operator")]
+pub mod jobs;
+#[cfg(feature = "operator")]
 pub mod redis;
 #[cfg(feature = "operator")]
 pub mod telemetry;

@@ -14,15 +14,9 @@ pub enum LogFormat {
 /// `RUST_LOG` overrides the default level (`info`).
 pub fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).init(),
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
     }
 }

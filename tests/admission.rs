@@ -15,10 +15,7 @@ const URL: &str = "redis://127.0.0.1:6379/0";
 #[test]
 fn max_deliveries_zero_is_refused() {
     let ns = namespace("adm");
-    let out = refused(
-        &ns,
-        &policy("p", URL, "s", "g", "  retry:\n    maxDeliveries: 0\n"),
-    );
+    let out = refused(&ns, &policy("p", URL, "s", "g", "  retry:\n    maxDeliveries: 0\n"));
     assert!(out.contains("spec.retry.maxDeliveries"), "{out}");
 }
 
@@ -27,49 +24,30 @@ fn min_idle_zero_is_refused() {
     let ns = namespace("adm");
     let out = refused(
         &ns,
-        &policy("p", URL, "s", "g", "")
-            .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 0s\n"),
+        &policy("p", URL, "s", "g", "").replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 0s\n"),
     );
-    assert!(
-        out.contains("spec.reclaim.minIdle") && out.contains("at least 1s"),
-        "{out}"
-    );
+    assert!(out.contains("spec.reclaim.minIdle") && out.contains("at least 1s"), "{out}");
 }
 
 #[test]
 fn duration_in_prose_is_refused() {
     let ns = namespace("adm");
-    let out = refused(
-        &ns,
-        &policy("p", URL, "s", "g", "").replace("interval: 1s", "interval: 5 minutes"),
-    );
+    let out = refused(&ns, &policy("p", URL, "s", "g", "").replace("interval: 1s", "interval: 5 minutes"));
     assert!(out.contains("spec.reclaim.interval"), "{out}");
 }
 
 #[test]
 fn dead_letter_stream_equal_to_stream_is_refused() {
     let ns = namespace("adm");
-    let out = refused(
-        &ns,
-        &policy("p", URL, "s", "g", "").replace("stream: \"s:dlq\"", "stream: \"s\""),
-    );
-    assert!(
-        out.contains("spec.deadLetter.stream must differ from spec.stream"),
-        "{out}"
-    );
+    let out = refused(&ns, &policy("p", URL, "s", "g", "").replace("stream: \"s:dlq\"", "stream: \"s\""));
+    assert!(out.contains("spec.deadLetter.stream must differ from spec.stream"), "{out}");
 }
 
 #[test]
 fn password_in_url_is_refused() {
     let ns = namespace("adm");
-    let out = refused(
-        &ns,
-        &policy("p", "redis://:hunter2@127.0.0.1:6379/0", "s", "g", ""),
-    );
-    assert!(
-        out.contains("spec.redis.url must not contain credentials"),
-        "{out}"
-    );
+    let out = refused(&ns, &policy("p", "redis://:hunter2@127.0.0.1:6379/0", "s", "g", ""));
+    assert!(out.contains("spec.redis.url must not contain credentials"), "{out}");
     let out = refused(&ns, &policy("p", "http://127.0.0.1:6379", "s", "g", ""));
     assert!(out.contains("spec.redis.url"), "{out}");
 }

@@ -1,6 +1,7 @@
 //! The operator end to end: real kube-apiserver (scripts/testenv), real Redis 7.0 and Valkey 9.1.
 //! Every scenario runs on both servers.
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -8,14 +9,6 @@ use std::time::Duration;
 use common::*;
 use redis::Value as RV;
 use serde_json::Value;
-
-/// Declares one test per server flavor.
-macro_rules! on_both_servers {
-    ($($name:ident),* $(,)?) => {
-        mod redis_7 { $( #[test] fn $name() { super::$name(super::Flavor::Redis) } )* }
-        mod valkey_9 { $( #[test] fn $name() { super::$name(super::Flavor::Valkey) } )* }
-    };
-}
 
 on_both_servers!(
     apply_makes_the_group_and_get_shows_live_numbers,
@@ -29,11 +22,7 @@ on_both_servers!(
 );
 
 fn group_names(server: &Server, stream: &str) -> Vec<String> {
-    let groups: Vec<RV> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query(&mut server.conn())
-        .unwrap_or_default();
+    let groups: Vec<RV> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(&mut server.conn()).unwrap_or_default();
     groups
         .into_iter()
         .filter_map(|g| redis::from_redis_value::<std::collections::HashMap<String, RV>>(g).ok())
@@ -52,26 +41,13 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
     let manifest = policy("orders", &server.url(), "orders", "billing", "");
     let (ok, out) = kubectl_apply(&ns, &manifest);
     assert!(ok, "{out}");
-    kubectl_ok(&[
-        "wait",
-        "-n",
-        &ns,
-        "--for=condition=Ready",
-        "--timeout=30s",
-        "cgp/orders",
-    ]);
+    kubectl_ok(&["wait", "-n", &ns, "--for=condition=Ready", "--timeout=30s", "cgp/orders"]);
     assert_eq!(group_names(&server, "orders"), vec!["billing"]);
 
     // Produce 10, deliver 6 to two consumers, acknowledge 2: 4 pending, 4 never delivered.
     let mut conn = server.conn();
     for i in 0..10 {
-        let _: String = redis::cmd("XADD")
-            .arg("orders")
-            .arg("*")
-            .arg("n")
-            .arg(i)
-            .query(&mut conn)
-            .unwrap();
+        let _: String = redis::cmd("XADD").arg("orders").arg("*").arg("n").arg(i).query(&mut conn).unwrap();
     }
     let read = |consumer: &str, count: usize, conn: &mut redis::Connection| -> Vec<String> {
         let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
@@ -89,13 +65,8 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
     };
     let first = read("worker-a", 3, &mut conn);
     let _second = read("worker-b", 3, &mut conn);
-    let _: i64 = redis::cmd("XACK")
-        .arg("orders")
-        .arg("billing")
-        .arg(&first[0])
-        .arg(&first[1])
-        .query(&mut conn)
-        .unwrap();
+    let _: i64 =
+        redis::cmd("XACK").arg("orders").arg("billing").arg(&first[0]).arg(&first[1]).query(&mut conn).unwrap();
 
     let policy = wait_for("status to show 4 pending", Duration::from_secs(20), || {
         let p = get_policy(&ns, "orders");
@@ -110,64 +81,30 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
     assert_eq!(status["consumers"], 2);
     assert_eq!(status["oldestPendingId"], first[2].as_str());
     assert_eq!(status["deadLetterLength"], 0);
-    assert_eq!(
-        status["observedGeneration"],
-        policy["metadata"]["generation"]
-    );
-    let expected_version = if flavor == Flavor::Valkey {
-        "valkey 9."
-    } else {
-        "redis 7.0."
-    };
-    assert!(
-        status["serverVersion"]
-            .as_str()
-            .unwrap()
-            .starts_with(expected_version),
-        "{status}"
-    );
+    assert_eq!(status["observedGeneration"], policy["metadata"]["generation"]);
+    let expected_version = if flavor == Flavor::Valkey { "valkey 9." } else { "redis 7.0." };
+    assert!(status["serverVersion"].as_str().unwrap().starts_with(expected_version), "{status}");
 
     // The same numbers straight from the server.
-    let pending: (i64, String, String, Vec<(String, String)>) = redis::cmd("XPENDING")
-        .arg("orders")
-        .arg("billing")
-        .query(&mut conn)
-        .unwrap();
+    let pending: (i64, String, String, Vec<(String, String)>) =
+        redis::cmd("XPENDING").arg("orders").arg("billing").query(&mut conn).unwrap();
     assert_eq!(pending.0, 4);
     assert_eq!(pending.1, first[2]);
     let millis: i64 = first[2].split('-').next().unwrap().parse().unwrap();
     let oldest = status["oldestPendingTime"].as_str().unwrap();
-    let expected_time = k8s_openapi::jiff::Timestamp::from_second(millis / 1000)
-        .unwrap()
-        .to_string();
+    let expected_time = k8s_openapi::jiff::Timestamp::from_second(millis / 1000).unwrap().to_string();
     assert_eq!(oldest, expected_time);
 
     // What a person sees.
     let table = kubectl_ok(&["get", "cgp", "-n", &ns]);
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
-    assert_eq!(
-        header,
-        [
-            "NAME",
-            "STREAM",
-            "GROUP",
-            "PENDING",
-            "OLDEST",
-            "LAG",
-            "DEAD-LETTERED",
-            "READY",
-            "AGE"
-        ]
-    );
+    assert_eq!(header, ["NAME", "STREAM", "GROUP", "PENDING", "OLDEST", "LAG", "DEAD-LETTERED", "READY", "AGE"]);
     let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
     assert_eq!(&row[..4], ["orders", "orders", "billing", "4"], "{table}");
     assert_eq!(&row[5..8], ["4", "0", "True"], "{table}");
     let wide = kubectl_ok(&["get", "cgp", "-n", &ns, "-o", "wide"]);
     assert!(wide.lines().next().unwrap().contains("CONSUMERS"), "{wide}");
-    assert!(
-        wide.lines().nth(1).unwrap().contains("Reconciled"),
-        "{wide}"
-    );
+    assert!(wide.lines().nth(1).unwrap().contains("Reconciled"), "{wide}");
 }
 
 fn group_deleted_out_of_band_is_recreated_with_a_warning(flavor: Flavor) {
@@ -176,26 +113,13 @@ fn group_deleted_out_of_band_is_recreated_with_a_warning(flavor: Flavor) {
     let _operator = Operator::start(&ns);
     assert!(kubectl_apply(&ns, &policy("jobs", &server.url(), "jobs", "runner", "")).0);
     wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
-    let _: i64 = redis::cmd("XGROUP")
-        .arg("DESTROY")
-        .arg("jobs")
-        .arg("runner")
-        .query(&mut server.conn())
-        .unwrap();
+    let _: i64 = redis::cmd("XGROUP").arg("DESTROY").arg("jobs").arg("runner").query(&mut server.conn()).unwrap();
     wait_for("group to be recreated", Duration::from_secs(20), || {
-        if group_names(&server, "jobs") == ["runner"] {
-            Ok(())
-        } else {
-            Err("missing".into())
-        }
+        if group_names(&server, "jobs") == ["runner"] { Ok(()) } else { Err("missing".into()) }
     });
     let recreated = wait_for("GroupRecreated event", Duration::from_secs(10), || {
         let ev = events(&ns, "GroupRecreated");
-        if ev.is_empty() {
-            Err("none".into())
-        } else {
-            Ok(ev)
-        }
+        if ev.is_empty() { Err("none".into()) } else { Ok(ev) }
     });
     assert_eq!(recreated[0]["type"], "Warning");
 }
@@ -204,20 +128,8 @@ fn retain_leaves_the_group_and_delete_destroys_it(flavor: Flavor) {
     let server = Server::start(flavor);
     let ns = namespace("deletion");
     let _operator = Operator::start(&ns);
-    let kept = policy(
-        "kept",
-        &server.url(),
-        "kept",
-        "g",
-        "  deletionPolicy: Retain\n",
-    );
-    let gone = policy(
-        "gone",
-        &server.url(),
-        "gone",
-        "g",
-        "  deletionPolicy: Delete\n",
-    );
+    let kept = policy("kept", &server.url(), "kept", "g", "  deletionPolicy: Retain\n");
+    let gone = policy("gone", &server.url(), "gone", "g", "  deletionPolicy: Delete\n");
     assert!(kubectl_apply(&ns, &format!("{kept}\n---\n{gone}")).0);
     wait_condition(&ns, "kept", "Ready", "True", "Reconciled");
     wait_condition(&ns, "gone", "Ready", "True", "Reconciled");
@@ -225,35 +137,19 @@ fn retain_leaves_the_group_and_delete_destroys_it(flavor: Flavor) {
     assert_eq!(finalizers, serde_json::json!(["pelican.io/cleanup"]));
 
     kubectl_ok(&["delete", "cgp", "kept", "gone", "-n", &ns, "--timeout=30s"]);
-    assert_eq!(
-        group_names(&server, "kept"),
-        ["g"],
-        "Retain must leave the group"
-    );
-    assert!(
-        group_names(&server, "gone").is_empty(),
-        "Delete must destroy the group"
-    );
-    let kind: String = redis::cmd("TYPE")
-        .arg("gone")
-        .query(&mut server.conn())
-        .unwrap();
+    assert_eq!(group_names(&server, "kept"), ["g"], "Retain must leave the group");
+    assert!(group_names(&server, "gone").is_empty(), "Delete must destroy the group");
+    let kind: String = redis::cmd("TYPE").arg("gone").query(&mut server.conn()).unwrap();
     assert_eq!(kind, "stream", "the stream itself is never deleted");
 }
 
 fn with_password(name: &str, server: &Server, extra: &str) -> String {
     let refs = "    passwordSecretRef: {name: redis-auth, key: password}\n";
-    policy(name, &server.url(), name, "g", extra).replacen(
-        "  stream:",
-        &format!("{refs}  stream:"),
-        1,
-    )
+    policy(name, &server.url(), name, "g", extra).replacen("  stream:", &format!("{refs}  stream:"), 1)
 }
 
 fn secret(password: &str) -> String {
-    format!(
-        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-auth\nstringData:\n  password: {password}\n"
-    )
+    format!("apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-auth\nstringData:\n  password: {password}\n")
 }
 
 fn missing_secret_stalls_then_heals_when_created(flavor: Flavor) {
@@ -262,30 +158,16 @@ fn missing_secret_stalls_then_heals_when_created(flavor: Flavor) {
     let operator = Operator::start(&ns);
     assert!(kubectl_apply(&ns, &with_password("paid", &server, "")).0);
     let p = wait_condition(&ns, "paid", "Stalled", "True", "SecretNotFound");
-    assert_eq!(
-        condition(&p, "Ready"),
-        Some(("False".into(), "SecretNotFound".into()))
-    );
-    let message = p["status"]["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == "Ready")
-        .unwrap()["message"]
-        .clone();
-    assert!(
-        message.as_str().unwrap().contains("redis-auth"),
-        "{message}"
-    );
+    assert_eq!(condition(&p, "Ready"), Some(("False".into(), "SecretNotFound".into())));
+    let message =
+        p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap()["message"].clone();
+    assert!(message.as_str().unwrap().contains("redis-auth"), "{message}");
 
     assert!(kubectl_apply(&ns, &secret("s3cret-pw-1")).0);
     // Healed by the Secret watch, well before the policy's own timer would matter.
     wait_condition(&ns, "paid", "Ready", "True", "Reconciled");
     assert_eq!(group_names(&server, "paid"), ["g"]);
-    assert!(
-        !operator.logs().contains("s3cret-pw-1"),
-        "the password leaked into the operator log"
-    );
+    assert!(!operator.logs().contains("s3cret-pw-1"), "the password leaked into the operator log");
 }
 
 fn wrong_password_is_refused_then_heals_when_fixed(flavor: Flavor) {
@@ -299,19 +181,10 @@ fn wrong_password_is_refused_then_heals_when_fixed(flavor: Flavor) {
     assert!(kubectl_apply(&ns, &secret("right-pw-2")).0);
     wait_condition(&ns, "auth", "Ready", "True", "Reconciled");
     let logs = operator.logs();
-    assert!(
-        logs.contains("AuthenticationFailed"),
-        "the failure should be logged"
-    );
-    assert!(
-        !logs.contains("wrong-pw-2") && !logs.contains("right-pw-2"),
-        "a password leaked into the log"
-    );
+    assert!(logs.contains("AuthenticationFailed"), "the failure should be logged");
+    assert!(!logs.contains("wrong-pw-2") && !logs.contains("right-pw-2"), "a password leaked into the log");
     let events = kubectl_ok(&["get", "events", "-n", &ns, "-o", "json"]);
-    assert!(
-        !events.contains("wrong-pw-2") && !events.contains("right-pw-2"),
-        "a password leaked into an Event"
-    );
+    assert!(!events.contains("wrong-pw-2") && !events.contains("right-pw-2"), "a password leaked into an Event");
 }
 
 fn server_restart_is_redis_unavailable_then_heals(flavor: Flavor) {
@@ -322,42 +195,25 @@ fn server_restart_is_redis_unavailable_then_heals(flavor: Flavor) {
     wait_condition(&ns, "flaky", "Ready", "True", "Reconciled");
     server.stop();
     let p = wait_condition(&ns, "flaky", "Ready", "False", "RedisUnavailable");
-    assert_eq!(
-        condition(&p, "Reconciling"),
-        Some(("True".into(), "RedisUnavailable".into()))
-    );
+    assert_eq!(condition(&p, "Reconciling"), Some(("True".into(), "RedisUnavailable".into())));
     assert_eq!(condition(&p, "Stalled").unwrap().0, "False");
     server.resume();
     wait_condition(&ns, "flaky", "Ready", "True", "Reconciled");
-    assert_eq!(
-        group_names(&server, "flaky"),
-        ["g"],
-        "the restarted (empty) server gets the group again"
-    );
+    assert_eq!(group_names(&server, "flaky"), ["g"], "the restarted (empty) server gets the group again");
     assert!(operator.is_running(), "the operator must not crash");
 }
 
 fn stream_key_of_another_type_stalls_until_removed(flavor: Flavor) {
     let server = Server::start(flavor);
-    let _: () = redis::cmd("SET")
-        .arg("typed")
-        .arg("not a stream")
-        .query(&mut server.conn())
-        .unwrap();
+    let _: () = redis::cmd("SET").arg("typed").arg("not a stream").query(&mut server.conn()).unwrap();
     let ns = namespace("keytype");
     let _operator = Operator::start(&ns);
     assert!(kubectl_apply(&ns, &policy("typed", &server.url(), "typed", "g", "")).0);
     let p = wait_condition(&ns, "typed", "Stalled", "True", "WrongKeyType");
     assert!(p.to_string().contains("holds a string"), "{p}");
-    let value: String = redis::cmd("GET")
-        .arg("typed")
-        .query(&mut server.conn())
-        .unwrap();
+    let value: String = redis::cmd("GET").arg("typed").query(&mut server.conn()).unwrap();
     assert_eq!(value, "not a stream", "the other value must be left alone");
-    let _: i64 = redis::cmd("DEL")
-        .arg("typed")
-        .query(&mut server.conn())
-        .unwrap();
+    let _: i64 = redis::cmd("DEL").arg("typed").query(&mut server.conn()).unwrap();
     wait_condition(&ns, "typed", "Ready", "True", "Reconciled");
 }
 
@@ -368,13 +224,7 @@ fn second_policy_for_the_same_group_is_a_conflict(flavor: Flavor) {
     assert!(kubectl_apply(&ns, &policy("first", &server.url(), "shared", "g", "")).0);
     wait_condition(&ns, "first", "Ready", "True", "Reconciled");
     std::thread::sleep(Duration::from_millis(1100)); // creation timestamps have one-second resolution
-    let second = policy(
-        "second",
-        &server.url(),
-        "shared",
-        "g",
-        "  deletionPolicy: Delete\n",
-    );
+    let second = policy("second", &server.url(), "shared", "g", "  deletionPolicy: Delete\n");
     assert!(kubectl_apply(&ns, &second).0);
     let p = wait_condition(&ns, "second", "Stalled", "True", "ResourceConflict");
     assert!(p.to_string().contains(&format!("{ns}/first")), "{p}");

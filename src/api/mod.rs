@@ -34,27 +34,10 @@ pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
         description = "age of the oldest pending entry"
     ),
     printcolumn(name = "Lag", type_ = "integer", json_path = ".status.lag"),
-    printcolumn(
-        name = "Dead-Lettered",
-        type_ = "integer",
-        json_path = ".status.totals.deadLettered"
-    ),
-    printcolumn(
-        name = "Ready",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    ),
-    printcolumn(
-        name = "Consumers",
-        type_ = "integer",
-        json_path = ".status.consumers",
-        priority = "1"
-    ),
+    printcolumn(name = "Dead-Lettered", type_ = "integer", json_path = ".status.totals.deadLettered"),
+    printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(name = "Consumers", type_ = "integer", json_path = ".status.consumers", priority = "1"),
     printcolumn(
         name = "Reason",
         type_ = "string",
@@ -237,9 +220,7 @@ impl Default for ReclaimSpec {
 
 impl Default for RetrySpec {
     fn default() -> Self {
-        Self {
-            max_deliveries: default_max_deliveries(),
-        }
+        Self { max_deliveries: default_max_deliveries() }
     }
 }
 
@@ -305,10 +286,6 @@ pub struct TerminalAckCount {
 impl ConsumerGroupPolicy {
     /// The condition of the given type, if the status has one.
     pub fn condition(&self, type_: &str) -> Option<&Condition> {
-        self.status
-            .as_ref()?
-            .conditions
-            .iter()
-            .find(|c| c.type_ == type_)
+        self.status.as_ref()?.conditions.iter().find(|c| c.type_ == type_)
     }
 }

@@ -6,7 +6,7 @@ pub use status::{READY, RECONCILED, RECONCILING, STALLED};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
@@ -19,12 +19,15 @@ use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
+use redis::aio::ConnectionManager;
 use serde_json::json;
-use tracing::{info, instrument, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::api::{
-    ConsumerGroupPolicy, ConsumerGroupPolicyStatus, DeletionPolicy, SecretKeyRef, parse_duration,
+    ConsumerGroupPolicy, ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, DeletionPolicy, SecretKeyRef,
+    parse_duration,
 };
+use crate::jobs::{self, PassSettings};
 use crate::redis::{self as redis_ops, Credentials, GroupKeys, Pools, Target};
 use crate::{Error, Result};
 use status::Outcome;
@@ -43,6 +46,7 @@ pub struct Context {
     /// Every policy the controller sees, for the (server, stream, group) ownership check.
     pub policies: Store<ConsumerGroupPolicy>,
     failures: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, u32>>,
+    passes: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, PassState>>,
 }
 
 /// Where to watch and how to identify ourselves.
@@ -53,38 +57,26 @@ pub struct Settings {
 }
 
 /// Runs the controller until `shutdown` resolves.
-pub async fn run(
-    client: Client,
-    settings: Settings,
-    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
-) {
-    let (policies, secrets): (Api<ConsumerGroupPolicy>, Api<PartialObjectMeta<Secret>>) =
-        match &settings.namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client.clone(), ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
-        };
+pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
+    let (policies, secrets): (Api<ConsumerGroupPolicy>, Api<PartialObjectMeta<Secret>>) = match &settings.namespace {
+        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
     let controller = Controller::new(policies, watcher::Config::default().any_semantic());
     let store = controller.store();
-    let reporter = Reporter {
-        controller: "pelican".into(),
-        instance: settings.instance,
-    };
+    let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
     let ctx = Arc::new(Context {
         client: client.clone(),
         pools: Pools::default(),
         recorder: Recorder::new(client, reporter),
         policies: store.clone(),
         failures: Mutex::default(),
+        passes: Mutex::default(),
     });
     // Only Secret metadata is watched: a change to a referenced Secret re-runs its policies at once, and
     // no Secret value is held in the watch cache.
     controller
-        .watches(secrets, watcher::Config::default(), move |secret| {
-            policies_using_secret(&store, &secret)
-        })
+        .watches(secrets, watcher::Config::default(), move |secret| policies_using_secret(&store, &secret))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
@@ -99,10 +91,7 @@ fn policies_using_secret<S: Resource>(
     store: &Store<ConsumerGroupPolicy>,
     secret: &S,
 ) -> Vec<ObjectRef<ConsumerGroupPolicy>> {
-    let (namespace, name) = (
-        secret.meta().namespace.as_deref(),
-        secret.meta().name.as_deref().unwrap_or_default(),
-    );
+    let (namespace, name) = (secret.meta().namespace.as_deref(), secret.meta().name.as_deref().unwrap_or_default());
     store
         .state()
         .iter()
@@ -113,14 +102,8 @@ fn policies_using_secret<S: Resource>(
 
 fn secret_refs(policy: &ConsumerGroupPolicy) -> impl Iterator<Item = &SecretKeyRef> {
     let redis = &policy.spec.redis;
-    let tls = redis
-        .tls
-        .iter()
-        .flat_map(|t| [&t.ca_secret_ref, &t.cert_secret_ref, &t.key_secret_ref]);
-    [&redis.username_secret_ref, &redis.password_secret_ref]
-        .into_iter()
-        .chain(tls)
-        .flatten()
+    let tls = redis.tls.iter().flat_map(|t| [&t.ca_secret_ref, &t.cert_secret_ref, &t.key_secret_ref]);
+    [&redis.username_secret_ref, &redis.password_secret_ref].into_iter().chain(tls).flatten()
 }
 
 #[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any()))]
@@ -135,8 +118,7 @@ async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Resul
     })
     .await
     .map_err(|e| match e {
-        kube::runtime::finalizer::Error::ApplyFailed(e)
-        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        kube::runtime::finalizer::Error::ApplyFailed(e) | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
         other => Error::Finalizer(Box::new(other)),
     })?;
     Ok(action)
@@ -145,73 +127,95 @@ async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Resul
 /// Retries with exponential backoff per policy (1s, 2s, 4s ... 60s), reset by the next success.
 fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
     let mut failures = ctx.failures.lock().expect("failures lock");
-    let count = failures
-        .entry(ObjectRef::from_obj(policy.as_ref()))
-        .or_insert(0);
+    let count = failures.entry(ObjectRef::from_obj(policy.as_ref())).or_insert(0);
     *count = (*count + 1).min(7);
     warn!(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any(), reason = error.reason(), error = %error, "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(1 << (*count - 1)).min(Duration::from_secs(60)))
 }
 
-async fn apply(
-    policy: &ConsumerGroupPolicy,
-    ctx: &Context,
-    api: &Api<ConsumerGroupPolicy>,
-) -> Result<Action> {
-    let interval = parse_duration(&policy.spec.reclaim.interval);
+async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGroupPolicy>) -> Result<Action> {
     let previous = policy.status.clone().unwrap_or_default();
-    let result = match &interval {
-        Ok(_) => observe(policy, ctx).await,
-        Err(e) => Err(Error::InvalidSpec(format!("spec.reclaim.interval: {e}"))),
+    let schedule = Schedule::from_spec(&policy.spec);
+    let result = match &schedule {
+        Ok(schedule) => observe(policy, ctx, schedule).await,
+        Err(e) => Err(Error::InvalidSpec(e.clone())),
     };
     let now = Timestamp::now();
     let (status, outcome) = match &result {
-        Ok((server, facts)) => {
-            let message = format!(
-                "group {:?} on stream {:?} is ready",
-                policy.spec.group, policy.spec.stream
-            );
-            (
-                status::observed(&previous, server, facts),
-                Outcome::Ready { message },
-            )
+        Ok(seen) => {
+            let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
+            let mut status = status::observed(&previous, &seen.server, &seen.facts);
+            if seen.passed {
+                status.last_pass_time = Timestamp::from_second(now.as_second()).ok().map(|t| t.to_string());
+            }
+            (status, Outcome::Ready { message })
         }
         Err(error) => (previous.clone(), Outcome::Failed(error)),
     };
     let status = ConsumerGroupPolicyStatus {
         observed_generation: policy.metadata.generation,
-        conditions: status::conditions(
-            &previous.conditions,
-            &outcome,
-            policy.metadata.generation,
-            now,
-        ),
+        conditions: status::conditions(&previous.conditions, &outcome, policy.metadata.generation, now),
         ..status
     };
     announce_transition(policy, ctx, &previous, &status).await;
     if policy.status.as_ref() != Some(&status) {
         write_status(api, policy, &status).await?;
     }
+    let recheck = schedule.map_or(STALLED_RECHECK, |s| s.interval);
     match result {
         Ok(_) => {
-            ctx.failures
-                .lock()
-                .expect("failures lock")
-                .remove(&ObjectRef::from_obj(policy));
-            Ok(Action::requeue(interval.unwrap_or(STALLED_RECHECK)))
+            ctx.failures.lock().expect("failures lock").remove(&ObjectRef::from_obj(policy));
+            Ok(Action::requeue(recheck))
         }
         // A Stalled policy waits for a change, but Redis can heal without any Kubernetes event (a key of the
         // wrong type deleted, an ACL fixed), so it is looked at again every interval.
-        Err(e) if e.is_stalled() => Ok(Action::requeue(interval.unwrap_or(STALLED_RECHECK))),
+        Err(e) if e.is_stalled() => Ok(Action::requeue(recheck)),
         Err(e) => Err(e),
     }
 }
 
-/// Connects, creates the group when missing and reads the numbers the status shows.
-async fn observe(
-    policy: &ConsumerGroupPolicy,
-    ctx: &Context,
-) -> Result<(redis_ops::ServerInfo, redis_ops::GroupFacts)> {
+/// The spec's durations, parsed once per reconcile.
+struct Schedule {
+    interval: Duration,
+    pass: PassSettings,
+    expire_after: Option<Duration>,
+}
+
+impl Schedule {
+    fn from_spec(spec: &ConsumerGroupPolicySpec) -> Result<Schedule, String> {
+        let duration = |field: &str, text: &str| parse_duration(text).map_err(|e| format!("{field}: {e}"));
+        let expire_after = spec.consumers.as_ref().and_then(|c| c.expire_after.as_deref());
+        Ok(Schedule {
+            interval: duration("spec.reclaim.interval", &spec.reclaim.interval)?,
+            pass: PassSettings {
+                min_idle: duration("spec.reclaim.minIdle", &spec.reclaim.min_idle)?,
+                max_per_pass: spec.reclaim.max_per_pass.max(1) as usize,
+                max_deliveries: spec.retry.max_deliveries.max(1) as u32,
+                strategy: spec.reclaim.strategy,
+                dead_letter_max_len: spec.dead_letter.max_len.map(|n| n.max(1) as u64),
+            },
+            expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,
+        })
+    }
+}
+
+/// What one reconcile saw on the server.
+struct Observation {
+    server: redis_ops::ServerInfo,
+    facts: redis_ops::GroupFacts,
+    /// A reclaim pass ran in this reconcile.
+    passed: bool,
+}
+
+/// Where the reclaim scan of one policy stands between passes.
+#[derive(Default)]
+struct PassState {
+    last_started: Option<Instant>,
+    cursor: Option<String>,
+}
+
+/// Connects, creates the group when missing, runs the jobs when due and reads the numbers the status shows.
+async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedule) -> Result<Observation> {
     if let Some(owner) = conflicting_owner(policy, &ctx.policies) {
         return Err(Error::ResourceConflict {
             stream: policy.spec.stream.clone(),
@@ -237,39 +241,84 @@ async fn observe(
             );
             (EventType::Warning, "GroupRecreated", note)
         } else {
-            let note = format!(
-                "created group {:?} on stream {:?} at {:?}",
-                keys.group, keys.stream, policy.spec.start_id
-            );
+            let note =
+                format!("created group {:?} on stream {:?} at {:?}", keys.group, keys.stream, policy.spec.start_id);
             (EventType::Normal, "GroupCreated", note)
         };
         info!(group = keys.group, stream = keys.stream, reason, "{note}");
         publish(ctx, policy, type_, reason, note).await;
     }
+    let passed = !policy.spec.suspend && run_jobs_if_due(policy, ctx, schedule, &mut conn, &server).await?;
     let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
-    Ok((setup.server, facts))
+    Ok(Observation { server: setup.server, facts, passed })
+}
+
+/// Runs the reclaim / dead-letter pass and consumer expiry when `interval` has passed since the last pass
+/// (reconciles also happen on watch events, which must not speed the jobs up). Returns whether they ran.
+async fn run_jobs_if_due(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    schedule: &Schedule,
+    conn: &mut ConnectionManager,
+    server: &str,
+) -> Result<bool> {
+    let key = ObjectRef::from_obj(policy);
+    let mut state = {
+        let mut passes = ctx.passes.lock().expect("passes lock");
+        let state = passes.entry(key.clone()).or_default();
+        if state.last_started.is_some_and(|t| t.elapsed() < schedule.interval) {
+            return Ok(false);
+        }
+        std::mem::take(state)
+    };
+    state.last_started = Some(Instant::now());
+    let keys = group_keys(policy);
+    let result = jobs::reclaim_pass(conn, server, &keys, &schedule.pass, &mut state.cursor).await;
+    ctx.passes.lock().expect("passes lock").insert(key, state);
+    let report = result?;
+    debug!(
+        scanned = report.scanned,
+        idle = report.idle,
+        skipped = report.skipped,
+        "reclaim pass: {}",
+        report.summary()
+    );
+    if report.moved() > 0 || report.too_large > 0 {
+        let note = format!("pass: {}", report.summary());
+        info!(
+            requeued = report.requeued,
+            reassigned = report.reassigned,
+            dead_lettered = report.dead_lettered,
+            payload_deleted = report.payload_deleted,
+            too_large = report.too_large,
+            "{note}"
+        );
+        let (type_, reason) = match (report.dead_lettered, report.too_large) {
+            (0, 0) => (EventType::Normal, "Reclaimed"),
+            (_, 0) => (EventType::Warning, "DeadLettered"),
+            _ => (EventType::Warning, "EntryTooLarge"),
+        };
+        publish(ctx, policy, type_, reason, note).await;
+    }
+    if let Some(expire_after) = schedule.expire_after {
+        let expired = jobs::expire_consumers(conn, server, &keys, expire_after).await?;
+        if expired > 0 {
+            let note =
+                format!("deleted {expired} consumers inactive for {expire_after:?} that owned no pending entries");
+            publish(ctx, policy, EventType::Normal, "ConsumersExpired", note).await;
+        }
+    }
+    Ok(true)
 }
 
 fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
-    GroupKeys {
-        stream: &policy.spec.stream,
-        group: &policy.spec.group,
-        dead_letter: &policy.spec.dead_letter.stream,
-    }
+    GroupKeys { stream: &policy.spec.stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream }
 }
 
 /// Two policies that claim the same (server, stream, group): the older one owns it (SPEC section 3).
-fn conflicting_owner(
-    policy: &ConsumerGroupPolicy,
-    store: &Store<ConsumerGroupPolicy>,
-) -> Option<String> {
-    let rank = |p: &ConsumerGroupPolicy| {
-        (
-            p.metadata.creation_timestamp.clone().map(|t| t.0),
-            p.namespace(),
-            p.name_any(),
-        )
-    };
+fn conflicting_owner(policy: &ConsumerGroupPolicy, store: &Store<ConsumerGroupPolicy>) -> Option<String> {
+    let rank =
+        |p: &ConsumerGroupPolicy| (p.metadata.creation_timestamp.clone().map(|t| t.0), p.namespace(), p.name_any());
     store
         .state()
         .iter()
@@ -281,13 +330,7 @@ fn conflicting_owner(
                 && other.spec.group == policy.spec.group
                 && rank(other) < rank(policy)
         })
-        .map(|other| {
-            format!(
-                "{}/{}",
-                other.namespace().unwrap_or_default(),
-                other.name_any()
-            )
-        })
+        .map(|other| format!("{}/{}", other.namespace().unwrap_or_default(), other.name_any()))
         .min()
 }
 
@@ -300,10 +343,7 @@ async fn target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<Target>
         username: secret_value(&secrets, &namespace, redis.username_secret_ref.as_ref()).await?,
         password: secret_value(&secrets, &namespace, redis.password_secret_ref.as_ref()).await?,
     };
-    Ok(Target {
-        url: redis.url.clone(),
-        credentials,
-    })
+    Ok(Target { url: redis.url.clone(), credentials })
 }
 
 async fn secret_value(
@@ -319,23 +359,10 @@ async fn secret_value(
         name: reference.name.clone(),
         key: reference.key.clone(),
     };
-    let secret = secrets
-        .get_opt(&reference.name)
-        .await?
-        .ok_or_else(not_found)?;
-    let bytes = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(&reference.key))
-        .map(|v| v.0.clone());
+    let secret = secrets.get_opt(&reference.name).await?.ok_or_else(not_found)?;
+    let bytes = secret.data.as_ref().and_then(|d| d.get(&reference.key)).map(|v| v.0.clone());
     let bytes = bytes
-        .or_else(|| {
-            secret
-                .string_data
-                .as_ref()?
-                .get(&reference.key)
-                .map(|s| s.clone().into_bytes())
-        })
+        .or_else(|| secret.string_data.as_ref()?.get(&reference.key).map(|s| s.clone().into_bytes()))
         .ok_or_else(not_found)?;
     let text = String::from_utf8(bytes).map_err(|_| Error::SecretInvalid {
         namespace: namespace.into(),
@@ -348,14 +375,12 @@ async fn secret_value(
 
 /// Runs on deletion. `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
 async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
+    ctx.passes.lock().expect("passes lock").remove(&ObjectRef::from_obj(policy));
     if policy.spec.deletion_policy == DeletionPolicy::Retain {
         return Ok(Action::await_change());
     }
     if let Some(owner) = conflicting_owner(policy, &ctx.policies) {
-        let note = format!(
-            "group {:?} is owned by {owner}; not destroyed",
-            policy.spec.group
-        );
+        let note = format!("group {:?} is owned by {owner}; not destroyed", policy.spec.group);
         publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
         return Ok(Action::await_change());
     }
@@ -372,14 +397,9 @@ async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> 
     };
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
-    let destroyed =
-        redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group)
-            .await?;
+    let destroyed = redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group).await?;
     if destroyed {
-        let note = format!(
-            "destroyed group {:?} on stream {:?}",
-            policy.spec.group, policy.spec.stream
-        );
+        let note = format!("destroyed group {:?} on stream {:?}", policy.spec.group, policy.spec.stream);
         publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
     }
     Ok(Action::await_change())
@@ -395,12 +415,7 @@ async fn write_status(
         "kind": "ConsumerGroupPolicy",
         "status": status,
     });
-    api.patch_status(
-        &policy.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
+    api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     Ok(())
 }
 
@@ -412,10 +427,7 @@ async fn announce_transition(
     next: &ConsumerGroupPolicyStatus,
 ) {
     let ready = |s: &ConsumerGroupPolicyStatus| {
-        s.conditions
-            .iter()
-            .find(|c| c.type_ == READY)
-            .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+        s.conditions.iter().find(|c| c.type_ == READY).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
     };
     let (before, after) = (ready(previous), ready(next));
     let Some((status, reason, message)) = after else {
@@ -433,20 +445,8 @@ async fn announce_transition(
     }
 }
 
-async fn publish(
-    ctx: &Context,
-    policy: &ConsumerGroupPolicy,
-    type_: EventType,
-    reason: &str,
-    note: String,
-) {
-    let event = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
+async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
+    let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
     if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
         warn!(error = %e, reason, "could not publish event");
     }

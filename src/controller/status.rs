@@ -48,19 +48,14 @@ pub fn observed(
         terminal_acks: facts
             .terminal
             .iter()
-            .map(|(reason, count)| TerminalAckCount {
-                reason: reason.clone(),
-                count: *count,
-            })
+            .map(|(reason, count)| TerminalAckCount { reason: reason.clone(), count: *count })
             .collect(),
         ..previous.clone()
     }
 }
 
 fn format_millis(millis: i64) -> Option<String> {
-    Timestamp::from_second(millis.div_euclid(1000))
-        .ok()
-        .map(|t| t.to_string())
+    Timestamp::from_second(millis.div_euclid(1000)).ok().map(|t| t.to_string())
 }
 
 /// Ready / Reconciling / Stalled in the shape kstatus (Flux, kpt) and Argo CD read:
@@ -88,29 +83,25 @@ pub fn conditions(
             ("False", error.reason(), String::new()),
         ),
     };
-    [
-        (READY, ready),
-        (RECONCILING, reconciling),
-        (STALLED, stalled),
-    ]
-    .into_iter()
-    .map(|(type_, (status, reason, message))| {
-        let old = previous.iter().find(|c| c.type_ == type_);
-        // The transition time moves only when the status flips, as the Condition contract says.
-        let last_transition_time = match old {
-            Some(old) if old.status == status => old.last_transition_time.clone(),
-            _ => Time(now),
-        };
-        Condition {
-            type_: type_.into(),
-            status: status.into(),
-            reason: reason.into(),
-            message,
-            observed_generation: generation,
-            last_transition_time,
-        }
-    })
-    .collect()
+    [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
+        .into_iter()
+        .map(|(type_, (status, reason, message))| {
+            let old = previous.iter().find(|c| c.type_ == type_);
+            // The transition time moves only when the status flips, as the Condition contract says.
+            let last_transition_time = match old {
+                Some(old) if old.status == status => old.last_transition_time.clone(),
+                _ => Time(now),
+            };
+            Condition {
+                type_: type_.into(),
+                status: status.into(),
+                reason: reason.into(),
+                message,
+                observed_generation: generation,
+                last_transition_time,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -138,10 +129,7 @@ mod tests {
     }
 
     fn valkey() -> ServerInfo {
-        ServerInfo {
-            flavor: "valkey",
-            version: "9.1.2".into(),
-        }
+        ServerInfo { flavor: "valkey", version: "9.1.2".into() }
     }
 
     #[test]
@@ -149,19 +137,10 @@ mod tests {
         let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &facts());
         assert_eq!(status.server_version.as_deref(), Some("valkey 9.1.2"));
         assert_eq!(status.pending, Some(4));
-        assert_eq!(
-            status.oldest_pending_time.as_deref(),
-            Some("2025-11-29T13:00:00Z")
-        );
+        assert_eq!(status.oldest_pending_time.as_deref(), Some("2025-11-29T13:00:00Z"));
         assert_eq!(status.oldest_pending_idle_seconds, Some(310));
         assert_eq!(status.totals.unwrap().dead_lettered, 1);
-        assert_eq!(
-            status.terminal_acks,
-            vec![TerminalAckCount {
-                reason: "RecordNotFound".into(),
-                count: 40
-            }]
-        );
+        assert_eq!(status.terminal_acks, vec![TerminalAckCount { reason: "RecordNotFound".into(), count: 40 }]);
     }
 
     #[test]
@@ -178,30 +157,15 @@ mod tests {
         empty.pending = 0;
         empty.oldest_pending = None;
         let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &empty);
-        assert_eq!(
-            (status.oldest_pending_id, status.oldest_pending_time),
-            (None, None)
-        );
+        assert_eq!((status.oldest_pending_id, status.oldest_pending_time), (None, None));
     }
 
     #[test]
     fn terminal_error_is_stalled_not_reconciling() {
-        let error = Error::SecretNotFound {
-            namespace: "apps".into(),
-            name: "auth".into(),
-            key: "password".into(),
-        };
-        let conds = conditions(
-            &[],
-            &Outcome::Failed(&error),
-            Some(2),
-            Timestamp::UNIX_EPOCH,
-        );
+        let error = Error::SecretNotFound { namespace: "apps".into(), name: "auth".into(), key: "password".into() };
+        let conds = conditions(&[], &Outcome::Failed(&error), Some(2), Timestamp::UNIX_EPOCH);
         let get = |t: &str| conds.iter().find(|c| c.type_ == t).unwrap();
-        assert_eq!(
-            (get(READY).status.as_str(), get(READY).reason.as_str()),
-            ("False", "SecretNotFound")
-        );
+        assert_eq!((get(READY).status.as_str(), get(READY).reason.as_str()), ("False", "SecretNotFound"));
         assert_eq!(get(STALLED).status, "True");
         assert_eq!(get(RECONCILING).status, "False");
         assert!(conds.iter().all(|c| c.observed_generation == Some(2)));
@@ -214,31 +178,14 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
         let error = Error::from_redis("127.0.0.1:1", redis::RedisError::from(io));
         assert_eq!(error.reason(), "RedisUnavailable");
-        let conds = conditions(
-            &[],
-            &Outcome::Failed(&error),
-            Some(1),
-            Timestamp::UNIX_EPOCH,
-        );
-        assert_eq!(
-            conds
-                .iter()
-                .find(|c| c.type_ == RECONCILING)
-                .unwrap()
-                .status,
-            "True"
-        );
-        assert_eq!(
-            conds.iter().find(|c| c.type_ == STALLED).unwrap().status,
-            "False"
-        );
+        let conds = conditions(&[], &Outcome::Failed(&error), Some(1), Timestamp::UNIX_EPOCH);
+        assert_eq!(conds.iter().find(|c| c.type_ == RECONCILING).unwrap().status, "True");
+        assert_eq!(conds.iter().find(|c| c.type_ == STALLED).unwrap().status, "False");
     }
 
     #[test]
     fn transition_time_moves_only_when_status_flips() {
-        let ready = Outcome::Ready {
-            message: "ok".into(),
-        };
+        let ready = Outcome::Ready { message: "ok".into() };
         let first = conditions(&[], &ready, Some(1), Timestamp::UNIX_EPOCH);
         let later = Timestamp::from_second(1_000).unwrap();
         let same = conditions(&first, &ready, Some(2), later);

@@ -22,30 +22,16 @@ pub struct ServerInfo {
 impl ServerInfo {
     pub fn parse(info: &str) -> ServerInfo {
         let field = |name: &str| {
-            info.lines().find_map(|line| {
-                line.trim()
-                    .strip_prefix(name)?
-                    .strip_prefix(':')
-                    .map(str::to_string)
-            })
+            info.lines().find_map(|line| line.trim().strip_prefix(name)?.strip_prefix(':').map(str::to_string))
         };
         match field("valkey_version") {
-            Some(version) => ServerInfo {
-                flavor: "valkey",
-                version,
-            },
-            None => ServerInfo {
-                flavor: "redis",
-                version: field("redis_version").unwrap_or_default(),
-            },
+            Some(version) => ServerInfo { flavor: "valkey", version },
+            None => ServerInfo { flavor: "redis", version: field("redis_version").unwrap_or_default() },
         }
     }
 
     fn major_minor(&self) -> (u32, u32) {
-        let mut parts = self
-            .version
-            .split('.')
-            .map(|p| p.parse::<u32>().unwrap_or(0));
+        let mut parts = self.version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
         (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
     }
 
@@ -90,48 +76,34 @@ pub async fn ensure_group(
 ) -> Result<GroupSetup> {
     let totals = totals_key(keys.stream, keys.group);
     let terminal = terminal_key(keys.stream, keys.group);
-    let (info, stream_type, dead_letter_type, totals_type, terminal_type): (
-        String,
-        String,
-        String,
-        String,
-        String,
-    ) = pipe()
-        .cmd("INFO")
-        .arg("server")
-        .cmd("TYPE")
-        .arg(keys.stream)
-        .cmd("TYPE")
-        .arg(keys.dead_letter)
-        .cmd("TYPE")
-        .arg(&totals)
-        .cmd("TYPE")
-        .arg(&terminal)
-        .query_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
+    let (info, stream_type, dead_letter_type, totals_type, terminal_type): (String, String, String, String, String) =
+        pipe()
+            .cmd("INFO")
+            .arg("server")
+            .cmd("TYPE")
+            .arg(keys.stream)
+            .cmd("TYPE")
+            .arg(keys.dead_letter)
+            .cmd("TYPE")
+            .arg(&totals)
+            .cmd("TYPE")
+            .arg(&terminal)
+            .query_async(conn)
+            .await
+            .map_err(|e| Error::from_redis(server, e))?;
     let info = ServerInfo::parse(&info);
     if !info.is_supported() {
-        return Err(Error::UnsupportedServerVersion {
-            server: server.into(),
-            version: info.to_string(),
-        });
+        return Err(Error::UnsupportedServerVersion { server: server.into(), version: info.to_string() });
     }
     expect_type(keys.stream, &stream_type, "stream")?;
     expect_type(keys.dead_letter, &dead_letter_type, "stream")?;
     expect_type(&totals, &totals_type, "hash")?;
     expect_type(&terminal, &terminal_type, "hash")?;
 
-    let exists = stream_type == "stream"
-        && group_names(conn, server, keys.stream)
-            .await?
-            .iter()
-            .any(|g| g == keys.group);
+    let exists =
+        stream_type == "stream" && group_names(conn, server, keys.stream).await?.iter().any(|g| g == keys.group);
     if exists {
-        return Ok(GroupSetup {
-            server: info,
-            created: false,
-        });
+        return Ok(GroupSetup { server: info, created: false });
     }
     let created: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
@@ -142,66 +114,31 @@ pub async fn ensure_group(
         .query_async(conn)
         .await;
     match created {
-        Ok(()) => Ok(GroupSetup {
-            server: info,
-            created: true,
-        }),
+        Ok(()) => Ok(GroupSetup { server: info, created: true }),
         // Another writer created it between our check and our create: it exists, which is all we want.
-        Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup {
-            server: info,
-            created: false,
-        }),
-        Err(e) if e.code() == Some("WRONGTYPE") => Err(Error::WrongKeyType {
-            key: keys.stream.into(),
-            actual: "non-stream value".into(),
-            expected: "stream",
-        }),
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup { server: info, created: false }),
         Err(e) => Err(Error::from_redis(server, e)),
     }
 }
 
-fn expect_type(key: &str, actual: &str, expected: &'static str) -> Result<()> {
-    if actual == "none" || actual == expected {
-        Ok(())
-    } else {
-        Err(Error::WrongKeyType {
-            key: key.into(),
-            actual: actual.into(),
-            expected,
-        })
-    }
+fn expect_type(key: &str, actual: &str, expected: &str) -> Result<()> {
+    if actual == "none" || actual == expected { Ok(()) } else { Err(Error::wrong_key_type(key, actual, expected)) }
 }
 
-async fn group_names(
-    conn: &mut ConnectionManager,
-    server: &str,
-    stream: &str,
-) -> Result<Vec<String>> {
+async fn group_names(conn: &mut ConnectionManager, server: &str, stream: &str) -> Result<Vec<String>> {
     let groups: Vec<Value> = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
         .query_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
-    Ok(groups
-        .into_iter()
-        .filter_map(reply::fields)
-        .filter_map(|g| reply::get::<String>(&g, "name"))
-        .collect())
+    Ok(groups.into_iter().filter_map(reply::fields).filter_map(|g| reply::get::<String>(&g, "name")).collect())
 }
 
 /// `XGROUP DESTROY`, for `deletionPolicy: Delete`. The streams themselves are never deleted.
-pub async fn destroy_group(
-    conn: &mut ConnectionManager,
-    server: &str,
-    stream: &str,
-    group: &str,
-) -> Result<bool> {
-    let stream_type: String = redis::cmd("TYPE")
-        .arg(stream)
-        .query_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
+pub async fn destroy_group(conn: &mut ConnectionManager, server: &str, stream: &str, group: &str) -> Result<bool> {
+    let stream_type: String =
+        redis::cmd("TYPE").arg(stream).query_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
     if stream_type != "stream" {
         return Ok(false);
     }
@@ -227,11 +164,7 @@ pub struct OldestPending {
 impl OldestPending {
     /// Milliseconds part of the entry id, when the id is time based (`<ms>-<seq>`).
     pub fn id_millis(&self) -> Option<i64> {
-        self.id
-            .split_once('-')
-            .map_or(self.id.as_str(), |(ms, _)| ms)
-            .parse()
-            .ok()
+        self.id.split_once('-').map_or(self.id.as_str(), |(ms, _)| ms).parse().ok()
     }
 }
 
@@ -251,22 +184,10 @@ pub struct GroupFacts {
 }
 
 /// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, TIME.
-type ProbeReply = (
-    Value,
-    Vec<Value>,
-    Vec<Value>,
-    Vec<Value>,
-    i64,
-    BTreeMap<String, i64>,
-    BTreeMap<String, i64>,
-    (String, String),
-);
+type ProbeReply =
+    (Value, Vec<Value>, Vec<Value>, Vec<Value>, i64, BTreeMap<String, i64>, BTreeMap<String, i64>, (String, String));
 
-pub async fn probe_group(
-    conn: &mut ConnectionManager,
-    server: &str,
-    keys: &GroupKeys<'_>,
-) -> Result<GroupFacts> {
+pub async fn probe_group(conn: &mut ConnectionManager, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
     let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, time): ProbeReply = pipe()
         .cmd("XINFO")
         .arg("STREAM")
@@ -307,18 +228,11 @@ pub async fn probe_group(
         .filter(|c| reply::get::<String>(c, "name").as_deref() != Some(OPERATOR_CONSUMER))
         .count() as i64;
     let oldest_pending = oldest.into_iter().next().and_then(|entry| {
-        let (id, consumer, idle_ms, deliveries): (String, String, i64, i64) =
-            redis::from_redis_value(entry).ok()?;
-        Some(OldestPending {
-            id,
-            consumer,
-            idle_ms,
-            deliveries,
-        })
+        let (id, consumer, idle_ms, deliveries): (String, String, i64, i64) = redis::from_redis_value(entry).ok()?;
+        Some(OldestPending { id, consumer, idle_ms, deliveries })
     });
     let (seconds, micros) = time;
-    let server_time_ms =
-        seconds.parse::<i64>().unwrap_or(0) * 1000 + micros.parse::<i64>().unwrap_or(0) / 1000;
+    let server_time_ms = seconds.parse::<i64>().unwrap_or(0) * 1000 + micros.parse::<i64>().unwrap_or(0) / 1000;
 
     Ok(GroupFacts {
         stream_length: reply::get(&stream_info, "length").unwrap_or(0),
@@ -339,8 +253,7 @@ mod tests {
 
     #[test]
     fn recognises_valkey_by_its_own_version_field() {
-        let info =
-            "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:9.1.2\r\n";
+        let info = "# Server\r\nredis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:9.1.2\r\n";
         let server = ServerInfo::parse(info);
         assert_eq!(server.to_string(), "valkey 9.1.2");
         assert!(server.is_supported());
@@ -354,12 +267,7 @@ mod tests {
 
     #[test]
     fn oldest_pending_time_comes_from_the_id() {
-        let entry = OldestPending {
-            id: "1764421200000-3".into(),
-            consumer: "c".into(),
-            idle_ms: 0,
-            deliveries: 1,
-        };
+        let entry = OldestPending { id: "1764421200000-3".into(), consumer: "c".into(), idle_ms: 0, deliveries: 1 };
         assert_eq!(entry.id_millis(), Some(1_764_421_200_000));
     }
 }

@@ -5,7 +5,6 @@ mod pool;
 mod reply;
 
 pub use group::{
-    GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group,
-    probe_group,
+    GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, probe_group,
 };
 pub use pool::{Credentials, Pools, Target};

@@ -37,10 +37,7 @@ pub struct Target {
 impl Target {
     /// The server address without path or credentials, for messages.
     pub fn server(&self) -> String {
-        let rest = self
-            .url
-            .split_once("://")
-            .map_or(self.url.as_str(), |(_, rest)| rest);
+        let rest = self.url.split_once("://").map_or(self.url.as_str(), |(_, rest)| rest);
         rest.split('/').next().unwrap_or(rest).to_string()
     }
 
@@ -48,11 +45,7 @@ impl Target {
     fn pool_key(&self) -> PoolKey {
         let mut hasher = DefaultHasher::new();
         self.credentials.password.hash(&mut hasher);
-        (
-            self.url.clone(),
-            self.credentials.username.clone(),
-            hasher.finish(),
-        )
+        (self.url.clone(), self.credentials.username.clone(), hasher.finish())
     }
 }
 
@@ -77,11 +70,7 @@ impl Pools {
             return Ok(conn.clone());
         }
         let server = target.server();
-        let mut info = target
-            .url
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| Error::from_redis(&server, e))?;
+        let mut info = target.url.as_str().into_connection_info().map_err(|e| Error::from_redis(&server, e))?;
         let mut settings = info.redis_settings().clone();
         if let Some(user) = &target.credentials.username {
             settings = settings.set_username(user);
@@ -96,19 +85,15 @@ impl Pools {
             .set_response_timeout(Some(RESPONSE_TIMEOUT))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(2));
-        let conn = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(|e| Error::from_redis(&server, e))?;
+        let conn =
+            ConnectionManager::new_with_config(client, config).await.map_err(|e| Error::from_redis(&server, e))?;
         let mut map = self.connections.lock().expect("pool lock");
         Ok(map.entry(key).or_insert(conn).clone())
     }
 
     /// Drops a connection so the next `get` dials again (after an authentication failure, say).
     pub fn forget(&self, target: &Target) {
-        self.connections
-            .lock()
-            .expect("pool lock")
-            .remove(&target.pool_key());
+        self.connections.lock().expect("pool lock").remove(&target.pool_key());
     }
 
     /// Number of distinct server + credential pairs connected.
@@ -127,27 +112,15 @@ mod tests {
 
     #[test]
     fn debug_output_never_shows_the_password() {
-        let creds = Credentials {
-            username: Some("app".into()),
-            password: Some("hunter2".into()),
-        };
-        let shown = format!(
-            "{:?}",
-            Target {
-                url: "redis://h:1".into(),
-                credentials: creds
-            }
-        );
+        let creds = Credentials { username: Some("app".into()), password: Some("hunter2".into()) };
+        let shown = format!("{:?}", Target { url: "redis://h:1".into(), credentials: creds });
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("<redacted>"));
     }
 
     #[test]
     fn server_is_host_and_port() {
-        let t = Target {
-            url: "rediss://cache.apps.svc:6380/2".into(),
-            credentials: Credentials::default(),
-        };
+        let t = Target { url: "rediss://cache.apps.svc:6380/2".into(), credentials: Credentials::default() };
         assert_eq!(t.server(), "cache.apps.svc:6380");
     }
 }

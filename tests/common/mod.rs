@@ -20,14 +20,10 @@ pub struct Bed {
 pub fn bed() -> &'static Bed {
     static BED: OnceLock<Bed> = OnceLock::new();
     BED.get_or_init(|| {
-        let dir =
-            std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
+        let dir = std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
         let file = Path::new(&dir).join("env");
         let text = std::fs::read_to_string(&file).unwrap_or_else(|_| {
-            panic!(
-                "the test bed is not up ({} missing): run `scripts/testenv up` first",
-                file.display()
-            )
+            panic!("the test bed is not up ({} missing): run `scripts/testenv up` first", file.display())
         });
         let vars = text
             .lines()
@@ -40,9 +36,7 @@ pub fn bed() -> &'static Bed {
 
 impl Bed {
     pub fn var(&self, name: &str) -> &str {
-        self.vars.get(name).unwrap_or_else(|| {
-            panic!("{name} missing from the test bed env; run `scripts/testenv up`")
-        })
+        self.vars.get(name).unwrap_or_else(|| panic!("{name} missing from the test bed env; run `scripts/testenv up`"))
     }
 
     pub fn kubeconfig(&self) -> &str {
@@ -53,10 +47,7 @@ impl Bed {
     pub fn install_crd(&self) {
         static CRD: Once = Once::new();
         CRD.call_once(|| {
-            let crd = concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/crds/pelican.io_consumergrouppolicies.yaml"
-            );
+            let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/pelican.io_consumergrouppolicies.yaml");
             kubectl_ok(&["apply", "--server-side", "--force-conflicts", "-f", crd]);
             kubectl_ok(&[
                 "wait",
@@ -79,12 +70,7 @@ pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
         .spawn()
         .expect("run kubectl");
     if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     }
     drop(child.stdin.take());
     child.wait_with_output().expect("kubectl output")
@@ -93,39 +79,23 @@ pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
 /// Runs kubectl and returns stdout; panics with stderr on failure.
 pub fn kubectl_ok(args: &[&str]) -> String {
     let out = kubectl(args, None);
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "kubectl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap()
 }
 
 /// `kubectl apply -f -`; returns (success, stdout + stderr).
 pub fn kubectl_apply(namespace: &str, manifest: &str) -> (bool, String) {
     let out = kubectl(&["apply", "-n", namespace, "-f", "-"], Some(manifest));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.success(), text)
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Polls `probe` until it returns `Some`, or panics with `what` and the last value seen.
-pub fn wait_for<T>(
-    what: &str,
-    timeout: Duration,
-    mut probe: impl FnMut() -> Result<T, String>,
-) -> T {
+pub fn wait_for<T>(what: &str, timeout: Duration, mut probe: impl FnMut() -> Result<T, String>) -> T {
     let start = Instant::now();
     let mut last = String::new();
     while start.elapsed() < timeout {
@@ -181,16 +151,7 @@ impl Server {
     pub fn resume(&mut self) {
         let log = std::fs::File::create(self.dir.path().join("server.log")).unwrap();
         let child = Command::new(self.binary())
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
             .args(&self.args)
@@ -201,9 +162,7 @@ impl Server {
         self.child = Some(child);
         wait_for("server to answer PING", Duration::from_secs(10), || {
             let mut conn = self.admin().map_err(|e| e.to_string())?;
-            redis::cmd("PING")
-                .query::<String>(&mut conn)
-                .map_err(|e| e.to_string())
+            redis::cmd("PING").query::<String>(&mut conn).map_err(|e| e.to_string())
         });
     }
 
@@ -221,11 +180,7 @@ impl Server {
 
     /// A connection for the test's own checks, with the admin password when the server has one.
     fn admin(&self) -> redis::RedisResult<redis::Connection> {
-        let password = self
-            .args
-            .iter()
-            .position(|a| a == "--requirepass")
-            .map(|i| self.args[i + 1].clone());
+        let password = self.args.iter().position(|a| a == "--requirepass").map(|i| self.args[i + 1].clone());
         let url = match password {
             Some(p) => format!("redis://:{p}@127.0.0.1:{}/0", self.port),
             None => self.url(),
@@ -264,11 +219,7 @@ impl Operator {
             .stderr(file)
             .spawn()
             .expect("start pelican run");
-        Operator {
-            child,
-            log,
-            _dir: dir,
-        }
+        Operator { child, log, _dir: dir }
     }
 
     pub fn logs(&self) -> String {
@@ -304,41 +255,25 @@ fn rand_suffix() -> u32 {
 
 /// The policy as `kubectl get -o json` shows it.
 pub fn get_policy(namespace: &str, name: &str) -> Value {
-    serde_json::from_str(&kubectl_ok(&[
-        "get", "cgp", name, "-n", namespace, "-o", "json",
-    ]))
-    .unwrap()
+    serde_json::from_str(&kubectl_ok(&["get", "cgp", name, "-n", namespace, "-o", "json"])).unwrap()
 }
 
 /// (status, reason) of a condition.
 pub fn condition(policy: &Value, type_: &str) -> Option<(String, String)> {
     let conds = policy["status"]["conditions"].as_array()?;
     let c = conds.iter().find(|c| c["type"] == type_)?;
-    Some((
-        c["status"].as_str()?.to_string(),
-        c["reason"].as_str()?.to_string(),
-    ))
+    Some((c["status"].as_str()?.to_string(), c["reason"].as_str()?.to_string()))
 }
 
 /// Waits until the condition has the given status and reason.
-pub fn wait_condition(
-    namespace: &str,
-    name: &str,
-    type_: &str,
-    status: &str,
-    reason: &str,
-) -> Value {
-    wait_for(
-        &format!("{name} {type_}={status} ({reason})"),
-        Duration::from_secs(30),
-        || {
-            let policy = get_policy(namespace, name);
-            match condition(&policy, type_) {
-                Some((s, r)) if s == status && r == reason => Ok(policy),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
+pub fn wait_condition(namespace: &str, name: &str, type_: &str, status: &str, reason: &str) -> Value {
+    wait_for(&format!("{name} {type_}={status} ({reason})"), Duration::from_secs(30), || {
+        let policy = get_policy(namespace, name);
+        match condition(&policy, type_) {
+            Some((s, r)) if s == status && r == reason => Ok(policy),
+            other => Err(format!("{other:?}")),
+        }
+    })
 }
 
 /// A policy manifest; `extra` is YAML appended under `spec:` (indented by two spaces).
@@ -350,16 +285,60 @@ pub fn policy(name: &str, url: &str, stream: &str, group: &str, extra: &str) -> 
 
 /// Events of a policy with the given reason, as `kubectl get events` shows them.
 pub fn events(namespace: &str, reason: &str) -> Vec<Value> {
-    let out = kubectl_ok(&[
-        "get",
-        "events",
-        "-n",
-        namespace,
-        "--field-selector",
-        &format!("reason={reason}"),
-        "-o",
-        "json",
-    ]);
+    let out =
+        kubectl_ok(&["get", "events", "-n", namespace, "--field-selector", &format!("reason={reason}"), "-o", "json"]);
     let list: Value = serde_json::from_str(&out).unwrap();
     list["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// Declares one test per server flavor, each calling `fn name(flavor: Flavor)` of the enclosing file.
+#[macro_export]
+macro_rules! on_both_servers {
+    ($($name:ident),* $(,)?) => {
+        mod redis_7 { $( #[test] fn $name() { super::$name(super::Flavor::Redis) } )* }
+        mod valkey_9 { $( #[test] fn $name() { super::$name(super::Flavor::Valkey) } )* }
+    };
+}
+
+/// An entry as the server stores it: id and fields in order, as raw bytes.
+pub type RawEntry = (String, Vec<(Vec<u8>, Vec<u8>)>);
+
+/// All entries of a stream, raw.
+pub fn xrange(conn: &mut redis::Connection, stream: &str) -> Vec<RawEntry> {
+    let reply: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(conn).unwrap();
+    reply
+        .into_iter()
+        .map(|(id, flat)| {
+            let pairs = flat.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
+            (id, pairs)
+        })
+        .collect()
+}
+
+/// (id, consumer, idle ms, deliveries) of every PEL entry.
+pub fn pel(conn: &mut redis::Connection, stream: &str, group: &str) -> Vec<(String, String, i64, i64)> {
+    redis::cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(1_000_000).query(conn).unwrap()
+}
+
+/// XREADGROUP `>` for one consumer; returns the ids delivered.
+pub fn read_new(conn: &mut redis::Connection, stream: &str, group: &str, consumer: &str, count: usize) -> Vec<String> {
+    // Raw reply: [[stream, [[id, [field, value, ...]], ...]]]; fields may be any bytes.
+    type Reply = Option<Vec<(String, Vec<(String, Vec<Vec<u8>>)>)>>;
+    let reply: Reply = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(group)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count)
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(">")
+        .query(conn)
+        .unwrap();
+    reply.into_iter().flatten().flat_map(|(_, entries)| entries.into_iter().map(|(id, _)| id)).collect()
+}
+
+/// The value of a field in a raw entry (the last one when the name repeats).
+pub fn field<'a>(entry: &'a RawEntry, name: &str) -> Option<&'a [u8]> {
+    entry.1.iter().rev().find(|(k, _)| k == name.as_bytes()).map(|(_, v)| v.as_slice())
 }

@@ -1,0 +1,203 @@
+//! The jobs Redis never runs by itself (SPEC section 3): the reclaim / dead-letter pass and consumer expiry.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionManager;
+
+use crate::api::ReclaimStrategy;
+use crate::keys::{OPERATOR_CONSUMER, terminal_key, totals_key};
+use crate::redis::GroupKeys;
+use crate::{Error, Result};
+
+static RECLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/reclaim.lua")));
+static EXPIRE_CONSUMERS: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/expire_consumers.lua")));
+
+/// Ids handed to one script call: small enough to keep each call short on the server, large enough to amortise
+/// the round trip.
+pub const BATCH: usize = 128;
+
+/// The most application fields (names and values, counted separately) an entry may have for the script to copy
+/// it: Lua's `unpack` in Redis stops near 8,000 values. Larger entries stay pending and are reported.
+pub const MAX_FIELDS: usize = 7_900;
+
+/// What one pass is allowed to do.
+#[derive(Clone, Debug)]
+pub struct PassSettings {
+    pub min_idle: Duration,
+    pub max_per_pass: usize,
+    pub max_deliveries: u32,
+    pub strategy: ReclaimStrategy,
+    pub dead_letter_max_len: Option<u64>,
+}
+
+/// What one pass did, summed over its batches.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// PEL entries looked at by the scan.
+    pub scanned: usize,
+    /// Of those, idle long enough to be handed to the script.
+    pub idle: usize,
+    pub requeued: u64,
+    pub reassigned: u64,
+    pub dead_lettered: u64,
+    pub payload_deleted: u64,
+    /// Idle at scan time but touched by a consumer since, or left alone by the strategy.
+    pub skipped: u64,
+    /// Too many fields to be moved by a script; left pending.
+    pub too_large: u64,
+}
+
+impl PassReport {
+    pub fn moved(&self) -> u64 {
+        self.requeued + self.reassigned + self.dead_lettered + self.payload_deleted
+    }
+
+    /// One line for an Event: "dead-lettered 12, requeued 30".
+    pub fn summary(&self) -> String {
+        [
+            ("dead-lettered", self.dead_lettered),
+            ("requeued", self.requeued),
+            ("reassigned", self.reassigned),
+            ("dropped with payload deleted", self.payload_deleted),
+            ("left pending as too large to move", self.too_large),
+        ]
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(what, n)| format!("{what} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
+
+    fn merge(&mut self, batch: &PassReport) {
+        self.requeued += batch.requeued;
+        self.reassigned += batch.reassigned;
+        self.dead_lettered += batch.dead_lettered;
+        self.payload_deleted += batch.payload_deleted;
+        self.skipped += batch.skipped;
+        self.too_large += batch.too_large;
+    }
+}
+
+/// One reclaim / dead-letter pass. Pages through the PEL from `cursor` (kept by the caller across passes) with
+/// plain extended XPENDING, never the IDLE filter, which scans the whole PEL on the server. At most
+/// `max_per_pass` entries are looked at, so a pass costs the same on a PEL of a thousand or a million entries.
+/// `cursor` becomes `None` when the scan reached the end of the PEL; the next pass starts over.
+pub async fn reclaim_pass(
+    conn: &mut ConnectionManager,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    settings: &PassSettings,
+    cursor: &mut Option<String>,
+) -> Result<PassReport> {
+    let min_idle_ms = settings.min_idle.as_millis() as i64;
+    let mut report = PassReport::default();
+    let mut batch = Vec::with_capacity(BATCH);
+    while report.scanned < settings.max_per_pass {
+        let want = (settings.max_per_pass - report.scanned).min(BATCH * 2);
+        let start = cursor.as_ref().map_or_else(|| "-".to_string(), |id| format!("({id}"));
+        let page: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+            .arg(keys.stream)
+            .arg(keys.group)
+            .arg(&start)
+            .arg("+")
+            .arg(want)
+            .query_async(conn)
+            .await
+            .map_err(|e| Error::from_redis(server, e))?;
+        report.scanned += page.len();
+        let reached_end = page.len() < want;
+        *cursor = page.last().map(|(id, ..)| id.clone()).or(cursor.take());
+        for (id, _, idle_ms, _) in page {
+            if idle_ms >= min_idle_ms {
+                report.idle += 1;
+                batch.push(id);
+                if batch.len() == BATCH {
+                    report.merge(&reclaim_batch(conn, server, keys, settings, &batch).await?);
+                    batch.clear();
+                }
+            }
+        }
+        if reached_end {
+            *cursor = None;
+            break;
+        }
+    }
+    if !batch.is_empty() {
+        report.merge(&reclaim_batch(conn, server, keys, settings, &batch).await?);
+    }
+    Ok(report)
+}
+
+/// Hands `ids` to the reclaim script, which re-checks each one on the server before it moves anything.
+pub async fn reclaim_batch(
+    conn: &mut ConnectionManager,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    settings: &PassSettings,
+    ids: &[String],
+) -> Result<PassReport> {
+    let strategy = match settings.strategy {
+        ReclaimStrategy::Requeue => "Requeue",
+        ReclaimStrategy::Reassign => "Reassign",
+        ReclaimStrategy::DeadLetterOnly => "DeadLetterOnly",
+    };
+    // invoke_async runs EVALSHA and loads the script again on NOSCRIPT (after a restart or failover).
+    let counts: Vec<u64> = RECLAIM
+        .key(keys.stream)
+        .key(keys.dead_letter)
+        .key(totals_key(keys.stream, keys.group))
+        .key(terminal_key(keys.stream, keys.group))
+        .arg(keys.group)
+        .arg(settings.min_idle.as_millis() as u64)
+        .arg(settings.max_deliveries)
+        .arg(strategy)
+        .arg(settings.dead_letter_max_len.unwrap_or(0))
+        .arg(OPERATOR_CONSUMER)
+        .arg(MAX_FIELDS)
+        .arg(ids)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    let count = |i: usize| counts.get(i).copied().unwrap_or(0);
+    Ok(PassReport {
+        requeued: count(0),
+        reassigned: count(1),
+        dead_lettered: count(2),
+        payload_deleted: count(3),
+        skipped: count(4),
+        too_large: count(5),
+        ..PassReport::default()
+    })
+}
+
+/// Deletes consumers inactive for `expire_after` that own no pending entry; returns how many.
+pub async fn expire_consumers(
+    conn: &mut ConnectionManager,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    expire_after: Duration,
+) -> Result<u64> {
+    EXPIRE_CONSUMERS
+        .key(keys.stream)
+        .key(totals_key(keys.stream, keys.group))
+        .arg(keys.group)
+        .arg(expire_after.as_millis() as u64)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_names_only_what_happened() {
+        let report = PassReport { dead_lettered: 12, requeued: 30, ..Default::default() };
+        assert_eq!(report.summary(), "dead-lettered 12, requeued 30");
+        assert_eq!(report.moved(), 42);
+        assert_eq!(PassReport::default().summary(), "");
+    }
+}

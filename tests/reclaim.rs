@@ -1,0 +1,353 @@
+//! The reclaim / dead-letter scripts against real Redis 7.0 and Valkey 9.1, driven through the library the
+//! operator uses (no Kubernetes here; the operator-level scenarios are in tests/jobs.rs).
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pelican::api::ReclaimStrategy;
+use pelican::jobs::{self, PassSettings};
+use pelican::redis::{Credentials, GroupKeys, Pools, Target};
+use redis::aio::ConnectionManager;
+
+on_both_servers!(
+    requeue_appends_one_copy_with_origin_and_acks_the_original,
+    dead_letter_keeps_every_original_field_byte_exact_and_in_order,
+    entry_with_thousands_of_fields_is_moved_and_a_larger_one_stays_pending,
+    consumer_that_acks_or_rereads_between_scan_and_script_wins,
+    deleted_and_trimmed_payloads_are_dropped_as_payload_deleted,
+    dead_letter_key_of_another_type_writes_nothing,
+    group_destroyed_mid_pass_writes_nothing,
+    lost_script_cache_is_reloaded,
+    pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries,
+    reassign_gives_the_entry_to_the_least_loaded_live_consumer,
+    consumer_expiry_never_destroys_a_pending_entry,
+);
+
+const STREAM: &str = "{jobs}:in";
+const DLQ: &str = "{jobs}:dlq";
+const GROUP: &str = "workers";
+const IDLE: Duration = Duration::from_millis(150);
+
+fn keys() -> GroupKeys<'static> {
+    GroupKeys { stream: STREAM, group: GROUP, dead_letter: DLQ }
+}
+
+fn settings(strategy: ReclaimStrategy, max_deliveries: u32) -> PassSettings {
+    PassSettings { min_idle: IDLE, max_per_pass: 1000, max_deliveries, strategy, dead_letter_max_len: None }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn connect(server: &Server) -> ConnectionManager {
+    let target = Target { url: server.url(), credentials: Credentials::default() };
+    Pools::default().get(&target).await.unwrap()
+}
+
+/// A stream with a group at 0 and `entries` added (each a list of field pairs).
+fn seed(server: &Server, entries: &[Vec<(Vec<u8>, Vec<u8>)>]) -> Vec<String> {
+    let mut conn = server.conn();
+    let _: () =
+        redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg(GROUP).arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+    entries
+        .iter()
+        .map(|fields| {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(STREAM).arg("*");
+            for (k, v) in fields {
+                cmd.arg(k).arg(v);
+            }
+            cmd.query::<String>(&mut conn).unwrap()
+        })
+        .collect()
+}
+
+fn plain(n: usize) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
+    (0..n).map(|i| vec![(b"n".to_vec(), i.to_string().into_bytes())]).collect()
+}
+
+fn pass(server: &Server, settings: &PassSettings) -> jobs::PassReport {
+    runtime().block_on(async {
+        let mut conn = connect(server).await;
+        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut None).await.unwrap()
+    })
+}
+
+fn hget(conn: &mut redis::Connection, key: &str, field: &str) -> i64 {
+    redis::cmd("HGET").arg(key).arg(field).query::<Option<i64>>(conn).unwrap().unwrap_or(0)
+}
+
+fn requeue_appends_one_copy_with_origin_and_acks_the_original(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &[vec![(b"a".to_vec(), b"1".to_vec()), (b"b".to_vec(), b"2".to_vec())]]);
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "crashed", 10);
+    std::thread::sleep(IDLE * 2);
+
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 3));
+    assert_eq!((report.requeued, report.dead_lettered), (1, 0));
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty(), "the original must be acknowledged");
+    let entries = xrange(&mut conn, STREAM);
+    assert_eq!(entries.len(), 2);
+    let copy = &entries[1];
+    let names: Vec<&[u8]> = copy.1.iter().map(|(k, _)| k.as_slice()).collect();
+    assert_eq!(names, [&b"a"[..], b"b", b"pelican-origin-id", b"pelican-deliveries"]);
+    assert_eq!(field(copy, "pelican-origin-id"), Some(ids[0].as_bytes()));
+    assert_eq!(field(copy, "pelican-deliveries"), Some(&b"1"[..]));
+
+    // Delivered again, failed again: the copy's own delivery count adds to the carried one, and the cap (2) is hit.
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "crashed-again", 10), std::slice::from_ref(&copy.0));
+    std::thread::sleep(IDLE * 2);
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 2));
+    assert_eq!((report.requeued, report.dead_lettered), (0, 1));
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(dead.len(), 1);
+    assert_eq!(field(&dead[0], "pelican-deliveries"), Some(&b"2"[..]));
+    assert_eq!(field(&dead[0], "pelican-origin-id"), Some(ids[0].as_bytes()));
+    assert_eq!(field(&dead[0], "pelican-source-id"), Some(copy.0.as_bytes()));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 2, "dead-lettering adds nothing to the source stream");
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "requeued"), 1);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "deadLettered"), 1);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:terminal", "MaxDeliveriesExceeded"), 1);
+}
+
+fn dead_letter_keeps_every_original_field_byte_exact_and_in_order(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let big = vec![0xA5u8; 2 * 1024 * 1024];
+    let fields: Vec<(Vec<u8>, Vec<u8>)> = vec![
+        (b"payload".to_vec(), vec![0xff, 0xfe, 0x00, 0x80, b'\n']),
+        (b"empty".to_vec(), Vec::new()),
+        (b"dup".to_vec(), b"first".to_vec()),
+        (b"dup".to_vec(), b"second".to_vec()),
+        (b"pelican-reason".to_vec(), b"the application's own".to_vec()),
+        (b"pelican-deliveries".to_vec(), b"not ours".to_vec()),
+        (vec![0xc3, 0x28], b"non-UTF-8 name".to_vec()),
+        (b"big".to_vec(), big.clone()),
+    ];
+    let ids = seed(&server, std::slice::from_ref(&fields));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 10);
+    std::thread::sleep(IDLE * 2);
+
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
+    assert_eq!(report.dead_lettered, 1);
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(dead.len(), 1);
+    let (originals, meta) = dead[0].1.split_at(fields.len());
+    assert_eq!(originals, &fields[..], "original fields must be unchanged and in order");
+    let meta: Vec<(String, Vec<u8>)> =
+        meta.iter().map(|(k, v)| (String::from_utf8(k.clone()).unwrap(), v.clone())).collect();
+    let names: Vec<&str> = meta.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "pelican-source-stream",
+            "pelican-source-id",
+            "pelican-origin-id",
+            "pelican-group",
+            "pelican-consumer",
+            "pelican-deliveries",
+            "pelican-reason",
+            "pelican-dead-lettered-at"
+        ]
+    );
+    let value = |name: &str| meta.iter().find(|(k, _)| k == name).unwrap().1.clone();
+    assert_eq!(value("pelican-source-stream"), STREAM.as_bytes());
+    assert_eq!(value("pelican-source-id"), ids[0].as_bytes());
+    assert_eq!(value("pelican-consumer"), b"c1");
+    assert_eq!(value("pelican-reason"), b"MaxDeliveriesExceeded");
+    let at: i64 = String::from_utf8(value("pelican-dead-lettered-at")).unwrap().parse().unwrap();
+    let millis: i64 = ids[0].split('-').next().unwrap().parse().unwrap();
+    assert!(at >= millis && at < millis + 60_000, "dead-lettered-at {at} is not a unix ms time near {millis}");
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+}
+
+fn entry_with_thousands_of_fields_is_moved_and_a_larger_one_stays_pending(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let wide =
+        |n: usize| (0..n).map(|i| (format!("f{i}").into_bytes(), format!("v{i}").into_bytes())).collect::<Vec<_>>();
+    let ids = seed(&server, &[wide(3_000), wide(5_000)]);
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 10);
+    std::thread::sleep(IDLE * 2);
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
+    assert_eq!((report.dead_lettered, report.too_large), (1, 1));
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(dead[0].1[..3_000], wide(3_000)[..]);
+    let pending: Vec<String> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| p.0).collect();
+    assert_eq!(pending, [ids[1].clone()], "an entry too large to move stays pending, never half-moved");
+}
+
+fn consumer_that_acks_or_rereads_between_scan_and_script_wins(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(3));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "slow", 10);
+    std::thread::sleep(IDLE * 2);
+    // The scan saw all three idle. Then, before the script: one is acknowledged, one re-read by its consumer.
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids[0]).query(&mut conn).unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(GROUP)
+        .arg("slow")
+        .arg("STREAMS")
+        .arg(STREAM)
+        .arg(&ids[0])
+        .query(&mut conn)
+        .unwrap();
+    let report = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids).await.unwrap()
+    });
+    assert_eq!((report.requeued, report.skipped), (0, 3), "{report:?}");
+
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids[1]).query(&mut conn).unwrap();
+    std::thread::sleep(IDLE * 2);
+    let report = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids).await.unwrap()
+    });
+    assert_eq!((report.requeued, report.skipped), (1, 2), "only the untouched idle entry moves: {report:?}");
+    assert_eq!(xrange(&mut conn, STREAM).len(), 4);
+}
+
+fn deleted_and_trimmed_payloads_are_dropped_as_payload_deleted(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(3_001));
+    let mut conn = server.conn();
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "c1", 5_000).len(), 3_001);
+    let _: i64 = redis::cmd("XDEL").arg(STREAM).arg(&ids[3_000]).query(&mut conn).unwrap();
+    let _: i64 = redis::cmd("XTRIM").arg(STREAM).arg("MAXLEN").arg(0).query(&mut conn).unwrap();
+    std::thread::sleep(IDLE * 2);
+    let report = pass(&server, &PassSettings { max_per_pass: 5_000, ..settings(ReclaimStrategy::Requeue, 1) });
+    assert_eq!((report.payload_deleted, report.dead_lettered, report.requeued), (3_001, 0, 0));
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+    let dlq_len: i64 = redis::cmd("XLEN").arg(DLQ).query(&mut conn).unwrap();
+    assert_eq!(dlq_len, 0, "a stale reference is never dead-lettered as if it had a payload");
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:terminal", "PayloadDeleted"), 3_001);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "payloadDeleted"), 3_001);
+}
+
+fn dead_letter_key_of_another_type_writes_nothing(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(5));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 10);
+    let _: () = redis::cmd("SET").arg(DLQ).arg("taken").query(&mut conn).unwrap();
+    std::thread::sleep(IDLE * 2);
+    let error = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::reclaim_pass(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &mut None)
+            .await
+            .unwrap_err()
+    });
+    assert_eq!(error.reason(), "WrongKeyType", "{error}");
+    assert!(error.to_string().contains(DLQ), "{error}");
+    assert_eq!(pel(&mut conn, STREAM, GROUP).len(), 5);
+    assert_eq!(xrange(&mut conn, STREAM).len(), 5);
+    let value: String = redis::cmd("GET").arg(DLQ).query(&mut conn).unwrap();
+    assert_eq!(value, "taken");
+}
+
+fn group_destroyed_mid_pass_writes_nothing(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(5));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 10);
+    std::thread::sleep(IDLE * 2);
+    let _: i64 = redis::cmd("XGROUP").arg("DESTROY").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
+    let error = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &ids).await.unwrap_err()
+    });
+    assert!(error.to_string().contains("NOGROUP"), "{error}");
+    assert_eq!(xrange(&mut conn, STREAM).len(), 5);
+    let dlq_type: String = redis::cmd("TYPE").arg(DLQ).query(&mut conn).unwrap();
+    assert_eq!(dlq_type, "none");
+}
+
+fn lost_script_cache_is_reloaded(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(4));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 2);
+    std::thread::sleep(IDLE * 2);
+    runtime().block_on(async {
+        let mut c = connect(&server).await;
+        let s = settings(ReclaimStrategy::Requeue, 5);
+        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await.unwrap().requeued, 2);
+        let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut c).await.unwrap();
+        read_new(&mut conn, STREAM, GROUP, "c1", 2);
+        tokio::time::sleep(IDLE * 2).await;
+        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await.unwrap().requeued, 2);
+    });
+}
+
+fn pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(20_000));
+    let mut conn = server.conn();
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "c1", 20_000).len(), 20_000);
+    let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Requeue, 3) };
+    runtime().block_on(async {
+        let mut c = connect(&server).await;
+        let mut cursor = None;
+        let (mut passes, mut scanned) = (0, 0);
+        loop {
+            let report = jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut cursor).await.unwrap();
+            passes += 1;
+            scanned += report.scanned;
+            assert!(report.scanned <= 1_000, "a pass looked at {} entries", report.scanned);
+            assert_eq!(report.moved(), 0);
+            if cursor.is_none() {
+                break;
+            }
+        }
+        // 20 full pages, then one that finds the end and starts over.
+        assert_eq!((passes, scanned), (21, 20_000), "the cursor walks the whole PEL once, 1000 entries a pass");
+    });
+}
+
+fn reassign_gives_the_entry_to_the_least_loaded_live_consumer(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(4));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "dead", 1);
+    std::thread::sleep(IDLE * 2);
+    read_new(&mut conn, STREAM, GROUP, "busy", 2);
+    // "idle" is a consumer that is alive (just polled) and owns nothing.
+    read_new(&mut conn, STREAM, GROUP, "idle", 0);
+    let report = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        let s = settings(ReclaimStrategy::Reassign, 3);
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await.unwrap()
+    });
+    assert_eq!(report.reassigned, 1, "{report:?}");
+    let owners: Vec<(String, i64)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.1, p.3)).collect();
+    assert_eq!(owners[0], ("idle".to_string(), 1), "claimed by the live consumer with fewest entries, count unchanged");
+}
+
+fn consumer_expiry_never_destroys_a_pending_entry(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(2));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "holds-one", 1);
+    read_new(&mut conn, STREAM, GROUP, "owns-nothing", 1);
+    let first: String = pel(&mut conn, STREAM, GROUP).into_iter().find(|p| p.1 == "owns-nothing").unwrap().0;
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(first).query(&mut conn).unwrap();
+    std::thread::sleep(IDLE * 2);
+    let expired = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::expire_consumers(&mut c, "test", &keys(), IDLE).await.unwrap()
+    });
+    assert_eq!(expired, 1);
+    let consumers: Vec<redis::Value> =
+        redis::cmd("XINFO").arg("CONSUMERS").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
+    assert_eq!(consumers.len(), 1);
+    assert_eq!(pel(&mut conn, STREAM, GROUP).len(), 1, "the pending entry survives");
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "consumersExpired"), 1);
+}
