@@ -342,3 +342,65 @@ pub fn read_new(conn: &mut redis::Connection, stream: &str, group: &str, consume
 pub fn field<'a>(entry: &'a RawEntry, name: &str) -> Option<&'a [u8]> {
     entry.1.iter().rev().find(|(k, _)| k == name.as_bytes()).map(|(_, v)| v.as_slice())
 }
+
+impl Server {
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        self.stop();
+    }
+}
+
+impl Operator {
+    /// SIGKILL: no shutdown path runs.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Entries as (id, value of field `n`), from a raw reply of XRANGE or one stream of XREADGROUP.
+pub fn entries_n(raw: Vec<(String, Vec<Vec<u8>>)>) -> Vec<(String, Option<u64>)> {
+    raw.into_iter()
+        .map(|(id, flat)| {
+            let n = flat.chunks(2).find(|p| p[0] == b"n").and_then(|p| String::from_utf8_lossy(&p[1]).parse().ok());
+            (id, n)
+        })
+        .collect()
+}
+
+/// A tiny deterministic generator for kill instants (no need for a crate).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn next_in(&mut self, low: u64, high: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        low + (self.0 >> 33) % (high - low)
+    }
+}
+
+/// The rows of a `kubectl get` table as column name -> cell, cut at the header's column offsets
+/// (an empty cell stays empty instead of shifting the others).
+pub fn table_rows(table: &str) -> Vec<HashMap<String, String>> {
+    let mut lines = table.lines();
+    let header = lines.next().unwrap_or_default();
+    let mut starts: Vec<(usize, &str)> = Vec::new();
+    let mut offset = 0;
+    for word in header.split_whitespace() {
+        let at = header[offset..].find(word).unwrap() + offset;
+        starts.push((at, word));
+        offset = at + word.len();
+    }
+    lines
+        .map(|line| {
+            starts
+                .iter()
+                .enumerate()
+                .map(|(i, (start, name))| {
+                    let end = starts.get(i + 1).map_or(line.len(), |(s, _)| (*s).min(line.len()));
+                    let cell = line.get((*start).min(line.len())..end).unwrap_or_default().trim();
+                    (name.to_string(), cell.to_string())
+                })
+                .collect()
+        })
+        .collect()
+}
