@@ -67,7 +67,7 @@ fn dead_lettered(conn: &mut redis::Connection, dlq: &str) -> HashMap<u64, usize>
 fn seed_001_failed_messages_are_redelivered_then_dead_lettered_once(flavor: Flavor) {
     let server = Server::start(flavor);
     let ns = namespace("seed001");
-    let _operator = Operator::start(&ns);
+    let operator = Operator::start(&ns);
     assert!(kubectl_apply(&ns, &jobs_policy("mail", &server, "mail", "")).0);
     wait_condition(&ns, "mail", "Ready", "True", "Reconciled");
     let mut conn = server.conn();
@@ -119,6 +119,18 @@ fn seed_001_failed_messages_are_redelivered_then_dead_lettered_once(flavor: Flav
     let row = &table_rows(&table)[0];
     assert_eq!((row["PENDING"].as_str(), row["DEAD-LETTERED"].as_str()), ("0", "10"), "{table}");
     assert_eq!(row["OLDEST"], "", "no pending entry, no age:\n{table}");
+
+    // Prometheus shows the same numbers.
+    let metrics = operator.metrics();
+    let labels = format!(r#"namespace="{ns}",policy="mail",stream="mail",group="workers""#);
+    for line in [
+        format!("pelican_dead_lettered_total{{{labels}}} 10"),
+        format!("pelican_requeued_total{{{labels}}} 20"),
+        format!("pelican_group_pending{{{labels}}} 0"),
+        format!(r#"pelican_terminal_acks_total{{{labels},reason="MaxDeliveriesExceeded"}} 10"#),
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "missing {line:?} in\n{metrics}");
+    }
 
     // Events are per pass, never per message.
     let events = events(&ns, "DeadLettered");

@@ -37,7 +37,7 @@ fn status_i64(policy: &Value, field: &str) -> Option<i64> {
 fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
     let server = Server::start(flavor);
     let ns = namespace("ready");
-    let _operator = Operator::start(&ns);
+    let operator = Operator::start(&ns);
     let manifest = policy("orders", &server.url(), "orders", "billing", "");
     let (ok, out) = kubectl_apply(&ns, &manifest);
     assert!(ok, "{out}");
@@ -104,6 +104,18 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
     assert_eq!(cells[..4], ["orders", "orders", "billing", "4"], "{table}");
     assert!(cells[4].ends_with('s') || cells[4].ends_with('m'), "OLDEST is an age: {table}");
     assert_eq!(cells[5..8], ["4", "0", "True"], "{table}");
+    wait_for("/readyz", Duration::from_secs(5), || match Operator::http_get(operator.health_port, "/readyz") {
+        (200, body) if body == "ok" => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+    assert_eq!(Operator::http_get(operator.health_port, "/healthz").0, 200);
+    let metrics = operator.metrics();
+    let labels = format!(r#"namespace="{ns}",policy="orders",stream="orders",group="billing""#);
+    assert!(metrics.contains(&format!("pelican_group_pending{{{labels}}} 4")), "{metrics}");
+    assert!(metrics.contains(&format!("pelican_group_lag{{{labels}}} 4")), "{metrics}");
+    assert!(
+        metrics.contains("controller_runtime_reconcile_total{controller=\"consumergrouppolicy\",result=\"success\"}")
+    );
     let wide = kubectl_ok(&["get", "cgp", "-n", &ns, "-o", "wide"]);
     assert!(wide.lines().next().unwrap().contains("CONSUMERS"), "{wide}");
     assert!(wide.lines().nth(1).unwrap().contains("Reconciled"), "{wide}");

@@ -29,6 +29,7 @@ use crate::api::{
 };
 use crate::jobs::{self, PassSettings};
 use crate::redis::{self as redis_ops, Credentials, GroupKeys, Pools, Target};
+use crate::telemetry::{Metrics, PolicyKey, PolicySnapshot, Readiness};
 use crate::{Error, Result};
 use status::Outcome;
 
@@ -45,15 +46,18 @@ pub struct Context {
     pub recorder: Recorder,
     /// Every policy the controller sees, for the (server, stream, group) ownership check.
     pub policies: Store<ConsumerGroupPolicy>,
+    pub metrics: Arc<Metrics>,
     failures: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, u32>>,
     passes: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, PassState>>,
 }
 
-/// Where to watch and how to identify ourselves.
+/// Where to watch, how to identify ourselves, where to report.
 pub struct Settings {
     /// Watch one namespace, or all when `None`.
     pub namespace: Option<String>,
     pub instance: Option<String>,
+    pub metrics: Arc<Metrics>,
+    pub readiness: Readiness,
 }
 
 /// Runs the controller until `shutdown` resolves.
@@ -65,11 +69,24 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
     let controller = Controller::new(policies, watcher::Config::default().any_semantic());
     let store = controller.store();
     let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
+    let (ready_store, readiness) = (store.clone(), settings.readiness);
+    tokio::spawn(async move {
+        // The store's readiness signal wakes only its latest waiter (the controller also waits on it), so ask
+        // again every second instead of waiting once.
+        loop {
+            match tokio::time::timeout(Duration::from_secs(1), ready_store.wait_until_ready()).await {
+                Ok(Ok(())) => return readiness.set_ready(),
+                Ok(Err(_)) => return,
+                Err(_) => continue,
+            }
+        }
+    });
     let ctx = Arc::new(Context {
         client: client.clone(),
         pools: Pools::default(),
         recorder: Recorder::new(client, reporter),
         policies: store.clone(),
+        metrics: settings.metrics,
         failures: Mutex::default(),
         passes: Mutex::default(),
     });
@@ -108,12 +125,19 @@ fn secret_refs(policy: &ConsumerGroupPolicy) -> impl Iterator<Item = &SecretKeyR
 
 #[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any()))]
 async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Result<Action> {
+    let start = Instant::now();
+    let result = reconcile_inner(policy, &ctx).await;
+    ctx.metrics.reconciled(start.elapsed(), result.is_err());
+    result
+}
+
+async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -> Result<Action> {
     let namespace = policy.namespace().unwrap_or_default();
     let api: Api<ConsumerGroupPolicy> = Api::namespaced(ctx.client.clone(), &namespace);
     let action = finalizer(&api, FINALIZER, policy, |event| async {
         match event {
-            Finalizer::Apply(policy) => apply(&policy, &ctx, &api).await,
-            Finalizer::Cleanup(policy) => cleanup(&policy, &ctx).await,
+            Finalizer::Apply(policy) => apply(&policy, ctx, &api).await,
+            Finalizer::Cleanup(policy) => cleanup(&policy, ctx).await,
         }
     })
     .await
@@ -141,6 +165,7 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGr
         Err(e) => Err(Error::InvalidSpec(e.clone())),
     };
     let now = Timestamp::now();
+    let age = result.as_ref().ok().and_then(|seen| status::oldest_pending_age_seconds(&seen.facts));
     let (status, outcome) = match &result {
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
@@ -158,6 +183,14 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGr
         ..status
     };
     announce_transition(policy, ctx, &previous, &status).await;
+    let snapshot = PolicySnapshot {
+        stream: policy.spec.stream.clone(),
+        group: policy.spec.group.clone(),
+        ready: result.is_ok(),
+        status: status.clone(),
+        oldest_pending_age_seconds: age,
+    };
+    ctx.metrics.observe_policy(policy_key(policy), snapshot);
     if policy.status.as_ref() != Some(&status) {
         write_status(api, policy, &status).await?;
     }
@@ -311,6 +344,10 @@ async fn run_jobs_if_due(
     Ok(true)
 }
 
+fn policy_key(policy: &ConsumerGroupPolicy) -> PolicyKey {
+    (policy.namespace().unwrap_or_default(), policy.name_any())
+}
+
 fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
     GroupKeys { stream: &policy.spec.stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream }
 }
@@ -376,6 +413,7 @@ async fn secret_value(
 /// Runs on deletion. `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
 async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     ctx.passes.lock().expect("passes lock").remove(&ObjectRef::from_obj(policy));
+    ctx.metrics.forget_policy(&policy_key(policy));
     if policy.spec.deletion_policy == DeletionPolicy::Retain {
         return Ok(Action::await_change());
     }

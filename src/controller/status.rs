@@ -54,6 +54,12 @@ pub fn observed(
     }
 }
 
+/// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id (SPEC section 3).
+pub fn oldest_pending_age_seconds(facts: &GroupFacts) -> Option<i64> {
+    let millis = facts.oldest_pending.as_ref()?.id_millis()?;
+    Some((facts.server_time_ms - millis).max(0) / 1000)
+}
+
 fn format_millis(millis: i64) -> Option<String> {
     Timestamp::from_second(millis.div_euclid(1000)).ok().map(|t| t.to_string())
 }
@@ -141,6 +147,7 @@ mod tests {
         assert_eq!(status.oldest_pending_idle_seconds, Some(310));
         assert_eq!(status.totals.unwrap().dead_lettered, 1);
         assert_eq!(status.terminal_acks, vec![TerminalAckCount { reason: "RecordNotFound".into(), count: 40 }]);
+        assert_eq!(oldest_pending_age_seconds(&facts()), Some(90));
     }
 
     #[test]

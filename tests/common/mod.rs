@@ -203,6 +203,8 @@ impl Drop for Server {
 pub struct Operator {
     child: Child,
     log: PathBuf,
+    pub metrics_port: u16,
+    pub health_port: u16,
     _dir: tempfile::TempDir,
 }
 
@@ -211,19 +213,37 @@ impl Operator {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("operator.log");
         let file = std::fs::File::create(&log).unwrap();
+        let (metrics_port, health_port) = (free_port(), free_port());
         let child = Command::new(env!("CARGO_BIN_EXE_pelican"))
             .args(["run", "--namespace", namespace])
+            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
+            .arg(format!("--health-addr=127.0.0.1:{health_port}"))
             .env("KUBECONFIG", bed().kubeconfig())
             .env("RUST_LOG", "info,pelican=debug")
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .spawn()
             .expect("start pelican run");
-        Operator { child, log, _dir: dir }
+        Operator { child, log, metrics_port, health_port, _dir: dir }
     }
 
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET of a path on one of the operator's ports, as `curl` sees it: (HTTP status, body).
+    pub fn http_get(port: u16, path: &str) -> (u16, String) {
+        let out = Command::new("curl")
+            .args(["-s", "-w", "\n%{http_code}", &format!("http://127.0.0.1:{port}{path}")])
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    pub fn metrics(&self) -> String {
+        Operator::http_get(self.metrics_port, "/metrics").1
     }
 
     pub fn is_running(&mut self) -> bool {

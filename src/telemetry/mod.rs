@@ -1,4 +1,10 @@
-//! Logging setup: JSON lines by default, human-readable text with `--log-format text`.
+//! Logs, metrics and health endpoints.
+
+mod http;
+mod metrics;
+
+pub use http::{Readiness, serve};
+pub use metrics::{Metrics, PolicyKey, PolicySnapshot};
 
 use std::io::IsTerminal;
 
@@ -11,7 +17,7 @@ pub enum LogFormat {
     Text,
 }
 
-/// `RUST_LOG` overrides the default level (`info`).
+/// JSON lines by default, human-readable text with `--log-format text`; `RUST_LOG` overrides the level (`info`).
 pub fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);

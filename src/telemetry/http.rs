@@ -1,0 +1,67 @@
+//! `/metrics` on one port, `/healthz` and `/readyz` on another (SPEC section 7).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use tokio::net::TcpListener;
+
+use super::metrics::Metrics;
+
+/// Set once the controller's caches have synced. Independent of leadership: a standby replica is ready.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set_ready(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Binds both listeners (so a taken port fails at start, not later) and serves them until `shutdown` resolves.
+pub async fn serve(
+    metrics_addr: SocketAddr,
+    health_addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    readiness: Readiness,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<impl Future<Output = ()>> {
+    let metrics_listener = TcpListener::bind(metrics_addr).await?;
+    let health_listener = TcpListener::bind(health_addr).await?;
+    let metrics_app = Router::new().route("/metrics", get(render)).with_state(metrics);
+    let health_app =
+        Router::new().route("/healthz", get(|| async { "ok" })).route("/readyz", get(ready)).with_state(readiness);
+    let (stop, stopped) = tokio::sync::watch::channel(());
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(());
+    });
+    let wait = |mut rx: tokio::sync::watch::Receiver<()>| async move {
+        let _ = rx.changed().await;
+    };
+    let metrics_server = axum::serve(metrics_listener, metrics_app).with_graceful_shutdown(wait(stopped.clone()));
+    let health_server = axum::serve(health_listener, health_app).with_graceful_shutdown(wait(stopped));
+    Ok(async move {
+        let (m, h) = tokio::join!(metrics_server, health_server);
+        if let Err(e) = m.and(h) {
+            tracing::warn!(error = %e, "HTTP server stopped with an error");
+        }
+    })
+}
+
+async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], metrics.render())
+}
+
+async fn ready(State(readiness): State<Readiness>) -> impl IntoResponse {
+    if readiness.is_ready() { (StatusCode::OK, "ok") } else { (StatusCode::SERVICE_UNAVAILABLE, "caches not synced") }
+}

@@ -1,0 +1,221 @@
+//! Prometheus metrics (SPEC section 7): controller-runtime-compatible reconcile metrics, and per-policy series
+//! that mirror the status at scrape time, labelled with namespace, policy, stream and group.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::api::ConsumerGroupPolicyStatus;
+
+/// The `controller` label of the reconcile metrics.
+pub const CONTROLLER: &str = "consumergrouppolicy";
+
+type Labels = Vec<(&'static str, String)>;
+
+pub struct Metrics {
+    registry: Registry,
+    reconcile_total: Family<Labels, Counter>,
+    reconcile_errors: Family<Labels, Counter>,
+    reconcile_time: Family<Labels, Histogram>,
+    policies: Arc<PolicySeries>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let reconcile_total = Family::<Labels, Counter>::default();
+        let reconcile_errors = Family::<Labels, Counter>::default();
+        let reconcile_time =
+            Family::<Labels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 14)));
+        registry.register(
+            "controller_runtime_reconcile",
+            "Total number of reconciliations per controller",
+            reconcile_total.clone(),
+        );
+        registry.register(
+            "controller_runtime_reconcile_errors",
+            "Total number of reconciliation errors per controller",
+            reconcile_errors.clone(),
+        );
+        registry.register(
+            "controller_runtime_reconcile_time_seconds",
+            "Length of time per reconciliation per controller",
+            reconcile_time.clone(),
+        );
+        let policies = Arc::new(PolicySeries::default());
+        registry.register_collector(Box::new(policies.clone()));
+        Metrics { registry, reconcile_total, reconcile_errors, reconcile_time, policies }
+    }
+}
+
+impl Metrics {
+    /// Records one reconcile; `error` says whether it failed.
+    pub fn reconciled(&self, took: Duration, error: bool) {
+        let controller: Labels = vec![("controller", CONTROLLER.into())];
+        let result = if error { "error" } else { "success" };
+        self.reconcile_total.get_or_create(&vec![("controller", CONTROLLER.into()), ("result", result.into())]).inc();
+        if error {
+            self.reconcile_errors.get_or_create(&controller).inc();
+        }
+        self.reconcile_time.get_or_create(&controller).observe(took.as_secs_f64());
+    }
+
+    /// Publishes a policy's status as its series.
+    pub fn observe_policy(&self, key: PolicyKey, snapshot: PolicySnapshot) {
+        self.policies.0.lock().expect("metrics lock").insert(key, snapshot);
+    }
+
+    /// Drops a deleted policy's series.
+    pub fn forget_policy(&self, key: &PolicyKey) {
+        self.policies.0.lock().expect("metrics lock").remove(key);
+    }
+
+    /// The Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry).expect("metrics encode");
+        out
+    }
+}
+
+/// Namespace and name of a policy.
+pub type PolicyKey = (String, String);
+
+/// What the series of one policy show.
+#[derive(Clone, Debug, Default)]
+pub struct PolicySnapshot {
+    pub stream: String,
+    pub group: String,
+    pub ready: bool,
+    pub status: ConsumerGroupPolicyStatus,
+    /// Server time minus the oldest pending id's time.
+    pub oldest_pending_age_seconds: Option<i64>,
+}
+
+/// Name, help, and the value of one policy (no series when `None`).
+type Series = (&'static str, &'static str, fn(&PolicySnapshot) -> Option<i64>);
+
+#[derive(Debug, Default)]
+struct PolicySeries(Mutex<BTreeMap<PolicyKey, PolicySnapshot>>);
+
+impl Collector for PolicySeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let policies = self.0.lock().expect("metrics lock");
+        let labels = |(namespace, name): &PolicyKey, p: &PolicySnapshot| -> Labels {
+            vec![
+                ("namespace", namespace.clone()),
+                ("policy", name.clone()),
+                ("stream", p.stream.clone()),
+                ("group", p.group.clone()),
+            ]
+        };
+        let gauges: [Series; 8] = [
+            ("pelican_group_pending", "Entries in the group's PEL", |p| p.status.pending),
+            ("pelican_group_oldest_pending_age_seconds", "Age of the oldest pending entry, from its id", |p| {
+                p.oldest_pending_age_seconds
+            }),
+            ("pelican_group_oldest_pending_idle_seconds", "Idle time of the oldest pending entry", |p| {
+                p.status.oldest_pending_idle_seconds
+            }),
+            ("pelican_group_lag", "Entries not yet delivered to the group (absent when unknown)", |p| p.status.lag),
+            ("pelican_group_consumers", "Consumers of the group", |p| p.status.consumers),
+            ("pelican_stream_length", "Entries in the source stream", |p| p.status.stream_length),
+            ("pelican_dead_letter_stream_length", "Entries in the dead-letter stream", |p| p.status.dead_letter_length),
+            ("pelican_policy_ready", "1 when the policy's Ready condition is True", |p| Some(p.ready as i64)),
+        ];
+        for (name, help, value) in gauges {
+            let mut metric = encoder.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
+            for (key, p) in policies.iter() {
+                if let Some(v) = value(p) {
+                    ConstGauge::new(v).encode(metric.encode_family(&labels(key, p))?)?;
+                }
+            }
+        }
+        let counters: [Series; 5] = [
+            ("pelican_dead_lettered", "Messages moved to the dead-letter stream", |p| Some(totals(p)?.dead_lettered)),
+            ("pelican_requeued", "Messages requeued to the tail of the stream", |p| Some(totals(p)?.requeued)),
+            ("pelican_reassigned", "Messages claimed for a live consumer", |p| Some(totals(p)?.reassigned)),
+            ("pelican_payload_deleted", "PEL entries dropped because their payload was gone", |p| {
+                Some(totals(p)?.payload_deleted)
+            }),
+            ("pelican_consumers_expired", "Inactive consumers deleted", |p| Some(totals(p)?.consumers_expired)),
+        ];
+        for (name, help, value) in counters {
+            let mut metric = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+            for (key, p) in policies.iter() {
+                if let Some(v) = value(p) {
+                    ConstCounter::new(v.max(0) as u64).encode(metric.encode_family(&labels(key, p))?)?;
+                }
+            }
+        }
+        let mut metric = encoder.encode_descriptor(
+            "pelican_terminal_acks",
+            "Messages ended as terminal, by reason code",
+            None,
+            ConstCounter::new(0u64).metric_type(),
+        )?;
+        for (key, p) in policies.iter() {
+            for ack in &p.status.terminal_acks {
+                let mut with_reason = labels(key, p);
+                with_reason.push(("reason", ack.reason.clone()));
+                ConstCounter::new(ack.count.max(0) as u64).encode(metric.encode_family(&with_reason)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn totals(p: &PolicySnapshot) -> Option<&crate::api::Totals> {
+    p.status.totals.as_ref()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{TerminalAckCount, Totals};
+
+    #[test]
+    fn series_mirror_the_status() {
+        let metrics = Metrics::default();
+        let status = ConsumerGroupPolicyStatus {
+            pending: Some(42),
+            lag: None,
+            totals: Some(Totals { dead_lettered: 12, ..Totals::default() }),
+            terminal_acks: vec![TerminalAckCount { reason: "RecordNotFound".into(), count: 40 }],
+            ..Default::default()
+        };
+        let snapshot = PolicySnapshot {
+            stream: "s".into(),
+            group: "g".into(),
+            ready: true,
+            status,
+            oldest_pending_age_seconds: None,
+        };
+        metrics.observe_policy(("apps".into(), "p".into()), snapshot);
+        metrics.reconciled(Duration::from_millis(3), false);
+        let text = metrics.render();
+        let labels = r#"namespace="apps",policy="p",stream="s",group="g""#;
+        assert!(text.contains(&format!("pelican_group_pending{{{labels}}} 42")), "{text}");
+        assert!(text.contains(&format!("pelican_dead_lettered_total{{{labels}}} 12")), "{text}");
+        assert!(
+            text.contains(&format!(r#"pelican_terminal_acks_total{{{labels},reason="RecordNotFound"}} 40"#)),
+            "{text}"
+        );
+        assert!(!text.contains("pelican_group_lag{"), "unknown lag must be absent, not 0:\n{text}");
+        assert!(
+            text.contains(r#"controller_runtime_reconcile_total{controller="consumergrouppolicy",result="success"} 1"#),
+            "{text}"
+        );
+
+        metrics.forget_policy(&("apps".into(), "p".into()));
+        assert!(!metrics.render().contains("pelican_group_pending{"));
+    }
+}
