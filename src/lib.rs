@@ -4,6 +4,7 @@
 //! workers and the operator.
 
 pub mod keys;
+pub mod worker;
 
 #[cfg(feature = "operator")]
 pub mod api;

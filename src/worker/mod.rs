@@ -1,0 +1,330 @@
+//! The worker SDK (SPEC section 6): the dispatch layer of an application consumer. It reads the consumer's own PEL
+//! first, then new entries, hands each message to a handler with bounded concurrency, and is the only place that
+//! acknowledges:
+//!
+//! - `Ok(Outcome::Done)` -> `XACK`;
+//! - `Ok(Outcome::Terminal(reason))` -> `XACK` and `HINCRBY {T}:pelican:<group>:terminal <reason> 1` in one script,
+//!   counted only when the `XACK` removed the entry, plus one structured WARN line (never the payload);
+//! - `Err(_)` or a panic -> no ACK, one log line; the message stays pending for the operator's reclaim.
+//!
+//! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
+
+mod reason;
+
+pub use reason::{InvalidReason, Reason};
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use futures::FutureExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, RedisResult, Script, Value};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tracing::{error, warn};
+
+use crate::keys::terminal_key;
+
+static TERMINAL_ACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("terminal_ack.lua")));
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// One stream entry as the handler sees it. Fields are raw bytes, in the order they were added.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    pub id: String,
+    pub fields: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Message {
+    /// The value of a field (the first one when the name repeats).
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields.iter().find(|(k, _)| k == name.as_bytes()).map(|(_, v)| v.as_slice())
+    }
+
+    /// The value of a field as text, when it is UTF-8.
+    pub fn field_str(&self, name: &str) -> Option<&str> {
+        std::str::from_utf8(self.field(name)?).ok()
+    }
+}
+
+/// How the handler ended a message. Errors are the handler's `Err`, not an outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Processed: acknowledge.
+    Done,
+    /// Will never succeed (the record it refers to is gone, say): acknowledge and count under this reason.
+    Terminal(Reason),
+}
+
+impl Outcome {
+    /// `Outcome::Terminal` from a literal code. An invalid code is a programming error: this panics with a message
+    /// naming the rule, and the dispatch layer treats the panic as a failure (no ACK), never as a silent ACK.
+    pub fn terminal(code: &str) -> Outcome {
+        match Reason::new(code) {
+            Ok(reason) => Outcome::Terminal(reason),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub stream: String,
+    pub group: String,
+    pub consumer: String,
+    /// Messages handled at once.
+    pub concurrency: usize,
+    /// How long one read waits for new entries.
+    pub block: Duration,
+    /// On shutdown, how long in-flight handlers may take before they are abandoned (not acknowledged).
+    pub shutdown_grace: Duration,
+}
+
+impl WorkerConfig {
+    pub fn new(stream: impl Into<String>, group: impl Into<String>, consumer: impl Into<String>) -> Self {
+        WorkerConfig {
+            stream: stream.into(),
+            group: group.into(),
+            consumer: consumer.into(),
+            concurrency: 16,
+            block: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What a worker did, returned when it stops.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    pub done: u64,
+    pub terminal: u64,
+    /// Handler errors and panics: left pending.
+    pub failed: u64,
+    /// Still running when the shutdown grace ran out: left pending.
+    pub abandoned: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    done: AtomicU64,
+    terminal: AtomicU64,
+    failed: AtomicU64,
+}
+
+pub struct Worker {
+    /// Blocking reads get a connection of their own, so acknowledgements never wait behind them.
+    reader: ConnectionManager,
+    writer: ConnectionManager,
+    config: WorkerConfig,
+}
+
+impl Worker {
+    pub async fn connect(client: &Client, config: WorkerConfig) -> RedisResult<Worker> {
+        let timeouts = |response: Duration| {
+            ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(Duration::from_secs(5)))
+                .set_response_timeout(Some(response))
+        };
+        let reader =
+            ConnectionManager::new_with_config(client.clone(), timeouts(config.block + Duration::from_secs(10)));
+        let writer = ConnectionManager::new_with_config(client.clone(), timeouts(Duration::from_secs(10)));
+        Ok(Worker { reader: reader.await?, writer: writer.await?, config })
+    }
+
+    /// Runs until `shutdown` resolves: then stops reading, lets in-flight handlers finish (up to the grace period)
+    /// and returns. Read errors (the server restarting, say) are logged and retried; they do not stop the worker.
+    pub async fn run<H, Fut>(mut self, handler: H, shutdown: impl Future<Output = ()>) -> WorkerStats
+    where
+        H: Fn(Message) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
+    {
+        let handler = Arc::new(handler);
+        let counters = Arc::new(Counters::default());
+        let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
+        let mut tasks = JoinSet::new();
+        // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
+        let mut own_pel_cursor = Some("0".to_string());
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let first = tokio::select! {
+                _ = &mut shutdown => break,
+                permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
+            };
+            let mut batch_permits = vec![first];
+            while let Ok(p) = permits.clone().try_acquire_owned() {
+                batch_permits.push(p);
+            }
+            let read = self.read(batch_permits.len(), &mut own_pel_cursor);
+            let messages = tokio::select! {
+                _ = &mut shutdown => break,
+                read = read => match read {
+                    Ok(messages) => messages,
+                    Err(e) => {
+                        warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        continue;
+                    }
+                },
+            };
+            for (message, permit) in messages.into_iter().zip(batch_permits) {
+                let (handler, counters, conn, config) =
+                    (handler.clone(), counters.clone(), self.writer.clone(), self.config.clone());
+                tasks.spawn(async move {
+                    dispatch(&config, conn, &counters, message, handler.as_ref()).await;
+                    drop(permit);
+                });
+            }
+            while tasks.try_join_next().is_some() {}
+        }
+        let abandoned = match tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await {
+            Ok(()) => 0,
+            Err(_) => {
+                let left = tasks.len() as u64;
+                tasks.abort_all();
+                drain(&mut tasks).await;
+                left
+            }
+        };
+        WorkerStats {
+            done: counters.done.load(Ordering::Relaxed),
+            terminal: counters.terminal.load(Ordering::Relaxed),
+            failed: counters.failed.load(Ordering::Relaxed),
+            abandoned,
+        }
+    }
+
+    /// Up to `count` messages: from our own PEL while it has entries, then new ones (blocking up to `block`).
+    async fn read(&mut self, count: usize, own_pel_cursor: &mut Option<String>) -> RedisResult<Vec<Message>> {
+        let config = &self.config;
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(count);
+        match own_pel_cursor.as_deref() {
+            Some(cursor) => cmd.arg("STREAMS").arg(&config.stream).arg(cursor),
+            None => cmd.arg("BLOCK").arg(config.block.as_millis() as u64).arg("STREAMS").arg(&config.stream).arg(">"),
+        };
+        let reply: Value = cmd.query_async(&mut self.reader).await?;
+        let entries = parse_entries(reply);
+        if own_pel_cursor.is_some() {
+            *own_pel_cursor = entries.last().map(|(id, _)| id.clone());
+        }
+        // An entry of our PEL whose payload was deleted comes back without fields: a stale reference that the
+        // operator drops as PayloadDeleted. It is not a message, so the handler never sees it.
+        Ok(entries.into_iter().filter_map(|(id, fields)| Some(Message { id, fields: fields? })).collect())
+    }
+}
+
+/// Acknowledges `id` and counts it under `reason` in `{T}:pelican:<group>:terminal`, atomically. Returns whether
+/// this call removed the entry from the PEL; a repeated call returns `false` and counts nothing.
+pub async fn ack_terminal(
+    conn: &mut ConnectionManager,
+    stream: &str,
+    group: &str,
+    id: &str,
+    reason: &Reason,
+) -> RedisResult<bool> {
+    let acked: i64 = TERMINAL_ACK
+        .key(stream)
+        .key(terminal_key(stream, group))
+        .arg(group)
+        .arg(id)
+        .arg(reason.as_str())
+        .invoke_async(conn)
+        .await?;
+    Ok(acked == 1)
+}
+
+async fn drain(tasks: &mut JoinSet<()>) {
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Runs the handler for one message and performs its outcome: the only place that acknowledges.
+async fn dispatch<H, Fut>(
+    config: &WorkerConfig,
+    mut conn: ConnectionManager,
+    counters: &Counters,
+    message: Message,
+    handler: &H,
+) where
+    H: Fn(Message) -> Fut,
+    Fut: Future<Output = Result<Outcome, BoxError>>,
+{
+    let id = message.id.clone();
+    let (stream, group) = (config.stream.as_str(), config.group.as_str());
+    let result = AssertUnwindSafe(handler(message)).catch_unwind().await;
+    match result {
+        Ok(Ok(Outcome::Done)) => {
+            let acked: RedisResult<i64> =
+                redis::cmd("XACK").arg(stream).arg(group).arg(&id).query_async(&mut conn).await;
+            match acked {
+                Ok(_) => counters.done.fetch_add(1, Ordering::Relaxed),
+                Err(e) => {
+                    warn!(stream, group, entry_id = %id, error = %e, "XACK failed; the message stays pending");
+                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                }
+            };
+        }
+        Ok(Ok(Outcome::Terminal(reason))) => {
+            warn!(stream, group, entry_id = %id, reason = %reason, will_ack = true, "message ended as terminal");
+            match ack_terminal(&mut conn, stream, group, &id, &reason).await {
+                Ok(_) => counters.terminal.fetch_add(1, Ordering::Relaxed),
+                Err(e) => {
+                    warn!(stream, group, entry_id = %id, error = %e, "terminal ACK failed; the message stays pending");
+                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                }
+            };
+        }
+        Ok(Err(e)) => {
+            warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for retry");
+            counters.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
+            counters.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// `[[stream, [[id, [field, value, ...] | nil], ...]]]` -> (id, fields); `None` fields for a deleted payload.
+type RawEntry = (String, Option<Vec<(Vec<u8>, Vec<u8>)>>);
+
+fn parse_entries(reply: Value) -> Vec<RawEntry> {
+    type Streams = Option<Vec<(String, Vec<(String, Option<Vec<Vec<u8>>>)>)>>;
+    let streams: Streams = redis::from_redis_value(reply).unwrap_or_default();
+    streams
+        .into_iter()
+        .flatten()
+        .flat_map(|(_, entries)| entries)
+        .map(|(id, flat)| {
+            let fields = flat.map(|flat| flat.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect());
+            (id, fields)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "must be CamelCase")]
+    fn terminal_with_an_invalid_code_panics_with_the_rule() {
+        Outcome::terminal("record not found");
+    }
+
+    #[test]
+    fn message_fields_are_raw_and_ordered() {
+        let m = Message { id: "1-0".into(), fields: vec![(b"a".to_vec(), vec![0xff]), (b"a".to_vec(), b"2".to_vec())] };
+        assert_eq!(m.field("a"), Some(&[0xff][..]));
+        assert_eq!(m.field_str("a"), None);
+        assert_eq!(m.field("b"), None);
+    }
+}

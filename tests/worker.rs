@@ -1,0 +1,345 @@
+//! The worker SDK against real Redis 7.0 and Valkey 9.1: seed 000's dispatch contract, with the example "file
+//! jobs" handler from examples/file_jobs.
+
+#[macro_use]
+mod common;
+#[path = "../examples/file_jobs/handler.rs"]
+mod handler;
+
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use handler::{FileJobs, RedisJobStore};
+use std::future::ready;
+
+use pelican::worker::{Message, Outcome, Reason, Worker, WorkerConfig, WorkerStats, ack_terminal};
+
+on_both_servers!(
+    record_gone_is_terminal_acked_and_counted_without_heavy_work,
+    lookup_failure_reaches_the_dispatch_layer_and_stays_pending,
+    record_present_is_done,
+    handler_panic_is_an_error_and_the_worker_keeps_running,
+    invalid_reason_code_is_reported_and_never_acked,
+    shutdown_mid_batch_finishes_in_flight_work_and_acks_nothing_unfinished,
+    a_second_ack_of_the_same_entry_never_counts_twice,
+    own_pel_is_read_before_new_entries,
+    terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons,
+);
+
+const STREAM: &str = "files";
+const GROUP: &str = "converters";
+
+/// Log lines the SDK writes during a test (current-thread runtime, so its tasks log to this subscriber).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).to_string()
+    }
+}
+
+/// Runs a worker on `server` with `handler` until the stream's group has nothing left to give it (or `stop_after`).
+fn run_worker<H, Fut>(
+    server: &Server,
+    config: WorkerConfig,
+    handler: impl Future<Output = H>,
+    stop_after: Duration,
+) -> (WorkerStats, String)
+where
+    H: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Outcome, pelican::worker::BoxError>> + Send + 'static,
+{
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt().json().with_writer(move || writer.clone()).finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let stats = runtime.block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let worker = Worker::connect(&client, config).await.unwrap();
+        worker.run(handler.await, tokio::time::sleep(stop_after)).await
+    });
+    (stats, logs.text())
+}
+
+fn config() -> WorkerConfig {
+    WorkerConfig { block: Duration::from_millis(100), ..WorkerConfig::new(STREAM, GROUP, "worker-1") }
+}
+
+fn setup(server: &Server, jobs: &[&str]) -> Vec<String> {
+    let mut conn = server.conn();
+    let _: () =
+        redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg(GROUP).arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+    jobs.iter()
+        .map(|job| redis::cmd("XADD").arg(STREAM).arg("*").arg("job_id").arg(job).query::<String>(&mut conn).unwrap())
+        .collect()
+}
+
+/// The example's handler with its record store on `store_server`; built inside the worker's runtime.
+async fn file_jobs(store_server: &Server) -> Arc<FileJobs<RedisJobStore>> {
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_number_of_retries(0)
+        .set_connection_timeout(Some(Duration::from_millis(500)))
+        .set_response_timeout(Some(Duration::from_millis(500)));
+    let client = redis::Client::open(store_server.url()).unwrap();
+    Arc::new(FileJobs::new(RedisJobStore(client.get_connection_manager_with_config(config).await.unwrap())))
+}
+
+type BoxedOutcome = std::pin::Pin<Box<dyn Future<Output = Result<Outcome, pelican::worker::BoxError>> + Send>>;
+
+fn handle_with(jobs: Arc<FileJobs<RedisJobStore>>) -> impl Fn(Message) -> BoxedOutcome + Send + Sync + 'static {
+    move |message| {
+        let jobs = jobs.clone();
+        Box::pin(async move { jobs.handle(message).await })
+    }
+}
+
+fn terminal_count(conn: &mut redis::Connection, reason: &str) -> i64 {
+    redis::cmd("HGET")
+        .arg("{files}:pelican:converters:terminal")
+        .arg(reason)
+        .query::<Option<i64>>(conn)
+        .unwrap()
+        .unwrap_or(0)
+}
+
+fn record_gone_is_terminal_acked_and_counted_without_heavy_work(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = setup(&server, &["job-41"]);
+    let jobs = Mutex::new(None);
+    let setup_handler = async {
+        let j = file_jobs(&server).await;
+        *jobs.lock().unwrap() = Some(j.clone());
+        handle_with(j)
+    };
+    let (stats, logs) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
+    let jobs = jobs.into_inner().unwrap().unwrap();
+    assert_eq!((stats.terminal, stats.done, stats.failed), (1, 0, 0));
+    assert_eq!(jobs.heavy_work_started.load(Ordering::Relaxed), 0, "no heavy work for a job whose record is gone");
+    let mut conn = server.conn();
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty(), "resolved and acknowledged");
+    assert_eq!(terminal_count(&mut conn, "RecordNotFound"), 1);
+    // One structured WARN line with stream, group, entry id, reason and will_ack, and nothing of the payload.
+    let line = logs.lines().find(|l| l.contains("message ended as terminal")).expect(&logs);
+    let json: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(json["level"], "WARN");
+    assert_eq!(json["fields"]["stream"], STREAM);
+    assert_eq!(json["fields"]["group"], GROUP);
+    assert_eq!(json["fields"]["entry_id"], ids[0].as_str());
+    assert_eq!(json["fields"]["reason"], "RecordNotFound");
+    assert_eq!(json["fields"]["will_ack"], true);
+    assert!(!logs.contains("job-41"), "the payload must not be logged: {logs}");
+    assert_eq!(logs.matches("message ended as terminal").count(), 1);
+}
+
+fn lookup_failure_reaches_the_dispatch_layer_and_stays_pending(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut records = Server::start(flavor);
+    let ids = setup(&server, &["job-7"]);
+    let jobs = Mutex::new(None);
+    let setup_handler = async {
+        let j = file_jobs(&records).await;
+        records.stop(); // the record store goes down: every lookup fails
+        *jobs.lock().unwrap() = Some(j.clone());
+        handle_with(j)
+    };
+    let (stats, logs) = run_worker(&server, config(), setup_handler, Duration::from_millis(1500));
+    let jobs = jobs.into_inner().unwrap().unwrap();
+    assert_eq!((stats.failed, stats.done, stats.terminal), (1, 0, 0), "{logs}");
+    assert_eq!(jobs.heavy_work_started.load(Ordering::Relaxed), 0);
+    let mut conn = server.conn();
+    let pending = pel(&mut conn, STREAM, GROUP);
+    assert_eq!(pending.len(), 1, "a failed lookup is never acknowledged");
+    assert_eq!(pending[0].0, ids[0]);
+    assert_eq!(terminal_count(&mut conn, "RecordNotFound"), 0);
+    let line = logs.lines().find(|l| l.contains("handler failed")).expect(&logs);
+    let json: serde_json::Value = serde_json::from_str(line).unwrap();
+    let error = json["fields"]["error"].as_str().unwrap().to_lowercase();
+    assert!(
+        error.contains("refused")
+            || error.contains("broken")
+            || error.contains("reset")
+            || error.contains("timed out")
+            || error.contains("io"),
+        "the original storage error reaches the dispatch layer: {error}"
+    );
+    assert_eq!(logs.matches("handler failed").count(), 1, "logged once");
+}
+
+fn record_present_is_done(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-1"]);
+    let _: () = redis::cmd("HSET").arg("filejob:job-1").arg("path").arg("/in/a.pdf").query(&mut server.conn()).unwrap();
+    let jobs = Mutex::new(None);
+    let setup_handler = async {
+        let j = file_jobs(&server).await;
+        *jobs.lock().unwrap() = Some(j.clone());
+        handle_with(j)
+    };
+    let (stats, _) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
+    let jobs = jobs.into_inner().unwrap().unwrap();
+    assert_eq!((stats.done, stats.terminal, stats.failed), (1, 0, 0));
+    assert_eq!(jobs.heavy_work_started.load(Ordering::Relaxed), 1);
+    assert!(pel(&mut server.conn(), STREAM, GROUP).is_empty());
+}
+
+fn handler_panic_is_an_error_and_the_worker_keeps_running(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = setup(&server, &["boom", "fine", "fine-too"]);
+    let (stats, logs) = run_worker(
+        &server,
+        config(),
+        ready(|m: Message| async move {
+            if m.field_str("job_id") == Some("boom") {
+                panic!("corrupt input");
+            }
+            Ok(Outcome::Done)
+        }),
+        Duration::from_millis(800),
+    );
+    assert_eq!((stats.failed, stats.done), (1, 2));
+    let pending: Vec<String> = pel(&mut server.conn(), STREAM, GROUP).into_iter().map(|p| p.0).collect();
+    assert_eq!(pending, [ids[0].clone()]);
+    assert!(logs.contains("handler panicked") && logs.contains("corrupt input"), "{logs}");
+}
+
+fn invalid_reason_code_is_reported_and_never_acked(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-9"]);
+    let (stats, logs) = run_worker(
+        &server,
+        config(),
+        ready(|_| async { Ok(Outcome::terminal("record not found")) }),
+        Duration::from_millis(800),
+    );
+    assert_eq!((stats.failed, stats.terminal), (1, 0));
+    assert_eq!(pel(&mut server.conn(), STREAM, GROUP).len(), 1, "never a silent ACK");
+    assert!(logs.contains("invalid terminal reason code") && logs.contains("^[A-Z][A-Za-z0-9]{0,62}$"), "{logs}");
+}
+
+fn shutdown_mid_batch_finishes_in_flight_work_and_acks_nothing_unfinished(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = setup(&server, &["quick", "slow", "stuck", "stuck"]);
+    let config = WorkerConfig { shutdown_grace: Duration::from_millis(1500), ..config() };
+    // Shutdown comes at 300 ms: "quick" is done, "slow" finishes within the grace period, "stuck" never does.
+    let (stats, _) = run_worker(
+        &server,
+        config,
+        ready(|m: Message| async move {
+            match m.field_str("job_id") {
+                Some("slow") => tokio::time::sleep(Duration::from_millis(800)).await,
+                Some("stuck") => std::future::pending::<()>().await,
+                _ => {}
+            }
+            Ok(Outcome::Done)
+        }),
+        Duration::from_millis(300),
+    );
+    assert_eq!((stats.done, stats.abandoned), (2, 2), "{stats:?}");
+    let pending: Vec<String> = pel(&mut server.conn(), STREAM, GROUP).into_iter().map(|p| p.0).collect();
+    assert_eq!(pending, ids[2..], "only the unfinished messages stay pending");
+}
+
+fn a_second_ack_of_the_same_entry_never_counts_twice(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-3"]);
+    let mut conn = server.conn();
+    let id = read_new(&mut conn, STREAM, GROUP, "worker-1", 1).remove(0);
+    let reason = Reason::new("RecordNotFound").unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (first, second) = runtime.block_on(async {
+        let mut c = redis::Client::open(server.url()).unwrap().get_connection_manager().await.unwrap();
+        let first = ack_terminal(&mut c, STREAM, GROUP, &id, &reason).await.unwrap();
+        let second = ack_terminal(&mut c, STREAM, GROUP, &id, &reason).await.unwrap();
+        (first, second)
+    });
+    assert_eq!((first, second), (true, false));
+    assert_eq!(terminal_count(&mut conn, "RecordNotFound"), 1);
+}
+
+fn own_pel_is_read_before_new_entries(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = setup(&server, &["old-1", "old-2"]);
+    // Delivered to worker-1 before it "crashed"; then a new entry arrives.
+    read_new(&mut server.conn(), STREAM, GROUP, "worker-1", 10);
+    let newer: String =
+        redis::cmd("XADD").arg(STREAM).arg("*").arg("job_id").arg("new").query(&mut server.conn()).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let config = WorkerConfig { concurrency: 1, ..config() };
+    let (stats, _) = run_worker(
+        &server,
+        config,
+        ready(move |m: Message| {
+            record.lock().unwrap().push(m.id.clone());
+            async { Ok(Outcome::Done) }
+        }),
+        Duration::from_millis(800),
+    );
+    assert_eq!(stats.done, 3);
+    assert_eq!(*seen.lock().unwrap(), [ids[0].clone(), ids[1].clone(), newer]);
+}
+
+fn terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("worker");
+    let operator = Operator::start(&ns);
+    let manifest = policy("files", &server.url(), STREAM, GROUP, "  retry:\n    maxDeliveries: 1\n")
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "files", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    // Two messages a consumer took and never finished: the operator dead-letters them (maxDeliveries 1).
+    for job in ["x", "y"] {
+        let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("job_id").arg(job).query(&mut conn).unwrap();
+    }
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "crashed", 2).len(), 2);
+    // Forty file jobs whose records are gone: the worker ends them as RecordNotFound.
+    for i in 0..40 {
+        let _: String =
+            redis::cmd("XADD").arg(STREAM).arg("*").arg("job_id").arg(format!("gone-{i}")).query(&mut conn).unwrap();
+    }
+    let setup_handler = async { handle_with(file_jobs(&server).await) };
+    let (stats, _) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
+    assert_eq!(stats.terminal, 40);
+
+    let policy = wait_for("terminalAcks in status", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "files");
+        let acks = p["status"]["terminalAcks"].clone();
+        let count = |reason: &str| {
+            acks.as_array().and_then(|a| a.iter().find(|x| x["reason"] == reason)).map(|x| x["count"].clone())
+        };
+        if count("RecordNotFound").is_some() && count("MaxDeliveriesExceeded").is_some() {
+            Ok(p)
+        } else {
+            Err(acks.to_string())
+        }
+    });
+    let yaml = kubectl_ok(&["get", "cgp", "files", "-n", &ns, "-o", "yaml"]);
+    assert!(yaml.contains("reason: RecordNotFound"), "{yaml}");
+    let acks = policy["status"]["terminalAcks"].clone();
+    assert_eq!(
+        acks,
+        serde_json::json!([{"reason": "MaxDeliveriesExceeded", "count": 2}, {"reason": "RecordNotFound", "count": 40}])
+    );
+    let record_not_found = 40;
+    let metrics = operator.metrics();
+    let line = format!(
+        r#"pelican_terminal_acks_total{{namespace="{ns}",policy="files",stream="{STREAM}",group="{GROUP}",reason="RecordNotFound"}} {record_not_found}"#
+    );
+    assert!(metrics.lines().any(|l| l == line), "missing {line}\n{metrics}");
+}
