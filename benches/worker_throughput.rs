@@ -1,0 +1,125 @@
+//! The SDK's cost per message: a worker with a no-op handler vs a plain XREADGROUP / XACK loop doing the same
+//! work on the same server, printed side by side.
+//!
+//!   scripts/testenv up && cargo bench --bench worker_throughput [-- <messages>]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use pelican::worker::{Outcome, Worker, WorkerConfig};
+use redis::aio::ConnectionManager;
+
+const GROUP: &str = "g";
+
+fn bed_var(name: &str) -> String {
+    let dir = std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
+    let env = std::fs::read_to_string(format!("{dir}/env")).expect("the test bed is not up: run scripts/testenv up");
+    env.lines()
+        .find_map(|l| l.strip_prefix(&format!("export {name}=")))
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("{name} missing from the bed env"))
+}
+
+async fn fill(conn: &mut ConnectionManager, stream: &str, count: usize) {
+    let _: () = redis::cmd("DEL").arg(stream).query_async(conn).await.unwrap();
+    for start in (0..count).step_by(1000) {
+        let mut pipe = redis::pipe();
+        for n in start..(start + 1000).min(count) {
+            pipe.cmd("XADD").arg(stream).arg("*").arg("n").arg(n).arg("body").arg("x".repeat(100)).ignore();
+        }
+        let _: () = pipe.query_async(conn).await.unwrap();
+    }
+    let _: () = redis::cmd("XGROUP").arg("CREATE").arg(stream).arg(GROUP).arg("0").query_async(conn).await.unwrap();
+}
+
+/// The loop a hand-written consumer would run: read a batch, acknowledge each message.
+async fn plain_loop(conn: &mut ConnectionManager, stream: &str, count: usize, batch: usize) -> Duration {
+    let start = Instant::now();
+    let mut done = 0;
+    while done < count {
+        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(GROUP)
+            .arg("plain")
+            .arg("COUNT")
+            .arg(batch)
+            .arg("STREAMS")
+            .arg(stream)
+            .arg(">")
+            .query_async(conn)
+            .await
+            .unwrap();
+        for entry in reply.keys.into_iter().flat_map(|k| k.ids) {
+            let _: i64 = redis::cmd("XACK").arg(stream).arg(GROUP).arg(&entry.id).query_async(conn).await.unwrap();
+            done += 1;
+        }
+    }
+    start.elapsed()
+}
+
+async fn sdk(client: &redis::Client, stream: &str, count: usize, concurrency: usize) -> Duration {
+    let config =
+        WorkerConfig { concurrency, block: Duration::from_millis(50), ..WorkerConfig::new(stream, GROUP, "sdk") };
+    let worker = Worker::connect(client, config).await.unwrap();
+    let mut conn = client.get_connection_manager().await.unwrap();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let counter = handled.clone();
+    let watch_stream = stream.to_string();
+    let start = Instant::now();
+    // Stop once every message was handled and nothing is left pending (all acknowledged).
+    let all_acked = async move {
+        loop {
+            if handled.load(Ordering::Relaxed) >= count {
+                let pending: (i64, redis::Value, redis::Value, redis::Value) =
+                    redis::cmd("XPENDING").arg(&watch_stream).arg(GROUP).query_async(&mut conn).await.unwrap();
+                if pending.0 == 0 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    let handler = move |_| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        async { Ok(Outcome::Done) }
+    };
+    let stats = worker.run(handler, all_acked).await;
+    assert_eq!(stats.done as usize, count, "{stats:?}");
+    start.elapsed()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let count: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(50_000);
+    println!("worker throughput, {count} messages, no-op handler; messages per second (microseconds per message)");
+    println!(
+        "{:<14} {:>24} {:>24} {:>24}",
+        "server", "plain loop (batch 16)", "SDK concurrency 1", "SDK concurrency 16"
+    );
+    for var in ["PELICAN_REDIS_URL", "PELICAN_VALKEY_URL"] {
+        let client = redis::Client::open(bed_var(var)).unwrap();
+        let mut conn = client.get_connection_manager().await.unwrap();
+        let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
+        let server = pelican::redis::ServerInfo::parse(&info).to_string();
+        let cell = |took: Duration| {
+            format!("{:>10.0} ({:>6.1} us)", count as f64 / took.as_secs_f64(), took.as_secs_f64() * 1e6 / count as f64)
+        };
+        fill(&mut conn, "{bench}:plain", count).await;
+        let plain_one = plain_loop(&mut conn, "{bench}:plain", count, 1).await;
+        fill(&mut conn, "{bench}:plain", count).await;
+        let plain = plain_loop(&mut conn, "{bench}:plain", count, 16).await;
+        fill(&mut conn, "{bench}:sdk1", count).await;
+        let one = sdk(&client, "{bench}:sdk1", count, 1).await;
+        fill(&mut conn, "{bench}:sdk16", count).await;
+        let sixteen = sdk(&client, "{bench}:sdk16", count, 16).await;
+        println!("{:<14} {:>24} {:>24} {:>24} {:>24}", server, cell(plain_one), cell(one), cell(plain), cell(sixteen));
+        let _: () = redis::cmd("DEL")
+            .arg("{bench}:plain")
+            .arg("{bench}:sdk1")
+            .arg("{bench}:sdk16")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
