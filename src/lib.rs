@@ -15,6 +15,8 @@ mod error;
 #[cfg(feature = "operator")]
 pub mod jobs;
 #[cfg(feature = "operator")]
+pub mod leader;
+#[cfg(feature = "operator")]
 pub mod redis;
 #[cfg(feature = "operator")]
 pub mod telemetry;

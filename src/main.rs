@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
 use pelican::api::ConsumerGroupPolicy;
+use pelican::leader::Elector;
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
 
 #[derive(Parser)]
@@ -29,6 +30,15 @@ enum Command {
         /// Where `/healthz` and `/readyz` are served.
         #[arg(long, default_value = "0.0.0.0:8081", env = "PELICAN_HEALTH_ADDR")]
         health_addr: SocketAddr,
+        /// Run the controller only while holding the leader Lease (for more than one replica).
+        #[arg(long, env = "PELICAN_LEADER_ELECT")]
+        leader_elect: bool,
+        /// Namespace of the leader Lease (default: the Pod's namespace, else `default`).
+        #[arg(long, env = "POD_NAMESPACE")]
+        leader_election_namespace: Option<String>,
+        /// Name of the leader Lease.
+        #[arg(long, default_value = "pelican-leader", env = "PELICAN_LEADER_ELECTION_LEASE")]
+        leader_election_lease: String,
     },
     /// Print the ConsumerGroupPolicy CustomResourceDefinition as YAML.
     Crd,
@@ -41,18 +51,65 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crd => print!("{}", serde_yaml::to_string(&ConsumerGroupPolicy::crd())?),
         Command::Version => println!("pelican {}", env!("CARGO_PKG_VERSION")),
-        Command::Run { namespace, log_format, metrics_addr, health_addr } => {
+        Command::Run {
+            namespace,
+            log_format,
+            metrics_addr,
+            health_addr,
+            leader_elect,
+            leader_election_namespace,
+            leader_election_lease,
+        } => {
             init_logging(log_format);
             let client = kube::Client::try_default().await?;
             let instance = std::env::var("POD_NAME").ok().or_else(|| std::env::var("HOSTNAME").ok());
             let (metrics, readiness) = (Arc::new(Metrics::default()), Readiness::default());
-            // One shutdown signal for the controller and the HTTP endpoints.
+            // One shutdown signal for the controller, the HTTP endpoints and the election.
             let shutdown = shutdown_signal().shared();
             let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
             let http = tokio::spawn(http);
-            let settings = pelican::controller::Settings { namespace, instance, metrics, readiness };
-            tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, "starting pelican");
-            pelican::controller::run(client, settings, shutdown).await;
+            tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, leader_elect, "starting pelican");
+            let settings = pelican::controller::Settings {
+                namespace,
+                instance: instance.clone(),
+                metrics,
+                readiness: readiness.clone(),
+            };
+            if !leader_elect {
+                pelican::controller::run(client, settings, shutdown).await;
+                http.await?;
+                tracing::info!("stopped");
+                return Ok(());
+            }
+
+            let lease_namespace = leader_election_namespace.unwrap_or_else(|| "default".into());
+            let identity = format!("{}-{}", instance.unwrap_or_else(|| "pelican".into()), std::process::id());
+            let mut elector =
+                Elector::start(client.clone(), &lease_namespace, &leader_election_lease, &identity).await?;
+            // A standby is ready: readiness says the process works, not that it leads.
+            readiness.set_ready();
+            tracing::info!(lease = %format!("{lease_namespace}/{leader_election_lease}"), identity, "waiting for the leader lease");
+            tokio::select! {
+                _ = shutdown.clone() => {
+                    elector.release().await;
+                    http.await?;
+                    return Ok(());
+                }
+                acquired = elector.acquired() => if acquired.is_err() {
+                    anyhow::bail!("the leader election task died before this replica led");
+                }
+            }
+            let ended = elector.ended().shared();
+            let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ());
+            pelican::controller::run(client, settings, stop).await;
+            if let Some(why) = ended.peek() {
+                // Another replica may be writing already: stop at once and let the Pod restart as a standby.
+                tracing::error!(?why, "leadership ended; exiting");
+                std::process::exit(1);
+            }
+            // Every receiver of the lease state must be gone for the lease task to release it.
+            drop(ended);
+            elector.release().await;
             http.await?;
             tracing::info!("stopped");
         }

@@ -210,6 +210,11 @@ pub struct Operator {
 
 impl Operator {
     pub fn start(namespace: &str) -> Operator {
+        Operator::start_with(namespace, &[])
+    }
+
+    /// With extra `pelican run` flags.
+    pub fn start_with(namespace: &str, extra: &[&str]) -> Operator {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("operator.log");
         let file = std::fs::File::create(&log).unwrap();
@@ -218,6 +223,7 @@ impl Operator {
             .args(["run", "--namespace", namespace])
             .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
             .arg(format!("--health-addr=127.0.0.1:{health_port}"))
+            .args(extra)
             .env("KUBECONFIG", bed().kubeconfig())
             .env("RUST_LOG", "info,pelican=debug")
             .stdout(file.try_clone().unwrap())
@@ -244,6 +250,10 @@ impl Operator {
 
     pub fn metrics(&self) -> String {
         Operator::http_get(self.metrics_port, "/metrics").1
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub fn is_running(&mut self) -> bool {
