@@ -24,7 +24,7 @@ fn reconciled(operator: &Operator) -> bool {
 fn exactly_one_replica_leads_and_the_other_takes_over_when_it_dies() {
     let server = Server::start(Flavor::Redis);
     let ns = namespace("leader");
-    let mut replicas = vec![replica(&ns), replica(&ns)];
+    let mut replicas = [replica(&ns), replica(&ns)];
     assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "")).0);
     wait_condition(&ns, "p", "Ready", "True", "Reconciled");
 
