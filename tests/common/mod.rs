@@ -215,16 +215,22 @@ impl Operator {
 
     /// With extra `pelican run` flags.
     pub fn start_with(namespace: &str, extra: &[&str]) -> Operator {
+        let args: Vec<&str> = ["--namespace", namespace].iter().chain(extra).copied().collect();
+        Operator::launch(&args, bed().kubeconfig())
+    }
+
+    /// `pelican run <args>` against the API server of `kubeconfig`.
+    pub fn launch(args: &[&str], kubeconfig: &str) -> Operator {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("operator.log");
         let file = std::fs::File::create(&log).unwrap();
         let (metrics_port, health_port) = (free_port(), free_port());
         let child = Command::new(env!("CARGO_BIN_EXE_pelican"))
-            .args(["run", "--namespace", namespace])
+            .arg("run")
             .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
             .arg(format!("--health-addr=127.0.0.1:{health_port}"))
-            .args(extra)
-            .env("KUBECONFIG", bed().kubeconfig())
+            .args(args)
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,pelican=debug")
             .stdout(file.try_clone().unwrap())
             .stderr(file)

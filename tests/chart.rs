@@ -1,0 +1,168 @@
+//! The Helm chart against the real API server and helm built from its Go module: lint, schema, server-side dry
+//! run, and the operator running with exactly the chart's RBAC as the chart's ServiceAccount.
+
+#[macro_use]
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
+
+fn helm(args: &[&str]) -> (bool, String) {
+    let out =
+        Command::new(bed().var("PELICAN_HELM")).args(args).env("KUBECONFIG", bed().kubeconfig()).output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+fn render(release: &str, namespace: &str, sets: &[&str]) -> String {
+    let mut args = vec!["template", release, CHART, "--namespace", namespace];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let (ok, out) = helm(&args);
+    assert!(ok, "helm template failed: {out}");
+    out
+}
+
+#[test]
+fn helm_lint_passes() {
+    let (ok, out) = helm(&["lint", CHART, "--strict"]);
+    assert!(ok && out.contains("0 chart(s) failed"), "{out}");
+}
+
+#[test]
+fn default_manifests_pass_a_server_side_dry_run() {
+    let ns = namespace("chart-dry");
+    let manifests = render("dry", &ns, &[]);
+    let out = kubectl(&["apply", "--dry-run=server", "-n", &ns, "-f", "-"], Some(&manifests));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for kind in [
+        "serviceaccount/",
+        "clusterrole.",
+        "clusterrolebinding.",
+        "role.",
+        "rolebinding.",
+        "service/",
+        "deployment.apps/",
+    ] {
+        assert!(text.contains(kind), "{kind} missing from:\n{text}");
+    }
+    // The optional objects render too.
+    let all =
+        render("dry", &ns, &["podDisruptionBudget.enabled=true", "networkPolicy.enabled=true", "watchNamespace=apps"]);
+    for kind in ["kind: PodDisruptionBudget", "kind: NetworkPolicy", "kind: RoleBinding"] {
+        assert!(all.contains(kind), "{kind} missing");
+    }
+}
+
+#[test]
+fn unknown_values_are_refused_by_the_schema() {
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "bogus=1"]);
+    assert!(!ok && out.contains("additional properties 'bogus' not allowed"), "{out}");
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "leaderElection.enabeld=true"]);
+    assert!(!ok && out.contains("enabeld"), "{out}");
+}
+
+#[test]
+fn the_chart_crd_is_the_generated_one() {
+    let chart = std::fs::read_to_string(format!("{CHART}/crds/pelican.io_consumergrouppolicies.yaml")).unwrap();
+    let generated =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/pelican.io_consumergrouppolicies.yaml"))
+            .unwrap();
+    assert!(chart == generated, "charts/pelican/crds is stale: cp crds/*.yaml charts/pelican/crds/");
+}
+
+#[test]
+fn pods_are_restricted_and_labelled() {
+    let manifests = render("sec", "pelican-system", &[]);
+    for needle in [
+        "runAsNonRoot: true",
+        "readOnlyRootFilesystem: true",
+        "allowPrivilegeEscalation: false",
+        "drop: [\"ALL\"]",
+        "type: RuntimeDefault",
+        "replicas: 2",
+        "- --leader-elect",
+        "app.kubernetes.io/name: pelican",
+        "app.kubernetes.io/instance: sec",
+    ] {
+        assert!(manifests.contains(needle), "{needle} missing from the rendered chart");
+    }
+    assert!(!manifests.contains("\"*\""), "no wildcard in RBAC");
+}
+
+/// Installs the chart's RBAC for a release that watches `watched`, and returns a kubeconfig holding a token of the
+/// chart's ServiceAccount.
+fn install_rbac(release: &str, watched: &str, edit: impl Fn(String) -> String) -> (String, tempfile::TempDir) {
+    let system = format!("{watched}-system");
+    kubectl_ok(&["create", "namespace", &system]);
+    let manifests = edit(render(release, &system, &[&format!("watchNamespace={watched}")]));
+    let out = kubectl(&["apply", "-f", "-"], Some(&manifests));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let token = kubectl_ok(&["create", "token", &format!("{release}-pelican"), "-n", &system, "--duration=1h"]);
+    let admin: serde_json::Value =
+        serde_json::from_str(&kubectl_ok(&["config", "view", "--raw", "--minify", "-o", "json"])).unwrap();
+    let cluster = &admin["clusters"][0]["cluster"];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kubeconfig");
+    let config = serde_json::json!({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "bed", "cluster": cluster}],
+        "users": [{"name": "sa", "user": {"token": token.trim()}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "bed", "user": "sa", "namespace": system}}],
+    });
+    std::fs::write(&path, config.to_string()).unwrap();
+    (path.to_string_lossy().to_string(), dir)
+}
+
+fn operator_as_service_account(kubeconfig: &str, watched: &str) -> Operator {
+    let lease_ns = format!("{watched}-system");
+    Operator::launch(&["--namespace", watched, "--leader-elect", "--leader-election-namespace", &lease_ns], kubeconfig)
+}
+
+#[test]
+fn operator_reconciles_end_to_end_with_exactly_the_charts_rbac() {
+    let server = Server::start_with(Flavor::Redis, &["--requirepass", "rbac-pw"]);
+    let ns = namespace("rbac");
+    let (kubeconfig, _dir) = install_rbac("ok", &ns, |m| m);
+    let operator = operator_as_service_account(&kubeconfig, &ns);
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-auth\nstringData:\n  password: rbac-pw\n";
+    let manifest = policy("p", &server.url(), "s", "g", "  deletionPolicy: Delete\n").replacen(
+        "  stream:",
+        "    passwordSecretRef: {name: redis-auth, key: password}\n  stream:",
+        1,
+    );
+    assert!(kubectl_apply(&ns, &format!("{secret}---\n{manifest}")).0);
+    let p = wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    assert_eq!(p["metadata"]["finalizers"], serde_json::json!(["pelican.io/cleanup"]));
+    wait_for("a Ready event", Duration::from_secs(10), || {
+        if events(&ns, "Ready").is_empty() { Err("none".into()) } else { Ok(()) }
+    });
+    kubectl_ok(&["delete", "cgp", "p", "-n", &ns, "--timeout=30s"]);
+    let logs = operator.logs();
+    assert!(!logs.contains("forbidden"), "the chart's RBAC is missing a permission:\n{logs}");
+}
+
+#[test]
+fn a_missing_rbac_rule_fails_with_a_message_naming_it() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("norbac");
+    // The chart without the status rule.
+    let without_status = |m: String| {
+        m.replace("  - apiGroups: [\"pelican.io\"]\n    resources: [\"consumergrouppolicies/status\"]\n    verbs: [\"patch\"]\n", "")
+    };
+    let (kubeconfig, _dir) = install_rbac("broken", &ns, without_status);
+    let operator = operator_as_service_account(&kubeconfig, &ns);
+    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "")).0);
+    let logs = wait_for("a forbidden error in the log", Duration::from_secs(30), || {
+        let logs = operator.logs();
+        if logs.contains("forbidden") { Ok(logs) } else { Err("not yet".into()) }
+    });
+    assert!(logs.contains("consumergrouppolicies/status") && logs.contains("cannot patch"), "{logs}");
+    let status = get_policy(&ns, "p")["status"].clone();
+    assert!(status.is_null(), "no status can be written without the rule: {status}\n{logs}");
+}
