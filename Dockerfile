@@ -1,0 +1,17 @@
+# The operator image: a static (musl) binary on a distroless base, running as non-root.
+#   docker build -t pelican:0.1.0 .
+FROM rust:1.95-alpine AS build
+RUN apk add --no-cache musl-dev
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src src
+COPY benches benches
+COPY examples examples
+RUN cargo build --release --locked --bin pelican && strip target/release/pelican
+
+FROM gcr.io/distroless/static-debian12:nonroot
+COPY --from=build /src/target/release/pelican /usr/local/bin/pelican
+USER 65532:65532
+EXPOSE 8080 8081
+ENTRYPOINT ["/usr/local/bin/pelican"]
+CMD ["run"]

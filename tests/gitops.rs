@@ -1,0 +1,194 @@
+//! How GitOps tools and Prometheus read Pelican: Argo CD's health script under Lua 5.1 and kstatus (Flux, kpt) on
+//! real objects from the bed, `promtool check metrics` on the real endpoint, and an apply-twice round trip.
+
+#[macro_use]
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const ARGOCD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/gitops/argocd");
+
+/// A JSON value as a Lua table literal, the shape Argo CD hands to health scripts.
+fn to_lua(value: &Value) -> String {
+    match value {
+        Value::Null => "nil".into(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => format!("{s:?}"),
+        Value::Array(items) => format!("{{{}}}", items.iter().map(to_lua).collect::<Vec<_>>().join(", ")),
+        Value::Object(map) => {
+            let fields: Vec<String> = map.iter().map(|(k, v)| format!("[{k:?}] = {}", to_lua(v))).collect();
+            format!("{{{}}}", fields.join(", "))
+        }
+    }
+}
+
+/// (status, message) from health.lua for a fixture file.
+fn argocd_health(fixture: &Path) -> (String, String) {
+    let out = Command::new("lua5.1")
+        .arg(format!("{ARGOCD}/run_health.lua"))
+        .arg(format!("{ARGOCD}/health.lua"))
+        .arg(fixture)
+        .output()
+        .expect("lua5.1 must be installed: scripts/testenv up installs it");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (status, message) = text.trim_end().split_once('\t').unwrap();
+    (status.to_string(), message.to_string())
+}
+
+fn kstatus(object: &Value) -> String {
+    let mut child = Command::new(bed().var("PELICAN_KSTATUS"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(object.to_string().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap().split('\t').next().unwrap().to_string()
+}
+
+/// Live objects of the bed in each state the operator reports.
+fn objects_in_every_state() -> Vec<(&'static str, Value)> {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("gitops");
+    let _operator = Operator::start(&ns);
+    let with_secret = policy("stalled", &server.url(), "b", "g", "").replacen(
+        "  stream:",
+        "    passwordSecretRef: {name: missing, key: password}\n  stream:",
+        1,
+    );
+    let manifests = [
+        policy("ready", &server.url(), "a", "g", ""),
+        with_secret,
+        policy("retrying", "redis://127.0.0.1:1/0", "c", "g", ""),
+    ];
+    assert!(kubectl_apply(&ns, &manifests.join("---\n")).0);
+    let ready = wait_condition(&ns, "ready", "Ready", "True", "Reconciled");
+    let stalled = wait_condition(&ns, "stalled", "Stalled", "True", "SecretNotFound");
+    let retrying = wait_condition(&ns, "retrying", "Reconciling", "True", "RedisUnavailable");
+    vec![("ready", ready), ("stalled", stalled), ("retrying", retrying)]
+}
+
+#[test]
+fn argocd_health_and_kstatus_read_real_objects_right() {
+    let objects = objects_in_every_state();
+    let dir = tempfile::tempdir().unwrap();
+    let expected =
+        [("ready", "Healthy", "Current"), ("stalled", "Degraded", "Failed"), ("retrying", "Progressing", "InProgress")];
+    for ((name, object), (expected_name, health, kstatus_status)) in objects.iter().zip(expected) {
+        assert_eq!(*name, expected_name);
+        let fixture = dir.path().join(format!("{name}.lua"));
+        std::fs::write(&fixture, format!("return {}\n", to_lua(object))).unwrap();
+        if std::env::var_os("PELICAN_UPDATE_FIXTURES").is_some() {
+            std::fs::write(format!("{ARGOCD}/testdata/{name}.lua"), format!("return {}\n", to_lua(object))).unwrap();
+        }
+        let (status, message) = argocd_health(&fixture);
+        assert_eq!(status, health, "{name}: {message}");
+        assert_eq!(kstatus(object), kstatus_status, "kstatus of {name}");
+    }
+    let (_, message) = argocd_health(&dir.path().join("stalled.lua"));
+    assert!(message.starts_with("SecretNotFound: "), "{message}");
+}
+
+#[test]
+fn argocd_health_of_the_committed_fixtures() {
+    for (name, expected) in [
+        ("ready", "Healthy"),
+        ("stalled", "Degraded"),
+        ("retrying", "Progressing"),
+        ("new", "Progressing"),
+        ("outdated", "Progressing"),
+    ] {
+        let (status, message) = argocd_health(Path::new(&format!("{ARGOCD}/testdata/{name}.lua")));
+        assert_eq!(status, expected, "{name}: {message}");
+    }
+}
+
+#[test]
+fn metrics_pass_promtool_and_agree_with_status() {
+    let server = Server::start(Flavor::Valkey);
+    let ns = namespace("promtool");
+    let operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("m", &server.url(), "s", "g", "")).0);
+    wait_condition(&ns, "m", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for _ in 0..3 {
+        let _: String = redis::cmd("XADD").arg("s").arg("*").arg("k").arg("v").query(&mut conn).unwrap();
+    }
+    read_new(&mut conn, "s", "g", "c", 2);
+    let status = wait_for("status with 2 pending", Duration::from_secs(20), || {
+        let p = get_policy(&ns, "m");
+        if p["status"]["pending"] == 2 { Ok(p["status"].clone()) } else { Err(p["status"].to_string()) }
+    });
+    let metrics = wait_for("metrics with 2 pending", Duration::from_secs(10), || {
+        let m = operator.metrics();
+        if m.contains("pelican_group_pending{") && m.contains("} 2\n") { Ok(m) } else { Err(m) }
+    });
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool must be installed: scripts/testenv up installs Debian's prometheus");
+    use std::io::Write;
+    promtool.stdin.take().unwrap().write_all(metrics.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let labels = format!(r#"namespace="{ns}",policy="m",stream="s",group="g""#);
+    for (series, field) in [
+        ("pelican_group_pending", "pending"),
+        ("pelican_stream_length", "streamLength"),
+        ("pelican_group_lag", "lag"),
+        ("pelican_group_consumers", "consumers"),
+    ] {
+        let line = format!("{series}{{{labels}}} {}", status[field]);
+        assert!(metrics.lines().any(|l| l == line), "missing {line}\n{metrics}");
+    }
+}
+
+#[test]
+fn applying_the_same_manifests_twice_changes_nothing() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("roundtrip");
+    let _operator = Operator::start(&ns);
+    let manifest = policy("p", &server.url(), "s", "g", "");
+    let apply =
+        || kubectl(&["apply", "--server-side", "--field-manager=argocd", "-n", &ns, "-f", "-"], Some(&manifest));
+    assert!(apply().status.success());
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let before = get_policy(&ns, "p");
+    assert!(apply().status.success());
+    let diff = kubectl(&["diff", "--server-side", "--field-manager=argocd", "-n", &ns, "-f", "-"], Some(&manifest));
+    assert_eq!(diff.status.code(), Some(0), "perpetual diff:\n{}", String::from_utf8_lossy(&diff.stdout));
+    let after = get_policy(&ns, "p");
+    assert_eq!(before["metadata"]["generation"], after["metadata"]["generation"], "the spec never changes");
+
+    // The operator's field manager owns the status and nothing of the spec.
+    let shown = kubectl_ok(&["get", "cgp", "p", "-n", &ns, "-o", "json", "--show-managed-fields"]);
+    let shown: Value = serde_json::from_str(&shown).unwrap();
+    let managers = shown["metadata"]["managedFields"].as_array().unwrap();
+    assert!(managers.iter().any(|m| m["manager"] == "pelican"), "{managers:?}");
+    for entry in managers {
+        let fields = entry["fieldsV1"].to_string();
+        if entry["manager"] != "argocd" {
+            assert!(!fields.contains("\"f:spec\""), "{} manages spec fields: {fields}", entry["manager"]);
+        }
+        if entry["manager"] == "pelican" {
+            assert_eq!(entry["subresource"], "status", "{entry}");
+        }
+    }
+}
