@@ -97,8 +97,11 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
-            if let Err(e) = result {
-                warn!(error = %e, "reconcile failed");
+            // Reconciler errors were logged by error_policy, with the policy's namespace and name.
+            if let Err(e) = result
+                && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
+            {
+                warn!(error = %e, "controller error");
             }
         })
         .await;
@@ -278,7 +281,8 @@ async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedul
                 format!("created group {:?} on stream {:?} at {:?}", keys.group, keys.stream, policy.spec.start_id);
             (EventType::Normal, "GroupCreated", note)
         };
-        info!(group = keys.group, stream = keys.stream, reason, "{note}");
+        let (namespace, name) = policy_key(policy);
+        info!(namespace, name, group = keys.group, stream = keys.stream, reason, "{note}");
         publish(ctx, policy, type_, reason, note).await;
     }
     let passed = !policy.spec.suspend && run_jobs_if_due(policy, ctx, schedule, &mut conn, &server).await?;
@@ -309,7 +313,10 @@ async fn run_jobs_if_due(
     let result = jobs::reclaim_pass(conn, server, &keys, &schedule.pass, &mut state.cursor).await;
     ctx.passes.lock().expect("passes lock").insert(key, state);
     let report = result?;
+    let (namespace, name) = policy_key(policy);
     debug!(
+        namespace,
+        name,
         scanned = report.scanned,
         idle = report.idle,
         skipped = report.skipped,
@@ -319,6 +326,8 @@ async fn run_jobs_if_due(
     if report.moved() > 0 || report.too_large > 0 {
         let note = format!("pass: {}", report.summary());
         info!(
+            namespace,
+            name,
             requeued = report.requeued,
             reassigned = report.reassigned,
             dead_lettered = report.dead_lettered,
@@ -474,11 +483,12 @@ async fn announce_transition(
     if before.as_ref().map(|(s, r, _)| (s, r)) == Some((&status, &reason)) {
         return;
     }
+    let (namespace, name) = policy_key(policy);
     if status == "True" {
-        info!(reason, "{message}");
+        info!(namespace, name, reason, "{message}");
         publish(ctx, policy, EventType::Normal, "Ready", message).await;
     } else {
-        warn!(reason, "{message}");
+        warn!(namespace, name, reason, "{message}");
         publish(ctx, policy, EventType::Warning, &reason, message).await;
     }
 }
@@ -486,6 +496,7 @@ async fn announce_transition(
 async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
     let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
     if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
-        warn!(error = %e, reason, "could not publish event");
+        let (namespace, name) = policy_key(policy);
+        warn!(namespace, name, error = %e, reason, "could not publish event");
     }
 }
