@@ -94,8 +94,8 @@ async fn main() {
     let count: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(50_000);
     println!("worker throughput, {count} messages, no-op handler; messages per second (microseconds per message)");
     println!(
-        "{:<14} {:>24} {:>24} {:>24}",
-        "server", "plain loop (batch 16)", "SDK concurrency 1", "SDK concurrency 16"
+        "{:<14} {:>24} {:>24} {:>24} {:>24}",
+        "server", "plain loop, batch 1", "SDK, concurrency 1", "plain loop, batch 16", "SDK, concurrency 16"
     );
     for var in ["PELICAN_REDIS_URL", "PELICAN_VALKEY_URL"] {
         let client = redis::Client::open(bed_var(var)).unwrap();
