@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use pelican::api::ReclaimStrategy;
 use pelican::jobs::{self, PassSettings};
-use pelican::redis::{Credentials, GroupKeys, Pools, Target};
+use pelican::redis::{GroupKeys, Pools, Target};
 use redis::aio::ConnectionManager;
 
 const STREAM: &str = "{bench}:in";
@@ -179,7 +179,7 @@ async fn main() {
     for var in ["PELICAN_REDIS_URL", "PELICAN_VALKEY_URL"] {
         let url = bed_var(var);
         let port = url.rsplit(':').next().unwrap().to_string();
-        let mut conn = pools.get(&Target { url, credentials: Credentials::default() }).await.unwrap();
+        let mut conn = pools.get(&Target::new(url)).await.unwrap();
         let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
         let server = pelican::redis::ServerInfo::parse(&info).to_string();
         let dead_letter = pelican_pass(&mut conn, size, ReclaimStrategy::Requeue, 1).await;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use pelican::redis::{Credentials, GroupKeys, Pools, Target, probe_group};
+use pelican::redis::{GroupKeys, Pools, Target, probe_group};
 use redis::aio::ConnectionManager;
 
 const SAMPLES: usize = 300;
@@ -72,7 +72,7 @@ async fn main() {
     );
     println!("{:<14} {:>9} {:>10} {:>26}   {:>26}", "", "", "", "--- probe ---", "--- PING baseline ---");
     for (label, var) in [("redis", "PELICAN_REDIS_URL"), ("valkey", "PELICAN_VALKEY_URL")] {
-        let target = Target { url: bed_var(var), credentials: Credentials::default() };
+        let target = Target::new(bed_var(var));
         let mut conn = pools.get(&target).await.unwrap();
         let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
         let server = pelican::redis::ServerInfo::parse(&info).to_string();

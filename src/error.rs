@@ -14,6 +14,14 @@ pub enum Error {
     #[error("authentication refused by {server}: check the username and password Secrets ({detail})")]
     AuthenticationFailed { server: String, detail: String },
 
+    #[error(
+        "TLS with {server} failed: {detail}; check spec.redis.tls and its Secrets (CA, client certificate and key)"
+    )]
+    TlsFailed { server: String, detail: String },
+
+    #[error("Redis at {server} refused a command for lack of permission: {detail}; grant it in the ACL user's rules")]
+    PermissionDenied { server: String, detail: String },
+
     #[error("Redis at {server} is unavailable: {source}")]
     RedisUnavailable {
         server: String,
@@ -53,6 +61,8 @@ impl Error {
         match self {
             Error::SecretNotFound { .. } | Error::SecretInvalid { .. } => "SecretNotFound",
             Error::AuthenticationFailed { .. } => "AuthenticationFailed",
+            Error::TlsFailed { .. } => "TLSHandshakeFailed",
+            Error::PermissionDenied { .. } => "PermissionDenied",
             Error::RedisUnavailable { .. } => "RedisUnavailable",
             Error::RedisCommand { .. } => "RedisError",
             Error::WrongKeyType(_) => "WrongKeyType",
@@ -71,6 +81,8 @@ impl Error {
             Error::SecretNotFound { .. }
                 | Error::SecretInvalid { .. }
                 | Error::AuthenticationFailed { .. }
+                | Error::TlsFailed { .. }
+                | Error::PermissionDenied { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict { .. }
@@ -90,6 +102,13 @@ impl Error {
             let detail = source.detail().unwrap_or("authentication failed").to_string();
             return Error::AuthenticationFailed { server, detail };
         }
+        if source.code() == Some("NOPERM") {
+            let detail = source.detail().unwrap_or("no permission").to_string();
+            return Error::PermissionDenied { server, detail };
+        }
+        if let Some(detail) = tls_failure(&source) {
+            return Error::TlsFailed { server, detail };
+        }
         if source.is_io_error()
             || source.is_connection_refusal()
             || source.is_connection_dropped()
@@ -108,6 +127,14 @@ impl Error {
     pub fn wrong_key_type(key: &str, actual: &str, expected: &str) -> Error {
         Error::WrongKeyType(format!("key {key:?} holds a {actual}, not a {expected}"))
     }
+}
+
+/// A certificate problem (unknown CA, expired, wrong name) surfaces as an I/O error whose text names it.
+fn tls_failure(source: &RedisError) -> Option<String> {
+    let text = source.to_string();
+    let lower = text.to_lowercase();
+    let markers = ["certificate", "unknownissuer", "handshake", "tls", "notvalidforname", "expired", "badsignature"];
+    markers.iter().any(|m| lower.contains(m)).then_some(text)
 }
 
 impl From<kube::Error> for Error {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::*;
 use pelican::api::ReclaimStrategy;
 use pelican::jobs::{self, PassSettings};
-use pelican::redis::{Credentials, GroupKeys, Pools, Target};
+use pelican::redis::{GroupKeys, Pools, Target};
 use redis::aio::ConnectionManager;
 
 on_both_servers!(
@@ -44,7 +44,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 async fn connect(server: &Server) -> ConnectionManager {
-    let target = Target { url: server.url(), credentials: Credentials::default() };
+    let target = Target::new(server.url());
     Pools::default().get(&target).await.unwrap()
 }
 

@@ -28,7 +28,7 @@ use crate::api::{
     parse_duration,
 };
 use crate::jobs::{self, PassSettings};
-use crate::redis::{self as redis_ops, Credentials, GroupKeys, Pools, Target};
+use crate::redis::{self as redis_ops, Credentials, GroupKeys, Pools, Target, Tls};
 use crate::telemetry::{Metrics, PolicyKey, PolicySnapshot, Readiness};
 use crate::{Error, Result};
 use status::Outcome;
@@ -264,7 +264,7 @@ async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedul
     let mut conn = ctx.pools.get(&target).await?;
     let keys = group_keys(policy);
     let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id).await;
-    if let Err(Error::AuthenticationFailed { .. }) = &setup {
+    if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
         ctx.pools.forget(&target);
     }
     let setup = setup?;
@@ -389,7 +389,18 @@ async fn target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<Target>
         username: secret_value(&secrets, &namespace, redis.username_secret_ref.as_ref()).await?,
         password: secret_value(&secrets, &namespace, redis.password_secret_ref.as_ref()).await?,
     };
-    Ok(Target { url: redis.url.clone(), credentials })
+    let tls = match &redis.tls {
+        None => Tls::default(),
+        Some(spec) => Tls {
+            ca: secret_value(&secrets, &namespace, spec.ca_secret_ref.as_ref()).await?.map(String::into_bytes),
+            client_cert: secret_value(&secrets, &namespace, spec.cert_secret_ref.as_ref())
+                .await?
+                .map(String::into_bytes),
+            client_key: secret_value(&secrets, &namespace, spec.key_secret_ref.as_ref()).await?.map(String::into_bytes),
+            insecure_skip_verify: spec.insecure_skip_verify,
+        },
+    };
+    Ok(Target { url: redis.url.clone(), credentials, tls })
 }
 
 async fn secret_value(
@@ -487,6 +498,12 @@ async fn announce_transition(
     if status == "True" {
         info!(namespace, name, reason, "{message}");
         publish(ctx, policy, EventType::Normal, "Ready", message).await;
+        if policy.spec.redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
+            let note =
+                "spec.redis.tls.insecureSkipVerify is true: the server's certificate is not verified".to_string();
+            warn!(namespace, name, "{note}");
+            publish(ctx, policy, EventType::Warning, "InsecureSkipVerify", note).await;
+        }
     } else {
         warn!(namespace, name, reason, "{message}");
         publish(ctx, policy, EventType::Warning, &reason, message).await;

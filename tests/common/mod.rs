@@ -118,6 +118,8 @@ pub enum Flavor {
 pub struct Server {
     pub flavor: Flavor,
     pub port: u16,
+    /// The TLS port, for servers started with `start_tls`; `port` stays plain for the test's own checks.
+    pub tls_port: Option<u16>,
     args: Vec<String>,
     dir: tempfile::TempDir,
     child: Option<Child>,
@@ -132,12 +134,44 @@ impl Server {
         let mut server = Server {
             flavor,
             port: free_port(),
+            tls_port: None,
             args: args.iter().map(|s| s.to_string()).collect(),
             dir: tempfile::tempdir().unwrap(),
             child: None,
         };
         server.resume();
         server
+    }
+
+    /// A server that also listens with TLS, presenting `certificate` (`server` or `expired`) of the bed's test CA;
+    /// with `verify_clients` it requires a client certificate signed by that CA.
+    pub fn start_tls(flavor: Flavor, certificate: &str, verify_clients: bool) -> Server {
+        let dir = tls_file("");
+        let tls_port = free_port().to_string();
+        let cert = format!("{dir}{certificate}.crt");
+        let key = format!("{dir}{certificate}.key");
+        let ca = format!("{dir}ca.crt");
+        let auth = if verify_clients { "yes" } else { "no" };
+        let args = [
+            "--tls-port",
+            &tls_port,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            auth,
+        ];
+        let mut server = Server::start_with(flavor, &args);
+        server.tls_port = Some(tls_port.parse().unwrap());
+        server
+    }
+
+    /// `rediss://` URL of the TLS port.
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/0", self.tls_port.expect("started with start_tls"))
     }
 
     fn binary(&self) -> &'static str {
@@ -287,6 +321,11 @@ pub fn namespace(prefix: &str) -> String {
 fn rand_suffix() -> u32 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(Instant::now()) as u32
+}
+
+/// A file of the bed's throwaway CA (`ca.crt`, `client.key`, ...); `""` gives the directory with a trailing slash.
+pub fn tls_file(name: &str) -> String {
+    format!("{}/{name}", bed().var("PELICAN_TLS_DIR"))
 }
 
 /// The policy as `kubectl get -o json` shows it.
