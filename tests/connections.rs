@@ -1,0 +1,78 @@
+//! One connection per distinct server + credentials, shared by all policies (SPEC section 5), counted on the
+//! servers with CLIENT LIST.
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// Connections on `server` other than the test's own.
+fn operator_connections(server: &Server) -> usize {
+    let list: String = redis::cmd("CLIENT").arg("LIST").query(&mut server.conn()).unwrap();
+    list.lines().filter(|l| !l.contains("cmd=client|list") && !l.contains("cmd=client")).count()
+}
+
+#[test]
+fn sixty_policies_on_three_servers_use_one_connection_per_server() {
+    let servers = [Server::start(Flavor::Redis), Server::start(Flavor::Redis), Server::start(Flavor::Valkey)];
+    let ns = namespace("shared");
+    let _operator = Operator::start(&ns);
+    let manifests: Vec<String> = (0..60)
+        .map(|i| {
+            policy(&format!("p{i}"), &servers[i % 3].url(), &format!("s{i}"), "g", "")
+                .replace("interval: 1s", "interval: 5s")
+        })
+        .collect();
+    assert!(kubectl_apply(&ns, &manifests.join("---\n")).0);
+    wait_for("all 60 policies Ready", Duration::from_secs(60), || {
+        let out = kubectl_ok(&[
+            "get",
+            "cgp",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}",
+        ]);
+        let ready = out.split_whitespace().filter(|s| *s == "True").count();
+        if ready == 60 { Ok(()) } else { Err(format!("{ready} ready")) }
+    });
+    for server in &servers {
+        assert_eq!(operator_connections(server), 1, "one shared connection per server");
+    }
+}
+
+#[test]
+fn a_changed_password_takes_effect_without_a_restart() {
+    let server = Server::start_with(Flavor::Redis, &["--requirepass", "first-pw"]);
+    let ns = namespace("rotate");
+    let operator = Operator::start(&ns);
+    let secret =
+        |pw: &str| format!("apiVersion: v1\nkind: Secret\nmetadata:\n  name: auth\nstringData:\n  password: {pw}\n");
+    let manifest = policy("p", &server.url(), "s", "g", "").replacen(
+        "  stream:",
+        "    passwordSecretRef: {name: auth, key: password}\n  stream:",
+        1,
+    );
+    assert!(kubectl_apply(&ns, &format!("{}---\n{manifest}", secret("first-pw"))).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    // The password is rotated on the server and then in the Secret.
+    let mut admin = server.conn();
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("requirepass").arg("second-pw").query(&mut admin).unwrap();
+    // Existing connections stay authenticated; drop the operator's so it must log in again.
+    let _: i64 =
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal").arg("SKIPME").arg("yes").query(&mut admin).unwrap();
+    assert!(kubectl_apply(&ns, &secret("second-pw")).0);
+    let _: String = redis::cmd("XADD").arg("s").arg("*").arg("k").arg("v").query(&mut admin).unwrap();
+    wait_for("the new password in use", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "p");
+        match (condition(&p, "Ready"), p["status"]["streamLength"].as_i64()) {
+            (Some((s, _)), Some(1)) if s == "True" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let mut operator = operator;
+    assert!(operator.is_running(), "no restart needed");
+    assert!(!operator.logs().contains("second-pw") && !operator.logs().contains("first-pw"));
+}
