@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 
 use pelican::api::ReclaimStrategy;
 use pelican::jobs::{self, PassSettings};
-use pelican::redis::{GroupKeys, Pools, Target};
-use redis::aio::ConnectionManager;
+use pelican::redis::{Conn, GroupKeys, Pools, Target};
 
 const STREAM: &str = "{bench}:in";
 const DLQ: &str = "{bench}:dlq";
@@ -28,7 +27,7 @@ fn bed_var(name: &str) -> String {
 }
 
 /// A fresh stream of `size` entries (about 120 bytes each), all delivered and idle.
-async fn fill_pel(conn: &mut ConnectionManager, size: usize) {
+async fn fill_pel(conn: &mut Conn, size: usize) {
     let _: () = redis::cmd("DEL")
         .arg(STREAM)
         .arg(DLQ)
@@ -65,12 +64,7 @@ async fn fill_pel(conn: &mut ConnectionManager, size: usize) {
     tokio::time::sleep(IDLE * 2).await;
 }
 
-async fn pelican_pass(
-    conn: &mut ConnectionManager,
-    size: usize,
-    strategy: ReclaimStrategy,
-    max_deliveries: u32,
-) -> f64 {
+async fn pelican_pass(conn: &mut Conn, size: usize, strategy: ReclaimStrategy, max_deliveries: u32) -> f64 {
     fill_pel(conn, size).await;
     let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: DLQ };
     let settings =
@@ -83,7 +77,7 @@ async fn pelican_pass(
 }
 
 /// Seed 001's scheduler: claim the idle entries, then per message XPENDING (delivery count), XADD, XACK.
-async fn naive_loop(conn: &mut ConnectionManager, size: usize) -> f64 {
+async fn naive_loop(conn: &mut Conn, size: usize) -> f64 {
     fill_pel(conn, size).await;
     let start = Instant::now();
     let pending: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
@@ -141,7 +135,7 @@ fn redis_benchmark_xadd(port: &str) -> f64 {
 }
 
 /// One pass over a PEL where nothing is idle: it looks at maxPerPass entries and stops.
-async fn idle_scan(conn: &mut ConnectionManager, pel: usize) -> Duration {
+async fn idle_scan(conn: &mut Conn, pel: usize) -> Duration {
     fill_pel(conn, pel).await;
     let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: DLQ };
     let settings = PassSettings {

@@ -5,8 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use pelican::redis::{GroupKeys, Pools, Target, probe_group};
-use redis::aio::ConnectionManager;
+use pelican::redis::{Conn, GroupKeys, Pools, Target, probe_group};
 
 const SAMPLES: usize = 300;
 
@@ -20,7 +19,7 @@ fn bed_var(name: &str) -> String {
 }
 
 /// A stream of `size` entries, all delivered to one consumer and none acknowledged.
-async fn fill(conn: &mut ConnectionManager, stream: &str, size: usize) {
+async fn fill(conn: &mut Conn, stream: &str, size: usize) {
     let _: () = redis::cmd("DEL").arg(stream).query_async(conn).await.unwrap();
     for start in (0..size).step_by(1000) {
         let mut pipe = redis::pipe();

@@ -45,6 +45,9 @@ pub enum Error {
     #[error("stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}")]
     ResourceConflict { stream: String, group: String, owner: String },
 
+    #[error("{0}")]
+    CrossSlot(String),
+
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
 
@@ -69,6 +72,7 @@ impl Error {
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict { .. } => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
+            Error::CrossSlot(_) => "CrossSlot",
             Error::Kube(_) => "KubernetesApiError",
             Error::Finalizer(_) => "FinalizerError",
         }
@@ -87,6 +91,7 @@ impl Error {
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict { .. }
                 | Error::InvalidSpec(_)
+                | Error::CrossSlot(_)
         )
     }
 

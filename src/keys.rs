@@ -12,6 +12,11 @@ pub fn hash_tag(stream: &str) -> &str {
     stream
 }
 
+/// The Redis Cluster hash slot of a key: CRC16 of its hash tag (or whole name), modulo 16384.
+pub fn slot(key: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(hash_tag(key).as_bytes()) % 16384
+}
+
 /// `{T}:pelican:<group>:terminal`: reason code -> messages ended as terminal.
 pub fn terminal_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{group}:terminal", hash_tag(stream))
@@ -40,6 +45,14 @@ mod tests {
         assert_eq!(hash_tag("notifications"), "notifications");
         assert_eq!(hash_tag("empty{}tag"), "empty{}tag");
         assert_eq!(hash_tag("open{only"), "open{only");
+    }
+
+    #[test]
+    fn slots_match_redis() {
+        // Values from CLUSTER KEYSLOT on a real server.
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("notifications"), slot(&terminal_key("notifications", "g")));
     }
 
     #[test]

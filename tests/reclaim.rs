@@ -9,8 +9,7 @@ use std::time::Duration;
 use common::*;
 use pelican::api::ReclaimStrategy;
 use pelican::jobs::{self, PassSettings};
-use pelican::redis::{GroupKeys, Pools, Target};
-use redis::aio::ConnectionManager;
+use pelican::redis::{Conn, GroupKeys, Pools, Target};
 
 on_both_servers!(
     requeue_appends_one_copy_with_origin_and_acks_the_original,
@@ -43,7 +42,7 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-async fn connect(server: &Server) -> ConnectionManager {
+async fn connect(server: &Server) -> Conn {
     let target = Target::new(server.url());
     Pools::default().get(&target).await.unwrap()
 }

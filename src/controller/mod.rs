@@ -19,16 +19,17 @@ use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
-use redis::aio::ConnectionManager;
+
 use serde_json::json;
 use tracing::{debug, info, instrument, warn};
 
 use crate::api::{
-    ConsumerGroupPolicy, ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, DeletionPolicy, SecretKeyRef,
+    ConsumerGroupPolicy, ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, DeletionPolicy, RedisMode, SecretKeyRef,
     parse_duration,
 };
 use crate::jobs::{self, PassSettings};
-use crate::redis::{self as redis_ops, Credentials, GroupKeys, Pools, Target, Tls};
+use crate::keys;
+use crate::redis::{self as redis_ops, Conn, Credentials, GroupKeys, Pools, Target, Tls};
 use crate::telemetry::{Metrics, PolicyKey, PolicySnapshot, Readiness};
 use crate::{Error, Result};
 use status::Outcome;
@@ -259,6 +260,9 @@ async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedul
             owner,
         });
     }
+    if policy.spec.redis.mode == RedisMode::Cluster {
+        same_slot(&policy.spec)?;
+    }
     let target = target(policy, &ctx.client).await?;
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
@@ -296,7 +300,7 @@ async fn run_jobs_if_due(
     policy: &ConsumerGroupPolicy,
     ctx: &Context,
     schedule: &Schedule,
-    conn: &mut ConnectionManager,
+    conn: &mut Conn,
     server: &str,
 ) -> Result<bool> {
     let key = ObjectRef::from_obj(policy);
@@ -353,6 +357,23 @@ async fn run_jobs_if_due(
     Ok(true)
 }
 
+/// In a cluster the scripts touch the stream, the dead-letter stream and the counters at once, so all must live in
+/// one hash slot (SPEC section 3). Checked before anything is written.
+fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
+    let stream_slot = keys::slot(&spec.stream);
+    let dead_letter_slot = keys::slot(&spec.dead_letter.stream);
+    if stream_slot == dead_letter_slot {
+        return Ok(());
+    }
+    let tag = keys::hash_tag(&spec.stream);
+    Err(Error::CrossSlot(format!(
+        "spec.stream {:?} (slot {stream_slot}) and spec.deadLetter.stream {:?} (slot {dead_letter_slot}) are in different \
+         cluster slots; give both the same hash tag, e.g. stream \"{{{tag}}}:events\" and deadLetter.stream \"{{{tag}}}:dlq\" \
+         (Pelican's counters follow the stream's tag)",
+        spec.stream, spec.dead_letter.stream
+    )))
+}
+
 fn policy_key(policy: &ConsumerGroupPolicy) -> PolicyKey {
     (policy.namespace().unwrap_or_default(), policy.name_any())
 }
@@ -400,7 +421,7 @@ async fn target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<Target>
             insecure_skip_verify: spec.insecure_skip_verify,
         },
     };
-    Ok(Target { url: redis.url.clone(), credentials, tls })
+    Ok(Target { url: redis.url.clone(), credentials, tls, cluster: redis.mode == RedisMode::Cluster })
 }
 
 async fn secret_value(

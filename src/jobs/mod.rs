@@ -4,11 +4,10 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::Script;
-use redis::aio::ConnectionManager;
 
 use crate::api::ReclaimStrategy;
 use crate::keys::{OPERATOR_CONSUMER, terminal_key, totals_key};
-use crate::redis::GroupKeys;
+use crate::redis::{Conn, GroupKeys};
 use crate::{Error, Result};
 
 static RECLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/reclaim.lua")));
@@ -85,7 +84,7 @@ impl PassReport {
 /// `max_per_pass` entries are looked at, so a pass costs the same on a PEL of a thousand or a million entries.
 /// `cursor` becomes `None` when the scan reached the end of the PEL; the next pass starts over.
 pub async fn reclaim_pass(
-    conn: &mut ConnectionManager,
+    conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
@@ -132,7 +131,7 @@ pub async fn reclaim_pass(
 
 /// Hands `ids` to the reclaim script, which re-checks each one on the server before it moves anything.
 pub async fn reclaim_batch(
-    conn: &mut ConnectionManager,
+    conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
@@ -174,7 +173,7 @@ pub async fn reclaim_batch(
 
 /// Deletes consumers inactive for `expire_after` that own no pending entry; returns how many.
 pub async fn expire_consumers(
-    conn: &mut ConnectionManager,
+    conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     expire_after: Duration,

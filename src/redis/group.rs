@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use redis::aio::ConnectionManager;
 use redis::{Value, pipe};
 
+use super::Conn;
 use super::reply::{self, Fields};
 use crate::keys::{OPERATOR_CONSUMER, terminal_key, totals_key};
 use crate::{Error, Result};
@@ -68,12 +68,7 @@ pub struct GroupSetup {
 
 /// Checks the server and the key types before any write, then creates the group if it is missing
 /// (`XGROUP CREATE <stream> <group> <startId> MKSTREAM`).
-pub async fn ensure_group(
-    conn: &mut ConnectionManager,
-    server: &str,
-    keys: &GroupKeys<'_>,
-    start_id: &str,
-) -> Result<GroupSetup> {
+pub async fn ensure_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, start_id: &str) -> Result<GroupSetup> {
     let totals = totals_key(keys.stream, keys.group);
     let terminal = terminal_key(keys.stream, keys.group);
     let (info, stream_type, dead_letter_type, totals_type, terminal_type): (String, String, String, String, String) =
@@ -125,7 +120,7 @@ fn expect_type(key: &str, actual: &str, expected: &str) -> Result<()> {
     if actual == "none" || actual == expected { Ok(()) } else { Err(Error::wrong_key_type(key, actual, expected)) }
 }
 
-async fn group_names(conn: &mut ConnectionManager, server: &str, stream: &str) -> Result<Vec<String>> {
+async fn group_names(conn: &mut Conn, server: &str, stream: &str) -> Result<Vec<String>> {
     let groups: Vec<Value> = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
@@ -136,7 +131,7 @@ async fn group_names(conn: &mut ConnectionManager, server: &str, stream: &str) -
 }
 
 /// `XGROUP DESTROY`, for `deletionPolicy: Delete`. The streams themselves are never deleted.
-pub async fn destroy_group(conn: &mut ConnectionManager, server: &str, stream: &str, group: &str) -> Result<bool> {
+pub async fn destroy_group(conn: &mut Conn, server: &str, stream: &str, group: &str) -> Result<bool> {
     let stream_type: String =
         redis::cmd("TYPE").arg(stream).query_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
     if stream_type != "stream" {
@@ -187,7 +182,7 @@ pub struct GroupFacts {
 type ProbeReply =
     (Value, Vec<Value>, Vec<Value>, Vec<Value>, i64, BTreeMap<String, i64>, BTreeMap<String, i64>, (String, String));
 
-pub async fn probe_group(conn: &mut ConnectionManager, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
+pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
     let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, time): ProbeReply = pipe()
         .cmd("XINFO")
         .arg("STREAM")

@@ -6,8 +6,13 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, ClientTlsConfig, ConnectionAddr, IntoConnectionInfo, TlsCertificates};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{
+    Client, ClientTlsConfig, Cmd, ConnectionAddr, IntoConnectionInfo, Pipeline, RedisFuture, TlsCertificates, TlsMode,
+    Value,
+};
 
 use crate::{Error, Result};
 
@@ -50,18 +55,55 @@ impl fmt::Debug for Tls {
     }
 }
 
-/// A server and the identity to use on it.
+/// A server (or, in cluster mode, a seed node of the cluster) and the identity to use on it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Target {
     pub url: String,
     pub credentials: Credentials,
     pub tls: Tls,
+    pub cluster: bool,
+}
+
+/// A shared connection to a standalone server or to a whole Redis Cluster. Both reconnect by themselves; the
+/// cluster connection follows MOVED / ASK redirections and slot migrations.
+#[derive(Clone)]
+pub enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
 }
 
 impl Target {
     /// A server without credentials or TLS material.
     pub fn new(url: impl Into<String>) -> Target {
-        Target { url: url.into(), credentials: Credentials::default(), tls: Tls::default() }
+        Target { url: url.into(), credentials: Credentials::default(), tls: Tls::default(), cluster: false }
     }
 
     /// The server address without path or credentials, for messages.
@@ -75,7 +117,40 @@ impl Target {
         let mut hasher = DefaultHasher::new();
         self.credentials.password.hash(&mut hasher);
         self.tls.hash(&mut hasher);
+        self.cluster.hash(&mut hasher);
         (self.url.clone(), self.credentials.username.clone(), hasher.finish())
+    }
+
+    /// The TLS certificates to present, when the URL is `rediss://`.
+    fn certificates(&self) -> TlsCertificates {
+        let client_tls = match (&self.tls.client_cert, &self.tls.client_key) {
+            (Some(client_cert), Some(client_key)) => {
+                Some(ClientTlsConfig { client_cert: client_cert.clone(), client_key: client_key.clone() })
+            }
+            _ => None,
+        };
+        TlsCertificates { client_tls, root_cert: self.tls.ca.clone() }
+    }
+
+    /// A connection to the whole cluster this node belongs to.
+    async fn cluster_connection(&self) -> Result<ClusterConnection> {
+        let server = self.server();
+        let mut builder = ClusterClient::builder(vec![self.url.as_str()])
+            .connection_timeout(CONNECT_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT)
+            .retries(4);
+        if let Some(user) = &self.credentials.username {
+            builder = builder.username(user);
+        }
+        if let Some(password) = &self.credentials.password {
+            builder = builder.password(password);
+        }
+        if self.url.starts_with("rediss://") {
+            let mode = if self.tls.insecure_skip_verify { TlsMode::Insecure } else { TlsMode::Secure };
+            builder = builder.tls(mode).certs(self.certificates());
+        }
+        let client = builder.build().map_err(|e| Error::from_redis(&server, e))?;
+        client.get_async_connection().await.map_err(|e| Error::from_redis(&server, e))
     }
 
     /// A client for this target: credentials in the connection settings, TLS material when the URL is `rediss://`.
@@ -94,14 +169,7 @@ impl Target {
         if let ConnectionAddr::TcpTls { host, port, tls_params, .. } = info.addr().clone() {
             let addr = ConnectionAddr::TcpTls { host, port, insecure: self.tls.insecure_skip_verify, tls_params };
             info = info.set_addr(addr);
-            let client_tls = match (&self.tls.client_cert, &self.tls.client_key) {
-                (Some(client_cert), Some(client_key)) => {
-                    Some(ClientTlsConfig { client_cert: client_cert.clone(), client_key: client_key.clone() })
-                }
-                _ => None,
-            };
-            let certificates = TlsCertificates { client_tls, root_cert: self.tls.ca.clone() };
-            return Client::build_with_tls(info, certificates).map_err(|e| Error::from_redis(&server, e));
+            return Client::build_with_tls(info, self.certificates()).map_err(|e| Error::from_redis(&server, e));
         }
         Client::open(info).map_err(|e| Error::from_redis(&server, e))
     }
@@ -116,26 +184,31 @@ type PoolKey = (String, Option<String>, u64);
 
 #[derive(Default)]
 pub struct Pools {
-    connections: Mutex<HashMap<PoolKey, ConnectionManager>>,
+    connections: Mutex<HashMap<PoolKey, Conn>>,
 }
 
 impl Pools {
-    /// A multiplexed connection to `target`, created on first use. The manager reconnects by itself after a
-    /// server restart; a credential change in a Secret yields a new target and so a new connection.
-    pub async fn get(&self, target: &Target) -> Result<ConnectionManager> {
+    /// A multiplexed connection to `target` (a server, or a whole cluster), created on first use. It reconnects by
+    /// itself after a server restart; a credential change in a Secret yields a new target and so a new connection.
+    pub async fn get(&self, target: &Target) -> Result<Conn> {
         let key = target.pool_key();
         if let Some(conn) = self.connections.lock().expect("pool lock").get(&key) {
             return Ok(conn.clone());
         }
-        let server = target.server();
-        let client = target.client()?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(2));
-        let conn =
-            ConnectionManager::new_with_config(client, config).await.map_err(|e| Error::from_redis(&server, e))?;
+        let conn = if target.cluster {
+            Conn::Cluster(target.cluster_connection().await?)
+        } else {
+            let server = target.server();
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_number_of_retries(2)
+                .set_max_delay(Duration::from_secs(2));
+            let manager = ConnectionManager::new_with_config(target.client()?, config)
+                .await
+                .map_err(|e| Error::from_redis(&server, e))?;
+            Conn::Single(manager)
+        };
         let mut map = self.connections.lock().expect("pool lock");
         Ok(map.entry(key).or_insert(conn).clone())
     }
@@ -163,7 +236,7 @@ mod tests {
     fn debug_output_never_shows_the_password() {
         let creds = Credentials { username: Some("app".into()), password: Some("hunter2".into()) };
         let tls = Tls { client_key: Some(b"-----BEGIN PRIVATE KEY----- secret".to_vec()), ..Tls::default() };
-        let shown = format!("{:?}", Target { url: "redis://h:1".into(), credentials: creds, tls });
+        let shown = format!("{:?}", Target { credentials: creds, tls, ..Target::new("redis://h:1") });
         assert!(!shown.contains("PRIVATE KEY"), "{shown}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("<redacted>"));
@@ -171,11 +244,7 @@ mod tests {
 
     #[test]
     fn server_is_host_and_port() {
-        let t = Target {
-            url: "rediss://cache.apps.svc:6380/2".into(),
-            credentials: Credentials::default(),
-            tls: Tls::default(),
-        };
+        let t = Target::new("rediss://cache.apps.svc:6380/2");
         assert_eq!(t.server(), "cache.apps.svc:6380");
     }
 }

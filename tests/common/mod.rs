@@ -122,7 +122,7 @@ pub struct Server {
     pub tls_port: Option<u16>,
     args: Vec<String>,
     dir: tempfile::TempDir,
-    child: Option<Child>,
+    pub child: Option<Child>,
 }
 
 impl Server {
@@ -478,4 +478,74 @@ pub fn table_rows(table: &str) -> Vec<HashMap<String, String>> {
                 .collect()
         })
         .collect()
+}
+
+/// A Redis Cluster of three primaries (no replicas) on loopback, made with `redis-cli --cluster create`.
+pub struct Cluster {
+    pub nodes: Vec<Server>,
+}
+
+impl Cluster {
+    pub fn start(flavor: Flavor) -> Cluster {
+        let nodes: Vec<Server> = (0..3)
+            .map(|_| {
+                let args = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ];
+                Server::start_with(flavor, &args)
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .arg("--cluster-yes")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        let cluster = Cluster { nodes };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Every node reports `cluster_state:ok`.
+    pub fn wait_ok(&self) {
+        wait_for("cluster_state:ok on every node", Duration::from_secs(30), || {
+            for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+                let info: String =
+                    redis::cmd("CLUSTER").arg("INFO").query(&mut node.conn()).map_err(|e| e.to_string())?;
+                if !info.contains("cluster_state:ok") {
+                    return Err(info);
+                }
+            }
+            Ok(())
+        });
+    }
+
+    /// A seed URL for a policy (any node).
+    pub fn url(&self) -> String {
+        self.nodes[0].url()
+    }
+
+    /// A connection that follows the cluster's redirections, for the test's own checks.
+    pub fn conn(&self) -> redis::cluster::ClusterConnection {
+        let urls: Vec<String> = self.nodes.iter().filter(|n| n.child.is_some()).map(|n| n.url()).collect();
+        redis::cluster::ClusterClient::new(urls).unwrap().get_connection().unwrap()
+    }
+
+    /// The node that serves `key`.
+    pub fn owner(&mut self, key: &str) -> &mut Server {
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].conn()).unwrap();
+        let slots: Vec<(i64, i64, Vec<redis::Value>)> =
+            redis::cmd("CLUSTER").arg("SLOTS").query(&mut self.nodes[0].conn()).unwrap();
+        let (_, _, master) = slots.into_iter().find(|(lo, hi, _)| *lo <= slot && slot <= *hi).unwrap();
+        let port: i64 = redis::from_redis_value_ref(&master[1]).unwrap();
+        self.nodes.iter_mut().find(|n| n.port as i64 == port).unwrap()
+    }
 }
