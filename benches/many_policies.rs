@@ -4,7 +4,7 @@
 //!   scripts/testenv up && cargo bench --bench many_policies [-- <policies>]
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code, unused_macros)]
+#[allow(unused_macros)]
 mod common;
 
 use std::time::{Duration, Instant};
