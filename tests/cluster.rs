@@ -3,7 +3,11 @@
 #[macro_use]
 mod common;
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -11,6 +15,7 @@ on_both_servers!(
     a_cluster_policy_is_ready_and_dead_letters_in_the_streams_slot,
     keys_in_different_slots_are_refused_before_any_write,
     a_node_down_is_redis_unavailable_then_heals,
+    kill_9_and_a_slot_migration_during_dead_lettering_lose_and_duplicate_nothing,
 );
 
 fn cluster_policy(name: &str, cluster: &Cluster, stream: &str, dead_letter: &str, extra: &str) -> String {
@@ -90,4 +95,92 @@ fn a_node_down_is_redis_unavailable_then_heals(flavor: Flavor) {
     cluster.wait_ok();
     wait_condition(&ns, "p", "Ready", "True", "Reconciled");
     assert!(operator.is_running());
+}
+
+/// Values of field `n` in a stream of the cluster, with how often each appears.
+fn count_n(conn: &mut redis::cluster::ClusterConnection, stream: &str) -> HashMap<u64, usize> {
+    let raw: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(conn).unwrap();
+    let mut seen = HashMap::new();
+    for (_, n) in entries_n(raw) {
+        *seen.entry(n.expect("every entry keeps its fields")).or_default() += 1;
+    }
+    seen
+}
+
+fn kill_9_and_a_slot_migration_during_dead_lettering_lose_and_duplicate_nothing(flavor: Flavor) {
+    const TOTAL: u64 = 20_000;
+    let mut cluster = Cluster::start(flavor);
+    let ns = namespace("clusterchaos");
+    let mut operator = Operator::start(&ns);
+    let extra = "  retry:\n    maxDeliveries: 2\n";
+    let manifest = cluster_policy("chaos", &cluster, "{mig}:in", "{mig}:dlq", extra);
+    assert!(kubectl_apply(&ns, &manifest.replace("    minIdle: 1s\n", "    minIdle: 1s\n    maxPerPass: 100000\n")).0);
+    wait_condition(&ns, "chaos", "Ready", "True", "Reconciled");
+    let mut conn = cluster.conn();
+    for start in (0..TOTAL).step_by(1000) {
+        let mut pipe = redis::cluster::cluster_pipe();
+        for n in start..(start + 1000).min(TOTAL) {
+            pipe.cmd("XADD").arg("{mig}:in").arg("*").arg("n").arg(n).ignore();
+        }
+        let _: () = pipe.query(&mut conn).unwrap();
+    }
+
+    // A consumer that reads everything and acknowledges nothing: every message must end in the dead-letter stream.
+    let stop = Arc::new(AtomicBool::new(false));
+    let urls: Vec<String> = cluster.nodes.iter().map(|n| n.url()).collect();
+    let consumer = {
+        let stop = stop.clone();
+        thread::spawn(move || {
+            let client = redis::cluster::ClusterClient::new(urls).unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                let Ok(mut conn) = client.get_connection() else { continue };
+                while !stop.load(Ordering::Relaxed) {
+                    let read: redis::RedisResult<redis::Value> = redis::cmd("XREADGROUP")
+                        .arg("GROUP")
+                        .arg("workers")
+                        .arg("flaky")
+                        .arg("COUNT")
+                        .arg(5000)
+                        .arg("STREAMS")
+                        .arg("{mig}:in")
+                        .arg(">")
+                        .query(&mut conn);
+                    if read.is_err() {
+                        thread::sleep(Duration::from_millis(50));
+                        break;
+                    }
+                    thread::sleep(Duration::from_millis(100));
+                }
+            }
+        })
+    };
+
+    let mut rng = Lcg(Instant::now().elapsed().as_nanos() as u64 ^ 0xc1u64);
+    for round in 0..12 {
+        thread::sleep(Duration::from_millis(rng.next_in(200, 1_200)));
+        operator.kill9();
+        if round == 4 || round == 8 {
+            let before = cluster.owner("{mig}:in").port;
+            cluster.migrate_slot_of("{mig}:in");
+            assert_ne!(cluster.owner("{mig}:in").port, before, "the stream's slot moved to another node");
+        }
+        operator = Operator::start(&ns);
+    }
+
+    wait_for("every message in the dead-letter stream", Duration::from_secs(180), || {
+        let dead: usize = count_n(&mut conn, "{mig}:dlq").values().sum();
+        let pending: (i64, redis::Value, redis::Value, redis::Value) =
+            redis::cmd("XPENDING").arg("{mig}:in").arg("workers").query(&mut conn).map_err(|e| e.to_string())?;
+        if dead as u64 >= TOTAL && pending.0 == 0 { Ok(()) } else { Err(format!("dead {dead}, pending {}", pending.0)) }
+    });
+    stop.store(true, Ordering::Relaxed);
+    consumer.join().unwrap();
+    let dead = count_n(&mut conn, "{mig}:dlq");
+    let duplicated: Vec<_> = dead.iter().filter(|(_, c)| **c > 1).take(10).collect();
+    assert!(duplicated.is_empty(), "dead-lettered more than once: {duplicated:?}");
+    let missing: Vec<u64> = (0..TOTAL).filter(|n| !dead.contains_key(n)).take(10).collect();
+    assert!(missing.is_empty(), "lost: {missing:?}");
+    let counted: i64 =
+        redis::cmd("HGET").arg("{mig}:pelican:workers:totals").arg("deadLettered").query(&mut conn).unwrap();
+    assert_eq!(counted as u64, TOTAL);
 }

@@ -539,6 +539,46 @@ impl Cluster {
         redis::cluster::ClusterClient::new(urls).unwrap().get_connection().unwrap()
     }
 
+    /// Moves the slot of `key` to another node the way `redis-cli --cluster reshard` does: IMPORTING / MIGRATING,
+    /// MIGRATE of every key in the slot, then the new owner announced to every node. Clients meanwhile get ASK,
+    /// TRYAGAIN and, at the end, MOVED.
+    pub fn migrate_slot_of(&mut self, key: &str) {
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].conn()).unwrap();
+        let from = self.owner(key).port;
+        let to = self.nodes.iter().find(|n| n.port != from).unwrap().port;
+        let node = |port: u16| self.nodes.iter().find(|n| n.port == port).unwrap();
+        let id = |port: u16| -> String { redis::cmd("CLUSTER").arg("MYID").query(&mut node(port).conn()).unwrap() };
+        let (from_id, to_id) = (id(from), id(to));
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("IMPORTING")
+            .arg(&from_id)
+            .query(&mut node(to).conn())
+            .unwrap();
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("MIGRATING")
+            .arg(&to_id)
+            .query(&mut node(from).conn())
+            .unwrap();
+        loop {
+            let keys: Vec<String> =
+                redis::cmd("CLUSTER").arg("GETKEYSINSLOT").arg(slot).arg(100).query(&mut node(from).conn()).unwrap();
+            if keys.is_empty() {
+                break;
+            }
+            let mut migrate = redis::cmd("MIGRATE");
+            migrate.arg("127.0.0.1").arg(to).arg("").arg(0).arg(10_000).arg("KEYS").arg(&keys);
+            let _: redis::Value = migrate.query(&mut node(from).conn()).unwrap();
+        }
+        for node in &self.nodes {
+            let _: () =
+                redis::cmd("CLUSTER").arg("SETSLOT").arg(slot).arg("NODE").arg(&to_id).query(&mut node.conn()).unwrap();
+        }
+    }
+
     /// The node that serves `key`.
     pub fn owner(&mut self, key: &str) -> &mut Server {
         let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].conn()).unwrap();
