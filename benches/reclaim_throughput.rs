@@ -11,56 +11,26 @@ use std::time::{Duration, Instant};
 use pelican::api::ReclaimStrategy;
 use pelican::jobs::{self, PassSettings};
 use pelican::redis::{Conn, GroupKeys, Pools, Target};
+use support::{bed_var, deliver_all, fill_stream};
+
+mod support;
 
 const STREAM: &str = "{bench}:in";
 const DLQ: &str = "{bench}:dlq";
 const GROUP: &str = "g";
 const IDLE: Duration = Duration::from_millis(50);
 
-fn bed_var(name: &str) -> String {
-    let dir = std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
-    let env = std::fs::read_to_string(format!("{dir}/env")).expect("the test bed is not up: run scripts/testenv up");
-    env.lines()
-        .find_map(|l| l.strip_prefix(&format!("export {name}=")))
-        .map(str::to_string)
-        .unwrap_or_else(|| panic!("{name} missing from the bed env"))
-}
-
-/// A fresh stream of `size` entries (about 120 bytes each), all delivered and idle.
+/// A fresh stream of `size` entries (about 120 bytes each), all delivered and idle, and no counters.
 async fn fill_pel(conn: &mut Conn, size: usize) {
     let _: () = redis::cmd("DEL")
-        .arg(STREAM)
         .arg(DLQ)
         .arg("{bench}:pelican:g:totals")
         .arg("{bench}:pelican:g:terminal")
         .query_async(conn)
         .await
         .unwrap();
-    let body = "x".repeat(100);
-    for start in (0..size).step_by(1000) {
-        let mut pipe = redis::pipe();
-        for n in start..(start + 1000).min(size) {
-            pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).arg("body").arg(&body).ignore();
-        }
-        let _: () = pipe.query_async(conn).await.unwrap();
-    }
-    let _: () = redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg(GROUP).arg("0").query_async(conn).await.unwrap();
-    let mut delivered = 0;
-    while delivered < size {
-        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg(GROUP)
-            .arg("worker")
-            .arg("COUNT")
-            .arg(10_000)
-            .arg("STREAMS")
-            .arg(STREAM)
-            .arg(">")
-            .query_async(conn)
-            .await
-            .unwrap();
-        delivered += reply.keys.first().map_or(0, |k| k.ids.len());
-    }
+    fill_stream(conn, STREAM, GROUP, size, 100).await;
+    deliver_all(conn, STREAM, GROUP, size).await;
     tokio::time::sleep(IDLE * 2).await;
 }
 

@@ -5,47 +5,12 @@
 
 use std::time::{Duration, Instant};
 
-use pelican::redis::{Conn, GroupKeys, Pools, Target, probe_group};
+use pelican::redis::{GroupKeys, Pools, Target, probe_group};
+use support::{bed_var, deliver_all, fill_stream};
+
+mod support;
 
 const SAMPLES: usize = 300;
-
-fn bed_var(name: &str) -> String {
-    let dir = std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
-    let env = std::fs::read_to_string(format!("{dir}/env")).expect("the test bed is not up: run scripts/testenv up");
-    env.lines()
-        .find_map(|l| l.strip_prefix(&format!("export {name}=")))
-        .map(str::to_string)
-        .unwrap_or_else(|| panic!("{name} missing from the bed env"))
-}
-
-/// A stream of `size` entries, all delivered to one consumer and none acknowledged.
-async fn fill(conn: &mut Conn, stream: &str, size: usize) {
-    let _: () = redis::cmd("DEL").arg(stream).query_async(conn).await.unwrap();
-    for start in (0..size).step_by(1000) {
-        let mut pipe = redis::pipe();
-        for i in start..(start + 1000).min(size) {
-            pipe.cmd("XADD").arg(stream).arg("*").arg("n").arg(i).ignore();
-        }
-        let _: () = pipe.query_async(conn).await.unwrap();
-    }
-    let _: () = redis::cmd("XGROUP").arg("CREATE").arg(stream).arg("g").arg("0").query_async(conn).await.unwrap();
-    let mut delivered = 0;
-    while delivered < size {
-        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
-            .arg("GROUP")
-            .arg("g")
-            .arg("worker")
-            .arg("COUNT")
-            .arg(10_000)
-            .arg("STREAMS")
-            .arg(stream)
-            .arg(">")
-            .query_async(conn)
-            .await
-            .unwrap();
-        delivered += reply.keys.first().map_or(0, |k| k.ids.len());
-    }
-}
 
 fn summary(mut samples: Vec<Duration>) -> String {
     samples.sort();
@@ -77,7 +42,8 @@ async fn main() {
         let server = pelican::redis::ServerInfo::parse(&info).to_string();
         for &size in &sizes {
             let stream = format!("bench:refresh:{size}");
-            fill(&mut conn, &stream, size).await;
+            fill_stream(&mut conn, &stream, "g", size, 0).await;
+            deliver_all(&mut conn, &stream, "g", size).await;
             let keys = GroupKeys { stream: &stream, group: "g", dead_letter: "bench:refresh:dlq" };
             let facts = probe_group(&mut conn, label, &keys).await.unwrap();
             assert_eq!(facts.pending, size as i64, "the PEL was not filled");

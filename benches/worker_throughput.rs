@@ -9,29 +9,11 @@ use std::time::{Duration, Instant};
 
 use pelican::worker::{Outcome, Worker, WorkerConfig};
 use redis::aio::ConnectionManager;
+use support::{bed_var, fill_stream};
+
+mod support;
 
 const GROUP: &str = "g";
-
-fn bed_var(name: &str) -> String {
-    let dir = std::env::var("PELICAN_TESTENV").unwrap_or_else(|_| "/tmp/pelican-testenv".into());
-    let env = std::fs::read_to_string(format!("{dir}/env")).expect("the test bed is not up: run scripts/testenv up");
-    env.lines()
-        .find_map(|l| l.strip_prefix(&format!("export {name}=")))
-        .map(str::to_string)
-        .unwrap_or_else(|| panic!("{name} missing from the bed env"))
-}
-
-async fn fill(conn: &mut ConnectionManager, stream: &str, count: usize) {
-    let _: () = redis::cmd("DEL").arg(stream).query_async(conn).await.unwrap();
-    for start in (0..count).step_by(1000) {
-        let mut pipe = redis::pipe();
-        for n in start..(start + 1000).min(count) {
-            pipe.cmd("XADD").arg(stream).arg("*").arg("n").arg(n).arg("body").arg("x".repeat(100)).ignore();
-        }
-        let _: () = pipe.query_async(conn).await.unwrap();
-    }
-    let _: () = redis::cmd("XGROUP").arg("CREATE").arg(stream).arg(GROUP).arg("0").query_async(conn).await.unwrap();
-}
 
 /// The loop a hand-written consumer would run: read a batch, acknowledge each message.
 async fn plain_loop(conn: &mut ConnectionManager, stream: &str, count: usize, batch: usize) -> Duration {
@@ -105,13 +87,13 @@ async fn main() {
         let cell = |took: Duration| {
             format!("{:>10.0} ({:>6.1} us)", count as f64 / took.as_secs_f64(), took.as_secs_f64() * 1e6 / count as f64)
         };
-        fill(&mut conn, "{bench}:plain", count).await;
+        fill_stream(&mut conn, "{bench}:plain", GROUP, count, 100).await;
         let plain_one = plain_loop(&mut conn, "{bench}:plain", count, 1).await;
-        fill(&mut conn, "{bench}:plain", count).await;
+        fill_stream(&mut conn, "{bench}:plain", GROUP, count, 100).await;
         let plain = plain_loop(&mut conn, "{bench}:plain", count, 16).await;
-        fill(&mut conn, "{bench}:sdk1", count).await;
+        fill_stream(&mut conn, "{bench}:sdk1", GROUP, count, 100).await;
         let one = sdk(&client, "{bench}:sdk1", count, 1).await;
-        fill(&mut conn, "{bench}:sdk16", count).await;
+        fill_stream(&mut conn, "{bench}:sdk16", GROUP, count, 100).await;
         let sixteen = sdk(&client, "{bench}:sdk16", count, 16).await;
         println!("{:<14} {:>24} {:>24} {:>24} {:>24}", server, cell(plain_one), cell(one), cell(plain), cell(sixteen));
         let _: () = redis::cmd("DEL")
