@@ -67,18 +67,7 @@ fn main() {
     for chunk in manifests.chunks(250) {
         assert!(kubectl_apply(&ns, &chunk.join("---\n")).0);
     }
-    wait_for("every policy Ready", Duration::from_secs(300), || {
-        let out = kubectl_ok(&[
-            "get",
-            "cgp",
-            "-n",
-            &ns,
-            "-o",
-            "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}",
-        ]);
-        let ready = out.split_whitespace().filter(|s| *s == "True").count();
-        if ready == count { Ok(()) } else { Err(format!("{ready} of {count} ready")) }
-    });
+    wait_all_ready(&ns, count, Duration::from_secs(300));
     let all_ready = started.elapsed();
     let (rss, cpu) = steady(&operator, window);
     let per_server: Vec<usize> = servers.iter().map(connections).collect();

@@ -26,18 +26,7 @@ fn sixty_policies_on_three_servers_use_one_connection_per_server() {
         })
         .collect();
     assert!(kubectl_apply(&ns, &manifests.join("---\n")).0);
-    wait_for("all 60 policies Ready", Duration::from_secs(60), || {
-        let out = kubectl_ok(&[
-            "get",
-            "cgp",
-            "-n",
-            &ns,
-            "-o",
-            "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}",
-        ]);
-        let ready = out.split_whitespace().filter(|s| *s == "True").count();
-        if ready == 60 { Ok(()) } else { Err(format!("{ready} ready")) }
-    });
+    wait_all_ready(&ns, 60, Duration::from_secs(60));
     for server in &servers {
         assert_eq!(operator_connections(server), 1, "one shared connection per server");
     }

@@ -53,12 +53,12 @@ impl Captured {
 }
 
 /// Runs a worker on `server` with `handler` until the stream's group has nothing left to give it (or `stop_after`).
-fn run_worker<H, Fut>(
+fn run_worker<H, Fut, T>(
     server: &Server,
     config: WorkerConfig,
-    handler: impl Future<Output = H>,
+    setup: impl Future<Output = (H, T)>,
     stop_after: Duration,
-) -> (WorkerStats, String)
+) -> (WorkerStats, String, T)
 where
     H: Fn(Message) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Outcome, pelican::worker::BoxError>> + Send + 'static,
@@ -68,12 +68,13 @@ where
     let subscriber = tracing_subscriber::fmt().json().with_writer(move || writer.clone()).finish();
     let _guard = tracing::subscriber::set_default(subscriber);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let stats = runtime.block_on(async {
+    let (stats, kept) = runtime.block_on(async {
         let client = redis::Client::open(server.url()).unwrap();
         let worker = Worker::connect(&client, config).await.unwrap();
-        worker.run(handler.await, tokio::time::sleep(stop_after)).await
+        let (handler, kept) = setup.await;
+        (worker.run(handler, tokio::time::sleep(stop_after)).await, kept)
     });
-    (stats, logs.text())
+    (stats, logs.text(), kept)
 }
 
 fn config() -> WorkerConfig {
@@ -120,14 +121,11 @@ fn terminal_count(conn: &mut redis::Connection, reason: &str) -> i64 {
 fn record_gone_is_terminal_acked_and_counted_without_heavy_work(flavor: Flavor) {
     let server = Server::start(flavor);
     let ids = setup(&server, &["job-41"]);
-    let jobs = Mutex::new(None);
     let setup_handler = async {
-        let j = file_jobs(&server).await;
-        *jobs.lock().unwrap() = Some(j.clone());
-        handle_with(j)
+        let jobs = file_jobs(&server).await;
+        (handle_with(jobs.clone()), jobs)
     };
-    let (stats, logs) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
-    let jobs = jobs.into_inner().unwrap().unwrap();
+    let (stats, logs, jobs) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
     assert_eq!((stats.terminal, stats.done, stats.failed), (1, 0, 0));
     assert_eq!(jobs.heavy_work_started.load(Ordering::Relaxed), 0, "no heavy work for a job whose record is gone");
     let mut conn = server.conn();
@@ -150,15 +148,12 @@ fn lookup_failure_reaches_the_dispatch_layer_and_stays_pending(flavor: Flavor) {
     let server = Server::start(flavor);
     let mut records = Server::start(flavor);
     let ids = setup(&server, &["job-7"]);
-    let jobs = Mutex::new(None);
     let setup_handler = async {
-        let j = file_jobs(&records).await;
+        let jobs = file_jobs(&records).await;
         records.stop(); // the record store goes down: every lookup fails
-        *jobs.lock().unwrap() = Some(j.clone());
-        handle_with(j)
+        (handle_with(jobs.clone()), jobs)
     };
-    let (stats, logs) = run_worker(&server, config(), setup_handler, Duration::from_millis(1500));
-    let jobs = jobs.into_inner().unwrap().unwrap();
+    let (stats, logs, jobs) = run_worker(&server, config(), setup_handler, Duration::from_millis(1500));
     assert_eq!((stats.failed, stats.done, stats.terminal), (1, 0, 0), "{logs}");
     assert_eq!(jobs.heavy_work_started.load(Ordering::Relaxed), 0);
     let mut conn = server.conn();
@@ -184,14 +179,11 @@ fn record_present_is_done(flavor: Flavor) {
     let server = Server::start(flavor);
     setup(&server, &["job-1"]);
     let _: () = redis::cmd("HSET").arg("filejob:job-1").arg("path").arg("/in/a.pdf").query(&mut server.conn()).unwrap();
-    let jobs = Mutex::new(None);
     let setup_handler = async {
-        let j = file_jobs(&server).await;
-        *jobs.lock().unwrap() = Some(j.clone());
-        handle_with(j)
+        let jobs = file_jobs(&server).await;
+        (handle_with(jobs.clone()), jobs)
     };
-    let (stats, _) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
-    let jobs = jobs.into_inner().unwrap().unwrap();
+    let (stats, _, jobs) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
     assert_eq!((stats.done, stats.terminal, stats.failed), (1, 0, 0));
     assert_eq!(jobs.heavy_work_started.load(Ordering::Relaxed), 1);
     assert!(pel(&mut server.conn(), STREAM, GROUP).is_empty());
@@ -200,15 +192,18 @@ fn record_present_is_done(flavor: Flavor) {
 fn handler_panic_is_an_error_and_the_worker_keeps_running(flavor: Flavor) {
     let server = Server::start(flavor);
     let ids = setup(&server, &["boom", "fine", "fine-too"]);
-    let (stats, logs) = run_worker(
+    let (stats, logs, ()) = run_worker(
         &server,
         config(),
-        ready(|m: Message| async move {
-            if m.field_str("job_id") == Some("boom") {
-                panic!("corrupt input");
-            }
-            Ok(Outcome::Done)
-        }),
+        ready((
+            |m: Message| async move {
+                if m.field_str("job_id") == Some("boom") {
+                    panic!("corrupt input");
+                }
+                Ok(Outcome::Done)
+            },
+            (),
+        )),
         Duration::from_millis(800),
     );
     assert_eq!((stats.failed, stats.done), (1, 2));
@@ -220,10 +215,10 @@ fn handler_panic_is_an_error_and_the_worker_keeps_running(flavor: Flavor) {
 fn invalid_reason_code_is_reported_and_never_acked(flavor: Flavor) {
     let server = Server::start(flavor);
     setup(&server, &["job-9"]);
-    let (stats, logs) = run_worker(
+    let (stats, logs, ()) = run_worker(
         &server,
         config(),
-        ready(|_| async { Ok(Outcome::terminal("record not found")) }),
+        ready((|_| async { Ok(Outcome::terminal("record not found")) }, ())),
         Duration::from_millis(800),
     );
     assert_eq!((stats.failed, stats.terminal), (1, 0));
@@ -236,17 +231,20 @@ fn shutdown_mid_batch_finishes_in_flight_work_and_acks_nothing_unfinished(flavor
     let ids = setup(&server, &["quick", "slow", "stuck", "stuck"]);
     let config = WorkerConfig { shutdown_grace: Duration::from_millis(1500), ..config() };
     // Shutdown comes at 300 ms: "quick" is done, "slow" finishes within the grace period, "stuck" never does.
-    let (stats, _) = run_worker(
+    let (stats, _, ()) = run_worker(
         &server,
         config,
-        ready(|m: Message| async move {
-            match m.field_str("job_id") {
-                Some("slow") => tokio::time::sleep(Duration::from_millis(800)).await,
-                Some("stuck") => std::future::pending::<()>().await,
-                _ => {}
-            }
-            Ok(Outcome::Done)
-        }),
+        ready((
+            |m: Message| async move {
+                match m.field_str("job_id") {
+                    Some("slow") => tokio::time::sleep(Duration::from_millis(800)).await,
+                    Some("stuck") => std::future::pending::<()>().await,
+                    _ => {}
+                }
+                Ok(Outcome::Done)
+            },
+            (),
+        )),
         Duration::from_millis(300),
     );
     assert_eq!((stats.done, stats.abandoned), (2, 2), "{stats:?}");
@@ -281,13 +279,16 @@ fn own_pel_is_read_before_new_entries(flavor: Flavor) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let record = seen.clone();
     let config = WorkerConfig { concurrency: 1, ..config() };
-    let (stats, _) = run_worker(
+    let (stats, _, ()) = run_worker(
         &server,
         config,
-        ready(move |m: Message| {
-            record.lock().unwrap().push(m.id.clone());
-            async { Ok(Outcome::Done) }
-        }),
+        ready((
+            move |m: Message| {
+                record.lock().unwrap().push(m.id.clone());
+                async { Ok(Outcome::Done) }
+            },
+            (),
+        )),
         Duration::from_millis(800),
     );
     assert_eq!(stats.done, 3);
@@ -313,8 +314,8 @@ fn terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons(fla
         let _: String =
             redis::cmd("XADD").arg(STREAM).arg("*").arg("job_id").arg(format!("gone-{i}")).query(&mut conn).unwrap();
     }
-    let setup_handler = async { handle_with(file_jobs(&server).await) };
-    let (stats, _) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
+    let setup_handler = async { (handle_with(file_jobs(&server).await), ()) };
+    let (stats, _, ()) = run_worker(&server, config(), setup_handler, Duration::from_millis(800));
     assert_eq!(stats.terminal, 40);
 
     let policy = wait_for("terminalAcks in status", Duration::from_secs(30), || {

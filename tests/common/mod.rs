@@ -358,6 +358,16 @@ pub fn policy(name: &str, url: &str, stream: &str, group: &str, extra: &str) -> 
     )
 }
 
+/// Waits until `count` policies of the namespace are Ready.
+pub fn wait_all_ready(namespace: &str, count: usize, timeout: Duration) {
+    wait_for(&format!("{count} policies Ready"), timeout, || {
+        let path = "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}";
+        let out = kubectl_ok(&["get", "cgp", "-n", namespace, "-o", path]);
+        let ready = out.split_whitespace().filter(|s| *s == "True").count();
+        if ready == count { Ok(()) } else { Err(format!("{ready} of {count} ready")) }
+    });
+}
+
 /// Events of a policy with the given reason, as `kubectl get events` shows them.
 pub fn events(namespace: &str, reason: &str) -> Vec<Value> {
     let out =
