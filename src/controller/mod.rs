@@ -454,6 +454,7 @@ async fn secret_value(
 /// Runs on deletion. `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
 async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     ctx.passes.lock().expect("passes lock").remove(&ObjectRef::from_obj(policy));
+    ctx.failures.lock().expect("failures lock").remove(&ObjectRef::from_obj(policy));
     ctx.metrics.forget_policy(&policy_key(policy));
     if policy.spec.deletion_policy == DeletionPolicy::Retain {
         return Ok(Action::await_change());

@@ -31,7 +31,8 @@ pub fn observed(
     ConsumerGroupPolicyStatus {
         server_version: Some(server.to_string()),
         stream_length: Some(facts.stream_length),
-        lag: facts.lag,
+        // Redis 7.0 overstates the lag after a trim or XDEL; entries not yet delivered can never outnumber the stream.
+        lag: facts.lag.map(|lag| lag.min(facts.stream_length)),
         pending: Some(facts.pending),
         oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
         oldest_pending_time: oldest_millis.and_then(format_millis),
@@ -156,6 +157,13 @@ mod tests {
         assert_eq!(status.lag, None);
         let json = serde_json::to_value(&status).unwrap();
         assert!(json.get("lag").is_none(), "{json}");
+    }
+
+    #[test]
+    fn lag_never_exceeds_the_stream_length() {
+        let trimmed = GroupFacts { lag: Some(5_000), stream_length: 1_000, ..facts() };
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &trimmed);
+        assert_eq!(status.lag, Some(1_000));
     }
 
     #[test]
