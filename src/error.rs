@@ -104,11 +104,11 @@ impl Error {
     pub fn from_redis(server: &str, source: RedisError) -> Error {
         let server = server.to_string();
         if source.kind() == ErrorKind::AuthenticationFailed || matches!(source.code(), Some("WRONGPASS" | "NOAUTH")) {
-            let detail = source.detail().unwrap_or("authentication failed").to_string();
+            let detail = server_message(&source);
             return Error::AuthenticationFailed { server, detail };
         }
         if source.code() == Some("NOPERM") {
-            let detail = source.detail().unwrap_or("no permission").to_string();
+            let detail = server_message(&source);
             return Error::PermissionDenied { server, detail };
         }
         if let Some(detail) = tls_failure(&source) {
@@ -123,7 +123,7 @@ impl Error {
             return Error::RedisUnavailable { server, source };
         }
         if source.code() == Some("WRONGTYPE") {
-            return Error::WrongKeyType(source.detail().unwrap_or("a key holds a value of another type").to_string());
+            return Error::WrongKeyType(server_message(&source));
         }
         Error::RedisCommand { server, source }
     }
@@ -132,6 +132,12 @@ impl Error {
     pub fn wrong_key_type(key: &str, actual: &str, expected: &str) -> Error {
         Error::WrongKeyType(format!("key {key:?} holds a {actual}, not a {expected}"))
     }
+}
+
+/// The server's words: the detail of a plain error reply, or the whole error when it came wrapped (a reply inside
+/// a pipeline has no separate detail), so messages always name the command or key the server refused.
+fn server_message(source: &RedisError) -> String {
+    source.detail().map_or_else(|| source.to_string(), str::to_string)
 }
 
 /// A certificate problem (unknown CA, expired, wrong name) surfaces as an I/O error whose text names it.

@@ -9,7 +9,11 @@ use std::time::Duration;
 
 use common::*;
 
-on_both_servers!(the_documented_acl_runs_every_job, a_missing_acl_permission_stalls_naming_the_command_then_heals,);
+on_both_servers!(
+    the_documented_acl_runs_every_job,
+    a_missing_acl_permission_stalls_naming_the_command_then_heals,
+    a_refusal_inside_the_status_pipeline_names_the_command,
+);
 
 /// A Secret `name` with one key per (key, value).
 fn secret(name: &str, entries: &[(&str, &str)]) -> String {
@@ -215,4 +219,34 @@ fn a_missing_acl_permission_stalls_naming_the_command_then_heals(flavor: Flavor)
     set_user(&server, &["+xinfo".to_string()]);
     wait_condition(&ns, "np", "Ready", "True", "Reconciled");
     assert!(!operator.logs().contains("acl-pw-2"));
+}
+
+/// The status probe is one pipeline; a NOPERM inside it must still name the command (it comes without a separate
+/// detail, unlike a plain reply).
+fn a_refusal_inside_the_status_pipeline_names_the_command(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let rules = acl_rules("{pp}:in", "{pp}:dlq", "pp", "acl-pw-3");
+    set_user(&server, &rules.iter().filter(|r| *r != "+xinfo").cloned().collect::<Vec<_>>());
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("{pp}:in")
+        .arg("g")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(&mut server.conn())
+        .unwrap();
+    let target = pelican::redis::Target {
+        credentials: pelican::redis::Credentials {
+            username: Some("pelican".into()),
+            password: Some("acl-pw-3".into()),
+        },
+        ..pelican::redis::Target::new(server.url())
+    };
+    let error = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        let mut conn = pelican::redis::Pools::default().get(&target).await.unwrap();
+        let keys = pelican::redis::GroupKeys { stream: "{pp}:in", group: "g", dead_letter: "{pp}:dlq" };
+        pelican::redis::probe_group(&mut conn, "test", &keys).await.unwrap_err()
+    });
+    assert_eq!(error.reason(), "PermissionDenied");
+    assert!(error.to_string().to_lowercase().contains("xinfo"), "{error}");
 }
