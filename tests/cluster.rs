@@ -16,6 +16,7 @@ on_both_servers!(
     keys_in_different_slots_are_refused_before_any_write,
     a_node_down_is_redis_unavailable_then_heals,
     kill_9_and_a_slot_migration_during_dead_lettering_lose_and_duplicate_nothing,
+    a_password_protected_cluster_takes_the_password_from_the_secret,
 );
 
 fn cluster_policy(name: &str, cluster: &Cluster, stream: &str, dead_letter: &str, extra: &str) -> String {
@@ -183,4 +184,22 @@ fn kill_9_and_a_slot_migration_during_dead_lettering_lose_and_duplicate_nothing(
     let counted: i64 =
         redis::cmd("HGET").arg("{mig}:pelican:workers:totals").arg("deadLettered").query(&mut conn).unwrap();
     assert_eq!(counted as u64, TOTAL);
+}
+
+fn a_password_protected_cluster_takes_the_password_from_the_secret(flavor: Flavor) {
+    let cluster = Cluster::start_with_password(flavor, Some("cluster-pw-1"));
+    let ns = namespace("clusterauth");
+    let operator = Operator::start(&ns);
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: auth\nstringData:\n  password: cluster-pw-1\n";
+    let manifest = cluster_policy("p", &cluster, "{auth}:s", "{auth}:dlq", "").replacen(
+        "  stream:",
+        "    passwordSecretRef: {name: auth, key: password}\n  stream:",
+        1,
+    );
+    assert!(kubectl_apply(&ns, &format!("{secret}---\n{manifest}")).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let groups: Vec<redis::Value> =
+        redis::cmd("XINFO").arg("GROUPS").arg("{auth}:s").query(&mut cluster.conn()).unwrap();
+    assert_eq!(groups.len(), 1);
+    assert!(!operator.logs().contains("cluster-pw-1"));
 }

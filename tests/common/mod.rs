@@ -493,13 +493,19 @@ pub fn table_rows(table: &str) -> Vec<HashMap<String, String>> {
 /// A Redis Cluster of three primaries (no replicas) on loopback, made with `redis-cli --cluster create`.
 pub struct Cluster {
     pub nodes: Vec<Server>,
+    password: Option<String>,
 }
 
 impl Cluster {
     pub fn start(flavor: Flavor) -> Cluster {
+        Cluster::start_with_password(flavor, None)
+    }
+
+    /// With `requirepass` on every node.
+    pub fn start_with_password(flavor: Flavor, password: Option<&str>) -> Cluster {
         let nodes: Vec<Server> = (0..3)
             .map(|_| {
-                let args = [
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
@@ -507,19 +513,20 @@ impl Cluster {
                     "--cluster-node-timeout",
                     "2000",
                 ];
+                if let Some(password) = password {
+                    args.extend(["--requirepass", password]);
+                }
                 Server::start_with(flavor, &args)
             })
             .collect();
         let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .arg("--cluster-yes")
-            .output()
-            .unwrap();
+        let mut create = Command::new("redis-cli");
+        if let Some(password) = password {
+            create.env("REDISCLI_AUTH", password);
+        }
+        let out = create.arg("--cluster").arg("create").args(&addrs).arg("--cluster-yes").output().unwrap();
         assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
-        let cluster = Cluster { nodes };
+        let cluster = Cluster { nodes, password: password.map(str::to_string) };
         cluster.wait_ok();
         cluster
     }
@@ -546,7 +553,11 @@ impl Cluster {
     /// A connection that follows the cluster's redirections, for the test's own checks.
     pub fn conn(&self) -> redis::cluster::ClusterConnection {
         let urls: Vec<String> = self.nodes.iter().filter(|n| n.child.is_some()).map(|n| n.url()).collect();
-        redis::cluster::ClusterClient::new(urls).unwrap().get_connection().unwrap()
+        let mut builder = redis::cluster::ClusterClient::builder(urls);
+        if let Some(password) = &self.password {
+            builder = builder.password(password.clone());
+        }
+        builder.build().unwrap().get_connection().unwrap()
     }
 
     /// Moves the slot of `key` to another node the way `redis-cli --cluster reshard` does: IMPORTING / MIGRATING,
