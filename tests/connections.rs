@@ -65,3 +65,44 @@ fn a_changed_password_takes_effect_without_a_restart() {
     assert!(operator.is_running(), "no restart needed");
     assert!(!operator.logs().contains("second-pw") && !operator.logs().contains("first-pw"));
 }
+
+#[test]
+fn the_connection_of_replaced_credentials_is_closed() {
+    let server = Server::start(Flavor::Valkey);
+    for user in ["alice", "bob"] {
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(user)
+            .arg("on")
+            .arg(format!(">{user}-pw"))
+            .arg("~*")
+            .arg("+@all")
+            .query(&mut server.conn())
+            .unwrap();
+    }
+    let ns = namespace("replaced");
+    let _operator = Operator::start(&ns);
+    let secret = |user: &str| {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: auth\nstringData:\n  username: {user}\n  password: {user}-pw\n"
+        )
+    };
+    let refs =
+        "    usernameSecretRef: {name: auth, key: username}\n    passwordSecretRef: {name: auth, key: password}\n";
+    let manifest = policy("p", &server.url(), "s", "g", "").replacen("  stream:", &format!("{refs}  stream:"), 1);
+    assert!(kubectl_apply(&ns, &format!("{}---\n{manifest}", secret("alice"))).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let users = || -> Vec<String> {
+        let list: String = redis::cmd("CLIENT").arg("LIST").query(&mut server.conn()).unwrap();
+        list.lines()
+            .filter(|l| !l.contains("cmd=client"))
+            .filter_map(|l| l.split_whitespace().find_map(|f| f.strip_prefix("user=")).map(str::to_string))
+            .collect()
+    };
+    assert_eq!(users(), ["alice"]);
+    assert!(kubectl_apply(&ns, &secret("bob")).0);
+    wait_for("only bob's connection", Duration::from_secs(20), || {
+        let now = users();
+        if now == ["bob"] { Ok(()) } else { Err(format!("{now:?}")) }
+    });
+}

@@ -29,7 +29,7 @@ use crate::api::{
 };
 use crate::jobs::{self, PassSettings};
 use crate::keys;
-use crate::redis::{self as redis_ops, Conn, Credentials, GroupKeys, Pools, Target, Tls};
+use crate::redis::{self as redis_ops, Conn, Credentials, GroupKeys, PoolKey, Pools, Target, Tls};
 use crate::telemetry::{Metrics, PolicyKey, PolicySnapshot, Readiness};
 use crate::{Error, Result};
 use status::Outcome;
@@ -50,6 +50,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     failures: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, u32>>,
     passes: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, PassState>>,
+    /// Which shared connection each policy uses, so unused ones (old credentials) are closed.
+    pool_users: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, PoolKey>>,
 }
 
 /// Where to watch, how to identify ourselves, where to report.
@@ -90,6 +92,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         metrics: settings.metrics,
         failures: Mutex::default(),
         passes: Mutex::default(),
+        pool_users: Mutex::default(),
     });
     // Only Secret metadata is watched: a change to a referenced Secret re-runs its policies at once, and
     // no Secret value is held in the watch cache.
@@ -264,6 +267,7 @@ async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedul
         same_slot(&policy.spec)?;
     }
     let target = target(policy, &ctx.client).await?;
+    ctx.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(&target));
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
     let keys = group_keys(policy);
@@ -451,11 +455,19 @@ async fn secret_value(
     Ok(Some(text.trim_end_matches(['\r', '\n']).to_string()))
 }
 
-/// Runs on deletion. `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
+/// Runs on deletion: Redis by `deletionPolicy`, then the policy's state and connection are forgotten.
 async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
-    ctx.passes.lock().expect("passes lock").remove(&ObjectRef::from_obj(policy));
-    ctx.failures.lock().expect("failures lock").remove(&ObjectRef::from_obj(policy));
+    let key = ObjectRef::from_obj(policy);
+    ctx.passes.lock().expect("passes lock").remove(&key);
+    ctx.failures.lock().expect("failures lock").remove(&key);
     ctx.metrics.forget_policy(&policy_key(policy));
+    let done = release_redis(policy, ctx).await;
+    ctx.pools.assign(&ctx.pool_users, &key, None);
+    done
+}
+
+/// `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
+async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     if policy.spec.deletion_policy == DeletionPolicy::Retain {
         return Ok(Action::await_change());
     }

@@ -7,4 +7,4 @@ mod reply;
 pub use group::{
     GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, probe_group,
 };
-pub use pool::{Conn, Credentials, Pools, Target, Tls};
+pub use pool::{Conn, Credentials, PoolKey, Pools, Target, Tls};

@@ -1,6 +1,6 @@
 //! One connection per distinct server + credentials, shared by every policy that uses them (SPEC section 5).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Mutex;
@@ -179,8 +179,8 @@ impl Target {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// URL, username and a hash of the password.
-type PoolKey = (String, Option<String>, u64);
+/// URL, username and a hash of the password, TLS material and mode.
+pub type PoolKey = (String, Option<String>, u64);
 
 #[derive(Default)]
 pub struct Pools {
@@ -216,6 +216,20 @@ impl Pools {
     /// Drops a connection so the next `get` dials again (after an authentication failure, say).
     pub fn forget(&self, target: &Target) {
         self.connections.lock().expect("pool lock").remove(&target.pool_key());
+    }
+
+    /// Records that `user` (a policy) now connects with `target`, and closes the connections no user needs any
+    /// more, such as those of credentials a Secret no longer holds.
+    pub fn assign<U: Eq + Hash + Clone>(&self, users: &Mutex<HashMap<U, PoolKey>>, user: &U, target: Option<&Target>) {
+        let mut users = users.lock().expect("pool users lock");
+        let changed = match target {
+            Some(target) => users.insert(user.clone(), target.pool_key()) != Some(target.pool_key()),
+            None => users.remove(user).is_some(),
+        };
+        if changed {
+            let needed: HashSet<&PoolKey> = users.values().collect();
+            self.connections.lock().expect("pool lock").retain(|key, _| needed.contains(key));
+        }
     }
 
     /// Number of distinct server + credential pairs connected.
