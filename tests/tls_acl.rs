@@ -66,16 +66,20 @@ fn mutual_tls_uses_the_client_certificate_and_never_shows_the_key() {
         &[("ca.crt", &read(&tls_file("ca.crt"))), ("tls.crt", &read(&tls_file("client.crt"))), ("tls.key", &key)],
     );
     let refs = "    tls:\n      caSecretRef: {name: redis-tls, key: ca.crt}\n      certSecretRef: {name: redis-tls, key: tls.crt}\n      keySecretRef: {name: redis-tls, key: tls.key}\n";
-    // Without the client certificate the server refuses the handshake.
-    assert!(kubectl_apply(&ns, &format!("{tls}---\n{}", policy_with("anon", &server.tls_url(), CA_REF, ""))).0);
-    let anon = wait_for("the anonymous policy to fail", Duration::from_secs(30), || {
-        let p = get_policy(&ns, "anon");
-        match condition(&p, "Ready") {
-            Some((s, r)) if s == "False" => Ok(r),
-            other => Err(format!("{other:?}")),
+    // Without the client certificate the server refuses the connection.
+    let anonymous = pelican::redis::Target {
+        tls: pelican::redis::Tls { ca: Some(read(&tls_file("ca.crt")).into_bytes()), ..Default::default() },
+        ..pelican::redis::Target::new(server.tls_url())
+    };
+    let refused = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        let keys = pelican::redis::GroupKeys { stream: "s", group: "g", dead_letter: "s:dlq" };
+        match pelican::redis::Pools::default().get(&anonymous).await {
+            Err(e) => e,
+            Ok(mut conn) => pelican::redis::ensure_group(&mut conn, "test", &keys, "0").await.unwrap_err(),
         }
     });
-    assert!(anon == "TLSHandshakeFailed" || anon == "RedisUnavailable", "{anon}");
+    assert!(["TLSHandshakeFailed", "RedisUnavailable"].contains(&refused.reason()), "{refused}");
+    assert!(kubectl_apply(&ns, &tls).0);
     assert!(kubectl_apply(&ns, &policy_with("mutual", &server.tls_url(), refs, "")).0);
     wait_condition(&ns, "mutual", "Ready", "True", "Reconciled");
     let body_line = key.lines().nth(1).unwrap();

@@ -342,11 +342,15 @@ pub fn condition(policy: &Value, type_: &str) -> Option<(String, String)> {
 
 /// Waits until the condition has the given status and reason.
 pub fn wait_condition(namespace: &str, name: &str, type_: &str, status: &str, reason: &str) -> Value {
-    wait_for(&format!("{name} {type_}={status} ({reason})"), Duration::from_secs(30), || {
+    wait_for(&format!("{name} {type_}={status} ({reason})"), Duration::from_secs(60), || {
         let policy = get_policy(namespace, name);
         match condition(&policy, type_) {
             Some((s, r)) if s == status && r == reason => Ok(policy),
-            other => Err(format!("{other:?}")),
+            other => {
+                let conditions = policy["status"]["conditions"].as_array().cloned().unwrap_or_default();
+                let message = conditions.iter().find(|c| c["type"] == "Ready").map(|c| c["message"].to_string());
+                Err(format!("{other:?}, Ready message: {}", message.unwrap_or_default()))
+            }
         }
     })
 }
