@@ -1,6 +1,6 @@
 //! Dead-letter / requeue throughput (SPEC section 8), printed side by side in one run on the same server:
-//! Pelican's scripted pass, the naive per-message loop of seed 001 (claim, then XPENDING + XADD + XACK round
-//! trips per message), and `redis-benchmark` XADD as the server's ceiling. Then the cost of a pass that finds
+//! Pelican's scripted pass, the naive loop of seed 001 (one XCLAIM of the idle ids per pass, then XPENDING + XADD +
+//! XACK round trips per message), and `redis-benchmark` XADD as the server's ceiling. Then the cost of a pass that finds
 //! nothing idle on a small and on a huge PEL, which must be the same (bounded by maxPerPass).
 //!
 //!   scripts/testenv up && cargo bench --bench reclaim_throughput [-- <entries> <big-pel>]
@@ -24,8 +24,8 @@ const IDLE: Duration = Duration::from_millis(50);
 async fn fill_pel(conn: &mut Conn, size: usize) {
     let _: () = redis::cmd("DEL")
         .arg(DLQ)
-        .arg("{bench}:pelican:g:totals")
-        .arg("{bench}:pelican:g:terminal")
+        .arg(pelican::keys::totals_key(STREAM, GROUP))
+        .arg(pelican::keys::terminal_key(STREAM, GROUP))
         .query_async(conn)
         .await
         .unwrap();
@@ -61,22 +61,27 @@ async fn naive_loop(conn: &mut Conn, size: usize) -> f64 {
         .query_async(conn)
         .await
         .unwrap();
-    for (id, ..) in &pending {
-        let claimed: Vec<(String, Vec<(String, String)>)> = redis::cmd("XCLAIM")
+    // Seed 001's scheduler claims what it found once per pass, then makes three round trips per message.
+    let ids: Vec<&String> = pending.iter().map(|(id, ..)| id).collect();
+    let mut claimed: Vec<(String, Vec<(String, String)>)> = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(1000) {
+        let page: Vec<(String, Vec<(String, String)>)> = redis::cmd("XCLAIM")
             .arg(STREAM)
             .arg(GROUP)
             .arg("scheduler")
             .arg(IDLE.as_millis() as u64)
-            .arg(id)
+            .arg(chunk)
             .query_async(conn)
             .await
             .unwrap();
-        let Some((_, fields)) = claimed.into_iter().next() else { continue };
+        claimed.extend(page);
+    }
+    for (id, fields) in &claimed {
         let info: Vec<(String, String, i64, i64)> =
             redis::cmd("XPENDING").arg(STREAM).arg(GROUP).arg(id).arg(id).arg(1).query_async(conn).await.unwrap();
         let mut add = redis::cmd("XADD");
         add.arg(DLQ).arg("*");
-        for (k, v) in &fields {
+        for (k, v) in fields {
             add.arg(k).arg(v);
         }
         add.arg("stream").arg(STREAM).arg("id").arg(id).arg("deliveries").arg(info[0].3);

@@ -8,7 +8,9 @@ pub enum Error {
     #[error("Secret {namespace}/{name} or its key {key:?} not found: create it, or fix the reference in the policy")]
     SecretNotFound { namespace: String, name: String, key: String },
 
-    #[error("Secret {namespace}/{name} key {key:?} is not valid UTF-8")]
+    #[error(
+        "Secret {namespace}/{name} key {key:?} is not valid UTF-8: a username or password must be text; rewrite the Secret"
+    )]
     SecretInvalid { namespace: String, name: String, key: String },
 
     #[error("authentication refused by {server}: check the username and password Secrets ({detail})")]
@@ -42,8 +44,8 @@ pub enum Error {
     #[error("{server} runs {version}; Pelican needs Redis >= 7.0 or Valkey >= 7.2")]
     UnsupportedServerVersion { server: String, version: String },
 
-    #[error("stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}")]
-    ResourceConflict { stream: String, group: String, owner: String },
+    #[error("{0}")]
+    ResourceConflict(String),
 
     #[error("{0}")]
     CrossSlot(String),
@@ -62,7 +64,8 @@ impl Error {
     /// The condition reason (CamelCase) shown in status and used as Event reason.
     pub fn reason(&self) -> &'static str {
         match self {
-            Error::SecretNotFound { .. } | Error::SecretInvalid { .. } => "SecretNotFound",
+            Error::SecretNotFound { .. } => "SecretNotFound",
+            Error::SecretInvalid { .. } => "SecretInvalid",
             Error::AuthenticationFailed { .. } => "AuthenticationFailed",
             Error::TlsFailed { .. } => "TLSHandshakeFailed",
             Error::PermissionDenied { .. } => "PermissionDenied",
@@ -70,7 +73,7 @@ impl Error {
             Error::RedisCommand { .. } => "RedisError",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
-            Error::ResourceConflict { .. } => "ResourceConflict",
+            Error::ResourceConflict(_) => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
             Error::CrossSlot(_) => "CrossSlot",
             Error::Kube(_) => "KubernetesApiError",
@@ -89,7 +92,7 @@ impl Error {
                 | Error::PermissionDenied { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
-                | Error::ResourceConflict { .. }
+                | Error::ResourceConflict(_)
                 | Error::InvalidSpec(_)
                 | Error::CrossSlot(_)
         )
@@ -100,7 +103,8 @@ impl Error {
         self.reason().to_string()
     }
 
-    /// Classifies a Redis client error by what the user should do about it.
+    /// Classifies a Redis client error by what the user should do about it: by its kind and the server's error
+    /// code, never by words of a message that may quote a key name.
     pub fn from_redis(server: &str, source: RedisError) -> Error {
         let server = server.to_string();
         if source.kind() == ErrorKind::AuthenticationFailed || matches!(source.code(), Some("WRONGPASS" | "NOAUTH")) {
@@ -140,8 +144,14 @@ fn server_message(source: &RedisError) -> String {
     source.detail().map_or_else(|| source.to_string(), str::to_string)
 }
 
-/// A certificate problem (unknown CA, expired, wrong name) surfaces as an I/O error whose text names it.
+/// A certificate problem (unknown CA, expired, wrong name) surfaces as an I/O error (or a client configuration
+/// error for unreadable PEM) whose text names it. An error the server answered (it has a code) is never one:
+/// its message may quote a key such as `mtls-audit`.
 fn tls_failure(source: &RedisError) -> Option<String> {
+    let client_side = matches!(source.kind(), ErrorKind::Io | ErrorKind::InvalidClientConfig | ErrorKind::Client);
+    if !client_side || source.code().is_some() {
+        return None;
+    }
     let text = source.to_string();
     let lower = text.to_lowercase();
     let markers = ["certificate", "unknownissuer", "handshake", "tls", "notvalidforname", "expired", "badsignature"];

@@ -1,15 +1,18 @@
 //! Pelican's Redis key names (SPEC section 4). Shared by the operator and the worker SDK.
+//!
+//! Every key names the stream and lives in the stream's hash slot: `{T}:pelican:<stream>:<group>:terminal` and
+//! `...:totals`, with `T` the stream's hash tag content, or the whole stream name when it has none.
 
-/// The content of the stream's hash tag if its name has one (`{orders}:events` -> `orders`), else the whole name.
-/// Redis hashes only the tag, so keys built from it land in the stream's slot.
-pub fn hash_tag(stream: &str) -> &str {
-    if let Some(open) = stream.find('{')
-        && let Some(len) = stream[open + 1..].find('}')
+/// The part of a key Redis hashes: the content between the first `{` and the first `}` after it when that is not
+/// empty, else the whole key (the Redis Cluster specification's rule).
+pub fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{')
+        && let Some(len) = key[open + 1..].find('}')
         && len > 0
     {
-        return &stream[open + 1..open + 1 + len];
+        return &key[open + 1..open + 1 + len];
     }
-    stream
+    key
 }
 
 /// The Redis Cluster hash slot of a key: CRC16 of its hash tag (or whole name), modulo 16384.
@@ -17,14 +20,28 @@ pub fn slot(key: &str) -> u16 {
     crc16::State::<crc16::XMODEM>::calculate(hash_tag(key).as_bytes()) % 16384
 }
 
-/// `{T}:pelican:<group>:terminal`: reason code -> messages ended as terminal.
-pub fn terminal_key(stream: &str, group: &str) -> String {
-    format!("{{{}}}:pelican:{group}:terminal", hash_tag(stream))
+/// Whether `{T}:...` keys land in the stream's slot. They always do when the stream has a hash tag (its content
+/// holds no `}`); a stream without one is hashed whole, and `{<name>}` is a tag of the same content only when the
+/// name holds no `}` (`a}b`, `jobs{}v2` cannot have a key in their slot built this way).
+pub fn has_same_slot_keys(stream: &str) -> bool {
+    slot(&terminal_key(stream, "g")) == slot(stream)
 }
 
-/// `{T}:pelican:<group>:totals`: the operator's own counters.
+/// `{T}:pelican:<stream>:<group>:terminal`: reason code -> messages ended as terminal.
+pub fn terminal_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:terminal", hash_tag(stream))
+}
+
+/// `{T}:pelican:<stream>:<group>:totals`: the operator's own counters.
 pub fn totals_key(stream: &str, group: &str) -> String {
-    format!("{{{}}}:pelican:{group}:totals", hash_tag(stream))
+    format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))
+}
+
+/// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
+/// only to carry their counts over once (SPEC section 4).
+pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
+    let tag = hash_tag(stream);
+    [format!("{{{tag}}}:pelican:{group}:totals"), format!("{{{tag}}}:pelican:{group}:terminal")]
 }
 
 /// The consumer name the operator's reclaim pass uses; kept out of counts and metrics.
@@ -38,6 +55,7 @@ mod tests {
     fn hash_tag_is_the_braced_part() {
         assert_eq!(hash_tag("{orders}:events"), "orders");
         assert_eq!(hash_tag("a{b}c{d}"), "b");
+        assert_eq!(hash_tag("{a{b}x"), "a{b");
     }
 
     #[test]
@@ -49,15 +67,26 @@ mod tests {
 
     #[test]
     fn slots_match_redis() {
-        // Values from CLUSTER KEYSLOT on a real server.
+        // Values from CLUSTER KEYSLOT on a real server (tests/cluster.rs checks many more names against one).
         assert_eq!(slot("foo"), 12182);
         assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
         assert_eq!(slot("notifications"), slot(&terminal_key("notifications", "g")));
     }
 
     #[test]
-    fn counter_keys_share_the_stream_slot() {
-        assert_eq!(terminal_key("{orders}:events", "billing"), "{orders}:pelican:billing:terminal");
-        assert_eq!(totals_key("notifications", "notifier"), "{notifications}:pelican:notifier:totals");
+    fn counter_keys_name_the_stream() {
+        assert_eq!(terminal_key("{orders}:events", "billing"), "{orders}:pelican:{orders}:events:billing:terminal");
+        assert_ne!(terminal_key("{orders}:events", "billing"), terminal_key("{orders}:refunds", "billing"));
+        assert_eq!(totals_key("notifications", "notifier"), "{notifications}:pelican:notifications:notifier:totals");
+    }
+
+    #[test]
+    fn streams_with_a_stray_closing_brace_have_no_same_slot_keys() {
+        for stream in ["notifications", "{orders}:events", "{a{b}x", "open{only", "x}{tag}"] {
+            assert!(has_same_slot_keys(stream), "{stream}");
+        }
+        for stream in ["a}b", "jobs{}v2", "}"] {
+            assert!(!has_same_slot_keys(stream), "{stream}");
+        }
     }
 }

@@ -83,3 +83,37 @@ fn defaults_are_filled_in_by_the_api_server() {
     assert_eq!(spec["redis"]["mode"], "Standalone");
     assert_eq!(spec["suspend"], false);
 }
+
+#[test]
+fn tls_settings_that_would_be_ignored_are_refused() {
+    let ns = namespace("adm");
+    let tls = |url: &str, refs: &str| {
+        policy("p", url, "s", "g", "").replace("  stream:", &format!("    tls:\n{refs}  stream:"))
+    };
+    let ca = "      caSecretRef: {name: redis-tls, key: ca.crt}\n";
+    let out = refused(&ns, &tls(URL, ca));
+    assert!(out.contains("spec.redis.tls is set but spec.redis.url is redis://"), "{out}");
+    let cert_only = "      certSecretRef: {name: redis-tls, key: tls.crt}\n";
+    let out = refused(&ns, &tls("rediss://127.0.0.1:6380/0", cert_only));
+    assert!(out.contains("certSecretRef and spec.redis.tls.keySecretRef go together"), "{out}");
+    let both = format!("{cert_only}      keySecretRef: {{name: redis-tls, key: tls.key}}\n");
+    assert!(kubectl_apply(&ns, &tls("rediss://127.0.0.1:6380/0", &both)).0);
+}
+
+#[test]
+fn dead_letter_max_len_has_a_maximum() {
+    let ns = namespace("adm");
+    let out = refused(
+        &ns,
+        &policy("p", URL, "s", "g", "").replace("stream: \"s:dlq\"", "stream: \"s:dlq\"\n    maxLen: 1000000000001"),
+    );
+    assert!(out.contains("spec.deadLetter.maxLen"), "{out}");
+    assert!(
+        kubectl_apply(
+            &ns,
+            &policy("p", URL, "s", "g", "")
+                .replace("stream: \"s:dlq\"", "stream: \"s:dlq\"\n    maxLen: 1000000000000")
+        )
+        .0
+    );
+}

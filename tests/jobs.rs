@@ -272,7 +272,7 @@ fn account_under_chaos(
     }
     assert!(pel(&mut conn, "{chaos}:in", "workers").is_empty());
     let totals: HashMap<String, u64> =
-        redis::cmd("HGETALL").arg("{chaos}:pelican:workers:totals").query(&mut conn).unwrap();
+        redis::cmd("HGETALL").arg(pelican::keys::totals_key("{chaos}:in", "workers")).query(&mut conn).unwrap();
     assert_eq!(totals.get("deadLettered").copied(), Some(expected_dead), "the counter agrees with the stream");
 }
 

@@ -71,9 +71,21 @@ fn sigterm_releases_the_lease_and_a_standby_takes_over() {
     let second = replica(&ns);
     std::thread::sleep(Duration::from_secs(2));
     assert!(!leads(&second));
+    let holder = || {
+        let lease = kubectl_ok(&["get", "lease", "pelican-leader", "-n", &ns, "-o", "json"]);
+        let lease: serde_json::Value = serde_json::from_str(&lease).unwrap();
+        lease["spec"]["holderIdentity"].as_str().unwrap_or_default().to_string()
+    };
+    let first_identity = holder();
+    assert!(!first_identity.is_empty());
     let status = std::process::Command::new("kill").arg("-TERM").arg(first.pid().to_string()).status().unwrap();
     assert!(status.success());
     let start = Instant::now();
+    // The Lease object itself says the first replica let go, long before the 15 s lease could expire.
+    wait_for("the first replica to release the Lease", Duration::from_secs(5), || {
+        let now = holder();
+        if now != first_identity { Ok(()) } else { Err(format!("still held by {now}")) }
+    });
     wait_for("the second replica to lead", Duration::from_secs(20), || {
         if leads(&second) { Ok(()) } else { Err("waiting".into()) }
     });

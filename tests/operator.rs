@@ -179,7 +179,9 @@ fn missing_secret_stalls_then_heals_when_created(flavor: Flavor) {
     let server = Server::start_with(flavor, &["--requirepass", "s3cret-pw-1"]);
     let ns = namespace("secret");
     let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &with_password("paid", &server, "")).0);
+    // A long interval: only the Secret watch can heal the policy within the test's wait.
+    let manifest = with_password("paid", &server, "").replace("interval: 1s", "interval: 10m");
+    assert!(kubectl_apply(&ns, &manifest).0);
     let p = wait_condition(&ns, "paid", "Stalled", "True", "SecretNotFound");
     assert_eq!(condition(&p, "Ready"), Some(("False".into(), "SecretNotFound".into())));
     let message =
@@ -223,6 +225,18 @@ fn server_restart_is_redis_unavailable_then_heals(flavor: Flavor) {
     server.resume();
     wait_condition(&ns, "flaky", "Ready", "True", "Reconciled");
     assert_eq!(group_names(&server, "flaky"), ["g"], "the restarted (empty) server gets the group again");
+    // The most common way to lose a group (a restart without persistence) is a Warning, whatever the condition
+    // was just before (RedisUnavailable here), never a Normal GroupCreated.
+    let recreated = wait_for("GroupRecreated event", Duration::from_secs(10), || {
+        let ev = events(&ns, "GroupRecreated");
+        if ev.is_empty() {
+            Err(format!("GroupCreated events: {:?}", events(&ns, "GroupCreated").len()))
+        } else {
+            Ok(ev)
+        }
+    });
+    assert_eq!(recreated[0]["type"], "Warning");
+    assert_eq!(events(&ns, "GroupCreated").len(), 1, "only the first creation is a Normal GroupCreated");
     assert!(operator.is_running(), "the operator must not crash");
 }
 

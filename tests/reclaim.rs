@@ -23,6 +23,13 @@ on_both_servers!(
     pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries,
     reassign_gives_the_entry_to_the_least_loaded_live_consumer,
     consumer_expiry_never_destroys_a_pending_entry,
+    reassigned_entry_nobody_rereads_reaches_the_cap_and_is_dead_lettered,
+    a_batch_of_large_entries_never_makes_other_clients_wait_busy,
+    a_counter_field_holding_no_integer_does_not_stop_the_pass,
+    dead_letters_evicted_by_max_len_are_counted,
+    a_large_max_len_is_sent_as_an_integer,
+    a_server_error_quoting_a_key_named_like_tls_is_not_a_tls_failure,
+    consumer_blocking_on_a_quiet_stream_is_not_expired,
 );
 
 const STREAM: &str = "{jobs}:in";
@@ -109,9 +116,9 @@ fn requeue_appends_one_copy_with_origin_and_acks_the_original(flavor: Flavor) {
     assert_eq!(field(&dead[0], "pelican-origin-id"), Some(ids[0].as_bytes()));
     assert_eq!(field(&dead[0], "pelican-source-id"), Some(copy.0.as_bytes()));
     assert_eq!(xrange(&mut conn, STREAM).len(), 2, "dead-lettering adds nothing to the source stream");
-    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "requeued"), 1);
-    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "deadLettered"), 1);
-    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:terminal", "MaxDeliveriesExceeded"), 1);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "requeued"), 1);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "deadLettered"), 1);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:terminal", "MaxDeliveriesExceeded"), 1);
 }
 
 fn dead_letter_keeps_every_original_field_byte_exact_and_in_order(flavor: Flavor) {
@@ -227,8 +234,8 @@ fn deleted_and_trimmed_payloads_are_dropped_as_payload_deleted(flavor: Flavor) {
     assert!(pel(&mut conn, STREAM, GROUP).is_empty());
     let dlq_len: i64 = redis::cmd("XLEN").arg(DLQ).query(&mut conn).unwrap();
     assert_eq!(dlq_len, 0, "a stale reference is never dead-lettered as if it had a payload");
-    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:terminal", "PayloadDeleted"), 3_001);
-    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "payloadDeleted"), 3_001);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:terminal", "PayloadDeleted"), 3_001);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "payloadDeleted"), 3_001);
 }
 
 fn dead_letter_key_of_another_type_writes_nothing(flavor: Flavor) {
@@ -327,7 +334,11 @@ fn reassign_gives_the_entry_to_the_least_loaded_live_consumer(flavor: Flavor) {
     });
     assert_eq!(report.reassigned, 1, "{report:?}");
     let owners: Vec<(String, i64)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.1, p.3)).collect();
-    assert_eq!(owners[0], ("idle".to_string(), 1), "claimed by the live consumer with fewest entries, count unchanged");
+    assert_eq!(
+        owners[0],
+        ("idle".to_string(), 2),
+        "claimed by the live consumer with fewest entries; the hand-over counts"
+    );
 }
 
 fn consumer_expiry_never_destroys_a_pending_entry(flavor: Flavor) {
@@ -348,5 +359,198 @@ fn consumer_expiry_never_destroys_a_pending_entry(flavor: Flavor) {
         redis::cmd("XINFO").arg("CONSUMERS").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
     assert_eq!(consumers.len(), 1);
     assert_eq!(pel(&mut conn, STREAM, GROUP).len(), 1, "the pending entry survives");
-    assert_eq!(hget(&mut conn, "{jobs}:pelican:workers:totals", "consumersExpired"), 1);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "consumersExpired"), 1);
+}
+
+/// Defect: XCLAIM JUSTID left the delivery count as it was, so an entry handed to consumers that only read `>`
+/// was reassigned forever. Each hand-over now counts, and the cap (3) is reached after two hand-overs.
+fn reassigned_entry_nobody_rereads_reaches_the_cap_and_is_dead_lettered(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(2));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "a", 1);
+    // Redis 7.0 creates a consumer only when a read gives it something: "b" handles the second message.
+    let done = read_new(&mut conn, STREAM, GROUP, "b", 1);
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&done).query(&mut conn).unwrap();
+    let s = settings(ReclaimStrategy::Reassign, 3);
+    let mut reassigned = 0;
+    for _ in 0..10 {
+        std::thread::sleep(IDLE * 2);
+        // Both consumers are alive (they read and acknowledge new messages; Redis 7.0 counts a consumer as active
+        // only when a read gives it something) but never re-read their own PEL.
+        for consumer in ["a", "b"] {
+            let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("filler").arg(1).query(&mut conn).unwrap();
+            let ids = read_new(&mut conn, STREAM, GROUP, consumer, 1);
+            let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
+        }
+        let report = pass(&server, &s);
+        reassigned += report.reassigned;
+        if report.dead_lettered == 1 {
+            break;
+        }
+    }
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(dead.len(), 1, "dead-lettered after {reassigned} hand-overs");
+    assert_eq!(field(&dead[0], "pelican-deliveries"), Some(&b"3"[..]));
+    assert_eq!(reassigned, 2, "two hand-overs, then the cap");
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+}
+
+/// Defect: one script call copied a whole batch of any size. 64 entries of 2 MB are 128 MB; with a 50 ms
+/// busy threshold another client got BUSY while the script ran. The byte budget keeps every call short.
+fn a_batch_of_large_entries_never_makes_other_clients_wait_busy(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("lua-time-limit").arg(50).query(&mut conn).unwrap();
+    let big = vec![b'x'; 2 << 20];
+    seed(&server, &(0..64).map(|_| vec![(b"blob".to_vec(), big.clone())]).collect::<Vec<_>>());
+    read_new(&mut conn, STREAM, GROUP, "crashed", 64);
+    std::thread::sleep(IDLE * 2);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (stop, mut probe) = (stop.clone(), server.conn());
+        std::thread::spawn(move || {
+            let (mut busy, mut pings) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match redis::cmd("PING").query::<String>(&mut probe) {
+                    Ok(_) => pings += 1,
+                    Err(e) if e.code() == Some("BUSY") => busy += 1,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            (busy, pings)
+        })
+    };
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (busy, pings) = watcher.join().unwrap();
+    assert_eq!(report.dead_lettered, 64);
+    assert_eq!(busy, 0, "{busy} BUSY replies among {} PINGs while the pass ran", busy + pings);
+    assert_eq!(xrange(&mut conn, DLQ).len(), 64);
+}
+
+/// Defect: HINCRBY on a field that held no integer failed after the move, aborting the batch on every pass.
+fn a_counter_field_holding_no_integer_does_not_stop_the_pass(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(300));
+    let mut conn = server.conn();
+    let totals = pelican::keys::totals_key(STREAM, GROUP);
+    let terminal = pelican::keys::terminal_key(STREAM, GROUP);
+    let _: () = redis::cmd("HSET").arg(&totals).arg("deadLettered").arg("not a number").query(&mut conn).unwrap();
+    let _: () = redis::cmd("HSET").arg(&terminal).arg("MaxDeliveriesExceeded").arg("1.5").query(&mut conn).unwrap();
+    read_new(&mut conn, STREAM, GROUP, "c1", 300);
+    std::thread::sleep(IDLE * 2);
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
+    assert_eq!(report.dead_lettered, 300);
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+    assert_eq!(xrange(&mut conn, DLQ).len(), 300);
+    assert_eq!(
+        hget(&mut conn, &totals, "deadLettered"),
+        300,
+        "the unreadable value started again from the first count"
+    );
+    assert_eq!(hget(&mut conn, &terminal, "MaxDeliveriesExceeded"), 300);
+}
+
+/// Defect: `deadLetter.maxLen` dropped dead letters with no trace.
+fn dead_letters_evicted_by_max_len_are_counted(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(1_000));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 1_000);
+    std::thread::sleep(IDLE * 2);
+    let s = PassSettings { dead_letter_max_len: Some(100), ..settings(ReclaimStrategy::Requeue, 1) };
+    let report = pass(&server, &s);
+    let kept = xrange(&mut conn, DLQ).len() as u64;
+    assert!(kept < 1_000, "maxLen 100 (approximate) kept {kept}");
+    assert_eq!(report.dead_lettered, 1_000);
+    assert_eq!(report.dead_letter_evicted, 1_000 - kept);
+    let totals = pelican::keys::totals_key(STREAM, GROUP);
+    assert_eq!(hget(&mut conn, &totals, "deadLetterEvicted") as u64, 1_000 - kept);
+}
+
+/// Defect: the MAXLEN argument was a Lua number, which large values turn into `1e+15` (refused by the server).
+fn a_large_max_len_is_sent_as_an_integer(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(3));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 3);
+    std::thread::sleep(IDLE * 2);
+    let s = PassSettings { dead_letter_max_len: Some(1_000_000_000_000_000), ..settings(ReclaimStrategy::Requeue, 1) };
+    let report = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await
+    });
+    assert_eq!(report.map(|r| r.dead_lettered).map_err(|e| e.to_string()), Ok(3));
+}
+
+/// Defect: errors were classified by words in the message, so a WRONGTYPE naming the key `mtls-audit` was shown
+/// as TLSHandshakeFailed.
+fn a_server_error_quoting_a_key_named_like_tls_is_not_a_tls_failure(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(2));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "c1", 2);
+    let _: () = redis::cmd("SET").arg("{jobs}:mtls-audit").arg("x").query(&mut conn).unwrap();
+    std::thread::sleep(IDLE * 2);
+    let keys = GroupKeys { dead_letter: "{jobs}:mtls-audit", ..keys() };
+    let error = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::reclaim_pass(&mut c, "test", &keys, &settings(ReclaimStrategy::Requeue, 1), &mut None).await.unwrap_err()
+    });
+    assert_eq!(error.reason(), "WrongKeyType", "{error}");
+}
+
+/// Defect: expiry used `inactive` (time since the last read that returned something, Redis 7.2+ / Valkey), so
+/// a healthy worker blocking on a quiet stream was deleted every expireAfter. A consumer that keeps polling stays.
+fn consumer_blocking_on_a_quiet_stream_is_not_expired(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(2));
+    let mut conn = server.conn();
+    // Both consumers handled a message (Redis 7.0 creates a consumer only when a read gives it something).
+    for consumer in ["gone", "polling"] {
+        let ids = read_new(&mut conn, STREAM, GROUP, consumer, 1);
+        let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
+    }
+    let expire_after = Duration::from_millis(600);
+    let started = std::time::Instant::now();
+    while started.elapsed() < expire_after * 3 {
+        // The quiet stream has nothing new: each blocking read returns nil after 100 ms.
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(GROUP)
+            .arg("polling")
+            .arg("BLOCK")
+            .arg(100)
+            .arg("STREAMS")
+            .arg(STREAM)
+            .arg(">")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let expired = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        jobs::expire_consumers(&mut c, "test", &keys(), expire_after).await.unwrap()
+    });
+    let consumers: Vec<std::collections::HashMap<String, redis::Value>> =
+        redis::cmd("XINFO").arg("CONSUMERS").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
+    let names: Vec<String> = consumers.iter().map(|c| redis::from_redis_value(c["name"].clone()).unwrap()).collect();
+    match flavor {
+        // Redis 7.2+ and Valkey refresh `idle` on every read attempt, blocked or not.
+        Flavor::Valkey => {
+            assert_eq!(
+                (expired, names),
+                (1, vec!["polling".to_string()]),
+                "only the consumer that stopped polling goes"
+            )
+        }
+        // Redis 7.0 refreshes `idle` only when a read delivers something: a poller on a quiet stream cannot be told
+        // from a dead consumer (the README says so). It owns nothing, so deleting it loses nothing, and its next
+        // read that receives a message makes it again.
+        Flavor::Redis => {
+            assert_eq!((expired, names.len()), (2, 0));
+            let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("n").arg(9).query(&mut conn).unwrap();
+            assert_eq!(read_new(&mut conn, STREAM, GROUP, "polling", 1).len(), 1);
+        }
+    }
 }

@@ -27,6 +27,9 @@ on_both_servers!(
     a_second_ack_of_the_same_entry_never_counts_twice,
     own_pel_is_read_before_new_entries,
     terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons,
+    entries_reassigned_to_a_running_worker_are_handled,
+    a_failed_message_is_retried_by_the_running_worker_and_its_count_rises,
+    a_counter_field_holding_no_integer_still_counts_the_terminal_ack,
 );
 
 const STREAM: &str = "files";
@@ -111,7 +114,7 @@ fn handle_with(jobs: Arc<FileJobs<RedisJobStore>>) -> impl Fn(Message) -> BoxedO
 
 fn terminal_count(conn: &mut redis::Connection, reason: &str) -> i64 {
     redis::cmd("HGET")
-        .arg("{files}:pelican:converters:terminal")
+        .arg("{files}:pelican:files:converters:terminal")
         .arg(reason)
         .query::<Option<i64>>(conn)
         .unwrap()
@@ -165,11 +168,7 @@ fn lookup_failure_reaches_the_dispatch_layer_and_stays_pending(flavor: Flavor) {
     let json: serde_json::Value = serde_json::from_str(line).unwrap();
     let error = json["fields"]["error"].as_str().unwrap().to_lowercase();
     assert!(
-        error.contains("refused")
-            || error.contains("broken")
-            || error.contains("reset")
-            || error.contains("timed out")
-            || error.contains("io"),
+        error.contains("refused") || error.contains("broken") || error.contains("reset") || error.contains("timed out"),
         "the original storage error reaches the dispatch layer: {error}"
     );
     assert_eq!(logs.matches("handler failed").count(), 1, "logged once");
@@ -343,4 +342,90 @@ fn terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons(fla
         r#"pelican_terminal_acks_total{{namespace="{ns}",policy="files",stream="{STREAM}",group="{GROUP}",reason="RecordNotFound"}} {record_not_found}"#
     );
     assert!(metrics.lines().any(|l| l == line), "missing {line}\n{metrics}");
+}
+
+fn fast_pel_check() -> WorkerConfig {
+    WorkerConfig { pel_check_interval: Duration::from_millis(300), ..config() }
+}
+
+/// Defect: the worker read its own PEL only at start, so an entry the operator reassigned to it (strategy
+/// Reassign) while it ran was never handled.
+fn entries_reassigned_to_a_running_worker_are_handled(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = setup(&server, &["job-1"]);
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "crashed", 1);
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let seen = handled.clone();
+    let handler = move |m: Message| {
+        seen.lock().unwrap().push(m.id.clone());
+        ready(Ok(Outcome::Done))
+    };
+    let reassign = {
+        let url = server.url();
+        let id = ids[0].clone();
+        async move {
+            // Once the worker is running, hand it the entry as the operator's Reassign does.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let mut c = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+            let _: redis::Value = redis::cmd("XCLAIM")
+                .arg(STREAM)
+                .arg(GROUP)
+                .arg("worker-1")
+                .arg(0)
+                .arg(&id)
+                .arg("RETRYCOUNT")
+                .arg(2)
+                .arg("JUSTID")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+        }
+    };
+    let setup_handler = async move {
+        tokio::spawn(reassign);
+        (handler, ())
+    };
+    let (stats, logs, ()) = run_worker(&server, fast_pel_check(), setup_handler, Duration::from_millis(2500));
+    assert_eq!(*handled.lock().unwrap(), ids, "{logs}");
+    assert_eq!(stats.done, 1);
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+}
+
+/// A handler error leaves the message pending; the running worker reads it again at its next PEL check, which
+/// counts a delivery, so the operator's retry cap applies to it.
+fn a_failed_message_is_retried_by_the_running_worker_and_its_count_rises(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-1", "job-2"]);
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let seen = attempts.clone();
+    let handler = move |m: Message| {
+        let mut seen = seen.lock().unwrap();
+        seen.push(m.field_str("job_id").unwrap().to_string());
+        let first = seen.iter().filter(|j| *j == "job-1").count() == 1;
+        ready(if first && m.field_str("job_id") == Some("job-1") { Err("flaky".into()) } else { Ok(Outcome::Done) })
+    };
+    let (stats, logs, ()) =
+        run_worker(&server, fast_pel_check(), async move { (handler, ()) }, Duration::from_millis(2000));
+    let attempts = attempts.lock().unwrap().clone();
+    assert_eq!(attempts.iter().filter(|j| *j == "job-1").count(), 2, "{attempts:?} {logs}");
+    assert_eq!(attempts.iter().filter(|j| *j == "job-2").count(), 1, "a message in flight or done is not read again");
+    assert_eq!((stats.done, stats.failed), (2, 1));
+    assert!(pel(&mut server.conn(), STREAM, GROUP).is_empty());
+}
+
+/// Defect: a count field holding no integer made the terminal script fail after its XACK, and the SDK logged
+/// "stays pending" for a message that was acknowledged. Counting cannot fail now, and the entry is counted.
+fn a_counter_field_holding_no_integer_still_counts_the_terminal_ack(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-1"]);
+    let mut conn = server.conn();
+    let key = pelican::keys::terminal_key(STREAM, GROUP);
+    let _: () = redis::cmd("HSET").arg(&key).arg("RecordNotFound").arg("garbage").query(&mut conn).unwrap();
+    let handler = |_m: Message| ready(Ok(Outcome::terminal("RecordNotFound")));
+    let (stats, logs, ()) = run_worker(&server, config(), async move { (handler, ()) }, Duration::from_millis(1000));
+    assert_eq!((stats.terminal, stats.failed), (1, 0), "{logs}");
+    assert!(!logs.contains("stays pending"), "{logs}");
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+    assert_eq!(terminal_count(&mut conn, "RecordNotFound"), 1);
 }

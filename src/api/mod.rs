@@ -77,6 +77,7 @@ pub struct ConsumerGroupPolicySpec {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.tls) || self.url.startsWith('rediss://')").message("spec.redis.tls is set but spec.redis.url is redis://, which never uses TLS: use a rediss:// URL or remove spec.redis.tls"))]
 pub struct RedisSpec {
     /// `redis://host:port/db` or `rediss://host:port/db`. Credentials go in Secrets, never in the URL. Immutable.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.url is immutable: create a new policy for another server"))]
@@ -111,6 +112,7 @@ pub struct SecretKeyRef {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.certSecretRef) == has(self.keySecretRef)").message("spec.redis.tls.certSecretRef and spec.redis.tls.keySecretRef go together: a client certificate needs its key, and a key its certificate"))]
 pub struct TlsSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretKeyRef>,
@@ -166,9 +168,10 @@ pub struct DeadLetterSpec {
     /// The dead-letter stream key; must differ from `spec.stream`.
     #[schemars(length(min = 1, max = 1024))]
     pub stream: String,
-    /// Approximate cap on the dead-letter stream length (`XADD MAXLEN ~`).
+    /// Approximate cap on the dead-letter stream length (`XADD MAXLEN ~`). Entries evicted by the cap are counted
+    /// in `status.totals.deadLetterEvicted` and a Warning Event `DeadLettersEvicted`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 1000000000000_i64))]
     pub max_len: Option<i64>,
 }
 
@@ -265,7 +268,7 @@ pub struct ConsumerGroupPolicyStatus {
     pub last_pass_time: Option<String>,
 }
 
-/// The operator's own counters, mirrored from the `{T}:pelican:<group>:totals` hash.
+/// The operator's own counters, mirrored from the `{T}:pelican:<stream>:<group>:totals` hash.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct Totals {
@@ -274,9 +277,12 @@ pub struct Totals {
     pub dead_lettered: i64,
     pub payload_deleted: i64,
     pub consumers_expired: i64,
+    /// Dead-letter entries dropped by `spec.deadLetter.maxLen`.
+    #[serde(default)]
+    pub dead_letter_evicted: i64,
 }
 
-/// Messages ended as terminal with one reason code, from `{T}:pelican:<group>:terminal`.
+/// Messages ended as terminal with one reason code, from `{T}:pelican:<stream>:<group>:terminal`.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct TerminalAckCount {
     pub reason: String,

@@ -256,12 +256,8 @@ struct PassState {
 
 /// Connects, creates the group when missing, runs the jobs when due and reads the numbers the status shows.
 async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedule) -> Result<Observation> {
-    if let Some(owner) = conflicting_owner(policy, &ctx.policies) {
-        return Err(Error::ResourceConflict {
-            stream: policy.spec.stream.clone(),
-            group: policy.spec.group.clone(),
-            owner,
-        });
+    if let Some(conflict) = conflict(policy, &ctx.policies) {
+        return Err(Error::ResourceConflict(conflict.to_string()));
     }
     if policy.spec.redis.mode == RedisMode::Cluster {
         same_slot(&policy.spec)?;
@@ -271,14 +267,28 @@ async fn observe(policy: &ConsumerGroupPolicy, ctx: &Context, schedule: &Schedul
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
     let keys = group_keys(policy);
-    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id).await;
+    let carry_over = !shares_legacy_counters(policy, &ctx.policies);
+    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over).await;
     if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
         ctx.pools.forget(&target);
     }
     let setup = setup?;
+    if setup.carried_over > 0 {
+        let [totals, terminal] = keys::legacy_keys(keys.stream, keys.group);
+        let note = format!(
+            "carried {} counter fields over from {totals:?} and {terminal:?} to the keys that name the stream",
+            setup.carried_over
+        );
+        let (namespace, name) = policy_key(policy);
+        info!(namespace, name, "{note}");
+        publish(ctx, policy, EventType::Normal, "CountersCarriedOver", note).await;
+    }
     if setup.created {
-        let was_ready = policy.condition(READY).is_some_and(|c| c.status == "True");
-        let (type_, reason, note) = if was_ready {
+        // A status that shows server numbers means this policy saw its group before, whatever its condition is
+        // now (a restart without persistence first shows RedisUnavailable): the group was lost, and recreating it
+        // at startId may skip or replay messages, so it is a Warning every time.
+        let seen_before = policy.status.as_ref().is_some_and(|s| s.server_version.is_some());
+        let (type_, reason, note) = if seen_before {
             let note = format!(
                 "group {:?} on stream {:?} was missing and has been recreated at {:?}",
                 keys.group, keys.stream, policy.spec.start_id
@@ -331,6 +341,15 @@ async fn run_jobs_if_due(
         "reclaim pass: {}",
         report.summary()
     );
+    if report.dead_letter_evicted > 0 {
+        let note = format!(
+            "spec.deadLetter.maxLen {} dropped {} older dead letters to make room",
+            schedule.pass.dead_letter_max_len.unwrap_or_default(),
+            report.dead_letter_evicted
+        );
+        warn!(namespace, name, evicted = report.dead_letter_evicted, "{note}");
+        publish(ctx, policy, EventType::Warning, "DeadLettersEvicted", note).await;
+    }
     if report.moved() > 0 || report.too_large > 0 {
         let note = format!("pass: {}", report.summary());
         info!(
@@ -361,10 +380,17 @@ async fn run_jobs_if_due(
     Ok(true)
 }
 
-/// In a cluster the scripts touch the stream, the dead-letter stream and the counters at once, so all must live in
-/// one hash slot (SPEC section 3). Checked before anything is written.
+/// In a cluster the scripts touch the stream, the dead-letter stream and the counters at once, so every key any
+/// script touches must live in the stream's hash slot (SPEC sections 3 and 4). Checked before anything is written.
 fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
     let stream_slot = keys::slot(&spec.stream);
+    if !keys::has_same_slot_keys(&spec.stream) {
+        let renamed = spec.stream.replace(['{', '}'], "");
+        return Err(Error::CrossSlot(format!(
+            "spec.stream {:?} has a '}}' but no hash tag, so Redis hashes the whole name and no key of Pelican's              counters can be built in its slot (slot {stream_slot}); give the stream a hash tag, e.g.              \"{{{renamed}}}:events\", or a name without braces",
+            spec.stream
+        )));
+    }
     let dead_letter_slot = keys::slot(&spec.dead_letter.stream);
     if stream_slot == dead_letter_slot {
         return Ok(());
@@ -386,23 +412,76 @@ fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
     GroupKeys { stream: &policy.spec.stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream }
 }
 
-/// Two policies that claim the same (server, stream, group): the older one owns it (SPEC section 3).
-fn conflicting_owner(policy: &ConsumerGroupPolicy, store: &Store<ConsumerGroupPolicy>) -> Option<String> {
+/// Why a policy cannot own what it claims: an older policy on the same server claims the same (stream, group), or
+/// a different pair whose counter keys have the same names (SPEC sections 3 and 4).
+#[derive(Debug, PartialEq, Eq)]
+enum Conflict {
+    SameGroup { stream: String, group: String, owner: String },
+    SameKeys { key: String, owner: String, stream: String, group: String },
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Conflict::SameGroup { stream, group, owner } => write!(
+                f,
+                "stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}"
+            ),
+            Conflict::SameKeys { key, owner, stream, group } => write!(
+                f,
+                "the counter key {key:?} of this policy is also the key of ConsumerGroupPolicy {owner} (stream                  {stream:?}, group {group:?}): names are joined with ':', so rename the group or the stream so that                  the two differ"
+            ),
+        }
+    }
+}
+
+/// The older of two policies claiming one group or one key name wins (SPEC section 3).
+fn conflict(policy: &ConsumerGroupPolicy, store: &Store<ConsumerGroupPolicy>) -> Option<Conflict> {
     let rank =
         |p: &ConsumerGroupPolicy| (p.metadata.creation_timestamp.clone().map(|t| t.0), p.namespace(), p.name_any());
-    store
+    let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+    let key = keys::totals_key(stream, group);
+    let mut older: Vec<_> = store
         .state()
-        .iter()
+        .into_iter()
         .filter(|other| {
             other.metadata.uid != policy.metadata.uid
                 && other.metadata.deletion_timestamp.is_none()
                 && other.spec.redis.url == policy.spec.redis.url
-                && other.spec.stream == policy.spec.stream
-                && other.spec.group == policy.spec.group
                 && rank(other) < rank(policy)
         })
-        .map(|other| format!("{}/{}", other.namespace().unwrap_or_default(), other.name_any()))
-        .min()
+        .collect();
+    older.sort_by_key(|other| rank(other));
+    older.iter().find_map(|other| {
+        let owner = format!("{}/{}", other.namespace().unwrap_or_default(), other.name_any());
+        let (other_stream, other_group) = (&other.spec.stream, &other.spec.group);
+        if other_stream == stream && other_group == group {
+            Some(Conflict::SameGroup { stream: stream.clone(), group: group.clone(), owner })
+        } else if keys::totals_key(other_stream, other_group) == key {
+            let (stream, group) = (other_stream.clone(), other_group.clone());
+            Some(Conflict::SameKeys {
+                key: keys::terminal_key(&policy.spec.stream, &policy.spec.group),
+                owner,
+                stream,
+                group,
+            })
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether another policy on the same server has a stream of the same hash tag and the same group name: the 0.1
+/// counter keys (`{T}:pelican:<group>:...`) were shared by such policies, so their counts belong to no one of
+/// them alone and are not carried over (SPEC section 4).
+fn shares_legacy_counters(policy: &ConsumerGroupPolicy, store: &Store<ConsumerGroupPolicy>) -> bool {
+    let legacy = keys::legacy_keys(&policy.spec.stream, &policy.spec.group);
+    store.state().iter().any(|other| {
+        other.metadata.uid != policy.metadata.uid
+            && other.spec.redis.url == policy.spec.redis.url
+            && other.spec.stream != policy.spec.stream
+            && keys::legacy_keys(&other.spec.stream, &other.spec.group) == legacy
+    })
 }
 
 /// The server and credentials of a policy, read from Secrets in its own namespace.
@@ -471,8 +550,8 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
     if policy.spec.deletion_policy == DeletionPolicy::Retain {
         return Ok(Action::await_change());
     }
-    if let Some(owner) = conflicting_owner(policy, &ctx.policies) {
-        let note = format!("group {:?} is owned by {owner}; not destroyed", policy.spec.group);
+    if let Some(conflict) = conflict(policy, &ctx.policies) {
+        let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);
         publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
         return Ok(Action::await_change());
     }

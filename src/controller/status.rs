@@ -45,6 +45,7 @@ pub fn observed(
             dead_lettered: total("deadLettered"),
             payload_deleted: total("payloadDeleted"),
             consumers_expired: total("consumersExpired"),
+            dead_letter_evicted: total("deadLetterEvicted"),
         }),
         terminal_acks: facts
             .terminal

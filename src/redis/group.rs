@@ -3,13 +3,17 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::LazyLock;
 
-use redis::{Value, pipe};
+use redis::{Script, Value, pipe};
 
 use super::Conn;
 use super::reply::{self, Fields};
-use crate::keys::{OPERATOR_CONSUMER, terminal_key, totals_key};
+use crate::keys::{OPERATOR_CONSUMER, legacy_keys, terminal_key, totals_key};
 use crate::{Error, Result};
+
+static CARRY_OVER_COUNTERS: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/carry_over_counters.lua")));
 
 /// Which server answers, from `INFO server`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,14 +68,25 @@ pub struct GroupSetup {
     pub server: ServerInfo,
     /// The group did not exist and was created now.
     pub created: bool,
+    /// Counter fields carried over from the 0.1 keys (SPEC section 4).
+    pub carried_over: u64,
 }
 
-/// Checks the server and the key types before any write, then creates the group if it is missing
+/// Checks the server and the key types before any write, carries the 0.1 counters over when `carry_over` says no
+/// other policy could own them, then creates the group if it is missing
 /// (`XGROUP CREATE <stream> <group> <startId> MKSTREAM`).
-pub async fn ensure_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, start_id: &str) -> Result<GroupSetup> {
+pub async fn ensure_group(
+    conn: &mut Conn,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    start_id: &str,
+    carry_over: bool,
+) -> Result<GroupSetup> {
     let totals = totals_key(keys.stream, keys.group);
     let terminal = terminal_key(keys.stream, keys.group);
-    let (info, stream_type, dead_letter_type, totals_type, terminal_type): (String, String, String, String, String) =
+    let [legacy_totals, legacy_terminal] = legacy_keys(keys.stream, keys.group);
+    type Types = (String, String, String, String, String, String, String);
+    let (info, stream_type, dead_letter_type, totals_type, terminal_type, legacy_totals_type, legacy_terminal_type): Types =
         pipe()
             .cmd("INFO")
             .arg("server")
@@ -83,6 +98,10 @@ pub async fn ensure_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, s
             .arg(&totals)
             .cmd("TYPE")
             .arg(&terminal)
+            .cmd("TYPE")
+            .arg(&legacy_totals)
+            .cmd("TYPE")
+            .arg(&legacy_terminal)
             .query_async(conn)
             .await
             .map_err(|e| Error::from_redis(server, e))?;
@@ -95,10 +114,23 @@ pub async fn ensure_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, s
     expect_type(&totals, &totals_type, "hash")?;
     expect_type(&terminal, &terminal_type, "hash")?;
 
+    let legacy_present = [&legacy_totals_type, &legacy_terminal_type].iter().any(|t| *t == "hash");
+    let carried_over = if carry_over && legacy_present {
+        CARRY_OVER_COUNTERS
+            .key(&legacy_totals)
+            .key(&totals)
+            .key(&legacy_terminal)
+            .key(&terminal)
+            .invoke_async(conn)
+            .await
+            .map_err(|e| Error::from_redis(server, e))?
+    } else {
+        0
+    };
     let exists =
         stream_type == "stream" && group_names(conn, server, keys.stream).await?.iter().any(|g| g == keys.group);
     if exists {
-        return Ok(GroupSetup { server: info, created: false });
+        return Ok(GroupSetup { server: info, created: false, carried_over });
     }
     let created: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
@@ -109,9 +141,9 @@ pub async fn ensure_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, s
         .query_async(conn)
         .await;
     match created {
-        Ok(()) => Ok(GroupSetup { server: info, created: true }),
+        Ok(()) => Ok(GroupSetup { server: info, created: true, carried_over }),
         // Another writer created it between our check and our create: it exists, which is all we want.
-        Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup { server: info, created: false }),
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup { server: info, created: false, carried_over }),
         Err(e) => Err(Error::from_redis(server, e)),
     }
 }
@@ -179,8 +211,22 @@ pub struct GroupFacts {
 }
 
 /// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, TIME.
-type ProbeReply =
-    (Value, Vec<Value>, Vec<Value>, Vec<Value>, i64, BTreeMap<String, i64>, BTreeMap<String, i64>, (String, String));
+type ProbeReply = (
+    Value,
+    Vec<Value>,
+    Vec<Value>,
+    Vec<Value>,
+    i64,
+    BTreeMap<String, String>,
+    BTreeMap<String, String>,
+    (String, String),
+);
+
+/// Counter hashes as numbers. Any client can write a field; one that holds no integer is no count and is left out
+/// (the scripts start it again from their next count), rather than failing the whole probe.
+fn counts(hash: BTreeMap<String, String>) -> BTreeMap<String, i64> {
+    hash.into_iter().filter_map(|(field, value)| Some((field, value.parse().ok()?))).collect()
+}
 
 pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
     let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, time): ProbeReply = pipe()
@@ -236,8 +282,8 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
         oldest_pending,
         consumers,
         dead_letter_length,
-        totals,
-        terminal,
+        totals: counts(totals),
+        terminal: counts(terminal),
         server_time_ms,
     })
 }

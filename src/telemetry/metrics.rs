@@ -139,7 +139,7 @@ impl Collector for PolicySeries {
                 }
             }
         }
-        let counters: [Series; 5] = [
+        let counters: [Series; 6] = [
             ("pelican_dead_lettered", "Messages moved to the dead-letter stream", |p| Some(totals(p)?.dead_lettered)),
             ("pelican_requeued", "Messages requeued to the tail of the stream", |p| Some(totals(p)?.requeued)),
             ("pelican_reassigned", "Messages claimed for a live consumer", |p| Some(totals(p)?.reassigned)),
@@ -147,6 +147,9 @@ impl Collector for PolicySeries {
                 Some(totals(p)?.payload_deleted)
             }),
             ("pelican_consumers_expired", "Inactive consumers deleted", |p| Some(totals(p)?.consumers_expired)),
+            ("pelican_dead_letter_evicted", "Dead-letter entries dropped by spec.deadLetter.maxLen", |p| {
+                Some(totals(p)?.dead_letter_evicted)
+            }),
         ];
         for (name, help, value) in counters {
             let mut metric = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;

@@ -3,9 +3,13 @@
 //! acknowledges:
 //!
 //! - `Ok(Outcome::Done)` -> `XACK`;
-//! - `Ok(Outcome::Terminal(reason))` -> `XACK` and `HINCRBY {T}:pelican:<group>:terminal <reason> 1` in one script,
+//! - `Ok(Outcome::Terminal(reason))` -> `XACK` and `HINCRBY {T}:pelican:<stream>:<group>:terminal <reason> 1` in one script,
 //!   counted only when the `XACK` removed the entry, plus one structured WARN line (never the payload);
 //! - `Err(_)` or a panic -> no ACK, one log line; the message stays pending for the operator's reclaim.
+//!
+//! Every `pel_check_interval` it looks at its own PEL again and reads what is there and not in flight: entries
+//! whose handler failed (the retry, which raises their delivery count, so the operator's cap is reached) and
+//! entries the operator reassigned to it (`strategy: Reassign`).
 //!
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
@@ -13,17 +17,19 @@ mod reason;
 
 pub use reason::{InvalidReason, Reason};
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, RedisResult, Script, Value};
+use redis::{Client, RedisError, RedisResult, Script, Value};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tracing::{error, warn};
 
 use crate::keys::terminal_key;
@@ -82,6 +88,9 @@ pub struct WorkerConfig {
     pub block: Duration,
     /// On shutdown, how long in-flight handlers may take before they are abandoned (not acknowledged).
     pub shutdown_grace: Duration,
+    /// How often the worker reads its own PEL again for entries not in flight: failed ones (their retry) and ones
+    /// the operator reassigned to it.
+    pub pel_check_interval: Duration,
 }
 
 impl WorkerConfig {
@@ -93,6 +102,7 @@ impl WorkerConfig {
             concurrency: 16,
             block: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
+            pel_check_interval: Duration::from_secs(30),
         }
     }
 }
@@ -145,9 +155,11 @@ impl Worker {
         let handler = Arc::new(handler);
         let counters = Arc::new(Counters::default());
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
+        let in_flight = Arc::new(Mutex::new(HashSet::<String>::new()));
         let mut tasks = JoinSet::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
+        let mut next_pel_check = Instant::now() + self.config.pel_check_interval;
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let first = tokio::select! {
@@ -158,7 +170,12 @@ impl Worker {
             while let Ok(p) = permits.clone().try_acquire_owned() {
                 batch_permits.push(p);
             }
-            let read = self.read(batch_permits.len(), &mut own_pel_cursor);
+            let pel_check_due = own_pel_cursor.is_none() && Instant::now() >= next_pel_check;
+            if pel_check_due {
+                next_pel_check = Instant::now() + self.config.pel_check_interval;
+            }
+            let skip = in_flight.lock().expect("in-flight lock").clone();
+            let read = self.read(batch_permits.len(), &mut own_pel_cursor, pel_check_due.then_some(&skip));
             let messages = tokio::select! {
                 _ = &mut shutdown => break,
                 read = read => match read {
@@ -173,8 +190,12 @@ impl Worker {
             for (message, permit) in messages.into_iter().zip(batch_permits) {
                 let (handler, counters, conn, config) =
                     (handler.clone(), counters.clone(), self.writer.clone(), self.config.clone());
+                let in_flight = in_flight.clone();
+                in_flight.lock().expect("in-flight lock").insert(message.id.clone());
                 tasks.spawn(async move {
+                    let id = message.id.clone();
                     dispatch(&config, conn, &counters, message, handler.as_ref()).await;
+                    in_flight.lock().expect("in-flight lock").remove(&id);
                     drop(permit);
                 });
             }
@@ -197,8 +218,17 @@ impl Worker {
         }
     }
 
-    /// Up to `count` messages: from our own PEL while it has entries, then new ones (blocking up to `block`).
-    async fn read(&mut self, count: usize, own_pel_cursor: &mut Option<String>) -> RedisResult<Vec<Message>> {
+    /// Up to `count` messages: from our own PEL while it has entries, then new ones (blocking up to `block`). With
+    /// `pel_check`, the entries of our PEL that are not in that set of in-flight ids instead.
+    async fn read(
+        &mut self,
+        count: usize,
+        own_pel_cursor: &mut Option<String>,
+        pel_check: Option<&HashSet<String>>,
+    ) -> RedisResult<Vec<Message>> {
+        if let Some(in_flight) = pel_check {
+            return self.read_own_pel(count, in_flight).await;
+        }
         let config = &self.config;
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(count);
@@ -211,13 +241,63 @@ impl Worker {
         if own_pel_cursor.is_some() {
             *own_pel_cursor = entries.last().map(|(id, _)| id.clone());
         }
-        // An entry of our PEL whose payload was deleted comes back without fields: a stale reference that the
-        // operator drops as PayloadDeleted. It is not a message, so the handler never sees it.
-        Ok(entries.into_iter().filter_map(|(id, fields)| Some(Message { id, fields: fields? })).collect())
+        Ok(messages(entries))
+    }
+
+    /// Up to `count` entries of our own PEL that are not in flight, each read from our history with
+    /// `XREADGROUP ... STREAMS <stream> <the id just before it> COUNT 1`, so only the entries read count a delivery
+    /// (reading the whole PEL from `0` would raise the count of messages still being handled).
+    async fn read_own_pel(&mut self, count: usize, in_flight: &HashSet<String>) -> RedisResult<Vec<Message>> {
+        let config = &self.config;
+        let pending: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+            .arg(&config.stream)
+            .arg(&config.group)
+            .arg("-")
+            .arg("+")
+            .arg(count + in_flight.len())
+            .arg(&config.consumer)
+            .query_async(&mut self.writer)
+            .await?;
+        let ids: Vec<String> =
+            pending.into_iter().map(|(id, ..)| id).filter(|id| !in_flight.contains(id)).take(count).collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for id in &ids {
+            pipe.cmd("XREADGROUP").arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(1);
+            pipe.arg("STREAMS").arg(&config.stream).arg(id_before(id));
+        }
+        let replies: Vec<Value> = pipe.query_async(&mut self.writer).await?;
+        let entries = replies.into_iter().flat_map(parse_entries).filter(|(id, _)| ids.contains(id)).collect();
+        Ok(messages(entries))
     }
 }
 
-/// Acknowledges `id` and counts it under `reason` in `{T}:pelican:<group>:terminal`, atomically. Returns whether
+/// An entry of our PEL whose payload was deleted comes back without fields: a stale reference that the operator
+/// drops as PayloadDeleted. It is not a message, so the handler never sees it.
+fn messages(entries: Vec<RawEntry>) -> Vec<Message> {
+    entries.into_iter().filter_map(|(id, fields)| Some(Message { id, fields: fields? })).collect()
+}
+
+/// The greatest stream id below `id` (`5-0` -> `4-18446744073709551615`), so a read after it starts at `id`.
+fn id_before(id: &str) -> String {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    let (ms, seq) = (ms.parse::<u64>().unwrap_or(0), seq.parse::<u64>().unwrap_or(0));
+    match (ms, seq) {
+        (_, 1..) => format!("{ms}-{}", seq - 1),
+        (1.., 0) => format!("{}-{}", ms - 1, u64::MAX),
+        (0, 0) => "0-0".to_string(),
+    }
+}
+
+/// Whether a failed acknowledgement certainly wrote nothing: the server answered with an error (the scripts check
+/// everything before their first write), as opposed to a connection that broke after the command was sent.
+fn certainly_not_written(e: &RedisError) -> bool {
+    e.code().is_some() && !e.is_io_error() && !e.is_timeout() && !e.is_connection_dropped()
+}
+
+/// Acknowledges `id` and counts it under `reason` in `{T}:pelican:<stream>:<group>:terminal`, atomically. Returns whether
 /// this call removed the entry from the PEL; a repeated call returns `false` and counts nothing.
 pub async fn ack_terminal(
     conn: &mut ConnectionManager,
@@ -261,8 +341,12 @@ async fn dispatch<H, Fut>(
                 redis::cmd("XACK").arg(stream).arg(group).arg(&id).query_async(&mut conn).await;
             match acked {
                 Ok(_) => counters.done.fetch_add(1, Ordering::Relaxed),
+                Err(e) if certainly_not_written(&e) => {
+                    warn!(stream, group, entry_id = %id, error = %e, "XACK refused; the message stays pending");
+                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                }
                 Err(e) => {
-                    warn!(stream, group, entry_id = %id, error = %e, "XACK failed; the message stays pending");
+                    warn!(stream, group, entry_id = %id, error = %e, "XACK outcome unknown (the connection failed): the message may have been acknowledged, or stays pending");
                     counters.failed.fetch_add(1, Ordering::Relaxed)
                 }
             };
@@ -271,8 +355,12 @@ async fn dispatch<H, Fut>(
             warn!(stream, group, entry_id = %id, reason = %reason, will_ack = true, "message ended as terminal");
             match ack_terminal(&mut conn, stream, group, &id, &reason).await {
                 Ok(_) => counters.terminal.fetch_add(1, Ordering::Relaxed),
+                Err(e) if certainly_not_written(&e) => {
+                    warn!(stream, group, entry_id = %id, error = %e, "terminal ACK refused before any write; the message stays pending");
+                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                }
                 Err(e) => {
-                    warn!(stream, group, entry_id = %id, error = %e, "terminal ACK failed; the message stays pending");
+                    warn!(stream, group, entry_id = %id, error = %e, "terminal ACK outcome unknown (the connection failed): the message may have been acknowledged and counted, or stays pending");
                     counters.failed.fetch_add(1, Ordering::Relaxed)
                 }
             };
@@ -318,6 +406,13 @@ mod tests {
     #[should_panic(expected = "must be CamelCase")]
     fn terminal_with_an_invalid_code_panics_with_the_rule() {
         Outcome::terminal("record not found");
+    }
+
+    #[test]
+    fn the_id_before_reads_from_the_id_itself() {
+        assert_eq!(id_before("5-3"), "5-2");
+        assert_eq!(id_before("5-0"), "4-18446744073709551615");
+        assert_eq!(id_before("0-0"), "0-0");
     }
 
     #[test]

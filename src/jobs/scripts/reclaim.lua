@@ -4,16 +4,22 @@
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
--- ARGV[8..] entry ids found idle by the caller's scan
+-- ARGV[8] byte budget: after copying this many bytes the script stops and leaves the remaining ids to the next call
+-- ARGV[9..] entry ids found idle by the caller's scan
 --
--- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge}.
+-- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, handled, deadLetterEvicted}:
+-- `handled` ids from ARGV[9] on were looked at (at least one); the caller sends the rest again.
 --
 -- Invariant: every id ends as exactly one of: untouched and still pending; requeued (one copy at the tail, the
 -- original acknowledged); claimed by a live consumer; dead-lettered (one entry, the original acknowledged); or
 -- dropped from the PEL because its payload is gone. Scripts are not rolled back on error, so every key type and the
 -- group are checked before the first write, and each copy is written before the XACK that retires the original.
 -- Pending state, idle time and delivery count are re-read here: a consumer that ACKed or re-read an entry since
--- the scan wins.
+-- the scan wins. Counting cannot fail after a move: a counter field that holds no integer (any client can write
+-- one) starts again from this count instead of raising an error half way through the batch. The byte budget keeps
+-- one call short, so other clients of the server never see BUSY because of a batch of large entries.
+-- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
+-- when the new owner never re-reads its PEL.
 
 local src, dlq, totals, terminal = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group = ARGV[1]
@@ -23,6 +29,7 @@ local strategy = ARGV[4]
 local dlq_maxlen = tonumber(ARGV[5])
 local operator = ARGV[6]
 local max_fields = tonumber(ARGV[7])
+local byte_budget = tonumber(ARGV[8])
 
 local function expect_type(key, wanted)
   local t = redis.call('TYPE', key)['ok']
@@ -39,7 +46,17 @@ redis.call('XPENDING', src, group)
 local now = redis.call('TIME')
 local now_ms = string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
 
+local function count(key, field, n)
+  local v = redis.call('HGET', key, field)
+  if v and (not string.match(v, '^-?%d+$') or #v > 17) then
+    redis.call('HSET', key, field, n)
+  else
+    redis.call('HINCRBY', key, field, n)
+  end
+end
+
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large = 0, 0, 0, 0, 0, 0
+local handled, evicted, copied = 0, 0, 0
 
 -- Live consumers and their PEL sizes, read once per batch, for Reassign.
 local live
@@ -61,7 +78,9 @@ local function least_loaded(except)
   return best
 end
 
-for i = 8, #ARGV do
+for i = 9, #ARGV do
+  if handled > 0 and copied >= byte_budget then break end
+  handled = handled + 1
   local id = ARGV[i]
   local pending = redis.call('XPENDING', src, group, id, id, 1)[1]
   if pending == nil or tonumber(pending[3]) < min_idle then
@@ -72,8 +91,8 @@ for i = 8, #ARGV do
     if entry == nil then
       -- Deleted or trimmed while pending: a stale reference, not a message.
       redis.call('XACK', src, group, id)
-      redis.call('HINCRBY', terminal, 'PayloadDeleted', 1)
-      redis.call('HINCRBY', totals, 'payloadDeleted', 1)
+      count(terminal, 'PayloadDeleted', 1)
+      count(totals, 'payloadDeleted', 1)
       payload_deleted = payload_deleted + 1
     else
       local fields = entry[2]
@@ -84,12 +103,16 @@ for i = 8, #ARGV do
         origin, earlier, n = fields[n - 2], tonumber(fields[n]) or 0, n - 4
       end
       local total = earlier + deliveries
+      if n <= max_fields then
+        for f = 1, n do copied = copied + #fields[f] end
+      end
       if n > max_fields then
         too_large = too_large + 1
       elseif total >= max_deliveries then
         local args = {dlq}
         if dlq_maxlen > 0 then
-          args[#args + 1] = 'MAXLEN'; args[#args + 1] = '~'; args[#args + 1] = dlq_maxlen
+          -- The text of ARGV[5], not the Lua number, which large values would turn into 1e+15.
+          args[#args + 1] = 'MAXLEN'; args[#args + 1] = '~'; args[#args + 1] = ARGV[5]
         end
         args[#args + 1] = '*'
         for f = 1, n do args[#args + 1] = fields[f] end
@@ -97,10 +120,14 @@ for i = 8, #ARGV do
           'pelican-group', group, 'pelican-consumer', owner, 'pelican-deliveries', string.format('%d', total),
           'pelican-reason', 'MaxDeliveriesExceeded', 'pelican-dead-lettered-at', now_ms}
         for _, v in ipairs(meta) do args[#args + 1] = v end
+        local before = redis.call('XLEN', dlq)
         redis.call('XADD', unpack(args))
+        -- MAXLEN may have dropped older dead letters to make room: count them, they vanish from the one place
+        -- people look for them.
+        evicted = evicted + before + 1 - redis.call('XLEN', dlq)
         redis.call('XACK', src, group, id)
-        redis.call('HINCRBY', terminal, 'MaxDeliveriesExceeded', 1)
-        redis.call('HINCRBY', totals, 'deadLettered', 1)
+        count(terminal, 'MaxDeliveriesExceeded', 1)
+        count(totals, 'deadLettered', 1)
         dead_lettered = dead_lettered + 1
       elseif strategy == 'Requeue' then
         local args = {src, '*'}
@@ -109,15 +136,16 @@ for i = 8, #ARGV do
         args[#args + 1] = 'pelican-deliveries'; args[#args + 1] = string.format('%d', total)
         redis.call('XADD', unpack(args))
         redis.call('XACK', src, group, id)
-        redis.call('HINCRBY', totals, 'requeued', 1)
+        count(totals, 'requeued', 1)
         requeued = requeued + 1
       elseif strategy == 'Reassign' then
         local target = least_loaded(owner)
         if target then
-          -- JUSTID: the consumer's own re-read counts the delivery, so the claim must not count one too.
-          redis.call('XCLAIM', src, group, target.name, min_idle, id, 'JUSTID')
+          -- A hand-over is a delivery: without RETRYCOUNT, JUSTID leaves the count as it was, and an entry handed
+          -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap.
+          redis.call('XCLAIM', src, group, target.name, min_idle, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
           target.pending = target.pending + 1
-          redis.call('HINCRBY', totals, 'reassigned', 1)
+          count(totals, 'reassigned', 1)
           reassigned = reassigned + 1
         else
           skipped = skipped + 1
@@ -129,4 +157,5 @@ for i = 8, #ARGV do
   end
 end
 
-return {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large}
+if evicted > 0 then count(totals, 'deadLetterEvicted', evicted) end
+return {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, handled, evicted}
