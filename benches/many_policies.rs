@@ -1,7 +1,11 @@
-//! 1,000 policies spread over 3 servers: the connections they use (CLIENT LIST on each server) and the operator's
-//! steady-state RSS and CPU, next to the same operator with no policy at all as the baseline.
+//! N policies (default 1,000) spread over 3 servers: the time from applying them to all Ready, the connections
+//! they use (CLIENT LIST on each server), the operator's steady RSS and CPU and the API requests per second it
+//! causes while nothing changes (`apiserver_request_total` of the API server itself), next to the same operator
+//! with no policy at all as the baseline; then the p99 delay from a pass being due to its start.
+//! With `PELICAN_BIN=<older pelican>` the same figures for another build. With `-- <N> shards` the policies carry
+//! the label `sharding.pelican.io/key` (a or b) and two operators each reconcile one half.
 //!
-//!   scripts/testenv up && cargo bench --bench many_policies [-- <policies>]
+//!   scripts/testenv up && cargo bench --bench many_policies [-- <policies> [shards]]
 
 #[path = "../tests/common/mod.rs"]
 #[allow(unused_macros)]
@@ -42,8 +46,56 @@ fn connections(server: &Server) -> usize {
     list.lines().filter(|l| !l.contains("cmd=client")).count()
 }
 
+/// Requests the API server has answered so far, summed over every series of `apiserver_request_total`, and the
+/// status writes among them.
+fn api_requests() -> (f64, f64) {
+    let metrics = kubectl_ok(&["get", "--raw", "/metrics"]);
+    let series = metrics.lines().filter(|l| l.starts_with("apiserver_request_total{"));
+    let value = |l: &str| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let (mut all, mut status) = (0.0, 0.0);
+    for line in series {
+        all += value(line);
+        if line.contains("resource=\"consumergrouppolicies\"") && line.contains("subresource=\"status\"") {
+            status += value(line);
+        }
+    }
+    (all, status)
+}
+
+/// API requests per second (all, status writes) over `window`, less the scrapes of this function itself.
+fn api_rate(window: Duration) -> (f64, f64) {
+    let (all_before, status_before) = api_requests();
+    std::thread::sleep(window);
+    let (all_after, status_after) = api_requests();
+    let secs = window.as_secs_f64();
+    ((all_after - all_before - 1.0) / secs, (status_after - status_before) / secs)
+}
+
+/// p99 of `pelican_pass_delay_seconds` over the operator's life, as the upper bound of its bucket.
+fn pass_delay_p99(operator: &Operator) -> String {
+    let buckets: Vec<(f64, f64)> = operator
+        .metrics()
+        .lines()
+        .filter_map(|l| l.strip_prefix("pelican_pass_delay_seconds_bucket{le=\""))
+        .filter_map(|l| {
+            let (le, rest) = l.split_once("\"}")?;
+            Some((le.parse().unwrap_or(f64::INFINITY), rest.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    match buckets.iter().find(|(_, n)| *n >= 0.99 * total) {
+        Some((le, _)) if le.is_finite() => format!("<= {:.0} ms ({total:.0} passes)", le * 1000.0),
+        _ => format!("> 65 s ({total:.0} passes)"),
+    }
+}
+
 fn main() {
-    let count: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(1000);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let count: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(1000);
+    let sharded = args.iter().any(|a| a == "shards");
+    if sharded {
+        return shards(count);
+    }
     let servers = [Server::start(Flavor::Redis), Server::start(Flavor::Redis), Server::start(Flavor::Valkey)];
     // One full interval, so every policy is refreshed (and its pass run) once inside the window.
     let window = Duration::from_secs(65);
@@ -52,6 +104,7 @@ fn main() {
     let idle = Operator::start(&idle_ns);
     std::thread::sleep(Duration::from_secs(2));
     let (idle_rss, idle_cpu) = steady(&idle, window);
+    let (idle_api, idle_status) = api_rate(Duration::from_secs(30));
     drop(idle);
 
     let ns = namespace("many");
@@ -70,13 +123,81 @@ fn main() {
     wait_all_ready(&ns, count, Duration::from_secs(300));
     let all_ready = started.elapsed();
     let (rss, cpu) = steady(&operator, window);
+    let (api, status) = api_rate(window);
     let per_server: Vec<usize> = servers.iter().map(connections).collect();
 
     println!("{count} policies over 3 servers (redis 7.0, redis 7.0, valkey 9.1), interval 1m");
     println!("applied to all Ready: {:.1} s", all_ready.as_secs_f64());
     println!("connections per server (CLIENT LIST): {per_server:?}");
-    println!("{:<28} {:>10} {:>12}", "", "RSS (MiB)", "CPU (%)");
-    println!("{:<28} {:>10.1} {:>12.2}", "operator, no policy", idle_rss, idle_cpu);
-    println!("{:<28} {:>10.1} {:>12.2}", format!("operator, {count} policies"), rss, cpu);
+    println!("pass delay p99 (due -> start): {}", pass_delay_p99(&operator));
+    println!("{:<28} {:>10} {:>12} {:>14} {:>16}", "", "RSS (MiB)", "CPU (%)", "API req/s", "status writes/s");
+    println!(
+        "{:<28} {:>10.1} {:>12.2} {:>14.1} {:>16.1}",
+        "operator, no policy", idle_rss, idle_cpu, idle_api, idle_status
+    );
+    println!(
+        "{:<28} {:>10.1} {:>12.2} {:>14.1} {:>16.1}",
+        format!("operator, {count} policies"),
+        rss,
+        cpu,
+        api,
+        status
+    );
     assert!(per_server.iter().all(|c| *c <= 2), "policies must share connections: {per_server:?}");
+}
+
+/// Two operators, each reconciling the policies of its shard (label `sharding.pelican.io/key`), with its own Lease.
+fn shards(count: usize) {
+    let servers = [Server::start(Flavor::Redis), Server::start(Flavor::Redis), Server::start(Flavor::Valkey)];
+    let window = Duration::from_secs(65);
+    let ns = namespace("shards");
+    let operators: Vec<Operator> = ["a", "b"]
+        .iter()
+        .map(|shard| {
+            let selector = format!("--watch-label-selector=sharding.pelican.io/key={shard}");
+            let lease = format!("--leader-election-lease=pelican-leader-{shard}");
+            Operator::start_with(&ns, &[&selector, "--leader-elect", "--leader-election-namespace", &ns, &lease])
+        })
+        .collect();
+    let manifests: Vec<String> = (0..count)
+        .map(|i| {
+            let shard = if i % 2 == 0 { "a" } else { "b" };
+            policy(&format!("p{i}"), &servers[i % 3].url(), &format!("s{i}"), "g", "")
+                .replace("    interval: 1s\n", "")
+                .replacen("metadata:\n", &format!("metadata:\n  labels:\n    sharding.pelican.io/key: {shard}\n"), 1)
+        })
+        .collect();
+    let started = Instant::now();
+    for chunk in manifests.chunks(250) {
+        assert!(kubectl_apply(&ns, &chunk.join("---\n")).0);
+    }
+    wait_all_ready(&ns, count, Duration::from_secs(1200));
+    let all_ready = started.elapsed();
+    let usage: Vec<(f64, f64)> = operators.iter().map(|o| usage(o.pid())).collect();
+    std::thread::sleep(window);
+    println!(
+        "{count} policies in 2 shards over 3 servers, interval 1m; applied to all Ready: {:.1} s",
+        all_ready.as_secs_f64()
+    );
+    println!("{:<10} {:>10} {:>10} {:>12} {:>14}", "shard", "policies", "RSS (MiB)", "CPU (%)", "reconciles");
+    for ((shard, operator), (_, cpu_before)) in ["a", "b"].iter().zip(&operators).zip(usage) {
+        let (rss, cpu_after) = usage_now(operator);
+        let reconciles: f64 = operator
+            .metrics()
+            .lines()
+            .filter(|l| l.starts_with("controller_runtime_reconcile_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        let owned = operator.logs().matches("acquired the leader lease").count();
+        assert_eq!(owned, 1, "each shard leads its own Lease");
+        println!(
+            "{shard:<10} {:>10} {rss:>10.1} {:>12.2} {reconciles:>14.0}",
+            count / 2,
+            100.0 * (cpu_after - cpu_before) / window.as_secs_f64()
+        );
+    }
+}
+
+fn usage_now(operator: &Operator) -> (f64, f64) {
+    usage(operator.pid())
 }

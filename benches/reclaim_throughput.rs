@@ -40,7 +40,7 @@ async fn pelican_pass(conn: &mut Conn, size: usize, strategy: ReclaimStrategy, m
     let settings =
         PassSettings { min_idle: IDLE, max_per_pass: size, max_deliveries, strategy, dead_letter_max_len: None };
     let start = Instant::now();
-    let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut None).await.unwrap();
+    let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut None, &|| true).await.unwrap();
     let elapsed = start.elapsed();
     assert_eq!(report.moved() as usize, size, "{report:?}");
     size as f64 / elapsed.as_secs_f64()
@@ -124,7 +124,7 @@ async fn idle_scan(conn: &mut Conn, pel: usize) -> Duration {
     let mut cursor = None;
     for _ in 0..20 {
         let start = Instant::now();
-        let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut cursor).await.unwrap();
+        let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut cursor, &|| true).await.unwrap();
         best = best.min(start.elapsed());
         assert_eq!(report.scanned, 1000.min(pel));
         cursor = None;

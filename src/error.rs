@@ -122,7 +122,13 @@ impl Error {
             || source.is_connection_refusal()
             || source.is_connection_dropped()
             || source.is_timeout()
-            || matches!(source.code(), Some("LOADING" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN"))
+            || source.kind() == ErrorKind::ClusterConnectionNotFound
+            // The server is loading, failing over or resharding: a redirect the cluster client could not follow
+            // within its retries is as transient as a node that is down.
+            || matches!(
+                source.code(),
+                Some("LOADING" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "MOVED" | "ASK" | "READONLY" | "BUSY")
+            )
         {
             return Error::RedisUnavailable { server, source };
         }

@@ -1,21 +1,66 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease (SPEC section 7): with several replicas, only the leader
 //! runs the controller, so only it writes to Redis and to the API. A replica that loses the lease exits (its Pod is
 //! restarted as a standby), as controller-runtime's managers do; if the lease task itself dies, so does the process.
+//!
+//! Leading is not enough to write: a leader cut off from the API server cannot renew its lease and does not learn
+//! that it lost it, while a standby takes over once the lease has expired. [`Leadership`] therefore says "may
+//! write" only until the last renewal this replica has *seen on the Lease object* plus the lease duration, less a
+//! safety margin: the runner checks it between script calls, so an isolated leader stops writing before any
+//! standby can start.
 
-use kube::Client;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::jiff::Timestamp;
+use kube::{Api, Client};
 use kube_lease_manager::LeaseManagerBuilder;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::info;
+use tracing::{info, warn};
 
 /// How long a lease is valid without renewal; a standby takes over at most this long after the leader vanished.
 pub const LEASE_DURATION_SECONDS: u64 = 15;
 /// Renewal starts this long before the lease expires.
 pub const LEASE_GRACE_SECONDS: u64 = 5;
 
+/// Stop writing this long before the lease a standby watches would expire: covers the standby's poll and clock
+/// differences between replicas.
+pub const SAFETY_MARGIN: Duration = Duration::from_secs(2);
+/// How often the leader reads its Lease back to learn how long it may still write.
+const LEASE_CHECK: Duration = Duration::from_secs(1);
+
+/// Whether this replica may write to Redis now. Cheap to clone and to check.
+#[derive(Clone, Debug)]
+pub struct Leadership {
+    valid_until: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Leadership {
+    /// A single replica without election: always may write.
+    pub fn always() -> Leadership {
+        let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+        Leadership { valid_until: Arc::new(Mutex::new(Some(forever))) }
+    }
+
+    fn none() -> Leadership {
+        Leadership { valid_until: Arc::new(Mutex::new(None)) }
+    }
+
+    pub fn may_write(&self) -> bool {
+        self.valid_until.lock().expect("leadership lock").is_some_and(|until| Instant::now() < until)
+    }
+
+    fn set(&self, until: Option<Instant>) {
+        *self.valid_until.lock().expect("leadership lock") = until;
+    }
+}
+
 pub struct Elector {
     leading: watch::Receiver<bool>,
     task: JoinHandle<kube_lease_manager::Result<kube_lease_manager::LeaseManager>>,
+    leadership: Leadership,
+    guard: JoinHandle<()>,
 }
 
 /// Why the leader stopped leading.
@@ -25,12 +70,14 @@ pub enum Ended {
     Lost,
     /// The lease task stopped (API unreachable for good, say).
     TaskDied,
+    /// No renewal was seen on the Lease in time: a standby may take over soon.
+    NotRenewed,
 }
 
 impl Elector {
     /// Starts competing for `namespace/name` as `identity`.
     pub async fn start(client: Client, namespace: &str, name: &str, identity: &str) -> anyhow::Result<Elector> {
-        let manager = LeaseManagerBuilder::new(client, name)
+        let manager = LeaseManagerBuilder::new(client.clone(), name)
             .with_namespace(namespace)
             .with_identity(identity)
             .with_duration(LEASE_DURATION_SECONDS)
@@ -39,7 +86,20 @@ impl Elector {
             .build()
             .await?;
         let (leading, task) = manager.watch().await;
-        Ok(Elector { leading, task })
+        let leadership = Leadership::none();
+        let guard = tokio::spawn(guard(
+            Api::namespaced(client, namespace),
+            name.to_string(),
+            identity.to_string(),
+            leading.clone(),
+            leadership.clone(),
+        ));
+        Ok(Elector { leading, task, leadership, guard })
+    }
+
+    /// Whether this replica may write now (see the module documentation).
+    pub fn leadership(&self) -> Leadership {
+        self.leadership.clone()
     }
 
     /// Resolves once this replica leads; `Err` when the lease task died first.
@@ -55,28 +115,80 @@ impl Elector {
         }
     }
 
-    /// Resolves when leadership ends. Cheap to call from a `select!`; independent of `self`.
+    /// Resolves when leadership ends: the lease went to another replica, or this one could not renew it in time
+    /// (cut off from the API server). Cheap to call from a `select!`; independent of `self`.
     pub fn ended(&self) -> impl Future<Output = Ended> + Send + Sync + 'static {
         let mut leading = self.leading.clone();
+        let leadership = self.leadership.clone();
         async move {
-            loop {
-                if leading.changed().await.is_err() {
-                    return Ended::TaskDied;
+            let lost = async {
+                loop {
+                    if leading.changed().await.is_err() {
+                        return Ended::TaskDied;
+                    }
+                    if !*leading.borrow_and_update() {
+                        return Ended::Lost;
+                    }
                 }
-                if !*leading.borrow_and_update() {
-                    return Ended::Lost;
+            };
+            let expired = async {
+                // Until the guard has read the Lease once, there is nothing to expire.
+                while !leadership.may_write() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
+                while leadership.may_write() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Ended::NotRenewed
+            };
+            tokio::select! {
+                why = lost => why,
+                why = expired => why,
             }
         }
     }
 
     /// Gives the lease up so a standby takes over at once instead of after it expires.
     pub async fn release(self) {
+        self.guard.abort();
+        self.leadership.set(None);
         drop(self.leading);
         match self.task.await {
             Ok(Ok(_)) => info!("released the leader lease"),
             Ok(Err(e)) => tracing::warn!(error = %e, "could not release the leader lease"),
             Err(e) => tracing::warn!(error = %e, "lease task failed"),
         }
+    }
+}
+
+/// Keeps `leadership` equal to "the lease manager says we lead, and the Lease object shows a renewal by us recent
+/// enough that no standby can have taken over". A read that fails keeps what was known, so the deadline runs out.
+async fn guard(
+    leases: Api<Lease>,
+    name: String,
+    identity: String,
+    leading: watch::Receiver<bool>,
+    leadership: Leadership,
+) {
+    let mut renewed: Option<Instant> = None;
+    loop {
+        match tokio::time::timeout(LEASE_CHECK * 2, leases.get_opt(&name)).await {
+            Ok(Ok(lease)) => {
+                let spec = lease.and_then(|l| l.spec).unwrap_or_default();
+                renewed = match (spec.holder_identity.as_deref() == Some(identity.as_str()), spec.renew_time) {
+                    (true, Some(t)) => {
+                        let age = Timestamp::now().duration_since(t.0).unsigned_abs();
+                        Instant::now().checked_sub(age)
+                    }
+                    _ => None,
+                };
+            }
+            Ok(Err(e)) => warn!(error = %e, "could not read the leader lease; writes stop when it would expire"),
+            Err(_) => warn!("reading the leader lease timed out; writes stop when it would expire"),
+        }
+        let duration = Duration::from_secs(LEASE_DURATION_SECONDS) - SAFETY_MARGIN;
+        let until = if *leading.borrow() { renewed.map(|at| at + duration) } else { None };
+        leadership.set(until);
+        tokio::time::sleep(LEASE_CHECK).await;
     }
 }

@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
 use pelican::api::ConsumerGroupPolicy;
-use pelican::leader::Elector;
+use pelican::leader::{Elector, Leadership};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
 
 #[derive(Parser)]
@@ -39,6 +39,11 @@ enum Command {
         /// Name of the leader Lease.
         #[arg(long, default_value = "pelican-leader", env = "PELICAN_LEADER_ELECTION_LEASE")]
         leader_election_lease: String,
+        /// Reconcile only the policies matching this label selector: one shard, e.g.
+        /// `sharding.pelican.io/key=shard1`, and `!sharding.pelican.io/key` for the unlabelled rest. Give each shard
+        /// its own --leader-election-lease.
+        #[arg(long, env = "PELICAN_WATCH_LABEL_SELECTOR")]
+        watch_label_selector: Option<String>,
     },
     /// Print the ConsumerGroupPolicy CustomResourceDefinition as YAML.
     Crd,
@@ -59,6 +64,7 @@ async fn main() -> anyhow::Result<()> {
             leader_elect,
             leader_election_namespace,
             leader_election_lease,
+            watch_label_selector,
         } => {
             init_logging(log_format);
             let client = kube::Client::try_default().await?;
@@ -69,11 +75,13 @@ async fn main() -> anyhow::Result<()> {
             let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
             let http = tokio::spawn(http);
             tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, leader_elect, "starting pelican");
-            let settings = pelican::controller::Settings {
+            let mut settings = pelican::controller::Settings {
                 namespace,
                 instance: instance.clone(),
                 metrics,
                 readiness: readiness.clone(),
+                leadership: Leadership::always(),
+                label_selector: watch_label_selector,
             };
             if !leader_elect {
                 pelican::controller::run(client, settings, shutdown).await;
@@ -99,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
                     anyhow::bail!("the leader election task died before this replica led");
                 }
             }
+            settings.leadership = elector.leadership();
             let ended = elector.ended().shared();
             let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ());
             pelican::controller::run(client, settings, stop).await;

@@ -88,7 +88,7 @@ fn defaults_are_filled_in_by_the_api_server() {
 fn tls_settings_that_would_be_ignored_are_refused() {
     let ns = namespace("adm");
     let tls = |url: &str, refs: &str| {
-        policy("p", url, "s", "g", "").replace("  stream:", &format!("    tls:\n{refs}  stream:"))
+        policy("p", url, "s", "g", "").replacen("  stream:", &format!("    tls:\n{refs}  stream:"), 1)
     };
     let ca = "      caSecretRef: {name: redis-tls, key: ca.crt}\n";
     let out = refused(&ns, &tls(URL, ca));

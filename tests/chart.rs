@@ -166,3 +166,30 @@ fn a_missing_rbac_rule_fails_with_a_message_naming_it() {
     let status = get_policy(&ns, "p")["status"].clone();
     assert!(status.is_null(), "no status can be written without the rule: {status}\n{logs}");
 }
+
+#[test]
+fn sharding_renders_one_deployment_per_shard_with_its_own_lease_and_selector() {
+    let manifests = render("sh", "pelican-system", &["sharding.shards={a,b}"]);
+    let deployments: Vec<&str> = manifests.split("\n---").filter(|m| m.contains("kind: Deployment")).collect();
+    assert_eq!(deployments.len(), 3, "{manifests}");
+    for (name, selector, lease) in [
+        ("sh-pelican\n", "--watch-label-selector=!sharding.pelican.io/key", "--leader-election-lease=pelican-leader\n"),
+        (
+            "sh-pelican-a\n",
+            "--watch-label-selector=sharding.pelican.io/key=a",
+            "--leader-election-lease=pelican-leader-a",
+        ),
+        (
+            "sh-pelican-b\n",
+            "--watch-label-selector=sharding.pelican.io/key=b",
+            "--leader-election-lease=pelican-leader-b",
+        ),
+    ] {
+        let deployment = deployments.iter().find(|d| d.contains(&format!("name: {name}"))).expect(name);
+        assert!(deployment.contains(selector) && deployment.contains(lease), "{deployment}");
+    }
+    let unsharded = render("one", "pelican-system", &[]);
+    assert!(!unsharded.contains("--watch-label-selector") && !unsharded.contains("pelican.io/shard"));
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "sharding.shards={Bad_Name}"]);
+    assert!(!ok && out.contains("/sharding/shards/0"), "{out}");
+}

@@ -94,3 +94,127 @@ fn sigterm_releases_the_lease_and_a_standby_takes_over() {
     assert!(first.logs().contains("released the leader lease"), "{}", first.logs());
     assert!(took <= Duration::from_secs(15), "handover took {took:?}, more than the lease duration");
 }
+
+/// A TCP proxy in front of the API server whose connections the test can cut, to isolate one replica.
+struct Proxy {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    streams: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(upstream: String) -> Proxy {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let streams = std::sync::Arc::new(std::sync::Mutex::new(Vec::<TcpStream>::new()));
+        let (cut2, streams2) = (cut.clone(), streams.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if cut2.load(Ordering::Relaxed) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&upstream) else { continue };
+                let mut list = streams2.lock().unwrap();
+                list.push(client.try_clone().unwrap());
+                list.push(server.try_clone().unwrap());
+                for (mut from, mut to) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)]
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { port, cut, streams }
+    }
+
+    /// From now on nothing gets through: open connections are closed, new ones are closed at once.
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::Relaxed);
+        for stream in self.streams.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// When each JSON log line with `message` was written.
+fn times_of(operator: &Operator, message: &str) -> Vec<k8s_openapi::jiff::Timestamp> {
+    operator
+        .logs()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|line| line["message"].as_str().is_some_and(|m| m.starts_with(message)))
+        .filter_map(|line| line["timestamp"].as_str()?.parse().ok())
+        .collect()
+}
+
+/// A leader cut off from the API server cannot renew its lease and is never told it lost it. It must stop
+/// writing to Redis before the standby can lead: the ledger of passes (from both replicas' logs) shows no pass on
+/// the old leader after the new one acquired the lease.
+#[test]
+fn a_leader_cut_off_from_the_api_server_stops_its_passes_before_the_standby_leads() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("cutoff");
+    let kubeconfig_text = std::fs::read_to_string(bed().kubeconfig()).unwrap();
+    let upstream = kubeconfig_text.lines().find_map(|l| l.trim().strip_prefix("server: https://")).unwrap().to_string();
+    let proxy = Proxy::start(upstream.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let isolated = dir.path().join("kubeconfig");
+    std::fs::write(&isolated, kubeconfig_text.replace(&upstream, &format!("127.0.0.1:{}", proxy.port))).unwrap();
+    let args = ["--namespace", &ns, "--leader-elect", "--leader-election-namespace", &ns, "--log-format", "json"];
+    let mut first = Operator::launch(&args, isolated.to_str().unwrap());
+    wait_for("the first replica to lead", Duration::from_secs(20), || {
+        if leads(&first) { Ok(()) } else { Err(first.logs()) }
+    });
+    let second = replica(&ns);
+    // Work that keeps passes busy: a consumer that takes every message and never acknowledges it.
+    let manifest = policy("p", &server.url(), "s", "g", "  retry:\n    maxDeliveries: 100000\n")
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = {
+        let (stop, mut conn) = (stop.clone(), server.conn());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _: String = redis::cmd("XADD").arg("s").arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+                read_new(&mut conn, "s", "g", "never-acks", 100);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    wait_for("passes on the first replica", Duration::from_secs(20), || {
+        if times_of(&first, "pass: requeued").is_empty() { Err("none yet".into()) } else { Ok(()) }
+    });
+
+    proxy.cut();
+    let cut_at = Instant::now();
+    wait_for("the second replica to lead", Duration::from_secs(40), || {
+        if leads(&second) { Ok(()) } else { Err("standing by".into()) }
+    });
+    eprintln!("the standby led {:?} after the cut", cut_at.elapsed());
+    wait_for("passes on the second replica", Duration::from_secs(20), || {
+        if times_of(&second, "pass: requeued").is_empty() { Err("none yet".into()) } else { Ok(()) }
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    producer.join().unwrap();
+
+    let led_at = times_of(&second, "acquired the leader lease")[0];
+    let old_passes = times_of(&first, "reclaim pass");
+    let last_old = *old_passes.iter().max().unwrap();
+    eprintln!(
+        "ledger: {} passes on the old leader, the last at {last_old}; the new leader acquired the lease at {led_at} \
+         ({} ms later)",
+        old_passes.len(),
+        led_at.duration_since(last_old).as_millis()
+    );
+    assert!(last_old < led_at, "the old leader passed at {last_old}, after the new one led at {led_at}");
+    assert!(!first.is_running(), "the isolated leader exits once it may no longer write");
+    assert!(first.logs().contains("leadership ended"), "{}", first.logs());
+}

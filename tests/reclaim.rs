@@ -79,7 +79,7 @@ fn plain(n: usize) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
 fn pass(server: &Server, settings: &PassSettings) -> jobs::PassReport {
     runtime().block_on(async {
         let mut conn = connect(server).await;
-        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut None).await.unwrap()
+        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut None, &|| true).await.unwrap()
     })
 }
 
@@ -247,7 +247,7 @@ fn dead_letter_key_of_another_type_writes_nothing(flavor: Flavor) {
     std::thread::sleep(IDLE * 2);
     let error = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_pass(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &mut None)
+        jobs::reclaim_pass(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &mut None, &|| true)
             .await
             .unwrap_err()
     });
@@ -285,11 +285,11 @@ fn lost_script_cache_is_reloaded(flavor: Flavor) {
     runtime().block_on(async {
         let mut c = connect(&server).await;
         let s = settings(ReclaimStrategy::Requeue, 5);
-        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await.unwrap().requeued, 2);
+        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await.unwrap().requeued, 2);
         let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut c).await.unwrap();
         read_new(&mut conn, STREAM, GROUP, "c1", 2);
         tokio::time::sleep(IDLE * 2).await;
-        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await.unwrap().requeued, 2);
+        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await.unwrap().requeued, 2);
     });
 }
 
@@ -304,7 +304,7 @@ fn pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries(flavor: Fla
         let mut cursor = None;
         let (mut passes, mut scanned) = (0, 0);
         loop {
-            let report = jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut cursor).await.unwrap();
+            let report = jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut cursor, &|| true).await.unwrap();
             passes += 1;
             scanned += report.scanned;
             assert!(report.scanned <= 1_000, "a pass looked at {} entries", report.scanned);
@@ -330,7 +330,7 @@ fn reassign_gives_the_entry_to_the_least_loaded_live_consumer(flavor: Flavor) {
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
         let s = settings(ReclaimStrategy::Reassign, 3);
-        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await.unwrap()
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await.unwrap()
     });
     assert_eq!(report.reassigned, 1, "{report:?}");
     let owners: Vec<(String, i64)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.1, p.3)).collect();
@@ -479,7 +479,7 @@ fn a_large_max_len_is_sent_as_an_integer(flavor: Flavor) {
     let s = PassSettings { dead_letter_max_len: Some(1_000_000_000_000_000), ..settings(ReclaimStrategy::Requeue, 1) };
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None).await
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await
     });
     assert_eq!(report.map(|r| r.dead_lettered).map_err(|e| e.to_string()), Ok(3));
 }
@@ -496,7 +496,9 @@ fn a_server_error_quoting_a_key_named_like_tls_is_not_a_tls_failure(flavor: Flav
     let keys = GroupKeys { dead_letter: "{jobs}:mtls-audit", ..keys() };
     let error = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_pass(&mut c, "test", &keys, &settings(ReclaimStrategy::Requeue, 1), &mut None).await.unwrap_err()
+        jobs::reclaim_pass(&mut c, "test", &keys, &settings(ReclaimStrategy::Requeue, 1), &mut None, &|| true)
+            .await
+            .unwrap_err()
     });
     assert_eq!(error.reason(), "WrongKeyType", "{error}");
 }

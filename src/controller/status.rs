@@ -56,6 +56,22 @@ pub fn observed(
     }
 }
 
+/// Whether `next` differs from what the API holds in a value a person acts on (SPEC section 8): counts,
+/// conditions, the oldest pending entry, the generation. The oldest entry's idle time and the time of the last
+/// pass change with every look and are written along with such a change, never on their own: each write would
+/// cost the API server a request per policy per interval for nothing a person acts on.
+pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &ConsumerGroupPolicyStatus) -> bool {
+    let Some(current) = current else {
+        return true;
+    };
+    let timeless = |s: &ConsumerGroupPolicyStatus| ConsumerGroupPolicyStatus {
+        oldest_pending_idle_seconds: None,
+        last_pass_time: None,
+        ..s.clone()
+    };
+    timeless(current) != timeless(next)
+}
+
 /// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id (SPEC section 3).
 pub fn oldest_pending_age_seconds(facts: &GroupFacts) -> Option<i64> {
     let millis = facts.oldest_pending.as_ref()?.id_millis()?;
@@ -115,6 +131,25 @@ pub fn conditions(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_is_not_rewritten_because_time_passed() {
+        let before = ConsumerGroupPolicyStatus {
+            pending: Some(4),
+            oldest_pending_idle_seconds: Some(10),
+            last_pass_time: Some("2026-11-29T13:05:10Z".into()),
+            ..Default::default()
+        };
+        let later = ConsumerGroupPolicyStatus {
+            oldest_pending_idle_seconds: Some(70),
+            last_pass_time: Some("2026-11-29T13:06:10Z".into()),
+            ..before.clone()
+        };
+        assert!(!worth_writing(Some(&before), &later));
+        let moved = ConsumerGroupPolicyStatus { pending: Some(3), ..later.clone() };
+        assert!(worth_writing(Some(&before), &moved));
+        assert!(worth_writing(None, &later));
+    }
     use crate::redis::OldestPending;
 
     fn facts() -> GroupFacts {

@@ -27,7 +27,7 @@ pub const BYTE_BUDGET: usize = 4 << 20;
 pub const MAX_FIELDS: usize = 7_900;
 
 /// What one pass is allowed to do.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PassSettings {
     pub min_idle: Duration,
     pub max_per_pass: usize,
@@ -53,6 +53,8 @@ pub struct PassReport {
     pub too_large: u64,
     /// Older dead letters dropped by `deadLetter.maxLen` to make room.
     pub dead_letter_evicted: u64,
+    /// The pass stopped early because this replica may no longer write.
+    pub interrupted: bool,
 }
 
 impl PassReport {
@@ -77,7 +79,10 @@ impl PassReport {
         .join(", ")
     }
 
-    fn merge(&mut self, batch: &PassReport) {
+    /// Adds another pass's (or batch's) counts to these.
+    pub fn merge(&mut self, batch: &PassReport) {
+        self.scanned += batch.scanned;
+        self.idle += batch.idle;
         self.requeued += batch.requeued;
         self.reassigned += batch.reassigned;
         self.dead_lettered += batch.dead_lettered;
@@ -92,12 +97,16 @@ impl PassReport {
 /// plain extended XPENDING, never the IDLE filter, which scans the whole PEL on the server. At most
 /// `max_per_pass` entries are looked at, so a pass costs the same on a PEL of a thousand or a million entries.
 /// `cursor` becomes `None` when the scan reached the end of the PEL; the next pass starts over.
+///
+/// `may_write` is asked before every script call: when it says no (this replica lost its leadership), the pass
+/// stops there, with `interrupted` set and the cursor where it was.
 pub async fn reclaim_pass(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
     cursor: &mut Option<String>,
+    may_write: &(dyn Fn() -> bool + Sync),
 ) -> Result<PassReport> {
     let min_idle_ms = settings.min_idle.as_millis() as i64;
     let mut report = PassReport::default();
@@ -122,6 +131,10 @@ pub async fn reclaim_pass(
                 report.idle += 1;
                 batch.push(id);
                 if batch.len() == BATCH {
+                    if !may_write() {
+                        report.interrupted = true;
+                        return Ok(report);
+                    }
                     report.merge(&reclaim_batch(conn, server, keys, settings, &batch).await?);
                     batch.clear();
                 }
@@ -133,6 +146,10 @@ pub async fn reclaim_pass(
         }
     }
     if !batch.is_empty() {
+        if !may_write() {
+            report.interrupted = true;
+            return Ok(report);
+        }
         report.merge(&reclaim_batch(conn, server, keys, settings, &batch).await?);
     }
     Ok(report)

@@ -113,7 +113,7 @@ impl Target {
     }
 
     /// Identifies the pool without keeping the password or key readable in the map key.
-    fn pool_key(&self) -> PoolKey {
+    pub fn pool_key(&self) -> PoolKey {
         let mut hasher = DefaultHasher::new();
         self.credentials.password.hash(&mut hasher);
         self.tls.hash(&mut hasher);

@@ -25,6 +25,8 @@ pub struct Metrics {
     reconcile_total: Family<Labels, Counter>,
     reconcile_errors: Family<Labels, Counter>,
     reconcile_time: Family<Labels, Histogram>,
+    pass_delay: Histogram,
+    passes: Counter,
     policies: Arc<PolicySeries>,
 }
 
@@ -50,9 +52,18 @@ impl Default for Metrics {
             "Length of time per reconciliation per controller",
             reconcile_time.clone(),
         );
+        // 1 ms .. 65 s: a pass that waits longer than its interval shows here.
+        let pass_delay = Histogram::new(exponential_buckets(0.001, 2.0, 17));
+        registry.register(
+            "pelican_pass_delay_seconds",
+            "Time from a reclaim pass being due to its start (waiting for the server's pass permits)",
+            pass_delay.clone(),
+        );
+        let passes = Counter::default();
+        registry.register("pelican_passes", "Reclaim / dead-letter passes run", passes.clone());
         let policies = Arc::new(PolicySeries::default());
         registry.register_collector(Box::new(policies.clone()));
-        Metrics { registry, reconcile_total, reconcile_errors, reconcile_time, policies }
+        Metrics { registry, reconcile_total, reconcile_errors, reconcile_time, pass_delay, passes, policies }
     }
 }
 
@@ -66,6 +77,12 @@ impl Metrics {
             self.reconcile_errors.get_or_create(&controller).inc();
         }
         self.reconcile_time.get_or_create(&controller).observe(took.as_secs_f64());
+    }
+
+    /// Records the start of a pass that was due `delay` ago.
+    pub fn pass_started(&self, delay: Duration) {
+        self.passes.inc();
+        self.pass_delay.observe(delay.as_secs_f64());
     }
 
     /// Publishes a policy's status as its series.

@@ -259,7 +259,9 @@ impl Operator {
         let log = dir.path().join("operator.log");
         let file = std::fs::File::create(&log).unwrap();
         let (metrics_port, health_port) = (free_port(), free_port());
-        let child = Command::new(env!("CARGO_BIN_EXE_pelican"))
+        // PELICAN_BIN runs another build (an older release, for a benchmark's baseline).
+        let binary = std::env::var("PELICAN_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pelican").to_string());
+        let child = Command::new(binary)
             .arg("run")
             .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
             .arg(format!("--health-addr=127.0.0.1:{health_port}"))

@@ -1,0 +1,143 @@
+//! Phase 3, act: converge Redis on what the policy says (the group exists; the 0.1 counters are carried over),
+//! hand the data-plane work to the runner, and read the numbers the status shows. On deletion, apply the
+//! `deletionPolicy`.
+
+use std::sync::Arc;
+
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+use tracing::info;
+
+use super::report::publish;
+use super::validate::{self, Schedule};
+use super::{Context, policy_id};
+use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
+use crate::keys;
+use crate::redis::{self as redis_ops, GroupFacts, GroupKeys, ServerInfo, Target};
+use crate::runner::Job;
+use crate::{Error, Result};
+
+/// What one reconcile saw on the server.
+pub struct Observation {
+    pub server: ServerInfo,
+    pub facts: GroupFacts,
+}
+
+pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
+    GroupKeys { stream: &policy.spec.stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream }
+}
+
+/// Connects, creates the group when missing, starts, updates or stops the policy's jobs, and probes the group.
+pub async fn converge(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    target: &Target,
+    schedule: &Schedule,
+    others: &[Arc<ConsumerGroupPolicy>],
+) -> Result<Observation> {
+    ctx.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
+    let server = target.server();
+    let mut conn = ctx.pools.get(target).await?;
+    let keys = group_keys(policy);
+    let carry_over = !validate::shares_legacy_counters(policy, others);
+    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over).await;
+    if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
+        ctx.pools.forget(target);
+    }
+    let setup = setup?;
+    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+    if setup.carried_over > 0 {
+        let [totals, terminal] = keys::legacy_keys(keys.stream, keys.group);
+        let note = format!(
+            "carried {} counter fields over from {totals:?} and {terminal:?} to the keys that name the stream",
+            setup.carried_over
+        );
+        info!(namespace, name, "{note}");
+        publish(ctx, policy, EventType::Normal, "CountersCarriedOver", note).await;
+    }
+    if setup.created {
+        // A status that shows server numbers means this policy saw its group before, whatever its condition is
+        // now (a restart without persistence first shows RedisUnavailable): the group was lost, and recreating it
+        // at startId may skip or replay messages, so it is a Warning every time.
+        let seen_before = policy.status.as_ref().is_some_and(|s| s.server_version.is_some());
+        let (type_, reason, note) = if seen_before {
+            let note = format!(
+                "group {:?} on stream {:?} was missing and has been recreated at {:?}",
+                keys.group, keys.stream, policy.spec.start_id
+            );
+            (EventType::Warning, "GroupRecreated", note)
+        } else {
+            let note =
+                format!("created group {:?} on stream {:?} at {:?}", keys.group, keys.stream, policy.spec.start_id);
+            (EventType::Normal, "GroupCreated", note)
+        };
+        info!(namespace, name, group = keys.group, stream = keys.stream, reason, "{note}");
+        publish(ctx, policy, type_, reason, note).await;
+    }
+    let id = policy_id(policy);
+    if policy.spec.suspend {
+        ctx.runner.stop(&id);
+    } else {
+        let job = Job {
+            conn: conn.clone(),
+            pool: target.pool_key(),
+            server: server.clone(),
+            stream: policy.spec.stream.clone(),
+            group: policy.spec.group.clone(),
+            dead_letter: policy.spec.dead_letter.stream.clone(),
+            interval: schedule.interval,
+            pass: schedule.pass.clone(),
+            expire_after: schedule.expire_after,
+            object: policy.object_ref(&()),
+        };
+        ctx.runner.run(&id, job);
+    }
+    let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
+    Ok(Observation { server: setup.server, facts })
+}
+
+/// Runs on deletion: the jobs stop, Redis is treated by `deletionPolicy`, then the policy's state and connection
+/// are forgotten.
+pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
+    let key = ObjectRef::from_obj(policy);
+    ctx.runner.stop(&policy_id(policy));
+    ctx.failures.lock().expect("failures lock").remove(&key);
+    ctx.metrics.forget_policy(&(policy.namespace().unwrap_or_default(), policy.name_any()));
+    let done = release_redis(policy, ctx).await;
+    ctx.pools.assign(&ctx.pool_users, &key, None);
+    ctx.secrets.retain_referenced(&ctx.policies.state());
+    done
+}
+
+/// `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
+async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
+    if policy.spec.deletion_policy == DeletionPolicy::Retain {
+        return Ok(Action::await_change());
+    }
+    if let Some(conflict) = validate::conflict(policy, &ctx.policies.state()) {
+        let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);
+        publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
+        return Ok(Action::await_change());
+    }
+    let target = match super::resolve::target(policy, &ctx.client, &ctx.secrets).await {
+        Ok(target) => target,
+        // Without credentials the group cannot be destroyed; holding the finalizer would hang the deletion
+        // (and its namespace) forever, so the group is left in place and the user told.
+        Err(e @ (Error::SecretNotFound { .. } | Error::SecretInvalid { .. })) => {
+            let note = format!("group {:?} left in Redis: {e}", policy.spec.group);
+            publish(ctx, policy, EventType::Warning, "CleanupSkipped", note).await;
+            return Ok(Action::await_change());
+        }
+        Err(e) => return Err(e),
+    };
+    let server = target.server();
+    let mut conn = ctx.pools.get(&target).await?;
+    let destroyed = redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group).await?;
+    if destroyed {
+        let note = format!("destroyed group {:?} on stream {:?}", policy.spec.group, policy.spec.stream);
+        publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
+    }
+    Ok(Action::await_change())
+}

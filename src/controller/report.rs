@@ -1,0 +1,118 @@
+//! Phase 4, report: status (server-side apply, only when a value a person acts on changed), conditions, one Event
+//! per change of the Ready reason, and the policy's metric series.
+
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tracing::{info, warn};
+
+use super::act::Observation;
+use super::status::{self, Outcome, READY};
+use super::{Context, FIELD_MANAGER, policy_id};
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus};
+use crate::telemetry::PolicySnapshot;
+use crate::{Error, Result};
+
+/// Turns what the reconcile saw (or the error that stopped it) into status, Events and metrics.
+pub async fn report(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    api: &Api<ConsumerGroupPolicy>,
+    result: &Result<Observation>,
+) -> Result<()> {
+    let previous = policy.status.clone().unwrap_or_default();
+    let now = Timestamp::now();
+    let (status, outcome, age) = match result {
+        Ok(seen) => {
+            let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
+            let mut status = status::observed(&previous, &seen.server, &seen.facts);
+            let last_pass = ctx.runner.state(&policy_id(policy)).last_pass;
+            if let Some(at) = last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
+                status.last_pass_time = Some(at.to_string());
+            }
+            (status, Outcome::Ready { message }, status::oldest_pending_age_seconds(&seen.facts))
+        }
+        Err(error) => (previous.clone(), Outcome::Failed(error), None),
+    };
+    let status = ConsumerGroupPolicyStatus {
+        observed_generation: policy.metadata.generation,
+        conditions: status::conditions(&previous.conditions, &outcome, policy.metadata.generation, now),
+        ..status
+    };
+    announce_transition(policy, ctx, &previous, &status).await;
+    let snapshot = PolicySnapshot {
+        stream: policy.spec.stream.clone(),
+        group: policy.spec.group.clone(),
+        ready: result.is_ok(),
+        status: status.clone(),
+        oldest_pending_age_seconds: age,
+    };
+    ctx.metrics.observe_policy((policy.namespace().unwrap_or_default(), policy.name_any()), snapshot);
+    if status::worth_writing(policy.status.as_ref(), &status) {
+        write_status(api, policy, &status).await?;
+    }
+    Ok(())
+}
+
+async fn write_status(
+    api: &Api<ConsumerGroupPolicy>,
+    policy: &ConsumerGroupPolicy,
+    status: &ConsumerGroupPolicyStatus,
+) -> Result<()> {
+    let patch = json!({
+        "apiVersion": "pelican.io/v1alpha1",
+        "kind": "ConsumerGroupPolicy",
+        "status": status,
+    });
+    api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+    Ok(())
+}
+
+/// One Event per change of the Ready reason, never one per retry.
+async fn announce_transition(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    previous: &ConsumerGroupPolicyStatus,
+    next: &ConsumerGroupPolicyStatus,
+) {
+    let ready = |s: &ConsumerGroupPolicyStatus| {
+        s.conditions.iter().find(|c| c.type_ == READY).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+    };
+    let (before, after) = (ready(previous), ready(next));
+    let Some((status, reason, message)) = after else {
+        return;
+    };
+    if before.as_ref().map(|(s, r, _)| (s, r)) == Some((&status, &reason)) {
+        return;
+    }
+    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+    if status == "True" {
+        info!(namespace, name, reason, "{message}");
+        publish(ctx, policy, EventType::Normal, "Ready", message).await;
+        if policy.spec.redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
+            let note =
+                "spec.redis.tls.insecureSkipVerify is true: the server's certificate is not verified".to_string();
+            warn!(namespace, name, "{note}");
+            publish(ctx, policy, EventType::Warning, "InsecureSkipVerify", note).await;
+        }
+    } else {
+        warn!(namespace, name, reason, "{message}");
+        publish(ctx, policy, EventType::Warning, &reason, message).await;
+    }
+}
+
+pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
+    let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
+    if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
+        let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+        warn!(namespace, name, error = %e, reason, "could not publish event");
+    }
+}
+
+/// Whether an error stops the policy's jobs: a Stalled policy waits for a change; a transient error (the server
+/// restarting) leaves the runner to retry with its own backoff.
+pub fn stops_jobs(error: &Error) -> bool {
+    error.is_stalled()
+}

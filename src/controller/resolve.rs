@@ -1,0 +1,139 @@
+//! Phase 1, resolve: the policy's Secrets -> the server and identity to connect with.
+//!
+//! Secret values come from a cache holding only the Secrets policies reference, filled by one GET on first use
+//! and dropped when the metadata-only watch reports a change to that Secret, so a reconcile costs no API request
+//! while nothing changes. The watch itself carries no Secret values.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::Api;
+use kube::{Client, ResourceExt};
+
+use crate::api::{ConsumerGroupPolicy, RedisMode, SecretKeyRef};
+use crate::redis::{Credentials, Target, Tls};
+use crate::{Error, Result};
+
+/// `namespace/name` of a Secret.
+type SecretName = (String, String);
+/// A Secret's data, or `None` when it does not exist.
+type SecretData = Option<Arc<BTreeMap<String, ByteString>>>;
+
+#[derive(Default)]
+pub struct SecretCache {
+    entries: Mutex<Entries>,
+}
+
+#[derive(Default)]
+struct Entries {
+    values: HashMap<SecretName, SecretData>,
+    /// Bumped by every invalidation: a GET that started before one may have read an old value and is not cached.
+    epoch: u64,
+}
+
+impl SecretCache {
+    /// Forgets a Secret the watch saw change (created, updated, deleted): the next read fetches it again.
+    pub fn invalidate(&self, namespace: &str, name: &str) {
+        let mut entries = self.entries.lock().expect("secret cache lock");
+        entries.values.remove(&(namespace.to_string(), name.to_string()));
+        entries.epoch += 1;
+    }
+
+    /// Drops every Secret no policy references any more.
+    pub fn retain_referenced(&self, policies: &[Arc<ConsumerGroupPolicy>]) {
+        let referenced: HashSet<SecretName> = policies
+            .iter()
+            .flat_map(|p| {
+                let namespace = p.namespace().unwrap_or_default();
+                secret_refs(p).map(move |r| (namespace.clone(), r.name.clone()))
+            })
+            .collect();
+        self.entries.lock().expect("secret cache lock").values.retain(|key, _| referenced.contains(key));
+    }
+
+    async fn data(&self, client: &Client, namespace: &str, name: &str) -> Result<SecretData> {
+        let key = (namespace.to_string(), name.to_string());
+        let epoch = {
+            let entries = self.entries.lock().expect("secret cache lock");
+            if let Some(data) = entries.values.get(&key) {
+                return Ok(data.clone());
+            }
+            entries.epoch
+        };
+        let secret = Api::<Secret>::namespaced(client.clone(), namespace).get_opt(name).await?;
+        let data = secret.map(|s| {
+            let mut data = s.data.unwrap_or_default();
+            for (k, v) in s.string_data.unwrap_or_default() {
+                data.entry(k).or_insert(ByteString(v.into_bytes()));
+            }
+            Arc::new(data)
+        });
+        let mut entries = self.entries.lock().expect("secret cache lock");
+        if entries.epoch == epoch {
+            entries.values.insert(key, data.clone());
+        }
+        Ok(data)
+    }
+
+    async fn value(
+        &self,
+        client: &Client,
+        namespace: &str,
+        reference: Option<&SecretKeyRef>,
+    ) -> Result<Option<Vec<u8>>> {
+        let Some(reference) = reference else {
+            return Ok(None);
+        };
+        let not_found = || Error::SecretNotFound {
+            namespace: namespace.into(),
+            name: reference.name.clone(),
+            key: reference.key.clone(),
+        };
+        let data = self.data(client, namespace, &reference.name).await?.ok_or_else(not_found)?;
+        let bytes = data.get(&reference.key).ok_or_else(not_found)?;
+        Ok(Some(bytes.0.clone()))
+    }
+
+    /// A username or password: text, without the newline `echo pass | kubectl create secret --from-file` adds.
+    async fn text(&self, client: &Client, namespace: &str, reference: Option<&SecretKeyRef>) -> Result<Option<String>> {
+        let Some(bytes) = self.value(client, namespace, reference).await? else {
+            return Ok(None);
+        };
+        let reference = reference.expect("a value came from a reference");
+        let text = String::from_utf8(bytes).map_err(|_| Error::SecretInvalid {
+            namespace: namespace.into(),
+            name: reference.name.clone(),
+            key: reference.key.clone(),
+        })?;
+        Ok(Some(text.trim_end_matches(['\r', '\n']).to_string()))
+    }
+}
+
+/// Every Secret a policy references.
+pub fn secret_refs(policy: &ConsumerGroupPolicy) -> impl Iterator<Item = &SecretKeyRef> {
+    let redis = &policy.spec.redis;
+    let tls = redis.tls.iter().flat_map(|t| [&t.ca_secret_ref, &t.cert_secret_ref, &t.key_secret_ref]);
+    [&redis.username_secret_ref, &redis.password_secret_ref].into_iter().chain(tls).flatten()
+}
+
+/// The server and credentials of a policy, read from Secrets in its own namespace.
+pub async fn target(policy: &ConsumerGroupPolicy, client: &Client, secrets: &SecretCache) -> Result<Target> {
+    let namespace = policy.namespace().unwrap_or_default();
+    let redis = &policy.spec.redis;
+    let credentials = Credentials {
+        username: secrets.text(client, &namespace, redis.username_secret_ref.as_ref()).await?,
+        password: secrets.text(client, &namespace, redis.password_secret_ref.as_ref()).await?,
+    };
+    let tls = match &redis.tls {
+        None => Tls::default(),
+        Some(spec) => Tls {
+            ca: secrets.value(client, &namespace, spec.ca_secret_ref.as_ref()).await?,
+            client_cert: secrets.value(client, &namespace, spec.cert_secret_ref.as_ref()).await?,
+            client_key: secrets.value(client, &namespace, spec.key_secret_ref.as_ref()).await?,
+            insecure_skip_verify: spec.insecure_skip_verify,
+        },
+    };
+    Ok(Target { url: redis.url.clone(), credentials, tls, cluster: redis.mode == RedisMode::Cluster })
+}

@@ -1,0 +1,210 @@
+//! Phase 2, validate: what the spec and the other policies allow, before anything is written. Pure: no IO, so
+//! every rule is a plain unit test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::ResourceExt;
+
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RedisMode, parse_duration};
+use crate::jobs::PassSettings;
+use crate::keys;
+use crate::{Error, Result};
+
+/// The spec's durations, parsed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schedule {
+    pub interval: Duration,
+    pub pass: PassSettings,
+    pub expire_after: Option<Duration>,
+}
+
+impl Schedule {
+    pub fn from_spec(spec: &ConsumerGroupPolicySpec) -> Result<Schedule> {
+        let duration =
+            |field: &str, text: &str| parse_duration(text).map_err(|e| Error::InvalidSpec(format!("{field}: {e}")));
+        let expire_after = spec.consumers.as_ref().and_then(|c| c.expire_after.as_deref());
+        Ok(Schedule {
+            interval: duration("spec.reclaim.interval", &spec.reclaim.interval)?,
+            pass: PassSettings {
+                min_idle: duration("spec.reclaim.minIdle", &spec.reclaim.min_idle)?,
+                max_per_pass: spec.reclaim.max_per_pass.max(1) as usize,
+                max_deliveries: spec.retry.max_deliveries.max(1) as u32,
+                strategy: spec.reclaim.strategy,
+                dead_letter_max_len: spec.dead_letter.max_len.map(|n| n.max(1) as u64),
+            },
+            expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,
+        })
+    }
+}
+
+/// Everything that must hold before the policy may touch Redis: its schedule parses, no older policy owns its
+/// group or its key names, and in a cluster all its keys share the stream's slot.
+pub fn validate(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>]) -> Result<Schedule> {
+    let schedule = Schedule::from_spec(&policy.spec)?;
+    if let Some(conflict) = conflict(policy, others) {
+        return Err(Error::ResourceConflict(conflict.to_string()));
+    }
+    if policy.spec.redis.mode == RedisMode::Cluster {
+        same_slot(&policy.spec)?;
+    }
+    Ok(schedule)
+}
+
+/// In a cluster the scripts touch the stream, the dead-letter stream and the counters at once, so every key any
+/// script touches must live in the stream's hash slot (SPEC sections 3 and 4).
+pub fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
+    let stream_slot = keys::slot(&spec.stream);
+    if !keys::has_same_slot_keys(&spec.stream) {
+        let renamed = spec.stream.replace(['{', '}'], "");
+        return Err(Error::CrossSlot(format!(
+            "spec.stream {:?} has a '}}' but no hash tag, so Redis hashes the whole name and no key of Pelican's \
+             counters can be built in its slot (slot {stream_slot}); give the stream a hash tag, e.g. \
+             \"{{{renamed}}}:events\", or a name without braces",
+            spec.stream
+        )));
+    }
+    let dead_letter_slot = keys::slot(&spec.dead_letter.stream);
+    if stream_slot == dead_letter_slot {
+        return Ok(());
+    }
+    let tag = keys::hash_tag(&spec.stream);
+    Err(Error::CrossSlot(format!(
+        "spec.stream {:?} (slot {stream_slot}) and spec.deadLetter.stream {:?} (slot {dead_letter_slot}) are in different \
+         cluster slots; give both the same hash tag, e.g. stream \"{{{tag}}}:events\" and deadLetter.stream \"{{{tag}}}:dlq\" \
+         (Pelican's counters follow the stream's tag)",
+        spec.stream, spec.dead_letter.stream
+    )))
+}
+
+/// Why a policy cannot own what it claims: an older policy on the same server claims the same (stream, group), or
+/// a different pair whose counter keys have the same names (SPEC sections 3 and 4).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Conflict {
+    SameGroup { stream: String, group: String, owner: String },
+    SameKeys { key: String, owner: String, stream: String, group: String },
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Conflict::SameGroup { stream, group, owner } => write!(
+                f,
+                "stream {stream:?} group {group:?} on this server is already managed by ConsumerGroupPolicy {owner}"
+            ),
+            Conflict::SameKeys { key, owner, stream, group } => write!(
+                f,
+                "the counter key {key:?} of this policy is also the key of ConsumerGroupPolicy {owner} (stream \
+                 {stream:?}, group {group:?}): names are joined with ':', so rename the group or the stream so that \
+                 the two differ"
+            ),
+        }
+    }
+}
+
+/// The older of two policies claiming one group or one key name wins (SPEC section 3).
+pub fn conflict(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>]) -> Option<Conflict> {
+    let rank =
+        |p: &ConsumerGroupPolicy| (p.metadata.creation_timestamp.clone().map(|t| t.0), p.namespace(), p.name_any());
+    let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+    let key = keys::totals_key(stream, group);
+    let mut older: Vec<&ConsumerGroupPolicy> = others
+        .iter()
+        .map(Arc::as_ref)
+        .filter(|other| {
+            other.metadata.uid != policy.metadata.uid
+                && other.metadata.deletion_timestamp.is_none()
+                && other.spec.redis.url == policy.spec.redis.url
+                && rank(other) < rank(policy)
+        })
+        .collect();
+    older.sort_by_key(|other| rank(other));
+    older.iter().find_map(|other| {
+        let owner = format!("{}/{}", other.namespace().unwrap_or_default(), other.name_any());
+        let (other_stream, other_group) = (&other.spec.stream, &other.spec.group);
+        if other_stream == stream && other_group == group {
+            Some(Conflict::SameGroup { stream: stream.clone(), group: group.clone(), owner })
+        } else if keys::totals_key(other_stream, other_group) == key {
+            Some(Conflict::SameKeys {
+                key: keys::terminal_key(stream, group),
+                owner,
+                stream: other_stream.clone(),
+                group: other_group.clone(),
+            })
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether another policy on the same server has a stream of the same hash tag and the same group name: the 0.1
+/// counter keys (`{T}:pelican:<group>:...`) were shared by such policies, so their counts belong to no one of
+/// them alone and are not carried over (SPEC section 4).
+pub fn shares_legacy_counters(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>]) -> bool {
+    let legacy = keys::legacy_keys(&policy.spec.stream, &policy.spec.group);
+    others.iter().map(Arc::as_ref).any(|other| {
+        other.metadata.uid != policy.metadata.uid
+            && other.spec.redis.url == policy.spec.redis.url
+            && other.spec.stream != policy.spec.stream
+            && keys::legacy_keys(&other.spec.stream, &other.spec.group) == legacy
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn policy(name: &str, created: i64, stream: &str, group: &str) -> Arc<ConsumerGroupPolicy> {
+        let spec = serde_json::from_value(serde_json::json!({
+            "redis": {"url": "redis://r:6379/0"},
+            "stream": stream, "group": group,
+            "deadLetter": {"stream": format!("{stream}:dlq")},
+        }))
+        .unwrap();
+        let mut p = ConsumerGroupPolicy::new(name, spec);
+        p.metadata.namespace = Some("apps".into());
+        p.metadata.uid = Some(name.into());
+        p.metadata.creation_timestamp = Some(Time(Timestamp::from_second(created).unwrap()));
+        Arc::new(p)
+    }
+
+    #[test]
+    fn the_older_policy_owns_the_group() {
+        let (old, new) = (policy("old", 1, "s", "g"), policy("new", 2, "s", "g"));
+        let others = [old.clone(), new.clone()];
+        assert_eq!(conflict(&old, &others), None);
+        let message = conflict(&new, &others).unwrap().to_string();
+        assert!(message.contains("apps/old"), "{message}");
+    }
+
+    #[test]
+    fn key_names_joined_with_a_colon_collide() {
+        let (old, new) = (policy("old", 1, "{x}a", "b:c"), policy("new", 2, "{x}a:b", "c"));
+        let others = [old.clone(), new.clone()];
+        let conflict = conflict(&new, &others).unwrap();
+        assert!(matches!(conflict, Conflict::SameKeys { .. }), "{conflict:?}");
+        assert!(conflict.to_string().contains("{x}:pelican:{x}a:b:c:terminal"), "{conflict}");
+    }
+
+    #[test]
+    fn streams_sharing_a_tag_do_not_conflict_but_share_legacy_counters() {
+        let (a, b) = (policy("a", 1, "{orders}:events", "billing"), policy("b", 2, "{orders}:refunds", "billing"));
+        let others = [a.clone(), b.clone()];
+        assert_eq!(conflict(&b, &others), None);
+        assert!(shares_legacy_counters(&a, &others));
+        assert!(!shares_legacy_counters(&a, std::slice::from_ref(&a)));
+    }
+
+    #[test]
+    fn cluster_keys_must_share_the_streams_slot() {
+        let mut p = Arc::unwrap_or_clone(policy("p", 1, "a}b", "g"));
+        assert_eq!(same_slot(&p.spec).unwrap_err().reason(), "CrossSlot");
+        p.spec.stream = "{orders}:events".into();
+        p.spec.dead_letter.stream = "{orders}:dlq".into();
+        assert!(same_slot(&p.spec).is_ok());
+        p.spec.dead_letter.stream = "orders-dlq".into();
+        assert!(same_slot(&p.spec).unwrap_err().to_string().contains("{orders}:dlq"));
+    }
+}

@@ -1,0 +1,318 @@
+//! The data plane: one task per policy that runs its reclaim / dead-letter passes and consumer expiry, started,
+//! updated and stopped by the controller (SPEC sections 3 and 8).
+//!
+//! Why a pass did or did not run is decided here and only here:
+//! - **Schedule.** Every `interval`, one sweep of the group's PEL: passes of at most `maxPerPass` entries, each
+//!   following the last at once while the sweep is not done (a pass that hit its bound), so a backlog drains at
+//!   the server's speed, not at `maxPerPass` per `interval`. Then the task sleeps until the next interval. A
+//!   sweep's Events and log lines come once, when it ends.
+//! - **Fairness.** A pass needs one of [`PASSES_PER_SERVER`] permits of its server; permits are handed out first
+//!   come, first served, and released after every pass, so a policy with a million idle entries takes its turn
+//!   between the passes of its small neighbours instead of before all of them.
+//! - **Leadership.** No pass starts, and a running pass stops between two script calls, once this replica may no
+//!   longer write ([`Leadership`]).
+//! - **Backoff.** A failed pass is retried after 1 s, 2 s, 4 s ... 60 s; the controller reports the failure in
+//!   status from its own probe.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::events::{Event, EventType, Recorder};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::jobs::{self, PassReport, PassSettings};
+use crate::leader::Leadership;
+use crate::redis::{Conn, GroupKeys, PoolKey};
+use crate::telemetry::Metrics;
+
+/// Passes running at once against one server. The server runs scripts one at a time anyway; two keep it busy
+/// while the other pass waits on the network.
+pub const PASSES_PER_SERVER: usize = 2;
+/// The longest wait between attempts after failed passes.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// Everything a policy's task needs to run its jobs; sent again by the controller whenever it changes.
+#[derive(Clone)]
+pub struct Job {
+    /// The shared connection to the policy's server, and which one it is (server and credentials).
+    pub conn: Conn,
+    pub pool: PoolKey,
+    /// The server as shown in messages and used for fairness (one set of permits per server).
+    pub server: String,
+    pub stream: String,
+    pub group: String,
+    pub dead_letter: String,
+    pub interval: Duration,
+    pub pass: PassSettings,
+    pub expire_after: Option<Duration>,
+    /// The policy, for Events.
+    pub object: ObjectReference,
+}
+
+impl Job {
+    fn keys(&self) -> GroupKeys<'_> {
+        GroupKeys { stream: &self.stream, group: &self.group, dead_letter: &self.dead_letter }
+    }
+
+    /// Whether `other` asks for the same work over the same connection. A replaced credential is another
+    /// connection: the task must drop the old one, or it would keep it open.
+    fn same_work(&self, other: &Job) -> bool {
+        self.pool == other.pool
+            && self.server == other.server
+            && self.stream == other.stream
+            && self.group == other.group
+            && self.dead_letter == other.dead_letter
+            && self.interval == other.interval
+            && self.pass == other.pass
+            && self.expire_after == other.expire_after
+    }
+}
+
+/// What the controller shows of a policy's jobs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobState {
+    /// When the last pass ended.
+    pub last_pass: Option<Timestamp>,
+}
+
+/// The policies' tasks, keyed by `namespace/name`.
+pub struct Runner {
+    tasks: Mutex<HashMap<String, Task>>,
+    servers: Mutex<HashMap<String, Arc<Semaphore>>>,
+    states: Arc<Mutex<HashMap<String, JobState>>>,
+    metrics: Arc<Metrics>,
+    leadership: Leadership,
+    recorder: Recorder,
+}
+
+struct Task {
+    job: watch::Sender<Job>,
+    handle: JoinHandle<()>,
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.handle.abort();
+    }
+}
+
+impl Runner {
+    pub fn new(leadership: Leadership, recorder: Recorder, metrics: Arc<Metrics>) -> Runner {
+        Runner {
+            tasks: Mutex::default(),
+            servers: Mutex::default(),
+            states: Arc::default(),
+            metrics,
+            leadership,
+            recorder,
+        }
+    }
+
+    /// Starts the policy's task, or hands it `job` when the work changed. A task keeps its cursor and schedule
+    /// across updates.
+    pub fn run(&self, policy: &str, job: Job) {
+        let mut tasks = self.tasks.lock().expect("runner lock");
+        if let Some(task) = tasks.get(policy).filter(|t| !t.handle.is_finished()) {
+            task.job.send_if_modified(|current| {
+                let changed = !current.same_work(&job);
+                if changed {
+                    *current = job;
+                }
+                changed
+            });
+            return;
+        }
+        let permits = self.permits(&job.server);
+        let (sender, receiver) = watch::channel(job);
+        let worker = PolicyTask {
+            policy: policy.to_string(),
+            job: receiver,
+            permits,
+            leadership: self.leadership.clone(),
+            recorder: self.recorder.clone(),
+            states: self.states.clone(),
+            metrics: self.metrics.clone(),
+        };
+        let handle = tokio::spawn(worker.run());
+        tasks.insert(policy.to_string(), Task { job: sender, handle });
+    }
+
+    /// Stops the policy's task (suspended, Stalled, deleted). A script call in flight completes on the server.
+    pub fn stop(&self, policy: &str) {
+        self.tasks.lock().expect("runner lock").remove(policy);
+        self.states.lock().expect("runner states lock").remove(policy);
+    }
+
+    pub fn state(&self, policy: &str) -> JobState {
+        self.states.lock().expect("runner states lock").get(policy).cloned().unwrap_or_default()
+    }
+
+    /// Policies with a running task.
+    pub fn len(&self) -> usize {
+        self.tasks.lock().expect("runner lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn permits(&self, server: &str) -> Arc<Semaphore> {
+        let mut servers = self.servers.lock().expect("runner servers lock");
+        servers.entry(server.to_string()).or_insert_with(|| Arc::new(Semaphore::new(PASSES_PER_SERVER))).clone()
+    }
+}
+
+struct PolicyTask {
+    policy: String,
+    job: watch::Receiver<Job>,
+    permits: Arc<Semaphore>,
+    leadership: Leadership,
+    recorder: Recorder,
+    states: Arc<Mutex<HashMap<String, JobState>>>,
+    metrics: Arc<Metrics>,
+}
+
+impl PolicyTask {
+    async fn run(mut self) {
+        let mut cursor: Option<String> = None;
+        let mut next_sweep = Instant::now();
+        let mut next_expiry = Instant::now();
+        let mut failures: u32 = 0;
+        let mut due = Instant::now();
+        // What the passes of the current sweep did, announced once when the sweep ends.
+        let mut sweep = PassReport::default();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(due) => {}
+                changed = self.job.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    // New settings take effect at once (a shorter interval, say).
+                    due = Instant::now();
+                    continue;
+                }
+            }
+            let job = self.job.borrow_and_update().clone();
+            if !self.leadership.may_write() {
+                due = Instant::now() + Duration::from_millis(500);
+                continue;
+            }
+            let Ok(permit) = self.permits.clone().acquire_owned().await else { return };
+            // From the moment the pass was due (its interval elapsed, or the previous pass of its sweep ended) to
+            // the moment it got a permit of its server.
+            self.metrics.pass_started(due.elapsed());
+            let sweep_start = cursor.is_none();
+            let result = self.pass(&job, &mut cursor).await;
+            drop(permit);
+            match result {
+                Ok(report) => {
+                    failures = 0;
+                    if sweep_start {
+                        next_sweep = Instant::now() + job.interval;
+                    }
+                    sweep.merge(&report);
+                    // Mid-sweep (the pass hit maxPerPass): go on at once, behind whoever waits for a permit.
+                    let mid_sweep = cursor.is_some() && !report.interrupted;
+                    if !mid_sweep {
+                        self.announce(&job, &std::mem::take(&mut sweep)).await;
+                    }
+                    due = if mid_sweep { Instant::now() } else { next_sweep };
+                }
+                Err(e) => {
+                    failures = (failures + 1).min(7);
+                    let backoff = Duration::from_secs(1 << (failures - 1)).min(MAX_BACKOFF);
+                    let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+                    warn!(namespace, name, reason = e.reason(), error = %e, ?backoff, "pass failed; retrying");
+                    due = Instant::now() + backoff;
+                    continue;
+                }
+            }
+            if let Some(expire_after) = job.expire_after
+                && Instant::now() >= next_expiry
+                && self.leadership.may_write()
+            {
+                next_expiry = Instant::now() + job.interval;
+                match jobs::expire_consumers(&mut job.conn.clone(), &job.server, &job.keys(), expire_after).await {
+                    Ok(0) => {}
+                    Ok(expired) => {
+                        let note = format!(
+                            "deleted {expired} consumers idle for {expire_after:?} that owned no pending entries"
+                        );
+                        self.publish(&job, EventType::Normal, "ConsumersExpired", note).await;
+                    }
+                    Err(e) => warn!(policy = self.policy, error = %e, "consumer expiry failed"),
+                }
+            }
+        }
+    }
+
+    async fn pass(&self, job: &Job, cursor: &mut Option<String>) -> crate::Result<PassReport> {
+        let leadership = &self.leadership;
+        let mut conn = job.conn.clone();
+        let report =
+            jobs::reclaim_pass(&mut conn, &job.server, &job.keys(), &job.pass, cursor, &|| leadership.may_write())
+                .await?;
+        let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+        debug!(
+            namespace,
+            name,
+            scanned = report.scanned,
+            idle = report.idle,
+            skipped = report.skipped,
+            interrupted = report.interrupted,
+            "reclaim pass: {}",
+            report.summary()
+        );
+        let now = Timestamp::now();
+        self.states.lock().expect("runner states lock").insert(self.policy.clone(), JobState { last_pass: Some(now) });
+        Ok(report)
+    }
+
+    /// One Event per sweep that moved something, never one per message or per pass.
+    async fn announce(&self, job: &Job, report: &PassReport) {
+        let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+        if report.dead_letter_evicted > 0 {
+            let note = format!(
+                "spec.deadLetter.maxLen {} dropped {} older dead letters to make room",
+                job.pass.dead_letter_max_len.unwrap_or_default(),
+                report.dead_letter_evicted
+            );
+            warn!(namespace, name, evicted = report.dead_letter_evicted, "{note}");
+            self.publish(job, EventType::Warning, "DeadLettersEvicted", note).await;
+        }
+        if report.moved() == 0 && report.too_large == 0 {
+            return;
+        }
+        let note = format!("pass: {}", report.summary());
+        info!(
+            namespace,
+            name,
+            requeued = report.requeued,
+            reassigned = report.reassigned,
+            dead_lettered = report.dead_lettered,
+            payload_deleted = report.payload_deleted,
+            too_large = report.too_large,
+            "{note}"
+        );
+        let (type_, reason) = match (report.dead_lettered, report.too_large) {
+            (0, 0) => (EventType::Normal, "Reclaimed"),
+            (_, 0) => (EventType::Warning, "DeadLettered"),
+            _ => (EventType::Warning, "EntryTooLarge"),
+        };
+        self.publish(job, type_, reason, note).await;
+    }
+
+    async fn publish(&self, job: &Job, type_: EventType, reason: &str, note: String) {
+        let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reclaim".into(), secondary: None };
+        if let Err(e) = self.recorder.publish(&event, &job.object).await {
+            warn!(policy = self.policy, error = %e, reason, "could not publish event");
+        }
+    }
+}
