@@ -202,6 +202,8 @@ fn a_leader_cut_off_from_the_api_server_stops_its_passes_before_the_standby_lead
     wait_for("passes on the second replica", Duration::from_secs(20), || {
         if times_of(&second, "pass: requeued").is_empty() { Err("none yet".into()) } else { Ok(()) }
     });
+    // Long enough for a leader that retries its failed API writes with backoff (1, 2, 4, 8, 16 s) to pass again.
+    std::thread::sleep(Duration::from_secs(20));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     producer.join().unwrap();
 
