@@ -109,19 +109,7 @@ fn main() {
 
     let ns = namespace("many");
     let operator = Operator::start(&ns);
-    let manifests: Vec<String> = (0..count)
-        .map(|i| {
-            let stream = format!("s{i}");
-            // The default interval: each policy is refreshed, and its jobs run, once a minute.
-            policy(&format!("p{i}"), &servers[i % 3].url(), &stream, "g", "").replace("    interval: 1s\n", "")
-        })
-        .collect();
-    let started = Instant::now();
-    for chunk in manifests.chunks(250) {
-        assert!(kubectl_apply(&ns, &chunk.join("---\n")).0);
-    }
-    wait_all_ready(&ns, count, Duration::from_secs(300));
-    let all_ready = started.elapsed();
+    let all_ready = apply_policies(&ns, &servers, count, |_| None);
     let (rss, cpu) = steady(&operator, window);
     let (api, status) = api_rate(window);
     let per_server: Vec<usize> = servers.iter().map(connections).collect();
@@ -159,20 +147,7 @@ fn shards(count: usize) {
             Operator::start_with(&ns, &[&selector, "--leader-elect", "--leader-election-namespace", &ns, &lease])
         })
         .collect();
-    let manifests: Vec<String> = (0..count)
-        .map(|i| {
-            let shard = if i % 2 == 0 { "a" } else { "b" };
-            policy(&format!("p{i}"), &servers[i % 3].url(), &format!("s{i}"), "g", "")
-                .replace("    interval: 1s\n", "")
-                .replacen("metadata:\n", &format!("metadata:\n  labels:\n    sharding.pelican.io/key: {shard}\n"), 1)
-        })
-        .collect();
-    let started = Instant::now();
-    for chunk in manifests.chunks(250) {
-        assert!(kubectl_apply(&ns, &chunk.join("---\n")).0);
-    }
-    wait_all_ready(&ns, count, Duration::from_secs(1200));
-    let all_ready = started.elapsed();
+    let all_ready = apply_policies(&ns, &servers, count, |i| Some(if i % 2 == 0 { "a" } else { "b" }));
     let usage: Vec<(f64, f64)> = operators.iter().map(|o| usage(o.pid())).collect();
     std::thread::sleep(window);
     println!(
@@ -200,4 +175,34 @@ fn shards(count: usize) {
 
 fn usage_now(operator: &Operator) -> (f64, f64) {
     usage(operator.pid())
+}
+
+/// Applies `count` policies spread over `servers` with the default interval (each refreshed and its jobs run once a
+/// minute), `shard(i)` as their `sharding.pelican.io/key` label, and waits until all are Ready: how long it took.
+fn apply_policies(
+    ns: &str,
+    servers: &[Server],
+    count: usize,
+    shard: impl Fn(usize) -> Option<&'static str>,
+) -> Duration {
+    let manifests: Vec<String> = (0..count)
+        .map(|i| {
+            let manifest = policy(&format!("p{i}"), &servers[i % servers.len()].url(), &format!("s{i}"), "g", "")
+                .replace("    interval: 1s\n", "");
+            match shard(i) {
+                Some(key) => manifest.replacen(
+                    "metadata:\n",
+                    &format!("metadata:\n  labels:\n    sharding.pelican.io/key: {key}\n"),
+                    1,
+                ),
+                None => manifest,
+            }
+        })
+        .collect();
+    let started = Instant::now();
+    for chunk in manifests.chunks(250) {
+        assert!(kubectl_apply(ns, &chunk.join("---\n")).0);
+    }
+    wait_all_ready(ns, count, Duration::from_secs((count as u64 / 5).max(300)));
+    started.elapsed()
 }

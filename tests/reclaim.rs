@@ -482,7 +482,8 @@ fn a_large_max_len_is_sent_as_an_integer(flavor: Flavor) {
     let mut conn = server.conn();
     read_new(&mut conn, STREAM, GROUP, "c1", 3);
     std::thread::sleep(IDLE * 2);
-    let s = PassSettings { dead_letter_max_len: Some(100_000_000_000_000_000), ..settings(ReclaimStrategy::Requeue, 1) };
+    let s =
+        PassSettings { dead_letter_max_len: Some(100_000_000_000_000_000), ..settings(ReclaimStrategy::Requeue, 1) };
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
         jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await

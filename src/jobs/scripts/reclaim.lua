@@ -15,8 +15,8 @@
 -- dropped from the PEL because its payload is gone. Scripts are not rolled back on error, so every key type and the
 -- group are checked before the first write, and each copy is written before the XACK that retires the original.
 -- Pending state, idle time and delivery count are re-read here: a consumer that ACKed or re-read an entry since
--- the scan wins. Counting cannot fail after a move: a counter field that holds no integer (any client can write
--- one) starts again from this count instead of raising an error half way through the batch. The byte budget keeps
+-- the scan wins. Counting cannot fail after a move (counter fields that hold no integer are reset before the first
+-- move, instead of making an HINCRBY raise an error half way through the batch). The byte budget keeps
 -- one call short, so other clients of the server never see BUSY because of a batch of large entries.
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
 -- when the new owner never re-reads its PEL.
@@ -46,14 +46,16 @@ redis.call('XPENDING', src, group)
 local now = redis.call('TIME')
 local now_ms = string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
 
-local function count(key, field, n)
-  local v = redis.call('HGET', key, field)
-  if v and (not string.match(v, '^-?%d+$') or #v > 17) then
-    redis.call('HSET', key, field, n)
-  else
-    redis.call('HINCRBY', key, field, n)
+-- Counting cannot fail after a move: a counter field that holds no integer (any client can write one) is set to
+-- 0 here, before the first move, so the HINCRBYs below always succeed. Prometheus reads it as a counter reset.
+local function sanitize(key, fields)
+  local values = redis.call('HMGET', key, unpack(fields))
+  for i, v in ipairs(values) do
+    if v and (not string.match(v, '^-?%d+$') or #v > 17) then redis.call('HSET', key, fields[i], 0) end
   end
 end
+sanitize(totals, {'requeued', 'reassigned', 'deadLettered', 'payloadDeleted', 'deadLetterEvicted'})
+sanitize(terminal, {'MaxDeliveriesExceeded', 'PayloadDeleted'})
 
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large = 0, 0, 0, 0, 0, 0
 local handled, evicted, copied = 0, 0, 0
@@ -78,6 +80,8 @@ local function least_loaded(except)
   return best
 end
 
+-- Every move of the batch; the counters are written once, below.
+local function move_batch()
 for i = 9, #ARGV do
   if handled > 0 and copied >= byte_budget then break end
   handled = handled + 1
@@ -91,8 +95,6 @@ for i = 9, #ARGV do
     if entry == nil then
       -- Deleted or trimmed while pending: a stale reference, not a message.
       redis.call('XACK', src, group, id)
-      count(terminal, 'PayloadDeleted', 1)
-      count(totals, 'payloadDeleted', 1)
       payload_deleted = payload_deleted + 1
     else
       local fields = entry[2]
@@ -120,14 +122,16 @@ for i = 9, #ARGV do
           'pelican-group', group, 'pelican-consumer', owner, 'pelican-deliveries', string.format('%d', total),
           'pelican-reason', 'MaxDeliveriesExceeded', 'pelican-dead-lettered-at', now_ms}
         for _, v in ipairs(meta) do args[#args + 1] = v end
-        local before = redis.call('XLEN', dlq)
-        redis.call('XADD', unpack(args))
-        -- MAXLEN may have dropped older dead letters to make room: count them, they vanish from the one place
-        -- people look for them.
-        evicted = evicted + before + 1 - redis.call('XLEN', dlq)
+        if dlq_maxlen > 0 then
+          -- MAXLEN may drop older dead letters to make room: count them, they vanish from the one place people
+          -- look for them.
+          local before = redis.call('XLEN', dlq)
+          redis.call('XADD', unpack(args))
+          evicted = evicted + before + 1 - redis.call('XLEN', dlq)
+        else
+          redis.call('XADD', unpack(args))
+        end
         redis.call('XACK', src, group, id)
-        count(terminal, 'MaxDeliveriesExceeded', 1)
-        count(totals, 'deadLettered', 1)
         dead_lettered = dead_lettered + 1
       elseif strategy == 'Requeue' then
         local args = {src, '*'}
@@ -136,7 +140,6 @@ for i = 9, #ARGV do
         args[#args + 1] = 'pelican-deliveries'; args[#args + 1] = string.format('%d', total)
         redis.call('XADD', unpack(args))
         redis.call('XACK', src, group, id)
-        count(totals, 'requeued', 1)
         requeued = requeued + 1
       elseif strategy == 'Reassign' then
         local target = least_loaded(owner)
@@ -145,7 +148,6 @@ for i = 9, #ARGV do
           -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap.
           redis.call('XCLAIM', src, group, target.name, min_idle, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
           target.pending = target.pending + 1
-          count(totals, 'reassigned', 1)
           reassigned = reassigned + 1
         else
           skipped = skipped + 1
@@ -157,5 +159,22 @@ for i = 9, #ARGV do
   end
 end
 
-if evicted > 0 then count(totals, 'deadLetterEvicted', evicted) end
+end
+
+-- The counters move once per call, for everything moved, also when a command failed half way through the batch
+-- (an out-of-memory XADD, say): the moves before the failure stand, since scripts are not rolled back.
+local ok, failure = pcall(move_batch)
+local function count(key, field, n)
+  if n > 0 then redis.call('HINCRBY', key, field, n) end
+end
+count(terminal, 'PayloadDeleted', payload_deleted)
+count(totals, 'payloadDeleted', payload_deleted)
+count(terminal, 'MaxDeliveriesExceeded', dead_lettered)
+count(totals, 'deadLettered', dead_lettered)
+count(totals, 'requeued', requeued)
+count(totals, 'reassigned', reassigned)
+count(totals, 'deadLetterEvicted', evicted)
+if not ok then
+  return redis.error_reply(type(failure) == 'table' and failure.err or tostring(failure))
+end
 return {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, handled, evicted}
