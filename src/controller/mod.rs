@@ -98,6 +98,12 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
     }
     let changes = watcher(policies, config)
         .default_backoff()
+        // Nothing reads managedFields or kubectl's last-applied annotation; with thousands of policies they would
+        // be most of what the store holds.
+        .modify(|policy| {
+            policy.managed_fields_mut().clear();
+            policy.annotations_mut().remove("kubectl.kubernetes.io/last-applied-configuration");
+        })
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());

@@ -364,14 +364,22 @@ pub fn policy(name: &str, url: &str, stream: &str, group: &str, extra: &str) -> 
     )
 }
 
-/// Waits until `count` policies of the namespace are Ready.
+/// Waits until `count` policies of the namespace are Ready. Each look lists them all, so for thousands of policies
+/// it looks every few seconds rather than every 200 ms, or the listing alone would load the API server.
 pub fn wait_all_ready(namespace: &str, count: usize, timeout: Duration) {
-    wait_for(&format!("{count} policies Ready"), timeout, || {
+    let pause = Duration::from_millis((count as u64).clamp(200, 5_000));
+    let start = Instant::now();
+    let mut ready = 0;
+    while start.elapsed() < timeout {
         let path = "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}";
         let out = kubectl_ok(&["get", "cgp", "-n", namespace, "-o", path]);
-        let ready = out.split_whitespace().filter(|s| *s == "True").count();
-        if ready == count { Ok(()) } else { Err(format!("{ready} of {count} ready")) }
-    });
+        ready = out.split_whitespace().filter(|s| *s == "True").count();
+        if ready == count {
+            return;
+        }
+        std::thread::sleep(pause);
+    }
+    panic!("timed out after {timeout:?} waiting for {count} policies Ready; {ready} of {count} ready");
 }
 
 /// Events of a policy with the given reason, as `kubectl get events` shows them.
