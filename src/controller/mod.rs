@@ -219,8 +219,10 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGr
         act::converge(policy, ctx, &target, &schedule, &others).await
     }
     .await;
+    // A Stalled policy's jobs stop until it heals; a transient error (a server restarting) leaves the runner to
+    // retry with its own backoff.
     if let Err(e) = &result
-        && report::stops_jobs(e)
+        && e.is_stalled()
     {
         ctx.runner.stop(&policy_id(policy));
     }

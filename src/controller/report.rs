@@ -11,9 +11,9 @@ use tracing::{info, warn};
 use super::act::Observation;
 use super::status::{self, Outcome, READY};
 use super::{Context, FIELD_MANAGER, policy_id};
+use crate::Result;
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus};
 use crate::telemetry::PolicySnapshot;
-use crate::{Error, Result};
 
 /// Turns what the reconcile saw (or the error that stopped it) into status, Events and metrics.
 pub async fn report(
@@ -109,10 +109,4 @@ pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventTy
         let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
         warn!(namespace, name, error = %e, reason, "could not publish event");
     }
-}
-
-/// Whether an error stops the policy's jobs: a Stalled policy waits for a change; a transient error (the server
-/// restarting) leaves the runner to retry with its own backoff.
-pub fn stops_jobs(error: &Error) -> bool {
-    error.is_stalled()
 }

@@ -153,15 +153,6 @@ impl Runner {
         self.states.lock().expect("runner states lock").get(policy).cloned().unwrap_or_default()
     }
 
-    /// Policies with a running task.
-    pub fn len(&self) -> usize {
-        self.tasks.lock().expect("runner lock").len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn permits(&self, server: &str) -> Arc<Semaphore> {
         let mut servers = self.servers.lock().expect("runner servers lock");
         servers.entry(server.to_string()).or_insert_with(|| Arc::new(Semaphore::new(PASSES_PER_SERVER))).clone()
