@@ -37,6 +37,17 @@ pub fn totals_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))
 }
 
+/// `{T}:pelican:<stream>:bounds`: group -> `backlog.maxLength`, kept by the operator, read by the bounded-publish
+/// script (SPEC section 9).
+pub fn bounds_key(stream: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:bounds", hash_tag(stream))
+}
+
+/// `{T}:pelican:<stream>:rejected`: group -> publishes the bounded-publish script refused for it.
+pub fn rejected_key(stream: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:rejected", hash_tag(stream))
+}
+
 /// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
 /// only to carry their counts over once (SPEC section 4).
 pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
@@ -78,6 +89,9 @@ mod tests {
         assert_eq!(terminal_key("{orders}:events", "billing"), "{orders}:pelican:{orders}:events:billing:terminal");
         assert_ne!(terminal_key("{orders}:events", "billing"), terminal_key("{orders}:refunds", "billing"));
         assert_eq!(totals_key("notifications", "notifier"), "{notifications}:pelican:notifications:notifier:totals");
+        assert_eq!(bounds_key("{orders}:events"), "{orders}:pelican:{orders}:events:bounds");
+        assert_eq!(rejected_key("jobs"), "{jobs}:pelican:jobs:rejected");
+        assert_eq!(slot(&bounds_key("jobs")), slot("jobs"));
     }
 
     #[test]

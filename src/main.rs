@@ -44,6 +44,9 @@ enum Command {
         /// its own --leader-election-lease.
         #[arg(long, env = "PELICAN_WATCH_LABEL_SELECTOR")]
         watch_label_selector: Option<String>,
+        /// How many policies are reconciled at once (0: no bound).
+        #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
+        max_concurrent_reconciles: u16,
     },
     /// Print the ConsumerGroupPolicy CustomResourceDefinition as YAML.
     Crd,
@@ -65,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
             leader_election_namespace,
             leader_election_lease,
             watch_label_selector,
+            max_concurrent_reconciles,
         } => {
             init_logging(log_format);
             let client = kube::Client::try_default().await?;
@@ -82,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
                 readiness: readiness.clone(),
                 leadership: Leadership::always(),
                 label_selector: watch_label_selector,
+                concurrency: max_concurrent_reconciles,
             };
             if !leader_elect {
                 pelican::controller::run(client, settings, shutdown).await;

@@ -38,6 +38,7 @@ pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
     printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     printcolumn(name = "Consumers", type_ = "integer", json_path = ".status.consumers", priority = "1"),
+    printcolumn(name = "Backlog", type_ = "integer", json_path = ".status.backlog", priority = "1"),
     printcolumn(
         name = "Reason",
         type_ = "string",
@@ -70,9 +71,45 @@ pub struct ConsumerGroupPolicySpec {
     pub consumers: Option<ConsumersSpec>,
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// A bound on what the group has not acknowledged yet, enforced on producers that publish through the
+    /// bounded-publish script (SPEC section 9).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backlog: Option<BacklogSpec>,
+    /// Trimming of entries every group of the stream has acknowledged (SPEC section 9).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention: Option<RetentionSpec>,
     /// Pause the reclaim and dead-letter jobs; status keeps refreshing.
     #[serde(default)]
     pub suspend: bool,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BacklogSpec {
+    /// The most entries the group may have unacknowledged (not yet delivered + pending). A publish through the
+    /// bounded-publish script that would exceed it is refused with `PELICAN_BACKLOG_FULL`.
+    #[schemars(range(min = 1, max = 1000000000000_i64))]
+    pub max_length: i64,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RetentionSpec {
+    #[serde(default)]
+    pub mode: RetentionMode,
+    /// Acknowledged entries are kept at least this long, as a replay window (`Acknowledged` only; default `0s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub min_age: Option<String>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum RetentionMode {
+    /// The stream is never trimmed by Pelican.
+    #[default]
+    None,
+    /// Each pass trims the entries every group of the stream has acknowledged and that are older than `minAge`.
+    Acknowledged,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -262,6 +299,11 @@ pub struct ConsumerGroupPolicyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["reason"]))]
     pub terminal_acks: Vec<TerminalAckCount>,
+    /// Entries the group has not acknowledged (lag + pending); absent when the server cannot tell the lag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backlog: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention: Option<RetentionStatus>,
     /// When the last reclaim / dead-letter pass ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
@@ -280,6 +322,23 @@ pub struct Totals {
     /// Dead-letter entries dropped by `spec.deadLetter.maxLen`.
     #[serde(default)]
     pub dead_letter_evicted: i64,
+    /// Publishes refused because this group's backlog was full (the `{T}:pelican:<stream>:rejected` hash).
+    #[serde(default)]
+    pub publish_rejected: i64,
+    /// Entries this policy's passes trimmed from the stream (`spec.retention`).
+    #[serde(default)]
+    pub trimmed: i64,
+}
+
+/// What `spec.retention` did on the last pass.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RetentionStatus {
+    /// The retention that applies to the stream: the most conservative among the policies of the stream.
+    pub effective: String,
+    /// Who keeps the stream from shrinking further: a group and its oldest pending or last read entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned_by: Option<String>,
 }
 
 /// Messages ended as terminal with one reason code, from `{T}:pelican:<stream>:<group>:terminal`.

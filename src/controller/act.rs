@@ -23,6 +23,8 @@ use crate::{Error, Result};
 pub struct Observation {
     pub server: ServerInfo,
     pub facts: GroupFacts,
+    /// The stream's effective retention in words, when this policy or a neighbour on its stream sets one.
+    pub retention: Option<String>,
 }
 
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
@@ -76,6 +78,19 @@ pub async fn converge(
         info!(namespace, name, group = keys.group, stream = keys.stream, reason, "{note}");
         publish(ctx, policy, type_, reason, note).await;
     }
+    let bound = policy.spec.backlog.as_ref().map(|b| b.max_length);
+    redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
+    let (retention, set_by) = validate::effective_retention(policy, schedule.retention, others);
+    let retention_note = (policy.spec.retention.is_some() || set_by.is_some()).then(|| {
+        let mode = match retention {
+            Some(min_age) => format!("Acknowledged, minAge {}", humantime::format_duration(min_age)),
+            None => "None".to_string(),
+        };
+        match set_by {
+            Some(owner) => format!("{mode} (the most conservative on the stream, from ConsumerGroupPolicy {owner})"),
+            None => mode,
+        }
+    });
     let id = policy_id(policy);
     if policy.spec.suspend {
         ctx.runner.stop(&id);
@@ -90,12 +105,13 @@ pub async fn converge(
             interval: schedule.interval,
             pass: schedule.pass.clone(),
             expire_after: schedule.expire_after,
+            retention,
             object: policy.object_ref(&()),
         };
         ctx.runner.run(&id, job);
     }
     let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
-    Ok(Observation { server: setup.server, facts })
+    Ok(Observation { server: setup.server, facts, retention: retention_note })
 }
 
 /// Runs on deletion: the jobs stop, Redis is treated by `deletionPolicy`, then the policy's state and connection
@@ -111,14 +127,20 @@ pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Acti
     done
 }
 
-/// `Retain` leaves Redis untouched; `Delete` destroys the group (never the streams).
+/// The group's backlog bound goes with the policy (producers are no longer refused for a group nobody manages).
+/// `Retain` leaves the rest of Redis untouched; `Delete` destroys the group (never the streams).
 async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
-    if policy.spec.deletion_policy == DeletionPolicy::Retain {
+    let destroy = policy.spec.deletion_policy == DeletionPolicy::Delete;
+    let bounded = policy.spec.backlog.is_some();
+    if !destroy && !bounded {
         return Ok(Action::await_change());
     }
     if let Some(conflict) = validate::conflict(policy, &ctx.policies.state()) {
-        let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);
-        publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
+        // The group, and its bound, belong to the older policy.
+        if destroy {
+            let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);
+            publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
+        }
         return Ok(Action::await_change());
     }
     let target = match super::resolve::target(policy, &ctx.client, &ctx.secrets).await {
@@ -126,7 +148,8 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
         // Without credentials the group cannot be destroyed; holding the finalizer would hang the deletion
         // (and its namespace) forever, so the group is left in place and the user told.
         Err(e @ (Error::SecretNotFound { .. } | Error::SecretInvalid { .. })) => {
-            let note = format!("group {:?} left in Redis: {e}", policy.spec.group);
+            let what = if destroy { "group" } else { "backlog bound of group" };
+            let note = format!("{what} {:?} left in Redis: {e}", policy.spec.group);
             publish(ctx, policy, EventType::Warning, "CleanupSkipped", note).await;
             return Ok(Action::await_change());
         }
@@ -134,6 +157,12 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
     };
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
+    if bounded {
+        redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
+    }
+    if !destroy {
+        return Ok(Action::await_change());
+    }
     let destroyed = redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group).await?;
     if destroyed {
         let note = format!("destroyed group {:?} on stream {:?}", policy.spec.group, policy.spec.stream);

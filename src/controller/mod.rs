@@ -25,8 +25,8 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
-use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::Reporter;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
@@ -37,7 +37,7 @@ use crate::api::ConsumerGroupPolicy;
 use crate::leader::Leadership;
 use crate::redis::{PoolKey, Pools};
 use crate::runner::Runner;
-use crate::telemetry::{Metrics, Readiness};
+use crate::telemetry::{Events, Metrics, Readiness};
 use crate::{Error, Result};
 use resolve::SecretCache;
 use validate::Schedule;
@@ -54,7 +54,7 @@ const NOT_LEADING_RECHECK: Duration = Duration::from_secs(1);
 pub struct Context {
     pub client: Client,
     pub pools: Pools,
-    pub recorder: Recorder,
+    pub events: Events,
     /// Every policy the controller sees, for the (server, stream, group) ownership check.
     pub policies: Store<ConsumerGroupPolicy>,
     pub metrics: Arc<Metrics>,
@@ -77,6 +77,9 @@ pub struct Settings {
     pub leadership: Leadership,
     /// Only policies matching this label selector (a shard); all when `None`.
     pub label_selector: Option<String>,
+    /// How many policies are reconciled at once. Bounds the burst on the API server and on each Redis connection
+    /// when thousands of policies are seen at start; passes are bounded separately, per server, by the runner.
+    pub concurrency: u16,
 }
 
 /// `namespace/name`: how the runner and the logs name a policy.
@@ -124,14 +127,14 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
             }
         }
     });
-    let recorder = Recorder::new(client.clone(), reporter);
+    let events = Events::new(client.clone(), reporter);
     let ctx = Arc::new(Context {
         client,
         pools: Pools::default(),
-        recorder: recorder.clone(),
+        events: events.clone(),
         policies: store.clone(),
         metrics: settings.metrics.clone(),
-        runner: Runner::new(settings.leadership.clone(), recorder, settings.metrics.clone()),
+        runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone()),
         leadership: settings.leadership,
         secrets: SecretCache::default(),
         failures: Mutex::default(),
@@ -144,6 +147,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
             mapper_ctx.secrets.invalidate(&namespace, &name);
             policies_using_secret(&store, &namespace, &name)
         })
+        .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {

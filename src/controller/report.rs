@@ -12,7 +12,7 @@ use super::act::Observation;
 use super::status::{self, Outcome, READY};
 use super::{Context, FIELD_MANAGER, policy_id};
 use crate::Result;
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus};
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
 use crate::telemetry::PolicySnapshot;
 
 /// Turns what the reconcile saw (or the error that stopped it) into status, Events and metrics.
@@ -28,20 +28,25 @@ pub async fn report(
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
-            let last_pass = ctx.runner.state(&policy_id(policy)).last_pass;
-            if let Some(at) = last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
+            let jobs = ctx.runner.state(&policy_id(policy));
+            if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
                 status.last_pass_time = Some(at.to_string());
             }
+            status.retention = seen.retention.clone().map(|effective| RetentionStatus {
+                effective,
+                pinned_by: jobs.trim.and_then(|t| t.pinned_by).map(|pin| pin.to_string()),
+            });
             (status, Outcome::Ready { message }, status::oldest_pending_age_seconds(&seen.facts))
         }
         Err(error) => (previous.clone(), Outcome::Failed(error), None),
     };
-    let status = ConsumerGroupPolicyStatus {
-        observed_generation: policy.metadata.generation,
-        conditions: status::conditions(&previous.conditions, &outcome, policy.metadata.generation, now),
-        ..status
-    };
+    let generation = policy.metadata.generation;
+    let mut conditions = status::conditions(&previous.conditions, &outcome, generation, now);
+    let max_length = policy.spec.backlog.as_ref().map(|b| b.max_length);
+    conditions.extend(status::saturated(&previous.conditions, status.backlog, max_length, generation, now));
+    let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, ..status };
     announce_transition(policy, ctx, &previous, &status).await;
+    announce_saturation(policy, ctx, &previous, &status).await;
     let snapshot = PolicySnapshot {
         stream: policy.spec.stream.clone(),
         group: policy.spec.group.clone(),
@@ -103,9 +108,41 @@ async fn announce_transition(
     }
 }
 
+/// `BacklogFull` (Warning) when `Saturated` becomes True, `BacklogCleared` when it stops being True.
+async fn announce_saturation(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    previous: &ConsumerGroupPolicyStatus,
+    next: &ConsumerGroupPolicyStatus,
+) {
+    let full =
+        |s: &ConsumerGroupPolicyStatus| s.conditions.iter().any(|c| c.type_ == status::SATURATED && c.status == "True");
+    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+    let message = || {
+        next.conditions
+            .iter()
+            .find(|c| c.type_ == status::SATURATED)
+            .map(|c| c.message.clone())
+            .unwrap_or_else(|| "spec.backlog was removed: the stream is unbounded for this group".to_string())
+    };
+    match (full(previous), full(next)) {
+        (false, true) => {
+            let note = message();
+            warn!(namespace, name, "{note}");
+            publish(ctx, policy, EventType::Warning, "BacklogFull", note).await;
+        }
+        (true, false) => {
+            let note = message();
+            info!(namespace, name, "{note}");
+            publish(ctx, policy, EventType::Normal, "BacklogCleared", note).await;
+        }
+        _ => {}
+    }
+}
+
 pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
     let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
-    if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
+    if let Err(e) = ctx.events.publish(&event, &policy.object_ref(&())).await {
         let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
         warn!(namespace, name, error = %e, reason, "could not publish event");
     }

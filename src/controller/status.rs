@@ -9,6 +9,8 @@ use crate::api::{ConsumerGroupPolicyStatus, TerminalAckCount, Totals};
 use crate::redis::{GroupFacts, ServerInfo};
 
 pub const READY: &str = "Ready";
+/// True while the group's backlog is at its `backlog.maxLength` (producers are refused); Ready stays True.
+pub const SATURATED: &str = "Saturated";
 pub const RECONCILING: &str = "Reconciling";
 pub const STALLED: &str = "Stalled";
 /// Reason on all three conditions when the last reconcile succeeded.
@@ -28,12 +30,14 @@ pub fn observed(
 ) -> ConsumerGroupPolicyStatus {
     let total = |name: &str| facts.totals.get(name).copied().unwrap_or(0);
     let oldest_millis = facts.oldest_pending.as_ref().and_then(|o| o.id_millis());
+    // Redis 7.0 overstates the lag after a trim or XDEL; entries not yet delivered can never outnumber the stream.
+    let lag = facts.lag.map(|lag| lag.min(facts.stream_length));
     ConsumerGroupPolicyStatus {
         server_version: Some(server.to_string()),
         stream_length: Some(facts.stream_length),
-        // Redis 7.0 overstates the lag after a trim or XDEL; entries not yet delivered can never outnumber the stream.
-        lag: facts.lag.map(|lag| lag.min(facts.stream_length)),
+        lag,
         pending: Some(facts.pending),
+        backlog: lag.map(|lag| lag + facts.pending),
         oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
         oldest_pending_time: oldest_millis.and_then(format_millis),
         oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms / 1000),
@@ -46,6 +50,8 @@ pub fn observed(
             payload_deleted: total("payloadDeleted"),
             consumers_expired: total("consumersExpired"),
             dead_letter_evicted: total("deadLetterEvicted"),
+            publish_rejected: facts.publish_rejected,
+            trimmed: total("trimmed"),
         }),
         terminal_acks: facts
             .terminal
@@ -70,6 +76,45 @@ pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &Consume
         ..s.clone()
     };
     timeless(current) != timeless(next)
+}
+
+/// The `Saturated` condition when the policy bounds its backlog (SPEC section 9): True while the backlog is at
+/// the bound. A backlog the server cannot tell keeps the last known state. No condition without a bound.
+pub fn saturated(
+    previous: &[Condition],
+    backlog: Option<i64>,
+    max_length: Option<i64>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Option<Condition> {
+    let max = max_length?;
+    let old = previous.iter().find(|c| c.type_ == SATURATED);
+    let (status, reason, message) = match backlog {
+        Some(backlog) if backlog >= max => (
+            "True",
+            "BacklogFull",
+            format!("backlog {backlog} is at spec.backlog.maxLength {max}: bounded publishes are refused"),
+        ),
+        Some(backlog) => {
+            ("False", "BacklogBelowBound", format!("backlog {backlog} is below spec.backlog.maxLength {max}"))
+        }
+        None => match old {
+            Some(old) => return Some(Condition { observed_generation: generation, ..old.clone() }),
+            None => ("Unknown", "BacklogUnknown", "the server cannot tell the group's lag".to_string()),
+        },
+    };
+    let last_transition_time = match old {
+        Some(old) if old.status == status => old.last_transition_time.clone(),
+        _ => Time(now),
+    };
+    Some(Condition {
+        type_: SATURATED.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    })
 }
 
 /// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id (SPEC section 3).
@@ -167,6 +212,7 @@ mod tests {
             dead_letter_length: 1,
             totals: [("deadLettered".to_string(), 1)].into(),
             terminal: [("RecordNotFound".to_string(), 40)].into(),
+            publish_rejected: 0,
             server_time_ms: 1_764_421_200_000 + 90_000,
         }
     }
@@ -209,6 +255,29 @@ mod tests {
         empty.oldest_pending = None;
         let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &empty);
         assert_eq!((status.oldest_pending_id, status.oldest_pending_time), (None, None));
+    }
+
+    #[test]
+    fn saturated_follows_the_backlog_and_keeps_its_transition_time() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let t1 = Timestamp::from_second(100).unwrap();
+        assert_eq!(saturated(&[], Some(5), None, Some(1), t0), None);
+        let full = saturated(&[], Some(10_000), Some(10_000), Some(1), t0).unwrap();
+        assert_eq!((full.status.as_str(), full.reason.as_str()), ("True", "BacklogFull"));
+        let still = saturated(std::slice::from_ref(&full), Some(10_001), Some(10_000), Some(1), t1).unwrap();
+        assert_eq!(still.last_transition_time, Time(t0));
+        let unknown = saturated(std::slice::from_ref(&full), None, Some(10_000), Some(2), t1).unwrap();
+        assert_eq!((unknown.status.as_str(), unknown.observed_generation), ("True", Some(2)));
+        let cleared = saturated(std::slice::from_ref(&full), Some(9_999), Some(10_000), Some(2), t1).unwrap();
+        assert_eq!((cleared.status.as_str(), cleared.last_transition_time.clone()), ("False", Time(t1)));
+    }
+
+    #[test]
+    fn backlog_is_lag_plus_pending_and_absent_without_lag() {
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &facts());
+        assert_eq!(status.backlog, None);
+        let known = GroupFacts { lag: Some(6), ..facts() };
+        assert_eq!(observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &known).backlog, Some(10));
     }
 
     #[test]

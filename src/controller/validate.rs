@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RedisMode, parse_duration};
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RedisMode, RetentionMode, parse_duration};
 use crate::jobs::PassSettings;
 use crate::keys;
 use crate::{Error, Result};
@@ -17,6 +17,8 @@ pub struct Schedule {
     pub interval: Duration,
     pub pass: PassSettings,
     pub expire_after: Option<Duration>,
+    /// This policy's own `spec.retention`: `minAge` when `Acknowledged`.
+    pub retention: Option<Duration>,
 }
 
 impl Schedule {
@@ -34,6 +36,12 @@ impl Schedule {
                 dead_letter_max_len: spec.dead_letter.max_len.map(|n| n.max(1) as u64),
             },
             expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,
+            retention: match &spec.retention {
+                Some(r) if r.mode == RetentionMode::Acknowledged => Some(
+                    r.min_age.as_deref().map(|t| duration("spec.retention.minAge", t)).transpose()?.unwrap_or_default(),
+                ),
+                _ => None,
+            },
         })
     }
 }
@@ -137,6 +145,37 @@ pub fn conflict(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>
     })
 }
 
+/// The retention that applies to the policy's stream: the most conservative among the live policies of the same
+/// server and stream (SPEC section 9): `None` when any of them says `None`, else the longest `minAge`. With it,
+/// the policy that set it when that is not this one.
+pub fn effective_retention(
+    policy: &ConsumerGroupPolicy,
+    own: Option<Duration>,
+    others: &[Arc<ConsumerGroupPolicy>],
+) -> (Option<Duration>, Option<String>) {
+    let mut effective = (own, None);
+    for other in others.iter().map(Arc::as_ref) {
+        if other.metadata.uid == policy.metadata.uid
+            || other.metadata.deletion_timestamp.is_some()
+            || other.spec.redis.url != policy.spec.redis.url
+            || other.spec.stream != policy.spec.stream
+        {
+            continue;
+        }
+        // A policy whose durations do not parse is Stalled and trims nothing; it holds nobody back either.
+        let Ok(theirs) = Schedule::from_spec(&other.spec).map(|s| s.retention) else { continue };
+        let stricter = match (effective.0, theirs) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(mine), Some(theirs)) => theirs > mine,
+        };
+        if stricter {
+            effective = (theirs, Some(format!("{}/{}", other.namespace().unwrap_or_default(), other.name_any())));
+        }
+    }
+    effective
+}
+
 /// Whether another policy on the same server has a stream of the same hash tag and the same group name: the 0.1
 /// counter keys (`{T}:pelican:<group>:...`) were shared by such policies, so their counts belong to no one of
 /// them alone and are not carried over (SPEC section 4).
@@ -195,6 +234,29 @@ mod tests {
         assert_eq!(conflict(&b, &others), None);
         assert!(shares_legacy_counters(&a, &others));
         assert!(!shares_legacy_counters(&a, std::slice::from_ref(&a)));
+    }
+
+    fn with_retention(p: Arc<ConsumerGroupPolicy>, retention: serde_json::Value) -> Arc<ConsumerGroupPolicy> {
+        let mut p = Arc::unwrap_or_clone(p);
+        p.spec.retention = Some(serde_json::from_value(retention).unwrap());
+        Arc::new(p)
+    }
+
+    #[test]
+    fn the_most_conservative_retention_of_a_stream_wins() {
+        let own = |p: &ConsumerGroupPolicy| Schedule::from_spec(&p.spec).unwrap().retention;
+        let a = with_retention(policy("a", 1, "s", "g1"), serde_json::json!({"mode": "Acknowledged", "minAge": "1m"}));
+        let b = with_retention(policy("b", 2, "s", "g2"), serde_json::json!({"mode": "Acknowledged", "minAge": "10m"}));
+        let c = policy("c", 3, "s", "g3");
+        let elsewhere = policy("d", 4, "other", "g");
+        let only_a = [a.clone(), elsewhere.clone()];
+        assert_eq!(effective_retention(&a, own(&a), &only_a), (Some(Duration::from_secs(60)), None));
+        let a_b = [a.clone(), b.clone()];
+        assert_eq!(effective_retention(&a, own(&a), &a_b), (Some(Duration::from_secs(600)), Some("apps/b".into())));
+        assert_eq!(effective_retention(&b, own(&b), &a_b), (Some(Duration::from_secs(600)), None));
+        let all = [a.clone(), b.clone(), c.clone()];
+        assert_eq!(effective_retention(&a, own(&a), &all), (None, Some("apps/c".into())));
+        assert_eq!(effective_retention(&c, own(&c), &all), (None, None));
     }
 
     #[test]

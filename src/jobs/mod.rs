@@ -1,4 +1,5 @@
-//! The jobs Redis never runs by itself (SPEC section 3): the reclaim / dead-letter pass and consumer expiry.
+//! The jobs Redis never runs by itself (SPEC sections 3 and 9): the reclaim / dead-letter pass, consumer expiry and
+//! the trim of what every group acknowledged.
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -12,6 +13,8 @@ use crate::{Error, Result};
 
 static RECLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/reclaim.lua")));
 static EXPIRE_CONSUMERS: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/expire_consumers.lua")));
+static TRIM_ACKNOWLEDGED: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/trim_acknowledged.lua")));
 
 /// Ids handed to one script call: small enough to keep each call short on the server, large enough to amortise
 /// the round trip.
@@ -234,6 +237,47 @@ pub async fn expire_consumers(
         .invoke_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))
+}
+
+/// What one retention trim did, and who stopped it from doing more.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trim {
+    pub trimmed: u64,
+    /// The group whose oldest pending entry, or whose read position, the trim stopped at; `None` when only
+    /// `minAge` (or an empty stream, or one without groups) stopped it.
+    pub pinned_by: Option<Pin>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pin {
+    pub group: String,
+    /// `true`: the group's oldest pending entry; `false`: the first entry the group has not read.
+    pub pending: bool,
+    pub id: String,
+}
+
+impl std::fmt::Display for Pin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.pending {
+            write!(f, "group {} (oldest pending {})", self.group, self.id)
+        } else {
+            write!(f, "group {} (not read from {} on)", self.group, self.id)
+        }
+    }
+}
+
+/// Trims, atomically on the server, the entries every group of the stream acknowledged that are older than
+/// `min_age`, with the safe-point method that works on Redis 7.0 and every Valkey (the script's header says how).
+pub async fn trim_acknowledged(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, min_age: Duration) -> Result<Trim> {
+    let (trimmed, group, why, id): (u64, String, String, String) = TRIM_ACKNOWLEDGED
+        .key(keys.stream)
+        .key(totals_key(keys.stream, keys.group))
+        .arg(min_age.as_millis() as u64)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    let pinned_by = (!group.is_empty()).then(|| Pin { group, pending: why == "pending", id });
+    Ok(Trim { trimmed, pinned_by })
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use redis::{Script, Value, pipe};
 
 use super::Conn;
 use super::reply::{self, Fields};
-use crate::keys::{OPERATOR_CONSUMER, legacy_keys, terminal_key, totals_key};
+use crate::keys::{OPERATOR_CONSUMER, bounds_key, legacy_keys, rejected_key, terminal_key, totals_key};
 use crate::{Error, Result};
 
 static CARRY_OVER_COUNTERS: LazyLock<Script> =
@@ -179,6 +179,21 @@ pub async fn destroy_group(conn: &mut Conn, server: &str, stream: &str, group: &
     Ok(destroyed == 1)
 }
 
+/// Keeps the group's field of the stream's bounds hash equal to `backlog.maxLength` (SPEC section 9): `HSET` when
+/// the policy bounds the group, `HDEL` when it does not (any more). Producers see the change with their next publish.
+pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str, max: Option<i64>) -> Result<()> {
+    let key = bounds_key(stream);
+    let mut cmd = match max {
+        Some(_) => redis::cmd("HSET"),
+        None => redis::cmd("HDEL"),
+    };
+    cmd.arg(&key).arg(group);
+    if let Some(max) = max {
+        cmd.arg(max);
+    }
+    cmd.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
+}
+
 /// The oldest entry of the group's PEL.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OldestPending {
@@ -207,10 +222,12 @@ pub struct GroupFacts {
     pub dead_letter_length: i64,
     pub totals: BTreeMap<String, i64>,
     pub terminal: BTreeMap<String, i64>,
+    /// Publishes refused for this group by the bounded-publish script.
+    pub publish_rejected: i64,
     pub server_time_ms: i64,
 }
 
-/// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, TIME.
+/// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, HGET, TIME.
 type ProbeReply = (
     Value,
     Vec<Value>,
@@ -219,6 +236,7 @@ type ProbeReply = (
     i64,
     BTreeMap<String, String>,
     BTreeMap<String, String>,
+    Option<String>,
     (String, String),
 );
 
@@ -229,33 +247,37 @@ fn counts(hash: BTreeMap<String, String>) -> BTreeMap<String, i64> {
 }
 
 pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
-    let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, time): ProbeReply = pipe()
-        .cmd("XINFO")
-        .arg("STREAM")
-        .arg(keys.stream)
-        .cmd("XINFO")
-        .arg("GROUPS")
-        .arg(keys.stream)
-        .cmd("XINFO")
-        .arg("CONSUMERS")
-        .arg(keys.stream)
-        .arg(keys.group)
-        .cmd("XPENDING")
-        .arg(keys.stream)
-        .arg(keys.group)
-        .arg("-")
-        .arg("+")
-        .arg(1)
-        .cmd("XLEN")
-        .arg(keys.dead_letter)
-        .cmd("HGETALL")
-        .arg(totals_key(keys.stream, keys.group))
-        .cmd("HGETALL")
-        .arg(terminal_key(keys.stream, keys.group))
-        .cmd("TIME")
-        .query_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
+    let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, rejected, time): ProbeReply =
+        pipe()
+            .cmd("XINFO")
+            .arg("STREAM")
+            .arg(keys.stream)
+            .cmd("XINFO")
+            .arg("GROUPS")
+            .arg(keys.stream)
+            .cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(keys.stream)
+            .arg(keys.group)
+            .cmd("XPENDING")
+            .arg(keys.stream)
+            .arg(keys.group)
+            .arg("-")
+            .arg("+")
+            .arg(1)
+            .cmd("XLEN")
+            .arg(keys.dead_letter)
+            .cmd("HGETALL")
+            .arg(totals_key(keys.stream, keys.group))
+            .cmd("HGETALL")
+            .arg(terminal_key(keys.stream, keys.group))
+            .cmd("HGET")
+            .arg(rejected_key(keys.stream))
+            .arg(keys.group)
+            .cmd("TIME")
+            .query_async(conn)
+            .await
+            .map_err(|e| Error::from_redis(server, e))?;
 
     let stream_info = reply::fields(stream_info).unwrap_or_default();
     let group: Fields = groups
@@ -284,6 +306,7 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
         dead_letter_length,
         totals: counts(totals),
         terminal: counts(terminal),
+        publish_rejected: rejected.and_then(|n| n.parse().ok()).unwrap_or(0),
         server_time_ms,
     })
 }

@@ -5,6 +5,6 @@ mod pool;
 mod reply;
 
 pub use group::{
-    GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, probe_group,
+    GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, probe_group, set_bound,
 };
 pub use pool::{Conn, Credentials, PoolKey, Pools, Target, Tls};

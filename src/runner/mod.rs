@@ -11,6 +11,8 @@
 //!   between the passes of its small neighbours instead of before all of them.
 //! - **Leadership.** No pass starts, and a running pass stops between two script calls, once this replica may no
 //!   longer write ([`Leadership`]).
+//! - **Retention.** When the stream's retention is `Acknowledged`, a sweep that reached the end of the PEL is
+//!   followed, under the same permit, by one trim of what every group acknowledged.
 //! - **Backoff.** A failed pass is retried after 1 s, 2 s, 4 s ... 60 s; the controller reports the failure in
 //!   status from its own probe.
 
@@ -20,7 +22,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -29,7 +31,7 @@ use tracing::{debug, info, warn};
 use crate::jobs::{self, PassReport, PassSettings};
 use crate::leader::Leadership;
 use crate::redis::{Conn, GroupKeys, PoolKey};
-use crate::telemetry::Metrics;
+use crate::telemetry::{Events, Metrics};
 
 /// Passes running at once against one server. The server runs scripts one at a time anyway; two keep it busy
 /// while the other pass waits on the network.
@@ -51,6 +53,8 @@ pub struct Job {
     pub interval: Duration,
     pub pass: PassSettings,
     pub expire_after: Option<Duration>,
+    /// `minAge` when the stream's effective retention is `Acknowledged`; `None`: never trim.
+    pub retention: Option<Duration>,
     /// The policy, for Events.
     pub object: ObjectReference,
 }
@@ -71,6 +75,7 @@ impl Job {
             && self.interval == other.interval
             && self.pass == other.pass
             && self.expire_after == other.expire_after
+            && self.retention == other.retention
     }
 }
 
@@ -79,6 +84,8 @@ impl Job {
 pub struct JobState {
     /// When the last pass ended.
     pub last_pass: Option<Timestamp>,
+    /// What the last retention trim did.
+    pub trim: Option<jobs::Trim>,
 }
 
 /// The policies' tasks, keyed by `namespace/name`.
@@ -88,7 +95,7 @@ pub struct Runner {
     states: Arc<Mutex<HashMap<String, JobState>>>,
     metrics: Arc<Metrics>,
     leadership: Leadership,
-    recorder: Recorder,
+    events: Events,
 }
 
 struct Task {
@@ -103,14 +110,14 @@ impl Drop for Task {
 }
 
 impl Runner {
-    pub fn new(leadership: Leadership, recorder: Recorder, metrics: Arc<Metrics>) -> Runner {
+    pub fn new(leadership: Leadership, events: Events, metrics: Arc<Metrics>) -> Runner {
         Runner {
             tasks: Mutex::default(),
             servers: Mutex::default(),
             states: Arc::default(),
             metrics,
             leadership,
-            recorder,
+            events,
         }
     }
 
@@ -135,7 +142,7 @@ impl Runner {
             job: receiver,
             permits,
             leadership: self.leadership.clone(),
-            recorder: self.recorder.clone(),
+            events: self.events.clone(),
             states: self.states.clone(),
             metrics: self.metrics.clone(),
         };
@@ -164,7 +171,7 @@ struct PolicyTask {
     job: watch::Receiver<Job>,
     permits: Arc<Semaphore>,
     leadership: Leadership,
-    recorder: Recorder,
+    events: Events,
     states: Arc<Mutex<HashMap<String, JobState>>>,
     metrics: Arc<Metrics>,
 }
@@ -202,7 +209,15 @@ impl PolicyTask {
             let sweep_start = cursor.is_none();
             // Boxed: a sleeping task then holds only its small loop state, not the largest state of a pass (10,000
             // policies mean 10,000 sleeping tasks).
-            let result = Box::pin(self.pass(&job, &mut cursor)).await;
+            let mut result = Box::pin(self.pass(&job, &mut cursor)).await;
+            if let (Ok(report), Some(min_age)) = (&result, job.retention)
+                && cursor.is_none()
+                && !report.interrupted
+                && self.leadership.may_write()
+                && let Err(e) = Box::pin(self.trim(&job, min_age)).await
+            {
+                result = Err(e);
+            }
             drop(permit);
             match result {
                 Ok(report) => {
@@ -265,8 +280,20 @@ impl PolicyTask {
             report.summary()
         );
         let now = Timestamp::now();
-        self.states.lock().expect("runner states lock").insert(self.policy.clone(), JobState { last_pass: Some(now) });
+        self.states.lock().expect("runner states lock").entry(self.policy.clone()).or_default().last_pass = Some(now);
         Ok(report)
+    }
+
+    async fn trim(&self, job: &Job, min_age: Duration) -> crate::Result<()> {
+        let mut conn = job.conn.clone();
+        let trim = jobs::trim_acknowledged(&mut conn, &job.server, &job.keys(), min_age).await?;
+        if trim.trimmed > 0 {
+            let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+            let pinned_by = trim.pinned_by.as_ref().map(ToString::to_string);
+            info!(namespace, name, trimmed = trim.trimmed, pinned_by, "trimmed entries every group acknowledged");
+        }
+        self.states.lock().expect("runner states lock").entry(self.policy.clone()).or_default().trim = Some(trim);
+        Ok(())
     }
 
     /// One Event per sweep that moved something, never one per message or per pass.
@@ -305,7 +332,7 @@ impl PolicyTask {
 
     async fn publish(&self, job: &Job, type_: EventType, reason: &str, note: String) {
         let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reclaim".into(), secondary: None };
-        if let Err(e) = self.recorder.publish(&event, &job.object).await {
+        if let Err(e) = self.events.publish(&event, &job.object).await {
             warn!(policy = self.policy, error = %e, reason, "could not publish event");
         }
     }

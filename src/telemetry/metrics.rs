@@ -134,7 +134,7 @@ impl Collector for PolicySeries {
                 ("group", p.group.clone()),
             ]
         };
-        let gauges: [Series; 8] = [
+        let gauges: [Series; 9] = [
             ("pelican_group_pending", "Entries in the group's PEL", |p| p.status.pending),
             ("pelican_group_oldest_pending_age_seconds", "Age of the oldest pending entry, from its id", |p| {
                 p.oldest_pending_age_seconds
@@ -144,6 +144,11 @@ impl Collector for PolicySeries {
             }),
             ("pelican_group_lag", "Entries not yet delivered to the group (absent when unknown)", |p| p.status.lag),
             ("pelican_group_consumers", "Consumers of the group", |p| p.status.consumers),
+            (
+                "pelican_group_backlog",
+                "Entries the group has not acknowledged: lag + pending (absent when unknown)",
+                |p| p.status.backlog,
+            ),
             ("pelican_stream_length", "Entries in the source stream", |p| p.status.stream_length),
             ("pelican_dead_letter_stream_length", "Entries in the dead-letter stream", |p| p.status.dead_letter_length),
             ("pelican_policy_ready", "1 when the policy's Ready condition is True", |p| Some(p.ready as i64)),
@@ -156,7 +161,7 @@ impl Collector for PolicySeries {
                 }
             }
         }
-        let counters: [Series; 6] = [
+        let counters: [Series; 8] = [
             ("pelican_dead_lettered", "Messages moved to the dead-letter stream", |p| Some(totals(p)?.dead_lettered)),
             ("pelican_requeued", "Messages requeued to the tail of the stream", |p| Some(totals(p)?.requeued)),
             ("pelican_reassigned", "Messages claimed for a live consumer", |p| Some(totals(p)?.reassigned)),
@@ -167,6 +172,10 @@ impl Collector for PolicySeries {
             ("pelican_dead_letter_evicted", "Dead-letter entries dropped by spec.deadLetter.maxLen", |p| {
                 Some(totals(p)?.dead_letter_evicted)
             }),
+            ("pelican_publish_rejected", "Bounded publishes refused because the group's backlog was full", |p| {
+                Some(totals(p)?.publish_rejected)
+            }),
+            ("pelican_trimmed", "Entries trimmed from the stream by spec.retention", |p| Some(totals(p)?.trimmed)),
         ];
         for (name, help, value) in counters {
             let mut metric = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;

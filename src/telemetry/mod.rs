@@ -1,8 +1,10 @@
 //! Logs, metrics and health endpoints.
 
+mod events;
 mod http;
 mod metrics;
 
+pub use events::Events;
 pub use http::{Readiness, serve};
 pub use metrics::{Metrics, PolicyKey, PolicySnapshot};
 

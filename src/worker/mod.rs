@@ -13,8 +13,10 @@
 //!
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
+mod producer;
 mod reason;
 
+pub use producer::{BOUNDED_PUBLISH, BOUNDED_PUBLISH_LUA, Producer, PublishError};
 pub use reason::{InvalidReason, Reason};
 
 use std::collections::HashSet;

@@ -1,0 +1,45 @@
+-- Bounded publish (SPEC section 9): add an entry to a stream unless a bounded group's backlog is full.
+--
+-- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:bounds    KEYS[3] {T}:pelican:<stream>:rejected
+-- ARGV    field1, value1, field2, value2, ...  (the entry, as for XADD)
+--
+-- Reply: the new entry id. Refusal: the error `PELICAN_BACKLOG_FULL <group> <backlog> <max>`, nothing written but
+-- one count under <group> in KEYS[3].
+--
+-- The bounds hash (field = group, value = maxLength) is kept by the operator from the policies. A group's backlog is
+-- what it has not acknowledged: entries not yet delivered to it (lag, at most the stream's length: Redis 7.0
+-- overstates it after a MAXLEN trim) plus its pending entries. When the server cannot tell the lag (XINFO GROUPS
+-- reports none after an XDEL inside the unread range), every entry of the stream counts as unread: an upper bound,
+-- so the bound still holds, and refusals may come early until the group reads past the deleted entry.
+-- Invariant: an entry is added only when every bounded group's backlog is below its bound, so after the XADD no
+-- backlog exceeds its bound. Groups named in KEYS[2] that the stream does not have bound nothing. The operator's
+-- own writes (requeue copies) do not go through this script and are never refused.
+if #ARGV == 0 or #ARGV % 2 ~= 0 then
+  return redis.error_reply('ERR bounded publish needs field value pairs as arguments, got ' .. #ARGV .. ' arguments')
+end
+local bounds = redis.call('HGETALL', KEYS[2])
+if #bounds > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+  local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+  local length = redis.call('XLEN', KEYS[1])
+  for i = 1, #bounds, 2 do
+    local max = tonumber(bounds[i + 1])
+    if max then
+      for _, info in ipairs(groups) do
+        local g = {}
+        for j = 1, #info, 2 do g[info[j]] = info[j + 1] end
+        if g['name'] == bounds[i] then
+          local lag = g['lag']
+          if type(lag) ~= 'number' or lag > length then
+            lag = length
+          end
+          local backlog = lag + g['pending']
+          if backlog >= max then
+            redis.call('HINCRBY', KEYS[3], bounds[i], 1)
+            return redis.error_reply(string.format('PELICAN_BACKLOG_FULL %s %d %d', bounds[i], backlog, max))
+          end
+        end
+      end
+    end
+  end
+end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV))

@@ -1,0 +1,121 @@
+//! The producer side of a bounded stream (SPEC section 9): publish through the bounded-publish script and tell a
+//! refusal (certainly not written, try again later) from an unknown outcome (may have been written).
+
+use std::fmt;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, RedisError, RedisResult, Script, ToRedisArgs};
+
+use crate::keys::{bounds_key, rejected_key};
+
+/// The bounded-publish script, the same file any client can load (`KEYS = [stream, bounds, rejected]`,
+/// `ARGV = field/value pairs`).
+pub static BOUNDED_PUBLISH: LazyLock<Script> = LazyLock::new(|| Script::new(BOUNDED_PUBLISH_LUA));
+/// Its source, for clients that load it themselves.
+pub const BOUNDED_PUBLISH_LUA: &str = include_str!("bounded_publish.lua");
+
+/// Why a publish did not return an id.
+#[derive(Debug)]
+pub enum PublishError {
+    /// The server refused the entry because a bounded group's backlog is full. Nothing was written: publish it
+    /// again later, with backoff, jitter and a cap, never in a tight loop.
+    Refused { group: String, backlog: u64, max: u64 },
+    /// The connection broke or timed out after the call may have reached the server: the entry may or may not be
+    /// in the stream. An immediate republish can duplicate it; reconcile first (look the message up by an id of
+    /// your own in its fields).
+    OutcomeUnknown(RedisError),
+    /// The server answered with another error (a key of the wrong type, a script error, an ACL refusal): nothing
+    /// was written, and publishing again will fail the same way until that is fixed.
+    Failed(RedisError),
+}
+
+impl fmt::Display for PublishError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PublishError::Refused { group, backlog, max } => {
+                write!(f, "refused: backlog of group {group:?} is {backlog}, its bound is {max}")
+            }
+            PublishError::OutcomeUnknown(e) => write!(f, "outcome unknown (may have been written): {e}"),
+            PublishError::Failed(e) => write!(f, "failed (not written): {e}"),
+        }
+    }
+}
+
+impl std::error::Error for PublishError {}
+
+impl PublishError {
+    /// Refused or failed: the server certainly did not add the entry.
+    pub fn certainly_not_written(&self) -> bool {
+        !matches!(self, PublishError::OutcomeUnknown(_))
+    }
+
+    fn classify(error: RedisError) -> PublishError {
+        if error.code() == Some("PELICAN_BACKLOG_FULL") {
+            let detail = error.detail().unwrap_or_default();
+            // `<group> <backlog> <max>`; the group name may itself hold spaces.
+            let mut parts = detail.rsplitn(3, ' ');
+            let (max, backlog, group) = (parts.next(), parts.next(), parts.next());
+            if let (Some(Ok(max)), Some(Ok(backlog)), Some(group)) =
+                (max.map(str::parse), backlog.map(str::parse), group)
+            {
+                return PublishError::Refused { group: group.to_string(), backlog, max };
+            }
+        }
+        if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() {
+            PublishError::OutcomeUnknown(error)
+        } else {
+            PublishError::Failed(error)
+        }
+    }
+}
+
+/// Publishes into one stream through the bounded-publish script. Cheap to clone; clones share the connection.
+#[derive(Clone)]
+pub struct Producer {
+    conn: ConnectionManager,
+    stream: String,
+    bounds: String,
+    rejected: String,
+}
+
+impl Producer {
+    pub async fn connect(client: &Client, stream: impl Into<String>) -> RedisResult<Producer> {
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(5)))
+            .set_response_timeout(Some(Duration::from_secs(10)))
+            // A publish is never sent twice by the connection itself: whether to republish is the caller's call.
+            .set_number_of_retries(0);
+        let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
+        let stream = stream.into();
+        Ok(Producer { bounds: bounds_key(&stream), rejected: rejected_key(&stream), stream, conn })
+    }
+
+    /// Adds one entry (field/value pairs, in order) and returns its id.
+    pub async fn publish<K: ToRedisArgs, V: ToRedisArgs>(&self, fields: &[(K, V)]) -> Result<String, PublishError> {
+        let mut invocation = BOUNDED_PUBLISH.key(&self.stream);
+        invocation.key(&self.bounds).key(&self.rejected);
+        for (field, value) in fields {
+            invocation.arg(field).arg(value);
+        }
+        invocation.invoke_async(&mut self.conn.clone()).await.map_err(PublishError::classify)
+    }
+
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_connection_is_an_unknown_outcome() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let error = PublishError::classify(RedisError::from(io));
+        assert!(matches!(error, PublishError::OutcomeUnknown(_)), "{error:?}");
+        assert!(!error.certainly_not_written());
+    }
+}

@@ -1,0 +1,359 @@
+//! Bounded streams and retention (SPEC section 9) against real Redis 7.0 and Valkey 9.1, below the operator: the
+//! bounded-publish script called the way any client calls it (EVALSHA with the documented KEYS / ARGV, and
+//! redis-cli), the SDK's `Producer`, and the retention trim. The operator-level scenarios (the bound kept from the
+//! policy, `Saturated`, Events, status) are in tests/backpressure.rs.
+
+#[macro_use]
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use common::*;
+use pelican::jobs;
+use pelican::keys::{bounds_key, rejected_key, totals_key};
+use pelican::redis::{GroupKeys, Pools, Target};
+use pelican::worker::{BOUNDED_PUBLISH_LUA, Producer, PublishError};
+
+on_both_servers!(
+    twelve_thousand_into_a_bound_of_ten_thousand_refuses_exactly_two_thousand,
+    pending_entries_of_a_crashed_consumer_still_count,
+    eight_producers_at_once_never_push_the_backlog_past_the_bound,
+    the_documented_redis_cli_call_publishes_and_is_refused_when_full,
+    the_sdk_producer_tells_a_refusal_from_an_unknown_outcome,
+    a_lag_the_server_cannot_tell_counts_the_whole_stream,
+    retention_stops_at_an_unmanaged_groups_pending_then_at_its_read_position,
+    retention_never_trims_a_stream_without_groups,
+    retention_keeps_entries_younger_than_min_age,
+);
+
+const STREAM: &str = "{orders}:in";
+const GROUP: &str = "billing";
+
+/// The script's SHA, loaded the way a client of another language would (SCRIPT LOAD of the repository's file).
+fn load(conn: &mut redis::Connection) -> String {
+    redis::cmd("SCRIPT").arg("LOAD").arg(BOUNDED_PUBLISH_LUA).query(conn).unwrap()
+}
+
+/// One raw EVALSHA with the documented KEYS and ARGV.
+fn publish_cmd(sha: &str, n: u64) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(3).arg(STREAM).arg(bounds_key(STREAM)).arg(rejected_key(STREAM)).arg("n").arg(n);
+    cmd
+}
+
+/// Publishes `count` entries in pipelines of 500: (accepted ids, refusal messages).
+fn publish_many(conn: &mut redis::Connection, sha: &str, first: u64, count: u64) -> (Vec<String>, Vec<String>) {
+    let (mut accepted, mut refused) = (Vec::new(), Vec::new());
+    let mut n = first;
+    while n < first + count {
+        let chunk = (first + count - n).min(500);
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for i in 0..chunk {
+            pipe.add_command(publish_cmd(sha, n + i));
+        }
+        let replies: Vec<redis::Value> = pipe.query(conn).unwrap();
+        for reply in replies {
+            match reply {
+                redis::Value::BulkString(id) => accepted.push(String::from_utf8(id).unwrap()),
+                redis::Value::ServerError(e) => refused.push(format!("{} {}", e.code(), e.details().unwrap_or(""))),
+                other => panic!("unexpected reply {other:?}"),
+            }
+        }
+        n += chunk;
+    }
+    (accepted, refused)
+}
+
+fn group_at_zero(conn: &mut redis::Connection, group: &str) {
+    let _: () = redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg(group).arg("0").arg("MKSTREAM").query(conn).unwrap();
+}
+
+fn bound(conn: &mut redis::Connection, group: &str, max: u64) {
+    let _: () = redis::cmd("HSET").arg(bounds_key(STREAM)).arg(group).arg(max).query(conn).unwrap();
+}
+
+/// lag + pending of a group, as XINFO GROUPS reports them.
+fn backlog(conn: &mut redis::Connection, group: &str) -> i64 {
+    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(STREAM).query(conn).unwrap();
+    for g in groups {
+        let fields: std::collections::HashMap<String, redis::Value> = redis::from_redis_value(g).unwrap();
+        if redis::from_redis_value::<String>(fields["name"].clone()).unwrap() == group {
+            let lag: i64 = redis::from_redis_value(fields["lag"].clone()).unwrap();
+            let pending: i64 = redis::from_redis_value(fields["pending"].clone()).unwrap();
+            return lag + pending;
+        }
+    }
+    panic!("no group {group}");
+}
+
+fn ack_all(conn: &mut redis::Connection, group: &str, ids: &[String]) {
+    for chunk in ids.chunks(1000) {
+        let _: i64 = redis::cmd("XACK").arg(STREAM).arg(group).arg(chunk).query(conn).unwrap();
+    }
+}
+
+fn rejected(conn: &mut redis::Connection, group: &str) -> Option<i64> {
+    redis::cmd("HGET").arg(rejected_key(STREAM)).arg(group).query(conn).unwrap()
+}
+
+/// Seed 002: a bound of 10,000, no consumer, 12,000 publishes. Then a consumer drains 5,000 and a burst of 3,000
+/// is accepted whole.
+fn twelve_thousand_into_a_bound_of_ten_thousand_refuses_exactly_two_thousand(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, 10_000);
+    let sha = load(&mut conn);
+
+    let (accepted, refused) = publish_many(&mut conn, &sha, 0, 12_000);
+    assert_eq!((accepted.len(), refused.len()), (10_000, 2_000));
+    assert!(refused.iter().all(|r| r == "PELICAN_BACKLOG_FULL billing 10000 10000"), "{:?}", refused.first());
+    assert_eq!(rejected(&mut conn, GROUP), Some(2_000));
+    assert_eq!(backlog(&mut conn, GROUP), 10_000);
+
+    let drained = read_new(&mut conn, STREAM, GROUP, "c1", 5_000);
+    ack_all(&mut conn, GROUP, &drained);
+    let (burst, refused) = publish_many(&mut conn, &sha, 12_000, 3_000);
+    assert_eq!((burst.len(), refused.len()), (3_000, 0));
+    assert_eq!(backlog(&mut conn, GROUP), 8_000);
+
+    // No accepted entry is lost: every id the script returned is in the stream, and nothing else is.
+    let ids: Vec<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ids, accepted.into_iter().chain(burst).collect::<Vec<_>>());
+}
+
+/// A consumer that read 1,000 entries and crashed before acknowledging: its PEL still counts.
+fn pending_entries_of_a_crashed_consumer_still_count(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, 3_000);
+    let sha = load(&mut conn);
+    let (accepted, _) = publish_many(&mut conn, &sha, 0, 3_000);
+    assert_eq!(accepted.len(), 3_000);
+    let read = read_new(&mut conn, STREAM, GROUP, "crashed", 1_000);
+    assert_eq!(read.len(), 1_000);
+    let (more, refused) = publish_many(&mut conn, &sha, 3_000, 1);
+    assert_eq!((more.len(), refused.as_slice()), (0, &["PELICAN_BACKLOG_FULL billing 3000 3000".to_string()][..]));
+    // Acknowledging what the crashed consumer held makes room for exactly that many.
+    ack_all(&mut conn, GROUP, &read[..400]);
+    let (more, refused) = publish_many(&mut conn, &sha, 3_001, 500);
+    assert_eq!((more.len(), refused.len()), (400, 100));
+}
+
+/// 8 producers publish at once while a consumer reads and acknowledges; a sampler watches the backlog the whole
+/// time. It never exceeds the bound, and every accepted entry is in the stream.
+fn eight_producers_at_once_never_push_the_backlog_past_the_bound(flavor: Flavor) {
+    const MAX: i64 = 2_000;
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, MAX as u64);
+    let sha = load(&mut conn);
+    let done = Arc::new(AtomicBool::new(false));
+    let highest = Arc::new(AtomicU64::new(0));
+    let start = Arc::new(Barrier::new(8));
+    let producers: Vec<_> = (0..8u64)
+        .map(|p| {
+            let (mut conn, sha, start) = (server.conn(), sha.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let mut accepted = Vec::new();
+                for round in 0..20 {
+                    let (ids, _) = publish_many(&mut conn, &sha, p * 1_000_000 + round * 100, 100);
+                    accepted.extend(ids);
+                }
+                accepted
+            })
+        })
+        .collect();
+    let sampler = {
+        let (mut conn, done, highest) = (server.conn(), done.clone(), highest.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                highest.fetch_max(backlog(&mut conn, GROUP) as u64, Ordering::Relaxed);
+            }
+        })
+    };
+    let consumer = {
+        let (mut conn, done) = (server.conn(), done.clone());
+        std::thread::spawn(move || {
+            let mut handled = 0;
+            while !done.load(Ordering::Relaxed) {
+                let ids = read_new(&mut conn, STREAM, GROUP, "c1", 50);
+                ack_all(&mut conn, GROUP, &ids);
+                handled += ids.len();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            handled
+        })
+    };
+    let accepted: Vec<String> = producers.into_iter().flat_map(|p| p.join().unwrap()).collect();
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let handled = consumer.join().unwrap();
+    let highest = highest.load(Ordering::Relaxed) as i64;
+    println!(
+        "{flavor:?}: 16,000 offered, {} accepted, {handled} handled, highest backlog seen {highest}",
+        accepted.len()
+    );
+    assert!(highest <= MAX, "backlog reached {highest}, bound {MAX}");
+    assert!(backlog(&mut conn, GROUP) <= MAX);
+    let refused = rejected(&mut conn, GROUP).unwrap_or(0);
+    assert_eq!(accepted.len() as i64 + refused, 16_000);
+    assert!(refused > 0, "the bound was never reached: the test proves nothing");
+    let in_stream: std::collections::HashSet<String> =
+        xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
+    assert!(accepted.iter().all(|id| in_stream.contains(id)), "an accepted entry is missing");
+}
+
+/// The README's redis-cli line, verbatim but for the port.
+fn the_documented_redis_cli_call_publishes_and_is_refused_when_full(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, 1);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/src/worker/bounded_publish.lua");
+    let cli = |n: &str| {
+        let out = Command::new("redis-cli")
+            .args(["-p", &server.port.to_string(), "--eval", script])
+            .args([STREAM, &bounds_key(STREAM), &rejected_key(STREAM), ",", "order", n])
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let first = cli("1");
+    assert!(first.contains('-') && !first.contains("PELICAN"), "{first}");
+    assert_eq!(cli("2").trim_start_matches("(error) "), "PELICAN_BACKLOG_FULL billing 1 1");
+    assert_eq!(rejected(&mut conn, GROUP), Some(1));
+}
+
+fn the_sdk_producer_tells_a_refusal_from_an_unknown_outcome(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let group = "billing eu";
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, group);
+    bound(&mut conn, group, 2);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let producer = runtime.block_on(Producer::connect(&client, STREAM)).unwrap();
+    for n in ["1", "2"] {
+        runtime.block_on(producer.publish(&[("n", n)])).unwrap();
+    }
+    let refused = runtime.block_on(producer.publish(&[("n", "3")])).unwrap_err();
+    match &refused {
+        PublishError::Refused { group: g, backlog, max } => assert_eq!((g.as_str(), *backlog, *max), (group, 2, 2)),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(refused.certainly_not_written());
+    assert_eq!(xrange(&mut conn, STREAM).len(), 2);
+    // A key of the wrong type: the server answered, nothing written, and it says so.
+    let other = runtime.block_on(Producer::connect(&client, "{orders}:bad")).unwrap();
+    let _: () = redis::cmd("SET").arg(bounds_key("{orders}:bad")).arg("x").query(&mut conn).unwrap();
+    let failed = runtime.block_on(other.publish(&[("n", "1")])).unwrap_err();
+    assert!(matches!(failed, PublishError::Failed(_)), "{failed:?}");
+    // The server gone: the outcome is unknown, never reported as a refusal.
+    server.stop();
+    let unknown = runtime.block_on(producer.publish(&[("n", "4")])).unwrap_err();
+    assert!(matches!(unknown, PublishError::OutcomeUnknown(_)), "{unknown:?}");
+    assert!(!unknown.certainly_not_written());
+}
+
+/// After an XDEL among the unread entries the server reports no lag: the script counts the whole stream as
+/// unread, so the bound still holds (early refusals, never a backlog past the bound).
+fn a_lag_the_server_cannot_tell_counts_the_whole_stream(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, 10);
+    let sha = load(&mut conn);
+    let (ids, _) = publish_many(&mut conn, &sha, 0, 8);
+    let read = read_new(&mut conn, STREAM, GROUP, "c1", 2);
+    ack_all(&mut conn, GROUP, &read);
+    let _: i64 = redis::cmd("XDEL").arg(STREAM).arg(&ids[5]).query(&mut conn).unwrap();
+    // 7 entries in the stream (2 acknowledged, 5 unread): the true backlog is 5, the script assumes 7.
+    let (more, refused) = publish_many(&mut conn, &sha, 8, 5);
+    assert_eq!((more.len(), refused.len()), (3, 2));
+    assert_eq!(refused[0], "PELICAN_BACKLOG_FULL billing 10 10");
+}
+
+fn trim(server: &Server, min_age: Duration) -> jobs::Trim {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut conn = Pools::default().get(&Target::new(server.url())).await.unwrap();
+        let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: "{orders}:dlq" };
+        jobs::trim_acknowledged(&mut conn, "test", &keys, min_age).await.unwrap()
+    })
+}
+
+fn add(conn: &mut redis::Connection, n: usize) -> Vec<String> {
+    (0..n).map(|i| redis::cmd("XADD").arg(STREAM).arg("*").arg("n").arg(i).query(conn).unwrap()).collect()
+}
+
+/// The managed group acknowledged everything; a second group no policy manages read 30 and acknowledged 10. The
+/// trim stops at its oldest pending entry, then at its read position once it acknowledges; a group created at 0
+/// afterwards stops it at once.
+fn retention_stops_at_an_unmanaged_groups_pending_then_at_its_read_position(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    group_at_zero(&mut conn, "audit");
+    let ids = add(&mut conn, 100);
+    let all = read_new(&mut conn, STREAM, GROUP, "c1", 100);
+    ack_all(&mut conn, GROUP, &all);
+    let audit = read_new(&mut conn, STREAM, "audit", "a1", 30);
+    ack_all(&mut conn, "audit", &audit[..10]);
+
+    let first = trim(&server, Duration::ZERO);
+    assert_eq!(first.trimmed, 10);
+    assert_eq!(first.pinned_by.as_ref().unwrap().to_string(), format!("group audit (oldest pending {})", ids[10]));
+    assert_eq!(xrange(&mut conn, STREAM)[0].0, ids[10]);
+
+    ack_all(&mut conn, "audit", &audit[10..]);
+    let second = trim(&server, Duration::ZERO);
+    assert_eq!(second.trimmed, 20);
+    assert_eq!(second.pinned_by.unwrap().to_string(), format!("group audit (not read from {} on)", after(&ids[29])));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 70);
+
+    group_at_zero(&mut conn, "late");
+    let third = trim(&server, Duration::ZERO);
+    assert_eq!(third.trimmed, 0);
+    assert_eq!(third.pinned_by.unwrap().group, "late");
+    let counted: i64 = redis::cmd("HGET").arg(totals_key(STREAM, GROUP)).arg("trimmed").query(&mut conn).unwrap();
+    assert_eq!(counted, 30);
+}
+
+fn after(id: &str) -> String {
+    let (ms, seq) = id.split_once('-').unwrap();
+    format!("{ms}-{}", seq.parse::<u64>().unwrap() + 1)
+}
+
+fn retention_never_trims_a_stream_without_groups(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    add(&mut conn, 50);
+    let trim = trim(&server, Duration::ZERO);
+    assert_eq!((trim.trimmed, trim.pinned_by), (0, None));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 50);
+}
+
+fn retention_keeps_entries_younger_than_min_age(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    let old: Vec<String> = (1..=5)
+        .map(|i| redis::cmd("XADD").arg(STREAM).arg(format!("{i}-0")).arg("n").arg(i).query(&mut conn).unwrap())
+        .collect();
+    let young = add(&mut conn, 5);
+    let read = read_new(&mut conn, STREAM, GROUP, "c1", 10);
+    ack_all(&mut conn, GROUP, &read);
+    let trim = trim(&server, Duration::from_secs(3600));
+    assert_eq!((trim.trimmed, trim.pinned_by), (5, None));
+    let left: Vec<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
+    assert_eq!(left, young);
+    assert!(!left.contains(&old[4]));
+}
