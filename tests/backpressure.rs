@@ -1,0 +1,293 @@
+//! Bounded streams and retention through the operator (SPEC section 9): `kubectl apply` / `patch`, a real API
+//! server, real Redis 7.0 and Valkey 9.1, producers through the SDK, and an operator killed with SIGKILL while it
+//! trims.
+
+#[macro_use]
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use pelican::keys::bounds_key;
+use pelican::worker::{Producer, PublishError};
+
+on_both_servers!(
+    seed_002_the_bound_follows_the_policy_and_producers_see_refusals,
+    retention_trims_what_every_group_acknowledged_and_names_who_pins,
+    operator_killed_while_trimming_never_removes_an_entry_a_group_needs,
+);
+
+const STREAM: &str = "{orders}:in";
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+/// Publishes `count` entries through the SDK, 100 at a time: (accepted ids, refusals).
+fn publish(
+    runtime: &tokio::runtime::Runtime,
+    producer: &Producer,
+    first: u64,
+    count: u64,
+) -> (Vec<String>, Vec<PublishError>) {
+    runtime.block_on(async {
+        let (mut accepted, mut refused) = (Vec::new(), Vec::new());
+        for start in (first..first + count).step_by(100) {
+            let calls = (start..(start + 100).min(first + count)).map(|n| {
+                let producer = producer.clone();
+                async move { producer.publish(&[("n", n)]).await }
+            });
+            for result in futures::future::join_all(calls).await {
+                match result {
+                    Ok(id) => accepted.push(id),
+                    Err(e @ PublishError::Refused { .. }) => refused.push(e),
+                    Err(e) => panic!("publish failed: {e}"),
+                }
+            }
+        }
+        (accepted, refused)
+    })
+}
+
+fn bound_in_redis(conn: &mut redis::Connection, group: &str) -> Option<String> {
+    redis::cmd("HGET").arg(bounds_key(STREAM)).arg(group).query(conn).unwrap()
+}
+
+fn wait_bound(conn: &mut redis::Connection, group: &str, expected: Option<&str>) {
+    wait_for(&format!("bound of {group} in Redis to be {expected:?}"), Duration::from_secs(30), || {
+        let now = bound_in_redis(conn, group);
+        if now.as_deref() == expected { Ok(()) } else { Err(format!("{now:?}")) }
+    });
+}
+
+fn ack(conn: &mut redis::Connection, group: &str, ids: &[String]) {
+    for chunk in ids.chunks(1000) {
+        let _: i64 = redis::cmd("XACK").arg(STREAM).arg(group).arg(chunk).query(conn).unwrap();
+    }
+}
+
+fn wait_status(ns: &str, name: &str, what: &str, check: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    wait_for(what, Duration::from_secs(60), || {
+        let policy = get_policy(ns, name);
+        if check(&policy) { Ok(policy) } else { Err(policy["status"].to_string()) }
+    })
+}
+
+fn seed_002_the_bound_follows_the_policy_and_producers_see_refusals(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("seed002");
+    let operator = Operator::start(&ns);
+    let manifest = policy("orders", &server.url(), STREAM, "billing", "  backlog:\n    maxLength: 10000\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    wait_bound(&mut conn, "billing", Some("10000"));
+    let client = redis::Client::open(server.url()).unwrap();
+    // One runtime for the whole test: the producer's connection lives on it.
+    let runtime = runtime();
+    let producer = runtime.block_on(Producer::connect(&client, STREAM)).unwrap();
+
+    // 12,000 publishes, no consumer: exactly 2,000 refused, each naming the group and the numbers.
+    let (mut accepted, refused) = publish(&runtime, &producer, 0, 12_000);
+    assert_eq!((accepted.len(), refused.len()), (10_000, 2_000));
+    assert_eq!(refused[0].to_string(), "refused: backlog of group \"billing\" is 10000, its bound is 10000");
+    let full = wait_status(&ns, "orders", "Saturated=True and 2,000 rejected in status", |p| {
+        condition(p, "Saturated") == Some(("True".into(), "BacklogFull".into()))
+            && p["status"]["totals"]["publishRejected"] == 2000
+    });
+    assert_eq!(full["status"]["backlog"], 10_000);
+    assert_eq!(condition(&full, "Ready"), Some(("True".into(), "Reconciled".into())), "saturated is still ready");
+    let warnings = events(&ns, "BacklogFull");
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(warnings[0]["type"], "Warning");
+    let wide = kubectl_ok(&["get", "cgp", "orders", "-n", &ns, "-o", "wide"]);
+    assert_eq!(table_rows(&wide)[0]["BACKLOG"], "10000", "{wide}");
+    let metrics = operator.metrics();
+    assert!(metrics.lines().any(|l| l.starts_with("pelican_group_backlog{") && l.ends_with(" 10000")), "{metrics}");
+    assert!(metrics.lines().any(|l| l.starts_with("pelican_publish_rejected_total{") && l.ends_with(" 2000")));
+
+    // A consumer drains 5,000: a burst of 3,000 is accepted whole.
+    let drained = read_new(&mut conn, STREAM, "billing", "c1", 5_000);
+    ack(&mut conn, "billing", &drained);
+    let (burst, refused) = publish(&runtime, &producer, 12_000, 3_000);
+    assert_eq!((burst.len(), refused.len()), (3_000, 0));
+    accepted.extend(burst);
+
+    // The bound deleted out of band comes back; a patch takes effect without touching producers.
+    let _: () = redis::cmd("DEL").arg(bounds_key(STREAM)).query(&mut conn).unwrap();
+    wait_bound(&mut conn, "billing", Some("10000"));
+    let patch = r#"{"spec":{"backlog":{"maxLength":12000}}}"#;
+    kubectl_ok(&["patch", "cgp", "orders", "-n", &ns, "--type", "merge", "-p", patch]);
+    wait_bound(&mut conn, "billing", Some("12000"));
+    let (more, refused) = publish(&runtime, &producer, 15_000, 4_001);
+    assert_eq!((more.len(), refused.len()), (4_000, 1));
+    accepted.extend(more);
+
+    // Removing the bound makes the stream unbounded again, and the condition and its Event say so.
+    kubectl_ok(&[
+        "patch",
+        "cgp",
+        "orders",
+        "-n",
+        &ns,
+        "--type",
+        "json",
+        "-p",
+        r#"[{"op":"remove","path":"/spec/backlog"}]"#,
+    ]);
+    wait_bound(&mut conn, "billing", None);
+    let (more, refused) = publish(&runtime, &producer, 20_000, 5_000);
+    assert_eq!((more.len(), refused.len()), (5_000, 0));
+    accepted.extend(more);
+    wait_status(&ns, "orders", "the Saturated condition to go", |p| condition(p, "Saturated").is_none());
+    assert_eq!(events(&ns, "BacklogCleared").len(), 1);
+
+    // No accepted entry was lost, and nothing else is there (publishes ran concurrently: compare as sets).
+    let ids: HashSet<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
+    let accepted_count = accepted.len();
+    let accepted: HashSet<String> = accepted.into_iter().collect();
+    assert_eq!((ids.len(), accepted.len()), (accepted_count, accepted_count));
+    assert!(ids == accepted, "the stream and the accepted ids differ");
+}
+
+fn retention_trims_what_every_group_acknowledged_and_names_who_pins(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("retention");
+    let _operator = Operator::start(&ns);
+    let mut conn = server.conn();
+    let _: () =
+        redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg("audit").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+    let retention = "  retention:\n    mode: Acknowledged\n    minAge: 0s\n";
+    assert!(kubectl_apply(&ns, &policy("billing", &server.url(), STREAM, "billing", retention)).0);
+    wait_condition(&ns, "billing", "Ready", "True", "Reconciled");
+    let ids: Vec<String> =
+        (0..100).map(|n| redis::cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).query(&mut conn).unwrap()).collect();
+    let billing = read_new(&mut conn, STREAM, "billing", "b1", 100);
+    ack(&mut conn, "billing", &billing);
+    let audit = read_new(&mut conn, STREAM, "audit", "a1", 30);
+    ack(&mut conn, "audit", &audit[..10]);
+
+    // The group no policy manages pins the stream at its oldest pending entry, and status says so.
+    let pinned = wait_status(&ns, "billing", "the trim to stop at audit's oldest pending entry", |p| {
+        p["status"]["totals"]["trimmed"] == 10
+    });
+    assert_eq!(pinned["status"]["retention"]["pinnedBy"], format!("group audit (oldest pending {})", ids[10]));
+    assert_eq!(pinned["status"]["retention"]["effective"], "Acknowledged, minAge 0s");
+    assert_eq!(xrange(&mut conn, STREAM)[0].0, ids[10]);
+
+    // A second policy of the stream without retention wins (None over Acknowledged): nothing more is trimmed.
+    assert!(kubectl_apply(&ns, &policy("ledger", &server.url(), STREAM, "ledger", "")).0);
+    wait_condition(&ns, "ledger", "Ready", "True", "Reconciled");
+    wait_status(&ns, "billing", "billing's retention to be None from ledger", |p| {
+        p["status"]["retention"]["effective"].as_str().is_some_and(|e| e.starts_with("None") && e.contains("ledger"))
+    });
+    ack(&mut conn, "audit", &audit[10..]);
+    let ledger = read_new(&mut conn, STREAM, "ledger", "l1", 100);
+    ack(&mut conn, "ledger", &ledger);
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 90, "trimmed while another policy of the stream says None");
+
+    // Without it, the trim goes on to audit's read position.
+    kubectl_ok(&["delete", "cgp", "ledger", "-n", &ns, "--timeout=60s"]);
+    let moved = wait_status(&ns, "billing", "the trim to reach audit's read position", |p| {
+        p["status"]["totals"]["trimmed"] == 30
+    });
+    let pinned_by = moved["status"]["retention"]["pinnedBy"].as_str().unwrap().to_string();
+    assert!(pinned_by.starts_with("group audit (not read from "), "{pinned_by}");
+    assert_eq!(xrange(&mut conn, STREAM)[0].0, ids[30]);
+}
+
+/// Producers, a fast managed group and a slow unmanaged one run while the operator, trimming every second, is
+/// killed with SIGKILL and restarted. Afterwards every entry either group has pending or has not read is still
+/// there (a ledger of every accepted id), and the trim did happen.
+fn operator_killed_while_trimming_never_removes_an_entry_a_group_needs(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("trimchaos");
+    let mut conn = server.conn();
+    let _: () =
+        redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg("audit").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+    let retention = "  retention:\n    mode: Acknowledged\n";
+    let mut operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("billing", &server.url(), STREAM, "billing", retention)).0);
+    wait_condition(&ns, "billing", "Ready", "True", "Reconciled");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (mut conn, stop) = (server.conn(), stop.clone());
+        std::thread::spawn(move || {
+            let mut ledger = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let mut pipe = redis::pipe();
+                for n in 0..50 {
+                    pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n);
+                }
+                let ids: Vec<String> = pipe.query(&mut conn).unwrap();
+                ledger.extend(ids);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            ledger
+        })
+    };
+    // Each consumer acknowledges a batch `lag` batches after reading it, so its oldest pending entry moves on but
+    // something is always pending.
+    let consumer = |group: &'static str, batch: usize, lag: usize| {
+        let (mut conn, stop) = (server.conn(), stop.clone());
+        std::thread::spawn(move || {
+            let mut held = std::collections::VecDeque::new();
+            while !stop.load(Ordering::Relaxed) {
+                held.push_back(read_new(&mut conn, STREAM, group, "c", batch));
+                if held.len() > lag {
+                    ack(&mut conn, group, &held.pop_front().unwrap());
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let fast = consumer("billing", 1_000, 0);
+    let slow = consumer("audit", 300, 3);
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(2_500));
+        operator.kill9();
+        operator = Operator::start(&ns);
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    let ledger = producer.join().unwrap();
+    fast.join().unwrap();
+    slow.join().unwrap();
+    drop(operator);
+
+    let present: HashSet<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
+    let trimmed = ledger.iter().filter(|id| !present.contains(*id)).count();
+    println!("{flavor:?}: {} published, {trimmed} trimmed, {} left", ledger.len(), present.len());
+    assert!(trimmed > 0, "nothing was trimmed: the test proves nothing");
+    for group in ["billing", "audit"] {
+        let pending: HashSet<String> = pel(&mut conn, STREAM, group).into_iter().map(|(id, ..)| id).collect();
+        let last = last_delivered(&mut conn, group);
+        for id in &ledger {
+            let needed = pending.contains(id) || newer(id, &last);
+            assert!(!needed || present.contains(id), "{id}, still needed by {group}, was trimmed");
+        }
+    }
+}
+
+fn last_delivered(conn: &mut redis::Connection, group: &str) -> String {
+    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(STREAM).query(conn).unwrap();
+    groups
+        .into_iter()
+        .map(|g| redis::from_redis_value::<std::collections::HashMap<String, redis::Value>>(g).unwrap())
+        .find(|g| redis::from_redis_value::<String>(g["name"].clone()).unwrap() == group)
+        .map(|g| redis::from_redis_value(g["last-delivered-id"].clone()).unwrap())
+        .unwrap()
+}
+
+fn newer(id: &str, than: &str) -> bool {
+    let parse = |id: &str| {
+        let (ms, seq) = id.split_once('-').unwrap();
+        (ms.parse::<u64>().unwrap(), seq.parse::<u64>().unwrap())
+    };
+    parse(id) > parse(than)
+}
