@@ -117,3 +117,25 @@ fn dead_letter_max_len_has_a_maximum() {
         .0
     );
 }
+
+#[test]
+fn backlog_and_retention_are_checked_at_admission() {
+    let ns = namespace("adm");
+    let out = refused(&ns, &policy("p", URL, "s", "g", "  backlog:\n    maxLength: 0\n"));
+    assert!(out.contains("spec.backlog.maxLength") && out.contains("greater than or equal to 1"), "{out}");
+    let out = refused(&ns, &policy("p", URL, "s", "g", "  backlog: {}\n"));
+    assert!(out.contains("spec.backlog.maxLength") && out.contains("Required"), "{out}");
+    let out = refused(&ns, &policy("p", URL, "s", "g", "  retention:\n    mode: Forever\n"));
+    assert!(out.contains("spec.retention.mode") && out.contains("\"Acknowledged\""), "{out}");
+    let out =
+        refused(&ns, &policy("p", URL, "s", "g", "  retention:\n    mode: Acknowledged\n    minAge: ten minutes\n"));
+    assert!(out.contains("spec.retention.minAge"), "{out}");
+    let ok = policy(
+        "p",
+        URL,
+        "s",
+        "g",
+        "  backlog:\n    maxLength: 1\n  retention:\n    mode: Acknowledged\n    minAge: 1h30m\n",
+    );
+    assert!(kubectl_apply(&ns, &ok).0);
+}

@@ -1,0 +1,134 @@
+//! Bounded streams (SPEC section 9), side by side in one run on the same server:
+//!
+//! 1. the bounded-publish script with one bounded group (a bound high enough never to refuse, so every call does the
+//!    full check) against plain `XADD` of the same entry: one client, one call at a time; then 16 clients, each
+//!    pipelining 100 calls;
+//! 2. the retention trim of 100,000 acknowledged entries from a 1,000,000-entry stream against a bare
+//!    `XTRIM MINID` of the same entries (what a person would run knowing the safe point).
+//!
+//!   scripts/testenv up && cargo bench --bench bounded [-- <publishes per client>]
+
+use std::time::{Duration, Instant};
+
+use pelican::jobs;
+use pelican::keys::{bounds_key, rejected_key};
+use pelican::redis::{Conn, GroupKeys, Pools, Target};
+use pelican::worker::BOUNDED_PUBLISH;
+use support::{bed_var, fill_stream};
+
+mod support;
+
+const STREAM: &str = "{bench}:orders";
+const GROUP: &str = "billing";
+
+/// One publish, bounded or plain, added to a pipeline.
+fn add(pipe: &mut redis::Pipeline, bounded: bool, n: usize) {
+    if bounded {
+        // What any client sends: EVALSHA with the documented KEYS and the entry's fields as ARGV.
+        pipe.cmd("EVALSHA").arg(BOUNDED_PUBLISH.get_hash()).arg(3).arg(STREAM).arg(bounds_key(STREAM));
+        pipe.arg(rejected_key(STREAM)).arg("n").arg(n).arg("body").arg("x".repeat(100)).ignore();
+    } else {
+        pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).arg("body").arg("x".repeat(100)).ignore();
+    }
+}
+
+/// A fresh stream with one group, bounded far above what the run publishes; the script cached on the server.
+async fn reset(conn: &mut Conn) {
+    let _: () = redis::cmd("DEL")
+        .arg(STREAM)
+        .arg(bounds_key(STREAM))
+        .arg(rejected_key(STREAM))
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(STREAM)
+        .arg(GROUP)
+        .arg("$")
+        .arg("MKSTREAM")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET").arg(bounds_key(STREAM)).arg(GROUP).arg(1u64 << 40).query_async(conn).await.unwrap();
+    BOUNDED_PUBLISH.load_async(conn).await.unwrap();
+}
+
+/// Publishes per second: `clients` connections, each sending `per_client` publishes in pipelines of `depth`.
+async fn rate(url: &str, bounded: bool, clients: usize, per_client: usize, depth: usize) -> f64 {
+    let pools = Pools::default();
+    let mut conn = pools.get(&Target::new(url)).await.unwrap();
+    reset(&mut conn).await;
+    let mut conns = Vec::new();
+    for _ in 0..clients {
+        // Separate connections: Pools shares one per server, which would serialise the clients.
+        let client = redis::Client::open(url).unwrap();
+        conns.push(client.get_multiplexed_async_connection().await.unwrap());
+    }
+    let start = Instant::now();
+    let tasks = conns.into_iter().map(|mut conn| async move {
+        for first in (0..per_client).step_by(depth) {
+            let mut pipe = redis::pipe();
+            for n in first..(first + depth).min(per_client) {
+                add(&mut pipe, bounded, n);
+            }
+            let () = pipe.query_async(&mut conn).await.unwrap();
+        }
+    });
+    futures::future::join_all(tasks).await;
+    let elapsed = start.elapsed().as_secs_f64();
+    let published: usize = redis::cmd("XLEN").arg(STREAM).query_async(&mut conn).await.unwrap();
+    assert_eq!(published, clients * per_client, "every publish was accepted");
+    published as f64 / elapsed
+}
+
+/// Seconds to trim the first `trim` of `size` entries, with the retention script or a bare XTRIM MINID.
+async fn trim_time(conn: &mut Conn, size: usize, trim: usize, scripted: bool) -> (f64, u64) {
+    fill_stream(conn, STREAM, GROUP, size, 100).await;
+    let range: redis::streams::StreamRangeReply =
+        redis::cmd("XRANGE").arg(STREAM).arg("-").arg("+").arg("COUNT").arg(trim + 1).query_async(conn).await.unwrap();
+    let (last_read, first_kept) = (&range.ids[trim - 1].id, &range.ids[trim].id);
+    // The group has read and acknowledged the first `trim` entries: nothing pending, read up to `last_read`.
+    let _: () =
+        redis::cmd("XGROUP").arg("SETID").arg(STREAM).arg(GROUP).arg(last_read).query_async(conn).await.unwrap();
+    let start = Instant::now();
+    let trimmed = if scripted {
+        let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: "{bench}:dlq" };
+        jobs::trim_acknowledged(conn, "bench", &keys, Duration::ZERO).await.unwrap().trimmed
+    } else {
+        redis::cmd("XTRIM").arg(STREAM).arg("MINID").arg(first_kept).query_async(conn).await.unwrap()
+    };
+    (start.elapsed().as_secs_f64(), trimmed)
+}
+
+#[tokio::main]
+async fn main() {
+    let per_client: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(20_000);
+    for var in ["PELICAN_REDIS_URL", "PELICAN_VALKEY_URL"] {
+        let url = bed_var(var);
+        let pools = Pools::default();
+        let mut conn = pools.get(&Target::new(&url)).await.unwrap();
+        let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
+        let server = pelican::redis::ServerInfo::parse(&info);
+        println!("\n{server} at {url}: publishes/s, {per_client} per client, 100-byte body, one bounded group");
+        println!("{:<34} {:>14} {:>14} {:>10}", "clients x pipeline depth", "plain XADD", "bounded", "ratio");
+        for (clients, depth) in [(1, 1), (16, 100)] {
+            let n = if clients == 1 { per_client / 4 } else { per_client };
+            let plain = rate(&url, false, clients, n, depth).await;
+            let bounded = rate(&url, true, clients, n, depth).await;
+            println!(
+                "{:<34} {plain:>14.0} {bounded:>14.0} {:>9.0}%",
+                format!("{clients} x {depth}"),
+                100.0 * bounded / plain
+            );
+        }
+        let (size, trim) = (1_000_000, 100_000);
+        let (bare, bare_trimmed) = trim_time(&mut conn, size, trim, false).await;
+        let (scripted, scripted_trimmed) = trim_time(&mut conn, size, trim, true).await;
+        assert_eq!((bare_trimmed, scripted_trimmed), (trim as u64, trim as u64));
+        println!("trim {trim} acknowledged entries of a {size}-entry stream:");
+        println!("{:<34} {:>11.1} ms", "bare XTRIM MINID (safe point known)", bare * 1000.0);
+        println!("{:<34} {:>11.1} ms", "retention script (finds it)", scripted * 1000.0);
+        let _: () = redis::cmd("DEL").arg(STREAM).query_async(&mut conn).await.unwrap();
+    }
+}
