@@ -38,6 +38,14 @@ pub enum Error {
         source: RedisError,
     },
 
+    #[error(
+        "{server} has no database {database} (spec.redis.url): a server has the databases 0 to `databases` - 1 (16 by default); use one of those, or raise `databases` in the server's configuration"
+    )]
+    DatabaseNotFound { server: String, database: String },
+
+    #[error("spec.startId {start_id:?}: {why}")]
+    InvalidStartId { start_id: String, why: String },
+
     #[error("{0}: rename the key in the policy or remove the other value")]
     WrongKeyType(String),
 
@@ -71,6 +79,8 @@ impl Error {
             Error::PermissionDenied { .. } => "PermissionDenied",
             Error::RedisUnavailable { .. } => "RedisUnavailable",
             Error::RedisCommand { .. } => "RedisError",
+            Error::DatabaseNotFound { .. } => "DatabaseNotFound",
+            Error::InvalidStartId { .. } => "InvalidStartId",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict(_) => "ResourceConflict",
@@ -90,6 +100,8 @@ impl Error {
                 | Error::AuthenticationFailed { .. }
                 | Error::TlsFailed { .. }
                 | Error::PermissionDenied { .. }
+                | Error::DatabaseNotFound { .. }
+                | Error::InvalidStartId { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict(_)

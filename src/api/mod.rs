@@ -58,9 +58,11 @@ pub struct ConsumerGroupPolicySpec {
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable: create a new policy for another group"))]
     #[schemars(length(min = 1, max = 256))]
     pub group: String,
-    /// Where a newly created group starts: `$` (new entries only), `0` (the whole stream) or an entry id.
+    /// Where a newly created group starts: `$` (new entries only), `0` (the whole stream) or an entry id
+    /// (`<milliseconds>` or `<milliseconds>-<sequence>`, not ahead of the server's clock). Used only when the group is
+    /// created; changing it later does not move an existing group.
     #[serde(default = "default_start_id")]
-    #[schemars(regex(pattern = r"^(\$|0|[0-9]+(-[0-9]+)?)$"))]
+    #[schemars(regex(pattern = r"^(\$|0|[0-9]{1,20}(-[0-9]{1,20})?)$"))]
     pub start_id: String,
     #[serde(default)]
     pub reclaim: ReclaimSpec,
@@ -114,11 +116,13 @@ pub enum RetentionMode {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.mode != 'Cluster' || !self.url.matches('/0*[1-9][0-9]*$')").message("spec.redis.url selects a database other than 0, but a Redis Cluster has only database 0: remove the path or use /0"))]
 #[x_kube(validation = Rule::new("!has(self.tls) || self.url.startsWith('rediss://')").message("spec.redis.tls is set but spec.redis.url is redis://, which never uses TLS: use a rediss:// URL or remove spec.redis.tls"))]
 pub struct RedisSpec {
     /// `redis://host:port/db` or `rediss://host:port/db`. Credentials go in Secrets, never in the URL. Immutable.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.url is immutable: create a new policy for another server"))]
     #[x_kube(validation = Rule::new("!self.matches('^rediss?://[^/]*@')").message("spec.redis.url must not contain credentials: put them in a Secret and use spec.redis.usernameSecretRef / passwordSecretRef"))]
+    #[x_kube(validation = Rule::new("self.matches('^rediss?://[^/]*@') || self.matches('^rediss?://(\\\\[[0-9A-Fa-f:.]+\\\\]|[^\\\\s/:@?#\\\\[\\\\]]+)(:[0-9]{1,5})?(/[0-9]{0,9})?$')").message("spec.redis.url must be redis://host[:port][/database] or rediss://host[:port][/database]: a host name or address, an optional port, an optional database number (at most 9 digits), and nothing else (no query, no other path)"))]
     #[schemars(regex(pattern = r"^rediss?://[^\s]+$"), length(max = 2048))]
     pub url: String,
     #[serde(default)]

@@ -135,7 +135,7 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
     if !destroy && !bounded {
         return Ok(Action::await_change());
     }
-    if let Some(conflict) = validate::conflict(policy, &ctx.policies.state()) {
+    if let Some(conflict) = validate::conflict(policy, &ctx.neighbours.of(policy, &ctx.policies)) {
         // The group, and its bound, belong to the older policy.
         if destroy {
             let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);

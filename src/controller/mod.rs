@@ -10,6 +10,7 @@
 //! timer (`interval`), never by its own status writes.
 
 mod act;
+mod neighbours;
 mod report;
 mod resolve;
 mod status;
@@ -21,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
@@ -39,6 +40,7 @@ use crate::redis::{PoolKey, Pools};
 use crate::runner::Runner;
 use crate::telemetry::{Events, Metrics, Readiness};
 use crate::{Error, Result};
+use neighbours::Neighbours;
 use resolve::SecretCache;
 use validate::Schedule;
 
@@ -57,6 +59,8 @@ pub struct Context {
     pub events: Events,
     /// Every policy the controller sees, for the (server, stream, group) ownership check.
     pub policies: Store<ConsumerGroupPolicy>,
+    /// Which of them share a server and a stream or a key name with a given policy.
+    neighbours: Neighbours,
     pub metrics: Arc<Metrics>,
     pub runner: Runner,
     leadership: Leadership,
@@ -94,6 +98,8 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
     let (store, writer) = reflector::store();
+    let neighbours = Neighbours::default();
+    let index = neighbours.clone();
     // Status writes change the resource version but not the generation: they must not wake the reconcile.
     let mut config = watcher::Config::default().any_semantic();
     if let Some(selector) = &settings.label_selector {
@@ -107,6 +113,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
             policy.managed_fields_mut().clear();
             policy.annotations_mut().remove("kubectl.kubernetes.io/last-applied-configuration");
         })
+        .inspect_ok(move |event| index.observe(event))
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
@@ -133,6 +140,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         pools: Pools::default(),
         events: events.clone(),
         policies: store.clone(),
+        neighbours,
         metrics: settings.metrics.clone(),
         runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone()),
         leadership: settings.leadership,
@@ -215,7 +223,7 @@ fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Contex
 /// The four phases, then the next look: after `interval` when the policy is Ready or Stalled (Redis can heal
 /// without any Kubernetes event: a key of the wrong type deleted, an ACL fixed), with backoff otherwise.
 async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGroupPolicy>) -> Result<Action> {
-    let others = ctx.policies.state();
+    let others = ctx.neighbours.of(policy, &ctx.policies);
     let schedule = Schedule::from_spec(&policy.spec);
     let result = async {
         let target = resolve::target(policy, &ctx.client, &ctx.secrets).await?;

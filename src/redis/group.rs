@@ -132,6 +132,11 @@ pub async fn ensure_group(
     if exists {
         return Ok(GroupSetup { server: info, created: false, carried_over });
     }
+    if start_id != "$" && start_id != "0" {
+        let (seconds, micros): (u64, u64) =
+            redis::cmd("TIME").query_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
+        check_start_id(start_id, seconds * 1000 + micros / 1000)?;
+    }
     let created: redis::RedisResult<()> = redis::cmd("XGROUP")
         .arg("CREATE")
         .arg(keys.stream)
@@ -144,7 +149,38 @@ pub async fn ensure_group(
         Ok(()) => Ok(GroupSetup { server: info, created: true, carried_over }),
         // Another writer created it between our check and our create: it exists, which is all we want.
         Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup { server: info, created: false, carried_over }),
+        // Keys and types were checked above: a plain ERR here is about the id (out of the range of stream ids).
+        Err(e) if e.code() == Some("ERR") => Err(Error::InvalidStartId {
+            start_id: start_id.to_string(),
+            why: format!("{server} refused it ({}); use $, 0 or an id of the stream", e.detail().unwrap_or_default()),
+        }),
         Err(e) => Err(Error::from_redis(server, e)),
+    }
+}
+
+/// A group created at an id ahead of the server's clock receives nothing until the clock gets there: entries added
+/// meanwhile get smaller ids and are skipped. Refused before the group exists.
+fn check_start_id(start_id: &str, server_time_ms: u64) -> Result<()> {
+    let millis = start_id.split('-').next().and_then(|ms| ms.parse::<u64>().ok());
+    match millis {
+        Some(ms) if ms > server_time_ms => Err(Error::InvalidStartId {
+            start_id: start_id.to_string(),
+            why: format!(
+                "it lies {} ahead of the server's clock, so the group would skip every entry added until then; use $, \
+                 0 or an id the stream already has",
+                humanize_ms(ms - server_time_ms)
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn humanize_ms(ms: u64) -> String {
+    match ms / 1000 {
+        s if s < 120 => format!("{s} s"),
+        s if s < 7200 => format!("{} min", s / 60),
+        s if s < 172_800 => format!("{} h", s / 3600),
+        s => format!("{} days", s / 86_400),
     }
 }
 
@@ -314,6 +350,16 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_start_id_ahead_of_the_server_clock_is_refused() {
+        let now = 1_764_421_200_000;
+        assert!(check_start_id("1764421200000-5", now).is_ok());
+        assert!(check_start_id("17", now).is_ok());
+        let error = check_start_id("1864421200000-0", now).unwrap_err();
+        assert_eq!(error.reason(), "InvalidStartId");
+        assert!(error.to_string().contains("1157 days ahead"), "{error}");
+    }
 
     #[test]
     fn recognises_valkey_by_its_own_version_field() {

@@ -153,10 +153,29 @@ impl Target {
         client.get_async_connection().await.map_err(|e| Error::from_redis(&server, e))
     }
 
+    /// Why connecting failed. The connection selects the URL's database first; a server without that database
+    /// answers SELECT with `ERR DB index is out of range` (a message about the SELECT itself, which quotes no key).
+    fn connect_error(&self, server: &str, e: redis::RedisError) -> Error {
+        let database = self.url.rsplit_once('/').map(|(_, db)| db).filter(|db| !db.is_empty() && !db.contains(':'));
+        match (database, e.detail()) {
+            (Some(database), Some(detail))
+                if e.code() == Some("ERR") && detail.starts_with("DB index is out of range") =>
+            {
+                Error::DatabaseNotFound { server: server.to_string(), database: database.to_string() }
+            }
+            _ => Error::from_redis(server, e),
+        }
+    }
+
     /// A client for this target: credentials in the connection settings, TLS material when the URL is `rediss://`.
     fn client(&self) -> Result<Client> {
         let server = self.server();
-        let mut info = self.url.as_str().into_connection_info().map_err(|e| Error::from_redis(&server, e))?;
+        // A URL the client cannot read is a spec problem, never worth a retry.
+        let mut info = self
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| Error::InvalidSpec(format!("spec.redis.url {:?} cannot be used: {e}", self.url)))?;
         // No CLIENT SETINFO: one command fewer for the ACL rule set, and Redis 7.0 does not know it.
         let mut settings = info.redis_settings().clone().set_skip_set_lib_name();
         if let Some(user) = &self.credentials.username {
@@ -206,7 +225,7 @@ impl Pools {
                 .set_max_delay(Duration::from_secs(2));
             let manager = ConnectionManager::new_with_config(target.client()?, config)
                 .await
-                .map_err(|e| Error::from_redis(&server, e))?;
+                .map_err(|e| target.connect_error(&server, e))?;
             Conn::Single(manager)
         };
         let mut map = self.connections.lock().expect("pool lock");
