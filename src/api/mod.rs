@@ -12,6 +12,8 @@ use serde::{Deserialize, Serialize};
 /// Go-style durations made of integer parts: `90s`, `5m`, `1h30m`, `250ms`.
 pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
 
+/// What Pelican manages for one consumer group: the server, the stream and group, the reclaim / retry /
+/// dead-letter policy, and optionally a backlog bound and retention.
 // clippy reads the repeated `type_ = ...` of the printer columns as duplicated attributes.
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -49,6 +51,7 @@ pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
 #[x_kube(validation = Rule::new("self.deadLetter.stream != self.stream").message("spec.deadLetter.stream must differ from spec.stream: dead-lettered entries would be read again by the group").field_path(".deadLetter.stream"))]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerGroupPolicySpec {
+    /// The Redis or Valkey server (or Cluster) that holds the stream, and how to connect to it.
     pub redis: RedisSpec,
     /// The stream key. Immutable.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.stream is immutable: create a new policy for another stream"))]
@@ -64,13 +67,19 @@ pub struct ConsumerGroupPolicySpec {
     #[serde(default = "default_start_id")]
     #[schemars(regex(pattern = r"^(\$|0|[0-9]{1,20}(-[0-9]{1,20})?)$"))]
     pub start_id: String,
+    /// When pending entries count as abandoned and what the operator does with them, and how often it looks.
     #[serde(default)]
     pub reclaim: ReclaimSpec,
+    /// How many deliveries a message gets before it is dead-lettered.
     #[serde(default)]
     pub retry: RetrySpec,
+    /// Where messages that reached `retry.maxDeliveries` go.
     pub dead_letter: DeadLetterSpec,
+    /// Housekeeping of the group's consumers (optional).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumers: Option<ConsumersSpec>,
+    /// What deleting the policy does in Redis: `Retain` (default) leaves the group and its data; `Delete` destroys
+    /// the group (`XGROUP DESTROY`; the streams themselves are never deleted).
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
     /// A bound on what the group has not acknowledged yet, enforced on producers that publish through the
@@ -97,6 +106,8 @@ pub struct BacklogSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct RetentionSpec {
+    /// `None` (default): Pelican never trims the stream. `Acknowledged`: each pass trims the entries every group of
+    /// the stream has acknowledged and that are older than `minAge`.
     #[serde(default)]
     pub mode: RetentionMode,
     /// Acknowledged entries are kept at least this long, as a replay window (`Acknowledged` only; default `0s`).
@@ -125,12 +136,17 @@ pub struct RedisSpec {
     #[x_kube(validation = Rule::new("self.matches('^rediss?://[^/]*@') || self.matches('^rediss?://(\\\\[[0-9A-Fa-f:.]+\\\\]|[^\\\\s/:@?#\\\\[\\\\]]+)(:[0-9]{1,5})?(/[0-9]{0,9})?$')").message("spec.redis.url must be redis://host[:port][/database] or rediss://host[:port][/database]: a host name or address, an optional port, an optional database number (at most 9 digits), and nothing else (no query, no other path)"))]
     #[schemars(regex(pattern = r"^rediss?://[^\s]+$"), length(max = 2048))]
     pub url: String,
+    /// `Standalone` (default): one server, or the primary of a replicated setup. `Cluster`: `url` names any node of a
+    /// Redis Cluster; the operator discovers the others and follows slot moves.
     #[serde(default)]
     pub mode: RedisMode,
+    /// The ACL user name, from a Secret in the policy's namespace (optional; `default` when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub username_secret_ref: Option<SecretKeyRef>,
+    /// The password, from a Secret in the policy's namespace (optional).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
+    /// TLS settings for `rediss://` URLs: the CA to trust and an optional client certificate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsSpec>,
 }
@@ -145,8 +161,10 @@ pub enum RedisMode {
 /// A key of a Secret in the policy's own namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SecretKeyRef {
+    /// Name of the Secret, in the policy's namespace.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
+    /// Key within the Secret's data.
     #[schemars(length(min = 1, max = 253))]
     pub key: String,
 }
@@ -155,12 +173,16 @@ pub struct SecretKeyRef {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("has(self.certSecretRef) == has(self.keySecretRef)").message("spec.redis.tls.certSecretRef and spec.redis.tls.keySecretRef go together: a client certificate needs its key, and a key its certificate"))]
 pub struct TlsSpec {
+    /// PEM CA bundle to verify the server's certificate with (optional; the system roots when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretKeyRef>,
+    /// PEM client certificate, for servers that require one (mutual TLS); goes with `keySecretRef`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cert_secret_ref: Option<SecretKeyRef>,
+    /// PEM private key of the client certificate; goes with `certSecretRef`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_secret_ref: Option<SecretKeyRef>,
+    /// Accept any server certificate (testing only: the operator records a Warning Event). Default false.
     #[serde(default)]
     pub insecure_skip_verify: bool,
 }
@@ -182,6 +204,9 @@ pub struct ReclaimSpec {
     #[serde(default = "default_max_per_pass")]
     #[schemars(range(min = 1, max = 100000))]
     pub max_per_pass: i32,
+    /// What happens to an idle entry under the retry cap: `Requeue` (default) appends a copy to the stream and
+    /// acknowledges the original, so any consumer reads it again; `Reassign` hands it to the least loaded live
+    /// consumer (`XCLAIM`); `DeadLetterOnly` leaves it to its consumer and only dead-letters entries past the cap.
     #[serde(default)]
     pub strategy: ReclaimStrategy,
 }
@@ -272,34 +297,45 @@ impl Default for RetrySpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerGroupPolicyStatus {
+    /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// `Ready`, `Reconciling`, `Stalled` (kstatus), and `Saturated` when `spec.backlog` is set.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// The server's flavor and version, e.g. `redis 7.0.15` or `valkey 9.1.2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_version: Option<String>,
+    /// Entries in the stream (`XLEN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_length: Option<i64>,
     /// Entries not yet delivered to the group; absent when the server cannot tell.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<i64>,
+    /// Entries delivered to a consumer of the group and not acknowledged yet (the PEL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<i64>,
+    /// Id of the oldest pending entry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_pending_id: Option<String>,
     /// Time of the oldest pending entry, from its id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
     pub oldest_pending_time: Option<String>,
+    /// Seconds since the oldest pending entry was last delivered (refreshed with other changes, not on its own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_pending_idle_seconds: Option<i64>,
+    /// Consumers of the group, the operator's own excluded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumers: Option<i64>,
+    /// Entries in the dead-letter stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dead_letter_length: Option<i64>,
+    /// The operator's counters, kept in Redis so they survive restarts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub totals: Option<Totals>,
+    /// Messages consumers ended as terminal (acknowledged without success), by reason code.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["reason"]))]
     pub terminal_acks: Vec<TerminalAckCount>,
@@ -318,10 +354,15 @@ pub struct ConsumerGroupPolicyStatus {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct Totals {
+    /// Idle entries copied to the tail of the stream and acknowledged (`strategy: Requeue`).
     pub requeued: i64,
+    /// Idle entries handed to another consumer (`strategy: Reassign`).
     pub reassigned: i64,
+    /// Messages moved to the dead-letter stream after `retry.maxDeliveries` deliveries.
     pub dead_lettered: i64,
+    /// Pending entries whose payload was gone (deleted or trimmed), acknowledged and dropped.
     pub payload_deleted: i64,
+    /// Consumers deleted by `consumers.expireAfter`.
     pub consumers_expired: i64,
     /// Dead-letter entries dropped by `spec.deadLetter.maxLen`.
     #[serde(default)]
@@ -348,7 +389,9 @@ pub struct RetentionStatus {
 /// Messages ended as terminal with one reason code, from `{T}:pelican:<stream>:<group>:terminal`.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct TerminalAckCount {
+    /// The reason code the consumer gave, e.g. `RecordNotFound`.
     pub reason: String,
+    /// Messages ended with it.
     pub count: i64,
 }
 
