@@ -2,6 +2,7 @@
 //!
 //!   cargo run --example file_jobs -- redis://127.0.0.1:6379/0 files converters worker-1
 //!
+//! Apply examples/file_jobs/policy.yaml first (pointing at the same server): the policy owns the group.
 //! Then: `redis-cli XADD files '*' job_id 42` with and without `redis-cli HSET filejob:42 path /tmp/a.pdf`.
 //! Stop it with Ctrl-C: it stops reading, lets in-flight jobs finish, and acknowledges nothing unfinished.
 
@@ -22,15 +23,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let consumer = args.next().unwrap_or_else(|| "worker-1".into());
 
     let client = redis::Client::open(url)?;
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&stream)
-        .arg(&group)
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut client.get_multiplexed_async_connection().await?)
-        .await
-        .or_else(|e| if e.code() == Some("BUSYGROUP") { Ok(()) } else { Err(e) })?;
+    // The group belongs to the ConsumerGroupPolicy (examples/file_jobs/policy.yaml), which creates it at its
+    // startId; the worker only reads. Until the policy is Ready, reads fail with NOGROUP and are retried.
     let jobs = Arc::new(FileJobs::new(RedisJobStore(client.get_connection_manager().await?)));
     let worker = Worker::connect(&client, WorkerConfig::new(stream, group, consumer)).await?;
     let stats = worker

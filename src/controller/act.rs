@@ -114,17 +114,30 @@ pub async fn converge(
     Ok(Observation { server: setup.server, facts, retention: retention_note })
 }
 
-/// Runs on deletion: the jobs stop, Redis is treated by `deletionPolicy`, then the policy's state and connection
-/// are forgotten.
+/// Whether deleting the policy has work to do in Redis, and so whether it carries the finalizer.
+pub fn needs_cleanup(policy: &ConsumerGroupPolicy) -> bool {
+    policy.spec.deletion_policy == DeletionPolicy::Delete || policy.spec.backlog.is_some()
+}
+
+/// Runs on deletion of a policy with the finalizer: the jobs stop, Redis is treated by `deletionPolicy` and the
+/// bound removed, then the policy's state and connection are forgotten.
 pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let key = ObjectRef::from_obj(policy);
     ctx.runner.stop(&policy_id(policy));
-    ctx.failures.lock().expect("failures lock").remove(&key);
-    ctx.metrics.forget_policy(&(policy.namespace().unwrap_or_default(), policy.name_any()));
     let done = release_redis(policy, ctx).await;
-    ctx.pools.assign(&ctx.pool_users, &key, None);
+    forget(ctx, &key);
     ctx.secrets.retain_referenced(&ctx.policies.state());
     done
+}
+
+/// Drops what the operator keeps about a policy that is gone: its jobs, retry count, metric series and its use
+/// of a shared connection.
+pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
+    let namespace = key.namespace.clone().unwrap_or_default();
+    ctx.runner.stop(&format!("{namespace}/{}", key.name));
+    ctx.failures.lock().expect("failures lock").remove(key);
+    ctx.metrics.forget_policy(&(namespace, key.name.clone()));
+    ctx.pools.assign(&ctx.pool_users, key, None);
 }
 
 /// The group's backlog bound goes with the policy (producers are no longer refused for a group nobody manages).

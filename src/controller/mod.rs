@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::Reporter;
@@ -98,13 +98,27 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         None => (Api::all(client.clone()), Api::all(client.clone())),
     };
     let (store, writer) = reflector::store();
-    let neighbours = Neighbours::default();
-    let index = neighbours.clone();
+    let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
+    let events = Events::new(client.clone(), reporter);
+    let ctx = Arc::new(Context {
+        client,
+        pools: Pools::default(),
+        events: events.clone(),
+        policies: store.clone(),
+        neighbours: Neighbours::default(),
+        metrics: settings.metrics.clone(),
+        runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone()),
+        leadership: settings.leadership,
+        secrets: SecretCache::default(),
+        failures: Mutex::default(),
+        pool_users: Mutex::default(),
+    });
     // Status writes change the resource version but not the generation: they must not wake the reconcile.
     let mut config = watcher::Config::default().any_semantic();
     if let Some(selector) = &settings.label_selector {
         config = config.labels(selector);
     }
+    let watch_ctx = ctx.clone();
     let changes = watcher(policies, config)
         .default_backoff()
         // Nothing reads managedFields or kubectl's last-applied annotation; with thousands of policies they would
@@ -113,7 +127,12 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
             policy.managed_fields_mut().clear();
             policy.annotations_mut().remove("kubectl.kubernetes.io/last-applied-configuration");
         })
-        .inspect_ok(move |event| index.observe(event))
+        .inspect_ok(move |event| {
+            // A policy without a finalizer is gone without a reconcile: its jobs stop here.
+            for gone in watch_ctx.neighbours.observe(event) {
+                act::forget(&watch_ctx, &gone);
+            }
+        })
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
@@ -121,7 +140,6 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
     // so no value crosses the watch): a change to a referenced Secret drops its cached value and re-runs its
     // policies at once.
     let secret_changes = watcher(secrets, watcher::Config::default()).default_backoff().touched_objects();
-    let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
     let (ready_store, readiness) = (store.clone(), settings.readiness);
     tokio::spawn(async move {
         // The store's readiness signal wakes only its latest waiter (the controller also waits on it), so ask
@@ -133,20 +151,6 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
                 Err(_) => continue,
             }
         }
-    });
-    let events = Events::new(client.clone(), reporter);
-    let ctx = Arc::new(Context {
-        client,
-        pools: Pools::default(),
-        events: events.clone(),
-        policies: store.clone(),
-        neighbours,
-        metrics: settings.metrics.clone(),
-        runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone()),
-        leadership: settings.leadership,
-        secrets: SecretCache::default(),
-        failures: Mutex::default(),
-        pool_users: Mutex::default(),
     });
     let mapper_ctx = ctx.clone();
     Controller::for_stream(changes, store.clone())
@@ -197,6 +201,15 @@ async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -
     }
     let namespace = policy.namespace().unwrap_or_default();
     let api: Api<ConsumerGroupPolicy> = Api::namespaced(ctx.client.clone(), &namespace);
+    let has_finalizer = policy.finalizers().iter().any(|f| f == FINALIZER);
+    // The finalizer is there only when deleting the policy has something to do in Redis (destroy the group, remove
+    // the backlog bound): a `Retain` policy without a bound is deleted at once, with or without the operator.
+    if !act::needs_cleanup(&policy) && policy.metadata.deletion_timestamp.is_none() {
+        if has_finalizer {
+            remove_finalizer(&api, &policy).await?;
+        }
+        return apply(&policy, ctx, &api).await;
+    }
     let action = finalizer(&api, FINALIZER, policy, |event| async {
         match event {
             Finalizer::Apply(policy) => apply(&policy, ctx, &api).await,
@@ -209,6 +222,17 @@ async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -
         other => Error::Finalizer(Box::new(other)),
     })?;
     Ok(action)
+}
+
+/// Takes Pelican's finalizer off a policy that no longer needs it (switched to `Retain`, bound removed). The
+/// resource version makes the patch fail, and the reconcile retry, if the finalizers changed meanwhile.
+async fn remove_finalizer(api: &Api<ConsumerGroupPolicy>, policy: &ConsumerGroupPolicy) -> Result<()> {
+    let others: Vec<&String> = policy.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+    let patch = serde_json::json!({
+        "metadata": {"finalizers": others, "resourceVersion": policy.resource_version()},
+    });
+    api.patch(&policy.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
 }
 
 /// Retries with exponential backoff per policy (1s, 2s, 4s ... 60s), reset by the next success.

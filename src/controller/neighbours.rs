@@ -14,6 +14,7 @@ use kube::runtime::watcher;
 
 use crate::api::ConsumerGroupPolicy;
 use crate::keys;
+use crate::redis::canonical_url;
 
 /// What a policy shares with its neighbours: the server (URL) and a stream or a key name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -24,7 +25,7 @@ enum Claim {
 }
 
 fn claims(policy: &ConsumerGroupPolicy) -> [Claim; 3] {
-    let (url, stream, group) = (&policy.spec.redis.url, &policy.spec.stream, &policy.spec.group);
+    let (url, stream, group) = (&canonical_url(&policy.spec.redis.url), &policy.spec.stream, &policy.spec.group);
     let [legacy_totals, _] = keys::legacy_keys(stream, group);
     [
         Claim::Stream(url.clone(), stream.clone()),
@@ -72,12 +73,16 @@ impl Index {
 pub struct Neighbours(Arc<Mutex<Index>>);
 
 impl Neighbours {
-    /// Follows one watch event.
-    pub fn observe(&self, event: &watcher::Event<ConsumerGroupPolicy>) {
+    /// Follows one watch event; returns the policies it learned are gone.
+    pub fn observe(&self, event: &watcher::Event<ConsumerGroupPolicy>) -> Vec<ObjectRef<ConsumerGroupPolicy>> {
         let mut index = self.0.lock().expect("neighbours lock");
         match event {
             watcher::Event::Apply(policy) => index.insert(policy),
-            watcher::Event::Delete(policy) => index.remove(&ObjectRef::from_obj(policy)),
+            watcher::Event::Delete(policy) => {
+                let key = ObjectRef::from_obj(policy);
+                index.remove(&key);
+                return vec![key];
+            }
             watcher::Event::Init => index.listed = Some(HashSet::new()),
             watcher::Event::InitApply(policy) => {
                 index.insert(policy);
@@ -88,12 +93,14 @@ impl Neighbours {
             watcher::Event::InitDone => {
                 if let Some(listed) = index.listed.take() {
                     let gone: Vec<_> = index.by_policy.keys().filter(|k| !listed.contains(*k)).cloned().collect();
-                    for key in gone {
-                        index.remove(&key);
+                    for key in &gone {
+                        index.remove(key);
                     }
+                    return gone;
                 }
             }
         }
+        Vec::new()
     }
 
     /// The policies that share a server and a stream, a counter key name or a 0.1 counter key name with `policy`

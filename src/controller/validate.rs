@@ -9,6 +9,7 @@ use kube::ResourceExt;
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RedisMode, RetentionMode, parse_duration};
 use crate::jobs::PassSettings;
 use crate::keys;
+use crate::redis::canonical_url;
 use crate::{Error, Result};
 
 /// The spec's durations, parsed.
@@ -123,7 +124,7 @@ pub fn conflict(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>
         .filter(|other| {
             other.metadata.uid != policy.metadata.uid
                 && other.metadata.deletion_timestamp.is_none()
-                && other.spec.redis.url == policy.spec.redis.url
+                && same_server(other, policy)
                 && same_counter_keys(&other.spec, &policy.spec)
                 && rank(other) < rank(policy)
         })
@@ -140,6 +141,11 @@ pub fn conflict(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>
             group: other_group.clone(),
         })
     }
+}
+
+/// Whether two policies name one server, however their URLs are spelled.
+fn same_server(a: &ConsumerGroupPolicy, b: &ConsumerGroupPolicy) -> bool {
+    a.spec.redis.url == b.spec.redis.url || canonical_url(&a.spec.redis.url) == canonical_url(&b.spec.redis.url)
 }
 
 /// Who is older: creation time, then namespace and name.
@@ -170,7 +176,7 @@ pub fn effective_retention(
     for other in others.iter().map(Arc::as_ref) {
         if other.metadata.uid == policy.metadata.uid
             || other.metadata.deletion_timestamp.is_some()
-            || other.spec.redis.url != policy.spec.redis.url
+            || !same_server(other, policy)
             || other.spec.stream != policy.spec.stream
         {
             continue;
@@ -197,7 +203,7 @@ pub fn shares_legacy_counters(policy: &ConsumerGroupPolicy, others: &[Arc<Consum
     others.iter().map(Arc::as_ref).any(|other| {
         other.metadata.uid != policy.metadata.uid
             && other.spec.group == policy.spec.group
-            && other.spec.redis.url == policy.spec.redis.url
+            && same_server(other, policy)
             && other.spec.stream != policy.spec.stream
             && keys::hash_tag(&other.spec.stream) == keys::hash_tag(&policy.spec.stream)
     })

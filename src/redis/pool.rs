@@ -118,7 +118,7 @@ impl Target {
         self.credentials.password.hash(&mut hasher);
         self.tls.hash(&mut hasher);
         self.cluster.hash(&mut hasher);
-        (self.url.clone(), self.credentials.username.clone(), hasher.finish())
+        (canonical_url(&self.url), self.credentials.username.clone(), hasher.finish())
     }
 
     /// The TLS certificates to present, when the URL is `rediss://`.
@@ -192,6 +192,28 @@ impl Target {
         }
         Client::open(info).map_err(|e| Error::from_redis(&server, e))
     }
+}
+
+/// One spelling per server, so `redis://H:6379`, `redis://h:6379/0`, `redis://h/` and `redis://h:06379/00` are one
+/// server (for ownership checks and shared connections): scheme and host in lower case, the default port 6379, the
+/// database number without leading zeros (0 when absent). Anything else of the URL is kept as it is.
+pub fn canonical_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, database) = rest.split_once('/').unwrap_or((rest, ""));
+    let database = match database.trim_start_matches('0') {
+        "" => "0",
+        db => db,
+    };
+    let (host, port) = match authority.rsplit_once(':') {
+        // `[::1]` alone: the colon is the address's, not a port's.
+        Some((host, port)) if !authority.ends_with(']') => {
+            (host, port.parse::<u16>().map_or(port.to_string(), |p| p.to_string()))
+        }
+        _ => (authority, "6379".to_string()),
+    };
+    format!("{}://{}:{port}/{database}", scheme.to_ascii_lowercase(), host.to_ascii_lowercase())
 }
 
 /// Bounds on how long one command or connection attempt may block a reconcile.
@@ -273,6 +295,23 @@ mod tests {
         assert!(!shown.contains("PRIVATE KEY"), "{shown}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("<redacted>"));
+    }
+
+    #[test]
+    fn one_server_has_one_canonical_url() {
+        let one = canonical_url("redis://cache.apps.svc:6379/0");
+        for spelling in [
+            "redis://Cache.Apps.svc:6379/0",
+            "redis://cache.apps.svc",
+            "redis://cache.apps.svc/",
+            "REDIS://cache.apps.svc:06379/00",
+        ] {
+            assert_eq!(canonical_url(spelling), one, "{spelling}");
+        }
+        assert_ne!(canonical_url("redis://cache.apps.svc/1"), one);
+        assert_ne!(canonical_url("rediss://cache.apps.svc/0"), one);
+        assert_eq!(canonical_url("redis://[::1]/3"), "redis://[::1]:6379/3");
+        assert_eq!(canonical_url("redis://[::1]:7000"), "redis://[::1]:7000/0");
     }
 
     #[test]

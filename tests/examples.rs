@@ -1,0 +1,96 @@
+//! Every example in `examples/` is applied to the bed the way a user would (the server address and the PEM
+//! placeholders filled in) and reaches Ready against a real server of the kind it describes.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::*;
+
+const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples");
+
+fn example(name: &str) -> String {
+    std::fs::read_to_string(format!("{EXAMPLES}/{name}")).unwrap()
+}
+
+/// A PEM file of the bed as a YAML double-quoted string.
+fn pem(name: &str) -> String {
+    serde_json::to_string(&std::fs::read_to_string(tls_file(name)).unwrap()).unwrap()
+}
+
+/// Applies a filled-in example in a fresh namespace and waits for every policy in it to be Ready.
+fn applies_and_gets_ready(prefix: &str, manifest: &str) {
+    let ns = namespace(prefix);
+    let _operator = Operator::start(&ns);
+    let (ok, out) = kubectl_apply(&ns, manifest);
+    assert!(ok, "{out}");
+    let names: Vec<String> = manifest
+        .split("\n---")
+        .filter(|doc| doc.contains("kind: ConsumerGroupPolicy"))
+        .filter_map(|doc| doc.lines().find_map(|l| l.trim().strip_prefix("name: ").map(str::to_string)))
+        .collect();
+    assert!(!names.is_empty(), "no policy in {prefix}");
+    for name in names {
+        wait_condition(&ns, &name, "Ready", "True", "Reconciled");
+    }
+}
+
+#[test]
+fn every_example_is_covered_here() {
+    let covered: BTreeSet<&str> = [
+        "notifications.yaml",
+        "with-password.yaml",
+        "tls.yaml",
+        "mutual-tls.yaml",
+        "cluster.yaml",
+        "reassign.yaml",
+        "bounded.yaml",
+    ]
+    .into();
+    let present: BTreeSet<String> = std::fs::read_dir(EXAMPLES)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    let present: BTreeSet<&str> = present.iter().map(String::as_str).collect();
+    assert_eq!(present, covered, "an example without a test, or a test without its example");
+}
+
+#[test]
+fn plain_examples_get_ready() {
+    let server = Server::start_with(Flavor::Valkey, &["--requirepass", "change-me"]);
+    let open = Server::start(Flavor::Redis);
+    let address = |s: &Server| format!("127.0.0.1:{}", s.port);
+    applies_and_gets_ready("ex-notif", &example("notifications.yaml").replace("127.0.0.1:6379", &address(&open)));
+    for name in ["reassign.yaml", "bounded.yaml"] {
+        applies_and_gets_ready("ex-plain", &example(name).replace("redis.apps.svc:6379", &address(&open)));
+    }
+    applies_and_gets_ready(
+        "ex-file-jobs",
+        &example("file_jobs/policy.yaml").replace("redis.apps.svc:6379", &address(&open)),
+    );
+    applies_and_gets_ready("ex-acl", &example("with-password.yaml").replace("redis.apps.svc:6379", &address(&server)));
+}
+
+#[test]
+fn tls_examples_get_ready() {
+    let server = Server::start_tls(Flavor::Redis, "server", true);
+    let tls = format!("127.0.0.1:{}", server.tls_port.unwrap());
+    let ca = example("tls.yaml")
+        .replace("redis.apps.svc:6380", &tls)
+        .replace("\"<the CA certificate, PEM>\"", &pem("ca.crt"));
+    applies_and_gets_ready("ex-tls", &ca);
+    let mutual = example("mutual-tls.yaml")
+        .replace("redis.apps.svc:6380", &tls)
+        .replace("\"<the CA certificate, PEM>\"", &pem("ca.crt"))
+        .replace("\"<the client certificate, PEM>\"", &pem("client.crt"))
+        .replace("\"<the client key, PEM>\"", &pem("client.key"));
+    applies_and_gets_ready("ex-mtls", &mutual);
+}
+
+#[test]
+fn cluster_example_gets_ready() {
+    let cluster = Cluster::start(Flavor::Valkey);
+    let seed = cluster.url().trim_start_matches("redis://").trim_end_matches("/0").to_string();
+    applies_and_gets_ready("ex-cluster", &example("cluster.yaml").replace("redis-cluster.apps.svc:6379", &seed));
+}

@@ -1,0 +1,152 @@
+//! What a new user touches first (issue 15): one server however its URL is spelled, and finalizers only where
+//! deleting a policy has work to do in Redis.
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+on_both_servers!(
+    two_spellings_of_one_server_are_one_server,
+    only_policies_with_redis_work_on_deletion_carry_the_finalizer,
+    the_documented_move_to_another_host_name_keeps_the_group_and_counters,
+);
+
+fn two_spellings_of_one_server_are_one_server(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("spelling");
+    let _operator = Operator::start(&ns);
+    let plain = format!("redis://127.0.0.1:{}", server.port);
+    assert!(kubectl_apply(&ns, &policy("first", &plain, "orders", "billing", "")).0);
+    wait_condition(&ns, "first", "Ready", "True", "Reconciled");
+    for (name, url) in
+        [("second", format!("{plain}/0")), ("third", format!("{plain}/00")), ("fourth", format!("{plain}/"))]
+    {
+        assert!(kubectl_apply(&ns, &policy(name, &url, "orders", "billing", "")).0);
+        let p = wait_condition(&ns, name, "Stalled", "True", "ResourceConflict");
+        let message =
+            p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap()["message"]
+                .to_string();
+        assert!(message.contains("first"), "{message}");
+    }
+    let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut server.conn()).unwrap();
+    let operator_connections = clients.lines().filter(|l| !l.contains("cmd=client")).count();
+    assert_eq!(operator_connections, 1, "one connection per server, whatever the spelling:\n{clients}");
+}
+
+fn only_policies_with_redis_work_on_deletion_carry_the_finalizer(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("finalizers");
+    let mut operator = Operator::start(&ns);
+    let retain = policy("retain", &server.url(), "a", "g", "");
+    let delete = policy("delete", &server.url(), "b", "g", "  deletionPolicy: Delete\n");
+    let bounded = policy("bounded", &server.url(), "c", "g", "  backlog:\n    maxLength: 10\n");
+    assert!(kubectl_apply(&ns, &format!("{retain}---\n{delete}---\n{bounded}")).0);
+    for name in ["retain", "delete", "bounded"] {
+        wait_condition(&ns, name, "Ready", "True", "Reconciled");
+    }
+    let finalizers = |name: &str| get_policy(&ns, name)["metadata"]["finalizers"].clone();
+    assert_eq!(finalizers("retain"), serde_json::Value::Null);
+    assert_eq!(finalizers("delete"), serde_json::json!(["pelican.io/cleanup"]));
+    assert_eq!(finalizers("bounded"), serde_json::json!(["pelican.io/cleanup"]));
+
+    // Switching to Retain takes the finalizer off.
+    kubectl_ok(&[
+        "patch",
+        "cgp",
+        "delete",
+        "-n",
+        &ns,
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"deletionPolicy":"Retain"}}"#,
+    ]);
+    wait_for("the finalizer to go", Duration::from_secs(30), || {
+        let now = finalizers("delete");
+        if now.is_null() || now == serde_json::json!([]) { Ok(()) } else { Err(now.to_string()) }
+    });
+
+    // With the operator down, deleting Retain policies does not hang.
+    operator.kill9();
+    kubectl_ok(&["delete", "cgp", "retain", "delete", "-n", &ns, "--timeout=20s"]);
+    operator = Operator::start(&ns);
+    // The bounded one still has its finalizer, and its deletion removes the bound from Redis.
+    kubectl_ok(&["delete", "cgp", "bounded", "-n", &ns, "--timeout=30s"]);
+    let bound: Option<String> =
+        redis::cmd("HGET").arg(pelican::keys::bounds_key("c")).arg("g").query(&mut server.conn()).unwrap();
+    assert_eq!(bound, None, "the deleted policy's bound is still in Redis");
+    assert_eq!(group_names(&server, "a"), ["g"], "Retain leaves the group");
+    assert!(operator.is_running());
+}
+
+fn group_names(server: &Server, stream: &str) -> Vec<String> {
+    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(&mut server.conn()).unwrap();
+    groups
+        .into_iter()
+        .map(|g| {
+            let fields: std::collections::HashMap<String, redis::Value> = redis::from_redis_value(g).unwrap();
+            redis::from_redis_value(fields["name"].clone()).unwrap()
+        })
+        .collect()
+}
+
+/// README's move: Retain, delete, apply with the new URL. The group, its PEL and the counters carry on.
+fn the_documented_move_to_another_host_name_keeps_the_group_and_counters(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("move");
+    let _operator = Operator::start(&ns);
+    let old = policy(
+        "orders",
+        &format!("redis://127.0.0.1:{}", server.port),
+        "orders",
+        "billing",
+        "  deletionPolicy: Delete\n",
+    )
+    .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n")
+    .replace("  retry:\n", "");
+    let old = old.replace("  deadLetter:", "  retry:\n    maxDeliveries: 1\n  deadLetter:");
+    assert!(kubectl_apply(&ns, &old).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for n in 0..3 {
+        let _: String = redis::cmd("XADD").arg("orders").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
+    }
+    let read = read_new(&mut conn, "orders", "billing", "c1", 3);
+    assert_eq!(read.len(), 3);
+    // Past maxDeliveries 1 and idle: dead-lettered and counted.
+    wait_for("3 dead-lettered", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "orders");
+        if p["status"]["totals"]["deadLettered"] == 3 { Ok(()) } else { Err(p["status"]["totals"].to_string()) }
+    });
+    let _: String = redis::cmd("XADD").arg("orders").arg("*").arg("n").arg(9).query(&mut conn).unwrap();
+    let pending = read_new(&mut conn, "orders", "billing", "c2", 1);
+
+    kubectl_ok(&[
+        "patch",
+        "cgp",
+        "orders",
+        "-n",
+        &ns,
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"deletionPolicy":"Retain"}}"#,
+    ]);
+    wait_for("the finalizer to go", Duration::from_secs(30), || {
+        let f = get_policy(&ns, "orders")["metadata"]["finalizers"].clone();
+        if f.is_null() || f == serde_json::json!([]) { Ok(()) } else { Err(f.to_string()) }
+    });
+    kubectl_ok(&["delete", "cgp", "orders", "-n", &ns, "--timeout=10s"]);
+    let moved =
+        old.replace(&format!("redis://127.0.0.1:{}", server.port), &format!("redis://127.0.0.1:{}/0", server.port));
+    assert!(kubectl_apply(&ns, &moved).0);
+    let p = wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    assert_eq!(p["status"]["totals"]["deadLettered"], 3, "the counters carried on");
+    assert_eq!(pel(&mut conn, "orders", "billing").len(), 1, "the PEL is intact");
+    assert_eq!(pel(&mut conn, "orders", "billing")[0].0, pending[0]);
+    assert_eq!(events(&ns, "GroupCreated").len(), 1, "the group was found, not created again");
+    assert!(events(&ns, "GroupRecreated").is_empty());
+}
