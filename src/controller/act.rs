@@ -156,30 +156,36 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
         }
         return Ok(Action::await_change());
     }
-    let target = match super::resolve::target(policy, &ctx.client, &ctx.secrets).await {
-        Ok(target) => target,
-        // Without credentials the group cannot be destroyed; holding the finalizer would hang the deletion
-        // (and its namespace) forever, so the group is left in place and the user told.
-        Err(e @ (Error::SecretNotFound { .. } | Error::SecretInvalid { .. })) => {
+    match release_on_server(policy, ctx, destroy, bounded).await {
+        Ok(()) => Ok(Action::await_change()),
+        // A policy that never reached its server changed nothing there. One that cannot reach it for a reason only
+        // a person can fix (credentials, TLS, a database the server lacks) would hold the finalizer, and the
+        // namespace, forever. Both let go and say what was left behind; a server that is only down (transient)
+        // is waited for.
+        Err(e) if e.is_stalled() || policy.status.as_ref().is_none_or(|s| s.server_version.is_none()) => {
             let what = if destroy { "group" } else { "backlog bound of group" };
             let note = format!("{what} {:?} left in Redis: {e}", policy.spec.group);
             publish(ctx, policy, EventType::Warning, "CleanupSkipped", note).await;
-            return Ok(Action::await_change());
+            Ok(Action::await_change())
         }
-        Err(e) => return Err(e),
-    };
+        Err(e) => Err(e),
+    }
+}
+
+async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool, bounded: bool) -> Result<()> {
+    let target = super::resolve::target(policy, &ctx.client, &ctx.secrets).await?;
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
     if bounded {
         redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
     }
     if !destroy {
-        return Ok(Action::await_change());
+        return Ok(());
     }
     let destroyed = redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group).await?;
     if destroyed {
         let note = format!("destroyed group {:?} on stream {:?}", policy.spec.group, policy.spec.stream);
         publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
     }
-    Ok(Action::await_change())
+    Ok(())
 }
