@@ -119,25 +119,14 @@ fn seed_002_the_bound_follows_the_policy_and_producers_see_refusals(flavor: Flav
     // The bound deleted out of band comes back; a patch takes effect without touching producers.
     let _: () = redis::cmd("DEL").arg(bounds_key(STREAM)).query(&mut conn).unwrap();
     wait_bound(&mut conn, "billing", Some("10000"));
-    let patch = r#"{"spec":{"backlog":{"maxLength":12000}}}"#;
-    kubectl_ok(&["patch", "cgp", "orders", "-n", &ns, "--type", "merge", "-p", patch]);
+    patch_policy(&ns, "orders", "merge", r#"{"spec":{"backlog":{"maxLength":12000}}}"#);
     wait_bound(&mut conn, "billing", Some("12000"));
     let (more, refused) = publish(&runtime, &producer, 15_000, 4_001);
     assert_eq!((more.len(), refused.len()), (4_000, 1));
     accepted.extend(more);
 
     // Removing the bound makes the stream unbounded again, and the condition and its Event say so.
-    kubectl_ok(&[
-        "patch",
-        "cgp",
-        "orders",
-        "-n",
-        &ns,
-        "--type",
-        "json",
-        "-p",
-        r#"[{"op":"remove","path":"/spec/backlog"}]"#,
-    ]);
+    patch_policy(&ns, "orders", "json", r#"[{"op":"remove","path":"/spec/backlog"}]"#);
     wait_bound(&mut conn, "billing", None);
     let (more, refused) = publish(&runtime, &producer, 20_000, 5_000);
     assert_eq!((more.len(), refused.len()), (5_000, 0));

@@ -74,14 +74,17 @@ fn plain_examples_get_ready() {
 
 #[test]
 fn tls_examples_get_ready() {
-    let server = Server::start_tls(Flavor::Redis, "server", true);
+    // Server certificate only, then a server that also requires a client certificate.
+    let server = Server::start_tls(Flavor::Redis, "server", false);
+    let mutual_server = Server::start_tls(Flavor::Redis, "server", true);
     let tls = format!("127.0.0.1:{}", server.tls_port.unwrap());
+    let mutual_tls = format!("127.0.0.1:{}", mutual_server.tls_port.unwrap());
     let ca = example("tls.yaml")
         .replace("redis.apps.svc:6380", &tls)
         .replace("\"<the CA certificate, PEM>\"", &pem("ca.crt"));
     applies_and_gets_ready("ex-tls", &ca);
     let mutual = example("mutual-tls.yaml")
-        .replace("redis.apps.svc:6380", &tls)
+        .replace("redis.apps.svc:6380", &mutual_tls)
         .replace("\"<the CA certificate, PEM>\"", &pem("ca.crt"))
         .replace("\"<the client certificate, PEM>\"", &pem("client.crt"))
         .replace("\"<the client key, PEM>\"", &pem("client.key"));

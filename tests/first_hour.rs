@@ -53,21 +53,7 @@ fn only_policies_with_redis_work_on_deletion_carry_the_finalizer(flavor: Flavor)
     assert_eq!(finalizers("bounded"), serde_json::json!(["pelican.io/cleanup"]));
 
     // Switching to Retain takes the finalizer off.
-    kubectl_ok(&[
-        "patch",
-        "cgp",
-        "delete",
-        "-n",
-        &ns,
-        "--type",
-        "merge",
-        "-p",
-        r#"{"spec":{"deletionPolicy":"Retain"}}"#,
-    ]);
-    wait_for("the finalizer to go", Duration::from_secs(30), || {
-        let now = finalizers("delete");
-        if now.is_null() || now == serde_json::json!([]) { Ok(()) } else { Err(now.to_string()) }
-    });
+    switch_to_retain(&ns, "delete");
 
     // With the operator down, deleting Retain policies does not hang.
     operator.kill9();
@@ -124,21 +110,7 @@ fn the_documented_move_to_another_host_name_keeps_the_group_and_counters(flavor:
     let _: String = redis::cmd("XADD").arg("orders").arg("*").arg("n").arg(9).query(&mut conn).unwrap();
     let pending = read_new(&mut conn, "orders", "billing", "c2", 1);
 
-    kubectl_ok(&[
-        "patch",
-        "cgp",
-        "orders",
-        "-n",
-        &ns,
-        "--type",
-        "merge",
-        "-p",
-        r#"{"spec":{"deletionPolicy":"Retain"}}"#,
-    ]);
-    wait_for("the finalizer to go", Duration::from_secs(30), || {
-        let f = get_policy(&ns, "orders")["metadata"]["finalizers"].clone();
-        if f.is_null() || f == serde_json::json!([]) { Ok(()) } else { Err(f.to_string()) }
-    });
+    switch_to_retain(&ns, "orders");
     kubectl_ok(&["delete", "cgp", "orders", "-n", &ns, "--timeout=10s"]);
     let moved =
         old.replace(&format!("redis://127.0.0.1:{}", server.port), &format!("redis://127.0.0.1:{}/0", server.port));
@@ -149,4 +121,13 @@ fn the_documented_move_to_another_host_name_keeps_the_group_and_counters(flavor:
     assert_eq!(pel(&mut conn, "orders", "billing")[0].0, pending[0]);
     assert_eq!(events(&ns, "GroupCreated").len(), 1, "the group was found, not created again");
     assert!(events(&ns, "GroupRecreated").is_empty());
+}
+
+/// Patches the policy to `Retain` and waits for the operator to take its finalizer off.
+fn switch_to_retain(ns: &str, name: &str) {
+    patch_policy(ns, name, "merge", r#"{"spec":{"deletionPolicy":"Retain"}}"#);
+    wait_for("the finalizer to go", Duration::from_secs(30), || {
+        let now = get_policy(ns, name)["metadata"]["finalizers"].clone();
+        if now.is_null() || now == serde_json::json!([]) { Ok(()) } else { Err(now.to_string()) }
+    });
 }

@@ -43,7 +43,10 @@ pub async fn converge(
     let server = target.server();
     let mut conn = ctx.pools.get(target).await?;
     let keys = group_keys(policy);
-    let carry_over = !validate::shares_legacy_counters(policy, others);
+    // Carried over from the second reconcile on, never the first: policies applied together (one `kubectl apply`)
+    // reach the watch one by one, and the first reconcile of one may run before its neighbours are known.
+    let seen_before = policy.status.as_ref().is_some_and(|s| s.server_version.is_some());
+    let carry_over = seen_before && !validate::shares_legacy_counters(policy, others);
     let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over).await;
     if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
         ctx.pools.forget(target);
@@ -63,7 +66,6 @@ pub async fn converge(
         // A status that shows server numbers means this policy saw its group before, whatever its condition is
         // now (a restart without persistence first shows RedisUnavailable): the group was lost, and recreating it
         // at startId may skip or replay messages, so it is a Warning every time.
-        let seen_before = policy.status.as_ref().is_some_and(|s| s.server_version.is_some());
         let (type_, reason, note) = if seen_before {
             let note = format!(
                 "group {:?} on stream {:?} was missing and has been recreated at {:?}",

@@ -90,6 +90,11 @@ pub fn kubectl_apply(namespace: &str, manifest: &str) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// `kubectl patch cgp <name> -n <namespace> --type <merge|json> -p <patch>`.
+pub fn patch_policy(namespace: &str, name: &str, kind: &str, patch: &str) {
+    kubectl_ok(&["patch", "cgp", name, "-n", namespace, "--type", kind, "-p", patch]);
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
