@@ -43,6 +43,11 @@ pub enum Error {
     )]
     DatabaseNotFound { server: String, database: String },
 
+    #[error(
+        "spec.redis.mode is Cluster but {server} is not part of a Redis Cluster (cluster support disabled): set mode Standalone, or point spec.redis.url at a cluster node"
+    )]
+    NotACluster { server: String },
+
     #[error("spec.startId {start_id:?}: {why}")]
     InvalidStartId { start_id: String, why: String },
 
@@ -81,6 +86,7 @@ impl Error {
             Error::RedisCommand { .. } => "RedisError",
             Error::DatabaseNotFound { .. } => "DatabaseNotFound",
             Error::InvalidStartId { .. } => "InvalidStartId",
+            Error::NotACluster { .. } => "NotACluster",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict(_) => "ResourceConflict",
@@ -102,6 +108,7 @@ impl Error {
                 | Error::PermissionDenied { .. }
                 | Error::DatabaseNotFound { .. }
                 | Error::InvalidStartId { .. }
+                | Error::NotACluster { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict(_)

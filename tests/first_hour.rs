@@ -12,6 +12,7 @@ on_both_servers!(
     two_spellings_of_one_server_are_one_server,
     only_policies_with_redis_work_on_deletion_carry_the_finalizer,
     the_documented_move_to_another_host_name_keeps_the_group_and_counters,
+    mistakes_a_new_user_makes_are_stalled_with_what_to_change,
 );
 
 fn two_spellings_of_one_server_are_one_server(flavor: Flavor) {
@@ -130,4 +131,31 @@ fn switch_to_retain(ns: &str, name: &str) {
         let now = get_policy(ns, name)["metadata"]["finalizers"].clone();
         if now.is_null() || now == serde_json::json!([]) { Ok(()) } else { Err(now.to_string()) }
     });
+}
+
+/// Found by tests/settle.rs: these were retried forever as a generic `RedisError`.
+fn mistakes_a_new_user_makes_are_stalled_with_what_to_change(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("mistakes");
+    let _operator = Operator::start(&ns);
+    let plain = format!("redis://127.0.0.1:{}", server.port);
+    let cluster = policy("cluster", &plain, "{a}", "g", "").replace("    url:", "    mode: Cluster\n    url:");
+    let database = policy("database", &format!("{plain}/99"), "b", "g", "");
+    let future = policy("future", &plain, "c", "g", "").replace("startId: \"0\"", "startId: \"4000000000000-0\"");
+    let huge = policy("huge", &plain, "d", "g", "").replace("startId: \"0\"", "startId: \"19999999999999999999\"");
+    assert!(kubectl_apply(&ns, &[cluster, database, future, huge].join("---\n")).0);
+    for (name, reason, says) in [
+        ("cluster", "NotACluster", "set mode Standalone"),
+        ("database", "DatabaseNotFound", "has no database 99"),
+        ("future", "InvalidStartId", "ahead of the server's clock"),
+        ("huge", "InvalidStartId", "refused it"),
+    ] {
+        let p = wait_condition(&ns, name, "Stalled", "True", reason);
+        let ready =
+            p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
+        assert!(ready["message"].as_str().unwrap().contains(says), "{name}: {ready}");
+    }
+    let groups: Vec<redis::Value> =
+        redis::cmd("XINFO").arg("GROUPS").arg("c").query(&mut server.conn()).unwrap_or_default();
+    assert!(groups.is_empty(), "a group was created at a future id");
 }

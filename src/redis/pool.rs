@@ -150,7 +150,14 @@ impl Target {
             builder = builder.tls(mode).certs(self.certificates());
         }
         let client = builder.build().map_err(|e| Error::from_redis(&server, e))?;
-        client.get_async_connection().await.map_err(|e| Error::from_redis(&server, e))
+        client.get_async_connection().await.map_err(|e| {
+            // The seed answered CLUSTER SLOTS with an error about the command itself (it quotes no key).
+            if e.to_string().contains("cluster support disabled") {
+                Error::NotACluster { server: server.clone() }
+            } else {
+                Error::from_redis(&server, e)
+            }
+        })
     }
 
     /// Why connecting failed. The connection selects the URL's database first; a server without that database
