@@ -19,6 +19,7 @@ on_both_servers!(
     a_password_protected_cluster_takes_the_password_from_the_secret,
     hash_slots_of_stream_and_counter_keys_match_cluster_keyslot,
     a_stream_whose_counters_cannot_share_its_slot_is_cross_slot,
+    bounded_publish_and_retention_work_in_the_streams_slot,
 );
 
 /// Tricky names: tags, empty tags, braces in odd places, a stray `}`.
@@ -261,4 +262,48 @@ fn a_password_protected_cluster_takes_the_password_from_the_secret(flavor: Flavo
         redis::cmd("XINFO").arg("GROUPS").arg("{auth}:s").query(&mut cluster.conn()).unwrap();
     assert_eq!(groups.len(), 1);
     assert!(!operator.logs().contains("cluster-pw-1"));
+}
+
+/// The bounded-publish script's three keys and the retention trim's keys are in the stream's slot, so both run
+/// on a cluster (a CROSSSLOT error would say otherwise), whichever node owns the slot.
+fn bounded_publish_and_retention_work_in_the_streams_slot(flavor: Flavor) {
+    use pelican::keys::{bounds_key, rejected_key};
+    let cluster = Cluster::start(flavor);
+    let mut conn = cluster.conn();
+    let stream = "{orders}:events";
+    let _: () =
+        redis::cmd("XGROUP").arg("CREATE").arg(stream).arg("g").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+    let _: () = redis::cmd("HSET").arg(bounds_key(stream)).arg("g").arg(3).query(&mut conn).unwrap();
+    let script = redis::Script::new(pelican::worker::BOUNDED_PUBLISH_LUA);
+    let publish = |conn: &mut redis::cluster::ClusterConnection, n: u32| -> redis::RedisResult<String> {
+        script.key(stream).key(bounds_key(stream)).key(rejected_key(stream)).arg("n").arg(n).invoke(conn)
+    };
+    let ids: Vec<String> = (0..3).map(|n| publish(&mut conn, n).unwrap()).collect();
+    let refused = publish(&mut conn, 3).unwrap_err();
+    assert_eq!(refused.code(), Some("PELICAN_BACKLOG_FULL"), "{refused}");
+    // A consumer reads and acknowledges two; the trim removes exactly those.
+    let read: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("c")
+        .arg("COUNT")
+        .arg(2)
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(read.keys[0].ids.len(), 2);
+    let _: i64 = redis::cmd("XACK").arg(stream).arg("g").arg(&ids[..2]).query(&mut conn).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let trim = runtime.block_on(async {
+        let target = pelican::redis::Target { cluster: true, ..pelican::redis::Target::new(cluster.url()) };
+        let mut conn = pelican::redis::Pools::default().get(&target).await.unwrap();
+        let keys = pelican::redis::GroupKeys { stream, group: "g", dead_letter: "{orders}:dlq" };
+        pelican::jobs::trim_acknowledged(&mut conn, "cluster", &keys, Duration::ZERO).await.unwrap()
+    });
+    assert_eq!(trim.trimmed, 2);
+    let left: Vec<(String, HashMap<String, String>)> =
+        redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(&mut conn).unwrap();
+    assert_eq!(left.into_iter().map(|(id, _)| id).collect::<Vec<_>>(), ids[2..]);
 }
