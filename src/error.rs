@@ -48,6 +48,11 @@ pub enum Error {
     )]
     NotACluster { server: String },
 
+    #[error(
+        "{server} is a node of a Redis Cluster (it redirected a command to another node): set spec.redis.mode to Cluster"
+    )]
+    ClusterNode { server: String },
+
     #[error("spec.startId {start_id:?}: {why}")]
     InvalidStartId { start_id: String, why: String },
 
@@ -87,6 +92,7 @@ impl Error {
             Error::DatabaseNotFound { .. } => "DatabaseNotFound",
             Error::InvalidStartId { .. } => "InvalidStartId",
             Error::NotACluster { .. } => "NotACluster",
+            Error::ClusterNode { .. } => "ClusterNode",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict(_) => "ResourceConflict",
@@ -109,6 +115,7 @@ impl Error {
                 | Error::DatabaseNotFound { .. }
                 | Error::InvalidStartId { .. }
                 | Error::NotACluster { .. }
+                | Error::ClusterNode { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict(_)
@@ -155,6 +162,17 @@ impl Error {
             return Error::WrongKeyType(server_message(&source));
         }
         Error::RedisCommand { server, source }
+    }
+
+    /// A redirection (`MOVED`, `ASK`) is transient for the cluster client, which follows slot moves; a standalone
+    /// connection that receives one is talking to a cluster node and never will follow it.
+    pub fn for_standalone(self) -> Error {
+        match self {
+            Error::RedisUnavailable { server, source } if matches!(source.code(), Some("MOVED" | "ASK")) => {
+                Error::ClusterNode { server }
+            }
+            other => other,
+        }
     }
 
     /// The message of a key that holds another type than the one Pelican needs.

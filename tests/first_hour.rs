@@ -158,4 +158,16 @@ fn mistakes_a_new_user_makes_are_stalled_with_what_to_change(flavor: Flavor) {
     let groups: Vec<redis::Value> =
         redis::cmd("XINFO").arg("GROUPS").arg("c").query(&mut server.conn()).unwrap_or_default();
     assert!(groups.is_empty(), "a group was created at a future id");
+
+    // The default mode pointed at a cluster node that does not own the stream's slot.
+    let cluster = Cluster::start(flavor);
+    let mut node = cluster.nodes[0].conn();
+    let foreign = (0..)
+        .map(|i| format!("s{i}"))
+        .find(|name| redis::cmd("TYPE").arg(name).query::<String>(&mut node).is_err_and(|e| e.code() == Some("MOVED")))
+        .unwrap();
+    assert!(kubectl_apply(&ns, &policy("standalone", &cluster.url(), &foreign, "g", "")).0);
+    let p = wait_condition(&ns, "standalone", "Stalled", "True", "ClusterNode");
+    let ready = p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
+    assert!(ready["message"].as_str().unwrap().contains("set spec.redis.mode to Cluster"), "{ready}");
 }

@@ -47,7 +47,9 @@ pub async fn converge(
     // reach the watch one by one, and the first reconcile of one may run before its neighbours are known.
     let seen_before = policy.status.as_ref().is_some_and(|s| s.server_version.is_some());
     let carry_over = seen_before && !validate::shares_legacy_counters(policy, others);
-    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over).await;
+    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over)
+        .await
+        .map_err(|e| if target.cluster { e } else { e.for_standalone() });
     if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
         ctx.pools.forget(target);
     }
