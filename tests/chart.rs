@@ -65,6 +65,16 @@ fn unknown_values_are_refused_by_the_schema() {
     assert!(!ok && out.contains("additional properties 'bogus' not allowed"), "{out}");
     let (ok, out) = helm(&["template", "x", CHART, "--set", "leaderElection.enabeld=true"]);
     assert!(!ok && out.contains("enabeld"), "{out}");
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "maxConcurrentReconciles=-1"]);
+    assert!(!ok && out.contains("maxConcurrentReconciles"), "{out}");
+}
+
+#[test]
+fn reconcile_concurrency_reaches_the_operator() {
+    let (ok, out) = helm(&["template", "x", CHART]);
+    assert!(ok && out.contains("- --max-concurrent-reconciles=32"), "{out}");
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "maxConcurrentReconciles=8"]);
+    assert!(ok && out.contains("- --max-concurrent-reconciles=8"), "{out}");
 }
 
 #[test]
