@@ -12,7 +12,7 @@ use tracing::info;
 
 use super::report::publish;
 use super::validate::{self, Schedule};
-use super::{Context, policy_id};
+use super::{Context, id, policy_id};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
 use crate::keys;
 use crate::redis::{self as redis_ops, GroupFacts, GroupKeys, ServerInfo, Target};
@@ -82,8 +82,6 @@ pub async fn converge(
         info!(namespace, name, group = keys.group, stream = keys.stream, reason, "{note}");
         publish(ctx, policy, type_, reason, note).await;
     }
-    let bound = policy.spec.backlog.as_ref().map(|b| b.max_length);
-    redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     let (retention, set_by) = validate::effective_retention(policy, schedule.retention, others);
     let retention_note = (policy.spec.retention.is_some() || set_by.is_some()).then(|| {
         let mode = match retention {
@@ -115,6 +113,12 @@ pub async fn converge(
         ctx.runner.run(&id, job);
     }
     let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
+    // The bounds hash is written only when it differs from the spec (set, changed, removed, or deleted out of band),
+    // never on every reconcile.
+    let bound = policy.spec.backlog.as_ref().map(|b| b.max_length);
+    if facts.bound != bound.map(|max| max.to_string()) {
+        redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
+    }
     Ok(Observation { server: setup.server, facts, retention: retention_note })
 }
 
@@ -138,7 +142,7 @@ pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Acti
 /// of a shared connection.
 pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
     let namespace = key.namespace.clone().unwrap_or_default();
-    ctx.runner.stop(&format!("{namespace}/{}", key.name));
+    ctx.runner.stop(&id(&namespace, &key.name));
     ctx.failures.lock().expect("failures lock").remove(key);
     ctx.metrics.forget_policy(&(namespace, key.name.clone()));
     ctx.pools.assign(&ctx.pool_users, key, None);

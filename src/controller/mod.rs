@@ -88,7 +88,11 @@ pub struct Settings {
 
 /// `namespace/name`: how the runner and the logs name a policy.
 pub fn policy_id(policy: &ConsumerGroupPolicy) -> String {
-    format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())
+    id(&policy.namespace().unwrap_or_default(), &policy.name_any())
+}
+
+fn id(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
 }
 
 /// Runs the controller until `shutdown` resolves.

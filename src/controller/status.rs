@@ -213,6 +213,7 @@ mod tests {
             totals: [("deadLettered".to_string(), 1)].into(),
             terminal: [("RecordNotFound".to_string(), 40)].into(),
             publish_rejected: 0,
+            bound: None,
             server_time_ms: 1_764_421_200_000 + 90_000,
         }
     }

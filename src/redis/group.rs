@@ -215,8 +215,8 @@ pub async fn destroy_group(conn: &mut Conn, server: &str, stream: &str, group: &
     Ok(destroyed == 1)
 }
 
-/// Keeps the group's field of the stream's bounds hash equal to `backlog.maxLength` (SPEC section 9): `HSET` when
-/// the policy bounds the group, `HDEL` when it does not (any more). Producers see the change with their next publish.
+/// Sets the group's field of the stream's bounds hash to `backlog.maxLength` (SPEC section 9): `HSET` when the policy
+/// bounds the group, `HDEL` when it does not (any more). Producers see the change with their next publish.
 pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str, max: Option<i64>) -> Result<()> {
     let key = bounds_key(stream);
     let mut cmd = match max {
@@ -260,10 +260,12 @@ pub struct GroupFacts {
     pub terminal: BTreeMap<String, i64>,
     /// Publishes refused for this group by the bounded-publish script.
     pub publish_rejected: i64,
+    /// The group's field of the stream's bounds hash, as stored.
+    pub bound: Option<String>,
     pub server_time_ms: i64,
 }
 
-/// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, HGET, TIME.
+/// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, HGET x2, TIME.
 type ProbeReply = (
     Value,
     Vec<Value>,
@@ -272,6 +274,7 @@ type ProbeReply = (
     i64,
     BTreeMap<String, String>,
     BTreeMap<String, String>,
+    Option<String>,
     Option<String>,
     (String, String),
 );
@@ -283,7 +286,7 @@ fn counts(hash: BTreeMap<String, String>) -> BTreeMap<String, i64> {
 }
 
 pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
-    let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, rejected, time): ProbeReply =
+    let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, rejected, bound, time): ProbeReply =
         pipe()
             .cmd("XINFO")
             .arg("STREAM")
@@ -309,6 +312,9 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
             .arg(terminal_key(keys.stream, keys.group))
             .cmd("HGET")
             .arg(rejected_key(keys.stream))
+            .arg(keys.group)
+            .cmd("HGET")
+            .arg(bounds_key(keys.stream))
             .arg(keys.group)
             .cmd("TIME")
             .query_async(conn)
@@ -343,6 +349,7 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
         totals: counts(totals),
         terminal: counts(terminal),
         publish_rejected: rejected.and_then(|n| n.parse().ok()).unwrap_or(0),
+        bound,
         server_time_ms,
     })
 }
