@@ -48,6 +48,13 @@ pub fn rejected_key(stream: &str) -> String {
     format!("{{{}}}:pelican:{stream}:rejected", hash_tag(stream))
 }
 
+/// `{T}:pelican:<dead-letter stream>:redrive:<namespace>/<name>`: the progress of one `DeadLetterRedrive` (its uid,
+/// last id, counts, and when it finished), written by the same script as its moves (SPEC section 10). It stays
+/// after the redrive finished, so that the same manifest applied again does not move anything twice.
+pub fn redrive_key(dead_letter: &str, namespace: &str, name: &str) -> String {
+    format!("{{{}}}:pelican:{dead_letter}:redrive:{namespace}/{name}", hash_tag(dead_letter))
+}
+
 /// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
 /// only to carry their counts over once (SPEC section 4).
 pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
@@ -92,6 +99,8 @@ mod tests {
         assert_eq!(bounds_key("{orders}:events"), "{orders}:pelican:{orders}:events:bounds");
         assert_eq!(rejected_key("jobs"), "{jobs}:pelican:jobs:rejected");
         assert_eq!(slot(&bounds_key("jobs")), slot("jobs"));
+        assert_eq!(redrive_key("jobs:dlq", "apps", "r1"), "{jobs:dlq}:pelican:jobs:dlq:redrive:apps/r1");
+        assert_eq!(slot(&redrive_key("{jobs}:dlq", "apps", "r1")), slot("{jobs}:dlq"));
     }
 
     #[test]

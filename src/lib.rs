@@ -19,6 +19,8 @@ pub mod leader;
 #[cfg(feature = "operator")]
 pub mod redis;
 #[cfg(feature = "operator")]
+pub mod redrive;
+#[cfg(feature = "operator")]
 pub mod runner;
 #[cfg(feature = "operator")]
 pub mod telemetry;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
-use pelican::api::ConsumerGroupPolicy;
+use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive};
 use pelican::leader::{Elector, Leadership};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
 
@@ -48,8 +48,9 @@ enum Command {
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
     },
-    /// Print the ConsumerGroupPolicy CustomResourceDefinition as YAML.
-    Crd,
+    /// Print the CustomResourceDefinitions as YAML: both, or the one named (`consumergrouppolicies`,
+    /// `deadletterredrives`).
+    Crd { name: Option<String> },
     /// Print the version.
     Version,
 }
@@ -57,7 +58,20 @@ enum Command {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Crd => print!("{}", serde_yaml::to_string(&ConsumerGroupPolicy::crd())?),
+        Command::Crd { name } => {
+            let crds = [ConsumerGroupPolicy::crd(), DeadLetterRedrive::crd()];
+            let chosen: Vec<_> = crds
+                .iter()
+                .filter(|crd| name.as_deref().is_none_or(|n| crd.spec.names.plural == n))
+                .map(serde_yaml::to_string)
+                .collect::<Result<_, _>>()?;
+            if chosen.is_empty() {
+                anyhow::bail!(
+                    "no CustomResourceDefinition named {name:?}: use consumergrouppolicies or deadletterredrives"
+                );
+            }
+            print!("{}", chosen.join("---\n"));
+        }
         Command::Version => println!("pelican {}", env!("CARGO_PKG_VERSION")),
         Command::Run {
             namespace,

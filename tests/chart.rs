@@ -78,13 +78,15 @@ fn reconcile_concurrency_reaches_the_operator() {
 }
 
 #[test]
-fn the_chart_crd_is_the_generated_one() {
-    let chart = std::fs::read_to_string(format!("{CHART}/crds/pelican.io_consumergrouppolicies.yaml")).unwrap();
-    let generated =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/pelican.io_consumergrouppolicies.yaml"))
-            .unwrap();
-    assert!(chart == generated, "charts/pelican/crds is stale: cp crds/*.yaml charts/pelican/crds/");
+fn the_chart_crds_are_the_generated_ones() {
+    for file in CRD_FILES {
+        let chart = std::fs::read_to_string(format!("{CHART}/crds/{file}")).unwrap();
+        let generated = std::fs::read_to_string(format!("{}/crds/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        assert!(chart == generated, "charts/pelican/crds/{file} is stale: cp crds/*.yaml charts/pelican/crds/");
+    }
 }
+
+const CRD_FILES: [&str; 2] = ["pelican.io_consumergrouppolicies.yaml", "pelican.io_deadletterredrives.yaml"];
 
 #[test]
 fn pods_are_restricted_and_labelled() {
@@ -151,6 +153,14 @@ fn operator_reconciles_end_to_end_with_exactly_the_charts_rbac() {
     assert_eq!(p["metadata"]["finalizers"], serde_json::json!(["pelican.io/cleanup"]));
     wait_for("a Ready event", Duration::from_secs(10), || {
         if events(&ns, "Ready").is_empty() { Err("none".into()) } else { Ok(()) }
+    });
+    // A redrive: watched, its status written, deleted after its TTL, all with the chart's rules.
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: r\nspec:\n  policyRef: {name: p}\n  ttlSecondsAfterFinished: 1\n";
+    assert!(kubectl_apply(&ns, redrive).0);
+    wait_for("the finished redrive deleted by its TTL", Duration::from_secs(30), || {
+        let seen = events(&ns, "Succeeded").iter().any(|e| e["involvedObject"]["kind"] == "DeadLetterRedrive");
+        let gone = !kubectl(&["get", "dlr", "r", "-n", &ns], None).status.success();
+        if seen && gone { Ok(()) } else { Err(format!("succeeded event {seen}, deleted {gone}")) }
     });
     kubectl_ok(&["delete", "cgp", "p", "-n", &ns, "--timeout=30s"]);
     let logs = operator.logs();

@@ -1,29 +1,45 @@
 //! `crds/` holds exactly what `pelican crd` prints for the current Rust types.
 
-#[test]
-fn committed_crd_matches_the_rust_types() {
-    let printed = std::process::Command::new(env!("CARGO_BIN_EXE_pelican")).arg("crd").output().unwrap();
-    assert!(printed.status.success());
-    let committed =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/pelican.io_consumergrouppolicies.yaml"))
-            .unwrap();
-    assert!(
-        String::from_utf8(printed.stdout).unwrap() == committed,
-        "crds/ is stale: run `cargo run -- crd > crds/pelican.io_consumergrouppolicies.yaml`"
-    );
+const CRDS: [(&str, &str); 2] = [
+    ("consumergrouppolicies", "pelican.io_consumergrouppolicies.yaml"),
+    ("deadletterredrives", "pelican.io_deadletterredrives.yaml"),
+];
+
+fn committed(file: &str) -> String {
+    std::fs::read_to_string(format!("{}/crds/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
 
-/// Every object and field of the schema has a description, so `kubectl explain` never prints `<empty>` or
+#[test]
+fn committed_crds_match_the_rust_types() {
+    for (name, file) in CRDS {
+        let printed = std::process::Command::new(env!("CARGO_BIN_EXE_pelican")).args(["crd", name]).output().unwrap();
+        assert!(printed.status.success());
+        assert!(
+            String::from_utf8(printed.stdout).unwrap() == committed(file),
+            "crds/{file} is stale: run `cargo run -- crd {name} > crds/{file}`"
+        );
+    }
+    // Without a name, both, as one multi-document stream.
+    let all = std::process::Command::new(env!("CARGO_BIN_EXE_pelican")).arg("crd").output().unwrap();
+    assert_eq!(
+        String::from_utf8(all.stdout).unwrap(),
+        format!("{}---\n{}", committed(CRDS[0].1), committed(CRDS[1].1))
+    );
+    let wrong = std::process::Command::new(env!("CARGO_BIN_EXE_pelican")).args(["crd", "policies"]).output().unwrap();
+    assert!(!wrong.status.success());
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("use consumergrouppolicies or deadletterredrives"));
+}
+
+/// Every object and field of the schemas has a description, so `kubectl explain` never prints `<empty>` or
 /// `<no description>`; enum fields say what each value means.
 #[test]
 fn every_field_of_the_schema_is_documented() {
-    let committed =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/pelican.io_consumergrouppolicies.yaml"))
-            .unwrap();
-    let crd: serde_json::Value = serde_yaml::from_str(&committed).unwrap();
     let mut undocumented = Vec::new();
-    for version in crd["spec"]["versions"].as_array().unwrap() {
-        walk(&version["schema"]["openAPIV3Schema"], "cgp".into(), &mut undocumented);
+    for (name, file) in CRDS {
+        let crd: serde_json::Value = serde_yaml::from_str(&committed(file)).unwrap();
+        for version in crd["spec"]["versions"].as_array().unwrap() {
+            walk(&version["schema"]["openAPIV3Schema"], name.into(), &mut undocumented);
+        }
     }
     assert!(undocumented.is_empty(), "fields without a description: {undocumented:#?}");
 }

@@ -1,8 +1,10 @@
 //! The `ConsumerGroupPolicy` resource (SPEC section 2): spec, status, admission rules and printer columns.
 
 mod duration;
+mod redrive;
 
 pub use duration::parse_duration;
+pub use redrive::*;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};

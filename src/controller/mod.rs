@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
@@ -84,6 +84,18 @@ pub struct Settings {
     /// How many policies are reconciled at once. Bounds the burst on the API server and on each Redis connection
     /// when thousands of policies are seen at start; passes are bounded separately, per server, by the runner.
     pub concurrency: u16,
+}
+
+impl Context {
+    /// Whether this replica may write, shared with the redrive controller.
+    pub fn leadership(&self) -> Leadership {
+        self.leadership.clone()
+    }
+}
+
+/// The server and credentials of a policy (phase 1, resolve), for the redrive controller.
+pub async fn resolve_target(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<crate::redis::Target> {
+    resolve::target(policy, &ctx.client, &ctx.secrets).await
 }
 
 /// `namespace/name`: how the runner and the logs name a policy.
@@ -157,7 +169,10 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         }
     });
     let mapper_ctx = ctx.clone();
-    Controller::for_stream(changes, store.clone())
+    let shutdown = shutdown.shared();
+    let sharded = settings.label_selector.is_some();
+    let redrives = crate::redrive::run(ctx.clone(), settings.namespace.clone(), sharded, shutdown.clone());
+    let policies = Controller::for_stream(changes, store.clone())
         .watches_stream(secret_changes, move |secret| {
             let (namespace, name) = (secret.namespace().unwrap_or_default(), secret.name_any());
             mapper_ctx.secrets.invalidate(&namespace, &name);
@@ -173,8 +188,8 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
             {
                 warn!(error = %e, "controller error");
             }
-        })
-        .await;
+        });
+    futures::join!(policies, redrives);
 }
 
 fn policies_using_secret(

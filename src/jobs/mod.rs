@@ -1,6 +1,8 @@
 //! The jobs Redis never runs by itself (SPEC sections 3 and 9): the reclaim / dead-letter pass, consumer expiry and
 //! the trim of what every group acknowledged.
 
+pub mod redrive;
+
 use std::sync::LazyLock;
 use std::time::Duration;
 

@@ -43,17 +43,18 @@ impl Bed {
         self.var("KUBECONFIG")
     }
 
-    /// Installs the CRD from `crds/` once per test binary, the way a user would.
+    /// Installs the CRDs from `crds/` once per test binary, the way a user would.
     pub fn install_crd(&self) {
         static CRD: Once = Once::new();
         CRD.call_once(|| {
-            let crd = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/pelican.io_consumergrouppolicies.yaml");
-            kubectl_ok(&["apply", "--server-side", "--force-conflicts", "-f", crd]);
+            let crds = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/");
+            kubectl_ok(&["apply", "--server-side", "--force-conflicts", "-f", crds]);
             kubectl_ok(&[
                 "wait",
                 "--for=condition=Established",
                 "--timeout=60s",
                 "crd/consumergrouppolicies.pelican.io",
+                "crd/deadletterredrives.pelican.io",
             ]);
         });
     }

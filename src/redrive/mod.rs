@@ -1,0 +1,424 @@
+//! The `DeadLetterRedrive` controller (SPEC section 10), in the same operator as the policies and on their
+//! connections. A reconcile runs in phases:
+//!
+//! 1. finished? A `Succeeded` or `Failed` redrive never runs again; only its TTL is handled;
+//! 2. resolve: the policy (from the policy controller's store, so a shard handles the redrives of its own
+//!    policies), its server and credentials;
+//! 3. decide: suspended, already running, or waiting for another redrive of the same dead-letter stream;
+//! 4. act: start the task ([`task`]) that moves the entries and owns the status until it ends.
+//!
+//! The moves themselves, and the record of progress kept on the server with them, are in
+//! [`crate::jobs::redrive`].
+
+mod task;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::Store;
+use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
+use kube::{Resource, ResourceExt};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::api::{ConsumerGroupPolicy, DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase, SOURCE_TARGET};
+use crate::controller::{self, FIELD_MANAGER};
+use crate::jobs::redrive::{Destination, Plan};
+use crate::keys;
+use crate::leader::Leadership;
+use crate::redis::canonical_url;
+use crate::{Error, Result};
+
+/// How soon a redrive that waits (for its policy, or another redrive of its dead-letter stream) looks again.
+const WAIT_RECHECK: Duration = Duration::from_secs(5);
+/// How soon a redrive whose server or Secrets are wrong looks again.
+const BLOCKED_RECHECK: Duration = Duration::from_secs(30);
+
+/// A dead-letter stream: the server (canonical URL) and the key.
+type StreamKey = (String, String);
+
+/// Why a running task is asked to stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Halt {
+    /// `spec.suspend`: the task writes `Suspended`.
+    Suspend,
+    /// The operator stops: the status stays `Running`, the next leader resumes.
+    Stop,
+}
+
+struct Running {
+    stream: StreamKey,
+    name: String,
+    rate: watch::Sender<Option<u32>>,
+    halt: watch::Sender<Option<Halt>>,
+}
+
+/// Shared by the redrive reconciles and their tasks.
+pub struct Redrives {
+    policies: Arc<controller::Context>,
+    redrives: Store<DeadLetterRedrive>,
+    leadership: Leadership,
+    /// When the operator serves one shard, a redrive of a policy outside it belongs to another replica.
+    sharded: bool,
+    /// Running tasks by object uid.
+    tasks: Mutex<HashMap<String, Running>>,
+    /// The dead-letter stream of each redrive resolved so far, by uid, for the one-at-a-time rule.
+    streams: Mutex<HashMap<String, StreamKey>>,
+}
+
+/// Runs the redrive controller until `shutdown` resolves; running tasks are told to stop then.
+pub async fn run(
+    policies: Arc<controller::Context>,
+    namespace: Option<String>,
+    sharded: bool,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = policies.client.clone();
+    let api: Api<DeadLetterRedrive> = match &namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    let (store, writer) = reflector::store();
+    // Only spec changes wake a reconcile: the task writes the status, and waiting redrives look again on a timer.
+    let changes = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    let ctx = Arc::new(Redrives {
+        leadership: policies.leadership(),
+        policies,
+        redrives: store.clone(),
+        sharded,
+        tasks: Mutex::default(),
+        streams: Mutex::default(),
+    });
+    // A redrive names its policy: wait until the policies are listed, or a restarted operator would report
+    // policies missing that are only not seen yet.
+    let shutdown = shutdown.shared();
+    loop {
+        tokio::select! {
+            _ = shutdown.clone() => return,
+            ready = tokio::time::timeout(Duration::from_secs(1), ctx.policies.policies.wait_until_ready()) => match ready {
+                Ok(Ok(())) => break,
+                Ok(Err(_)) => return,
+                Err(_) => continue,
+            },
+        }
+    }
+    let halt_ctx = ctx.clone();
+    let shutdown = async move {
+        shutdown.await;
+        for running in halt_ctx.tasks.lock().expect("tasks lock").values() {
+            let _ = running.halt.send(Some(Halt::Stop));
+        }
+    };
+    Controller::for_stream(changes, store)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            // Reconciler errors were logged by error_policy; these are the watch's (a missing RBAC rule, say).
+            if let Err(e) = result
+                && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
+            {
+                warn!(error = %e, "redrive controller error");
+            }
+        })
+        .await;
+}
+
+async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Result<Action> {
+    let status = redrive.status.clone().unwrap_or_default();
+    // 1. A finished redrive is terminal: an operator restart or the same manifest applied again changes nothing.
+    if status.phase.is_finished() {
+        return expire(&ctx, &redrive, &status).await;
+    }
+    if !ctx.leadership.may_write() {
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+    let uid = redrive.uid().unwrap_or_default();
+    if let Some(running) = ctx.tasks.lock().expect("tasks lock").get(&uid) {
+        if redrive.spec.suspend {
+            let _ = running.halt.send(Some(Halt::Suspend));
+        } else if running.halt.borrow().is_none() {
+            running.rate.send_replace(rate(&redrive));
+            // Looked at again when it has finished, for its TTL.
+            return Ok(Action::requeue(WAIT_RECHECK));
+        }
+        // Halting: look again once the task is gone.
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+    // 2. Resolve the policy and its server.
+    let namespace = redrive.namespace().unwrap_or_default();
+    let policy_name = &redrive.spec.policy_ref.name;
+    let policy = ctx.policies.policies.get(&kube::runtime::reflector::ObjectRef::new(policy_name).within(&namespace));
+    let Some(policy) = policy else {
+        if ctx.sharded {
+            // Another shard's policy, or none at all: the shard that serves it writes the status.
+            return Ok(Action::requeue(BLOCKED_RECHECK));
+        }
+        let note = format!(
+            "ConsumerGroupPolicy {policy_name:?} not found in namespace {namespace:?}: the redrive starts once it exists"
+        );
+        ctx.pending(&redrive, &status, "PolicyNotFound", note).await?;
+        return Ok(Action::requeue(WAIT_RECHECK));
+    };
+    let target = match controller::resolve_target(&policy, &ctx.policies).await {
+        Ok(target) => target,
+        Err(e) if e.is_stalled() => {
+            ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
+            return Ok(Action::requeue(BLOCKED_RECHECK));
+        }
+        Err(e) => return Err(e),
+    };
+    let stream: StreamKey = (canonical_url(&target.url), policy.spec.dead_letter.stream.clone());
+    ctx.streams.lock().expect("streams lock").insert(uid.clone(), stream.clone());
+    // 3. Decide.
+    if redrive.spec.suspend {
+        if status.phase != RedrivePhase::Suspended {
+            let note = "suspended before it started (spec.suspend)".to_string();
+            let mut next = status.clone();
+            ctx.set_phase(&redrive, &mut next, RedrivePhase::Suspended, "Suspended", note.clone()).await?;
+            ctx.publish(&redrive, EventType::Normal, "Suspended", note).await;
+        }
+        return Ok(Action::await_change());
+    }
+    if let Some(other) = ctx.ahead_of(&redrive, &stream) {
+        let note = format!(
+            "waiting for DeadLetterRedrive {other}, which redrives the same dead-letter stream {:?}: one redrive \
+             runs per dead-letter stream at a time",
+            stream.1
+        );
+        if status.conditions.iter().all(|c| c.reason != "Waiting") {
+            ctx.publish(&redrive, EventType::Normal, "Waiting", note.clone()).await;
+        }
+        ctx.pending(&redrive, &status, "Waiting", note).await?;
+        return Ok(Action::requeue(WAIT_RECHECK));
+    }
+    // 4. Act: connect and hand the work to a task.
+    let conn = match ctx.policies.pools.get(&target).await {
+        Ok(conn) => conn,
+        Err(e) if e.is_stalled() => {
+            ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
+            return Ok(Action::requeue(BLOCKED_RECHECK));
+        }
+        Err(e) => return Err(e),
+    };
+    let plan = plan(&redrive, &policy, target.cluster);
+    let (rate_tx, rate_rx) = watch::channel(rate(&redrive));
+    let (halt_tx, halt_rx) = watch::channel(None);
+    let name = format!("{namespace}/{}", redrive.name_any());
+    ctx.tasks.lock().expect("tasks lock").insert(uid.clone(), Running { stream, name, rate: rate_tx, halt: halt_tx });
+    let work = task::Work { conn, server: target.server(), plan, rate: rate_rx, halt: halt_rx };
+    let task_ctx = ctx.clone();
+    tokio::spawn(async move {
+        task::run(task_ctx.clone(), redrive, work).await;
+        task_ctx.tasks.lock().expect("tasks lock").remove(&uid);
+    });
+    Ok(Action::requeue(WAIT_RECHECK))
+}
+
+fn error_policy(redrive: Arc<DeadLetterRedrive>, error: &Error, _ctx: Arc<Redrives>) -> Action {
+    warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = error.reason(), error = %error, "redrive reconcile failed; retrying");
+    Action::requeue(WAIT_RECHECK)
+}
+
+fn rate(redrive: &DeadLetterRedrive) -> Option<u32> {
+    redrive.spec.rate_per_second.map(|r| r.max(1) as u32)
+}
+
+fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool) -> Plan {
+    let dead_letter = policy.spec.dead_letter.stream.clone();
+    let namespace = redrive.namespace().unwrap_or_default();
+    let filter = redrive.spec.filter.clone().unwrap_or_default();
+    Plan {
+        progress_key: keys::redrive_key(&dead_letter, &namespace, &redrive.name_any()),
+        dead_letter,
+        uid: redrive.uid().unwrap_or_default(),
+        name: redrive.name_any(),
+        target: if redrive.spec.target == SOURCE_TARGET {
+            Destination::Source { fallback: policy.spec.stream.clone() }
+        } else {
+            Destination::Stream(redrive.spec.target.clone())
+        },
+        reasons: filter.reasons.into_iter().map(|r| r.0).collect(),
+        from: filter.from,
+        to: filter.to,
+        max_messages: redrive.spec.max_messages.map(|m| m.max(1) as u64),
+        cluster,
+    }
+}
+
+/// Deletes a finished redrive once `ttlSecondsAfterFinished` passed, as the Job controller does. The record on the
+/// server stays, so the same manifest applied again is not run again.
+async fn expire(ctx: &Redrives, redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> Result<Action> {
+    let (Some(ttl), Some(done)) = (redrive.spec.ttl_seconds_after_finished, status.completion_time.as_deref()) else {
+        return Ok(Action::await_change());
+    };
+    let Ok(done) = done.parse::<Timestamp>() else {
+        return Ok(Action::await_change());
+    };
+    let left = done.as_second() + i64::from(ttl) - Timestamp::now().as_second();
+    if left > 0 {
+        return Ok(Action::requeue(Duration::from_secs(left as u64)));
+    }
+    if !ctx.leadership.may_write() {
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+    let api: Api<DeadLetterRedrive> =
+        Api::namespaced(ctx.policies.client.clone(), &redrive.namespace().unwrap_or_default());
+    let params = DeleteParams {
+        preconditions: Some(Preconditions { uid: redrive.uid(), resource_version: None }),
+        ..DeleteParams::default()
+    };
+    match api.delete(&redrive.name_any(), &params).await {
+        Ok(_) => info!(namespace = redrive.namespace(), name = redrive.name_any(), ttl, "deleted after its TTL"),
+        // Gone already, or replaced by a new object of the same name.
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(Action::await_change())
+}
+
+impl Redrives {
+    /// Another redrive that goes first on the same dead-letter stream: one that runs now, else the first of the
+    /// unfinished, unsuspended ones (a started one before a pending one, then by creation), by name.
+    fn ahead_of(&self, redrive: &DeadLetterRedrive, stream: &StreamKey) -> Option<String> {
+        let uid = redrive.uid().unwrap_or_default();
+        if let Some(running) =
+            self.tasks.lock().expect("tasks lock").values().find(|r| r.stream == *stream && r.halt.borrow().is_none())
+        {
+            return Some(running.name.clone());
+        }
+        let streams = self.streams.lock().expect("streams lock");
+        let rank = |r: &DeadLetterRedrive| {
+            let started = r.status.as_ref().is_some_and(|s| s.phase == RedrivePhase::Running);
+            (!started, r.metadata.creation_timestamp.clone().map(|t| t.0), r.namespace(), r.name_any())
+        };
+        let mine = rank(redrive);
+        self.redrives
+            .state()
+            .into_iter()
+            .filter(|other| {
+                let other_uid = other.uid().unwrap_or_default();
+                other_uid != uid
+                    && streams.get(&other_uid) == Some(stream)
+                    && !other.spec.suspend
+                    && !other.status.as_ref().is_some_and(|s| s.phase.is_finished())
+                    && rank(other) < mine
+            })
+            .map(|other| format!("{}/{}", other.namespace().unwrap_or_default(), other.name_any()))
+            .next()
+    }
+
+    /// `Pending` with the reason it waits, written only when the reason or message changed.
+    async fn pending(
+        &self,
+        redrive: &DeadLetterRedrive,
+        status: &DeadLetterRedriveStatus,
+        reason: &str,
+        note: String,
+    ) -> Result<()> {
+        let already = status.phase == RedrivePhase::Pending
+            && status.conditions.iter().any(|c| c.type_ == "Reconciling" && c.reason == reason && c.message == note);
+        if already {
+            return Ok(());
+        }
+        let mut next = status.clone();
+        self.set_phase(redrive, &mut next, RedrivePhase::Pending, reason, note).await
+    }
+
+    async fn set_phase(
+        &self,
+        redrive: &DeadLetterRedrive,
+        status: &mut DeadLetterRedriveStatus,
+        phase: RedrivePhase,
+        reason: &str,
+        note: String,
+    ) -> Result<()> {
+        status.phase = phase;
+        status.observed_generation = redrive.metadata.generation;
+        status.conditions = conditions(&status.conditions, phase, reason, &note, redrive.metadata.generation);
+        self.write(redrive, status).await
+    }
+
+    /// Writes a terminal phase, its completion time and Event.
+    async fn finish(
+        &self,
+        redrive: &DeadLetterRedrive,
+        status: &mut DeadLetterRedriveStatus,
+        phase: RedrivePhase,
+        reason: &str,
+        note: String,
+    ) -> Result<()> {
+        status.completion_time = Some(Timestamp::now().to_string());
+        self.set_phase(redrive, status, phase, reason, note.clone()).await?;
+        let type_ = if phase == RedrivePhase::Failed { EventType::Warning } else { EventType::Normal };
+        let event_reason = if phase == RedrivePhase::Failed { reason } else { "Succeeded" };
+        self.publish(redrive, type_, event_reason, note).await;
+        Ok(())
+    }
+
+    async fn write(&self, redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> Result<()> {
+        let api: Api<DeadLetterRedrive> =
+            Api::namespaced(self.policies.client.clone(), &redrive.namespace().unwrap_or_default());
+        let patch = serde_json::json!({
+            "apiVersion": "pelican.io/v1alpha1",
+            "kind": "DeadLetterRedrive",
+            "status": status,
+        });
+        api.patch_status(&redrive.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
+            .await?;
+        Ok(())
+    }
+
+    async fn publish(&self, redrive: &DeadLetterRedrive, type_: EventType, reason: &str, note: String) {
+        let event = Event { type_, reason: reason.into(), note: Some(note), action: "Redrive".into(), secondary: None };
+        if let Err(e) = self.policies.events.publish(&event, &redrive.object_ref(&())).await {
+            warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, reason, "could not publish event");
+        }
+    }
+}
+
+/// `Complete` / `Failed` as a Job has them, and `Reconciling` / `Stalled` for kstatus (Flux, kpt): pending or
+/// running -> in progress; failed -> stalled; succeeded or suspended -> current.
+fn conditions(
+    previous: &[Condition],
+    phase: RedrivePhase,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    let now = Time(Timestamp::now());
+    let on = |yes: bool| if yes { "True" } else { "False" };
+    [
+        ("Complete", phase == RedrivePhase::Succeeded),
+        ("Failed", phase == RedrivePhase::Failed),
+        ("Reconciling", matches!(phase, RedrivePhase::Pending | RedrivePhase::Running)),
+        ("Stalled", phase == RedrivePhase::Failed),
+    ]
+    .into_iter()
+    .map(|(type_, yes)| {
+        let status = on(yes);
+        let last_transition_time = match previous.iter().find(|c| c.type_ == type_) {
+            Some(old) if old.status == status => old.last_transition_time.clone(),
+            _ => now.clone(),
+        };
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: if yes { message.into() } else { String::new() },
+            observed_generation: generation,
+            last_transition_time,
+        }
+    })
+    .collect()
+}

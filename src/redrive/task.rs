@@ -1,0 +1,234 @@
+//! One running redrive: resume from the record on the server, take the snapshot, move step by step at the
+//! configured rate, and write the status (at most once a second, and at every change of phase).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::{Halt, Redrives};
+use crate::api::{DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase};
+use crate::jobs::redrive::{self as moves, Plan, Progress};
+use crate::redis::Conn;
+use crate::{Error, Result};
+
+/// Moves per step without a rate limit: one script call of this many entries is a few milliseconds on the server.
+const UNLIMITED_STEP: u64 = 128;
+const STATUS_EVERY: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// What the task needs besides the object: the connection and the plan, and the controls the reconcile holds.
+pub struct Work {
+    pub conn: Conn,
+    pub server: String,
+    pub plan: Plan,
+    pub rate: watch::Receiver<Option<u32>>,
+    pub halt: watch::Receiver<Option<Halt>>,
+}
+
+/// Runs the redrive until it finishes, fails, is halted or its object is gone. Every outcome is in the status
+/// (and the record on the server) when this returns.
+pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: Work) {
+    let mut status = redrive.status.clone().unwrap_or_default();
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        match drive(&ctx, &redrive, &mut work, &mut status).await {
+            Ok(()) => return,
+            Err(e) if e.is_stalled() => {
+                let note = e.to_string();
+                warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = e.reason(), "{note}");
+                let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
+                return;
+            }
+            Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 => return,
+            Err(e) => {
+                // The server restarting, a failover, the API server unreachable: the record on the server is
+                // exact, so the next attempt resumes after the last move.
+                warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, "redrive step failed; retrying");
+                let halted = tokio::time::timeout(backoff, work.halt.changed()).await;
+                let halt = *work.halt.borrow();
+                if matches!(halted, Ok(Ok(()))) && halt.is_some() {
+                    let _ = halted_status(&ctx, &redrive, &mut status, halt).await;
+                    return;
+                }
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+async fn drive(
+    ctx: &Redrives,
+    redrive: &DeadLetterRedrive,
+    work: &mut Work,
+    status: &mut DeadLetterRedriveStatus,
+) -> Result<()> {
+    let (conn, server, plan) = (&mut work.conn, work.server.as_str(), &work.plan);
+    let mut progress = moves::read_progress(conn, server, &plan.progress_key).await?;
+    if let Some(owner) = progress.uid.clone()
+        && owner != plan.uid
+    {
+        if let Some(at) = progress.finished_at {
+            // The same manifest applied again after the object was deleted (by its TTL, or by hand): it ran.
+            copy_progress(status, &progress);
+            let note = format!(
+                "a DeadLetterRedrive named {:?} already finished on this dead-letter stream at {} (moved {}); it is \
+                 not run again: create one with a new name to redrive again",
+                redrive.name_any(),
+                format_millis(at),
+                progress.moved
+            );
+            return ctx.finish(redrive, status, RedrivePhase::Succeeded, "AlreadyFinished", note).await;
+        }
+        // An unfinished record of an object deleted mid-run: this object starts from its own snapshot.
+        moves::forget_progress(conn, server, &plan.progress_key).await?;
+        progress = Progress::default();
+    }
+    if progress.finished_at.is_some() {
+        copy_progress(status, &progress);
+        return ctx.finish(redrive, status, RedrivePhase::Succeeded, "Complete", summary(redrive, status)).await;
+    }
+    let until_id = match status.until_id.clone() {
+        Some(until) if status.to_move.is_some() => until,
+        _ => {
+            let snapshot = moves::snapshot(conn, server, plan).await?;
+            status.to_move = Some(snapshot.to_move as i64);
+            if redrive.spec.dry_run {
+                let note = format!(
+                    "dry run: {} entries of {:?} would move{}; nothing was moved",
+                    snapshot.to_move,
+                    plan.dead_letter,
+                    snapshot.until_id.as_ref().map(|id| format!(" (up to {id})")).unwrap_or_default()
+                );
+                status.until_id = snapshot.until_id;
+                return ctx.finish(redrive, status, RedrivePhase::Succeeded, "DryRun", note).await;
+            }
+            // An empty range still ends with a record, so the name cannot run again later.
+            let until = snapshot.until_id.unwrap_or_else(|| "0-0".into());
+            status.until_id = Some(until.clone());
+            status.start_time = Some(Timestamp::now().to_string());
+            let note = format!(
+                "moving {} entries from {:?} to {}",
+                snapshot.to_move,
+                plan.dead_letter,
+                match &plan.target {
+                    moves::Destination::Source { .. } => "their source streams".to_string(),
+                    moves::Destination::Stream(s) => format!("{s:?}"),
+                }
+            );
+            info!(namespace = redrive.namespace(), name = redrive.name_any(), "{note}");
+            ctx.set_phase(redrive, status, RedrivePhase::Running, "Running", note.clone()).await?;
+            ctx.publish(redrive, EventType::Normal, "Started", note).await;
+            until
+        }
+    };
+    if status.phase != RedrivePhase::Running {
+        let note = format!("resuming after {}", progress.last_id.as_deref().unwrap_or("the start of the range"));
+        ctx.set_phase(redrive, status, RedrivePhase::Running, "Running", note).await?;
+    }
+    let mut paced = Pace::new(*work.rate.borrow());
+    let mut last_write = Instant::now();
+    loop {
+        let halt = *work.halt.borrow();
+        if let Some(halt) = halt {
+            copy_progress(status, &progress);
+            return halted_status(ctx, redrive, status, Some(halt)).await;
+        }
+        if !ctx.leadership.may_write() {
+            return Ok(());
+        }
+        if work.rate.has_changed().unwrap_or(false) {
+            paced = Pace::new(*work.rate.borrow_and_update());
+        }
+        let step = moves::step(conn, server, plan, &until_id, &progress, paced.budget()).await?;
+        progress.moved += step.moved;
+        progress.missing += step.missing;
+        progress.skipped += step.skipped;
+        progress.last_id = step.last_id.clone();
+        if step.finished {
+            copy_progress(status, &progress);
+            let note = summary(redrive, status);
+            info!(namespace = redrive.namespace(), name = redrive.name_any(), "{note}");
+            return ctx.finish(redrive, status, RedrivePhase::Succeeded, "Complete", note).await;
+        }
+        if last_write.elapsed() >= STATUS_EVERY {
+            copy_progress(status, &progress);
+            ctx.write(redrive, status).await?;
+            last_write = Instant::now();
+        }
+        paced.wait(step.moved + step.missing).await;
+    }
+}
+
+/// The status a halted task leaves: `Suspended` for `spec.suspend`; unchanged when the replica stops leading.
+async fn halted_status(
+    ctx: &Redrives,
+    redrive: &DeadLetterRedrive,
+    status: &mut DeadLetterRedriveStatus,
+    halt: Option<Halt>,
+) -> Result<()> {
+    match halt {
+        Some(Halt::Suspend) => {
+            let note = format!("suspended after {}", status.last_id.as_deref().unwrap_or("the start of the range"));
+            ctx.set_phase(redrive, status, RedrivePhase::Suspended, "Suspended", note.clone()).await?;
+            ctx.publish(redrive, EventType::Normal, "Suspended", note).await;
+            Ok(())
+        }
+        Some(Halt::Stop) | None => Ok(()),
+    }
+}
+
+fn copy_progress(status: &mut DeadLetterRedriveStatus, progress: &Progress) {
+    status.moved = progress.moved as i64;
+    status.skipped = progress.skipped as i64;
+    status.missing = progress.missing as i64;
+    status.last_id = progress.last_id.clone();
+}
+
+fn summary(redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> String {
+    let mut note = format!("moved {} of {} entries", status.moved, status.to_move.unwrap_or(0));
+    if status.skipped > 0 {
+        note.push_str(&format!(", left {} in place (filter or size)", status.skipped));
+    }
+    if status.missing > 0 {
+        note.push_str(&format!(", {} were already gone", status.missing));
+    }
+    if redrive.spec.max_messages.is_some_and(|max| status.moved >= max) {
+        note.push_str(" (spec.maxMessages reached)");
+    }
+    note
+}
+
+pub(super) fn format_millis(millis: u64) -> String {
+    Timestamp::from_millisecond(millis as i64).map(|t| t.to_string()).unwrap_or_else(|_| millis.to_string())
+}
+
+/// Spaces the steps so that at most `rate` entries move per second, measured from when the rate was set.
+struct Pace {
+    rate: Option<u32>,
+    since: Instant,
+    done: u64,
+}
+
+impl Pace {
+    fn new(rate: Option<u32>) -> Pace {
+        Pace { rate, since: Instant::now(), done: 0 }
+    }
+
+    /// Entries per step: a tenth of a second's worth, so the pace is smooth and a change of rate applies soon.
+    fn budget(&self) -> u64 {
+        self.rate.map_or(UNLIMITED_STEP, |rate| (u64::from(rate) / 10).clamp(1, UNLIMITED_STEP))
+    }
+
+    async fn wait(&mut self, handled: u64) {
+        self.done += handled;
+        if let Some(rate) = self.rate {
+            let due = self.since + Duration::from_secs_f64(self.done as f64 / f64::from(rate));
+            tokio::time::sleep_until(due.into()).await;
+        }
+    }
+}

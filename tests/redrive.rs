@@ -1,0 +1,364 @@
+//! `DeadLetterRedrive` (SPEC section 10) through the operator: a real API server, real Redis 7.0 and Valkey 9.1,
+//! an operator killed with SIGKILL at random instants, and a consumer that finally processes what was redriven.
+
+#[macro_use]
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+on_both_servers!(
+    ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once,
+    poison_dead_lettered_fixed_redriven_and_processed,
+    filters_move_exactly_the_matching_entries,
+);
+
+/// Writes `count` dead letters the way the reclaim script does (application fields, then Pelican's metadata);
+/// `reason(n)` picks each one's `pelican-reason`.
+fn dead_letters(
+    conn: &mut redis::Connection,
+    dlq: &str,
+    source: &str,
+    count: u64,
+    reason: impl Fn(u64) -> &'static str,
+) {
+    for start in (0..count).step_by(1000) {
+        let mut pipe = redis::pipe();
+        for n in start..(start + 1000).min(count) {
+            pipe.cmd("XADD")
+                .arg(dlq)
+                .arg("*")
+                .arg("n")
+                .arg(n)
+                .arg("body")
+                .arg(format!("message {n}"))
+                .arg("pelican-source-stream")
+                .arg(source)
+                .arg("pelican-source-id")
+                .arg(format!("1-{n}"))
+                .arg("pelican-origin-id")
+                .arg(format!("1-{n}"))
+                .arg("pelican-group")
+                .arg("workers")
+                .arg("pelican-consumer")
+                .arg("worker-1")
+                .arg("pelican-deliveries")
+                .arg(3)
+                .arg("pelican-reason")
+                .arg(reason(n))
+                .arg("pelican-dead-lettered-at")
+                .arg(1)
+                .ignore();
+        }
+        let _: () = pipe.query(conn).unwrap();
+    }
+}
+
+fn redrive(name: &str, policy: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: {name}\nspec:\n  policyRef:\n    name: {policy}\n{extra}"
+    )
+}
+
+fn get_redrive(namespace: &str, name: &str) -> Value {
+    serde_json::from_str(&kubectl_ok(&["get", "dlr", name, "-n", namespace, "-o", "json"])).unwrap()
+}
+
+/// Waits for a phase; returns the object.
+fn wait_phase(namespace: &str, name: &str, phase: &str, timeout: Duration) -> Value {
+    wait_for(&format!("redrive {name} {phase}"), timeout, || {
+        let object = get_redrive(namespace, name);
+        match object["status"]["phase"].as_str() {
+            Some(p) if p == phase => Ok(object),
+            _ => Err(object["status"].to_string()),
+        }
+    })
+}
+
+/// Values of `n` in a stream, with how often each appears, counting only the entries `keep` accepts.
+fn ns_in(conn: &mut redis::Connection, stream: &str, keep: impl Fn(&RawEntry) -> bool) -> HashMap<u64, usize> {
+    let mut seen = HashMap::new();
+    for entry in xrange(conn, stream).iter().filter(|e| keep(e)) {
+        let n = String::from_utf8_lossy(field(entry, "n").expect("field n kept")).parse().unwrap();
+        *seen.entry(n).or_default() += 1;
+    }
+    seen
+}
+
+fn redriven(entry: &RawEntry) -> bool {
+    field(entry, "pelican-redriven-from").is_some()
+}
+
+fn ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once(flavor: Flavor) {
+    const COUNT: u64 = 10_000;
+    let server = Server::start(flavor);
+    let ns = namespace("redrive-ledger");
+    let mut operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "workers", "")).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "orders:dlq", "orders", COUNT, |_| "MaxDeliveriesExceeded");
+
+    // 2,500 a second: four seconds of moving, with the operator killed at random instants in between.
+    let manifest = redrive("after-fix", "orders", "  ratePerSecond: 2500\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    let mut rng = Lcg(0x5eed_0013 + flavor as u64);
+    let mut kills = 0;
+    loop {
+        // Each restarted operator resumes; it is killed again at a random instant while it moves.
+        let phase = wait_for("the redrive moving or done", Duration::from_secs(60), || {
+            let status = get_redrive(&ns, "after-fix")["status"].clone();
+            match status["phase"].as_str() {
+                Some(p @ ("Running" | "Succeeded")) => Ok(p.to_string()),
+                _ => Err(status.to_string()),
+            }
+        });
+        if phase == "Succeeded" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(rng.next_in(50, 900)));
+        operator.kill9();
+        kills += 1;
+        operator = Operator::start(&ns);
+        assert!(kills < 30, "the redrive never finished: {}", get_redrive(&ns, "after-fix")["status"]);
+    }
+    let done = get_redrive(&ns, "after-fix");
+    println!("{flavor:?}: {kills} kills during the redrive; status {}", done["status"]);
+    assert!(kills >= 2, "the operator must die while moving (killed {kills} times)");
+
+    // The ledger: every message once in the source stream as a redriven entry, or once in the dead-letter
+    // stream; never both, never neither.
+    let moved = ns_in(&mut conn, "orders", redriven);
+    let left = ns_in(&mut conn, "orders:dlq", |_| true);
+    for n in 0..COUNT {
+        let (m, l) = (moved.get(&n).copied().unwrap_or(0), left.get(&n).copied().unwrap_or(0));
+        assert_eq!(m + l, 1, "message {n}: {m} redriven copies, {l} dead letters");
+    }
+    assert_eq!(moved.len() as u64, COUNT, "everything was in range, so everything moved");
+    assert_eq!(done["status"]["moved"], COUNT, "status counts every move exactly once");
+    assert_eq!(done["status"]["toMove"], COUNT);
+    // Each redriven entry: the application's fields, Pelican's metadata stripped, the two redrive fields.
+    let entries = xrange(&mut conn, "orders");
+    let sample = entries.iter().find(|e| redriven(e)).unwrap();
+    let names: Vec<String> = sample.1.iter().map(|(k, _)| String::from_utf8_lossy(k).into_owned()).collect();
+    assert_eq!(names, ["n", "body", "pelican-redriven-from", "pelican-redrive"]);
+    assert_eq!(field(sample, "pelican-redrive"), Some(b"after-fix".as_slice()));
+
+    // Terminal: a restart and the same manifest applied again move nothing, even with new dead letters waiting;
+    // nor does the manifest applied after the object was deleted.
+    dead_letters(&mut conn, "orders:dlq", "orders", 5, |_| "MaxDeliveriesExceeded");
+    operator.kill9();
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &manifest).0);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(get_redrive(&ns, "after-fix")["status"]["moved"], COUNT);
+    kubectl_ok(&["delete", "dlr", "after-fix", "-n", &ns]);
+    assert!(kubectl_apply(&ns, &manifest).0);
+    let again = wait_phase(&ns, "after-fix", "Succeeded", Duration::from_secs(30));
+    let complete = again["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Complete").unwrap();
+    assert_eq!(complete["reason"], "AlreadyFinished", "{again}");
+    assert!(complete["message"].as_str().unwrap().contains("create one with a new name"), "{complete}");
+    assert_eq!(ns_in(&mut conn, "orders", redriven).len() as u64, COUNT, "nothing moved twice");
+    assert_eq!(xrange(&mut conn, "orders:dlq").len(), 5, "the new dead letters wait for a new redrive");
+}
+
+/// The whole story of seed 001 and after: a poison message dead-lettered by the operator, the consumer fixed, the
+/// message redriven and processed, nothing left pending or dead.
+fn poison_dead_lettered_fixed_redriven_and_processed(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("redrive-loop");
+    let _operator = Operator::start(&ns);
+    let extra = "  retry:\n    maxDeliveries: 2\n";
+    let manifest = policy("mail", &server.url(), "mail", "workers", extra)
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "mail", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for n in 0..10 {
+        let _: String = redis::cmd("XADD").arg("mail").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
+    }
+    // The broken consumer: message 7 makes it fail every time (never acknowledged).
+    let mut processed = Vec::new();
+    wait_for("message 7 dead-lettered", Duration::from_secs(60), || {
+        for id in read_new(&mut conn, "mail", "workers", "worker-1", 100) {
+            let entry = xrange(&mut conn, "mail").into_iter().find(|e| e.0 == id).unwrap();
+            if field(&entry, "n") != Some(b"7".as_slice()) {
+                let _: i64 = redis::cmd("XACK").arg("mail").arg("workers").arg(&id).query(&mut conn).unwrap();
+                processed.push(String::from_utf8_lossy(field(&entry, "n").unwrap()).into_owned());
+            }
+        }
+        let dead = xrange(&mut conn, "mail:dlq");
+        if dead.len() == 1 { Ok(()) } else { Err(format!("{} dead letters", dead.len())) }
+    });
+    assert_eq!(processed.len(), 9);
+    // The fix is deployed; the dead letter goes back.
+    assert!(kubectl_apply(&ns, &redrive("after-fix", "mail", "")).0);
+    let done = wait_phase(&ns, "after-fix", "Succeeded", Duration::from_secs(30));
+    assert_eq!(done["status"]["moved"], 1);
+    // The fixed consumer reads it as a new message with a fresh delivery count, and acknowledges it.
+    let ids = read_new(&mut conn, "mail", "workers", "worker-2", 100);
+    assert_eq!(ids.len(), 1, "the redriven message is delivered once");
+    let entry = xrange(&mut conn, "mail").into_iter().find(|e| e.0 == ids[0]).unwrap();
+    assert_eq!(field(&entry, "n"), Some(b"7".as_slice()));
+    assert!(field(&entry, "pelican-redriven-from").is_some());
+    assert_eq!(pel(&mut conn, "mail", "workers")[0].3, 1, "a fresh delivery count");
+    let _: i64 = redis::cmd("XACK").arg("mail").arg("workers").arg(&ids[0]).query(&mut conn).unwrap();
+    assert!(pel(&mut conn, "mail", "workers").is_empty());
+    assert!(xrange(&mut conn, "mail:dlq").is_empty());
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(xrange(&mut conn, "mail:dlq").is_empty(), "acknowledged: never dead-lettered again");
+    let started = events(&ns, "Started");
+    assert!(
+        started.iter().any(|e| e["message"].as_str().unwrap_or_default().contains("moving 1 entries")),
+        "{started:?}"
+    );
+    assert!(!events(&ns, "Succeeded").is_empty());
+}
+
+fn filters_move_exactly_the_matching_entries(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("redrive-filter");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("billing", &server.url(), "billing", "workers", "")).0);
+    wait_condition(&ns, "billing", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    // Even n: MaxDeliveriesExceeded; odd n: PayloadInvalid.
+    dead_letters(&mut conn, "billing:dlq", "billing", 300, |n| {
+        if n % 2 == 0 { "MaxDeliveriesExceeded" } else { "PayloadInvalid" }
+    });
+    let ids: Vec<String> = xrange(&mut conn, "billing:dlq").into_iter().map(|e| e.0).collect();
+
+    // A dry run counts and moves nothing.
+    let filter = format!(
+        "  filter:\n    reasons: [MaxDeliveriesExceeded]\n    from: \"{}\"\n    to: \"{}\"\n",
+        ids[50], ids[249]
+    );
+    assert!(kubectl_apply(&ns, &redrive("count", "billing", &format!("{filter}  dryRun: true\n"))).0);
+    let counted = wait_phase(&ns, "count", "Succeeded", Duration::from_secs(30));
+    assert_eq!(counted["status"]["toMove"], 100, "even n in 50..=249");
+    assert_eq!(counted["status"]["moved"], 0);
+    assert_eq!(xrange(&mut conn, "billing:dlq").len(), 300);
+
+    // The real one, capped at 70.
+    assert!(kubectl_apply(&ns, &redrive("some", "billing", &format!("{filter}  maxMessages: 70\n"))).0);
+    let done = wait_phase(&ns, "some", "Succeeded", Duration::from_secs(30));
+    assert_eq!(done["status"]["toMove"], 70);
+    assert_eq!(done["status"]["moved"], 70);
+    let moved = ns_in(&mut conn, "billing", redriven);
+    let expected: Vec<u64> = (50..=249).filter(|n| n % 2 == 0).take(70).collect();
+    let mut got: Vec<u64> = moved.keys().copied().collect();
+    got.sort();
+    assert_eq!(got, expected, "exactly the first 70 matching entries of the range");
+    assert!(moved.values().all(|c| *c == 1));
+    // Left in place: everything else, and the odd ones the filter skipped on the way are counted.
+    assert_eq!(xrange(&mut conn, "billing:dlq").len(), 230);
+    assert_eq!(done["status"]["skipped"], 69, "odd n between 50 and the 70th even one (188)");
+
+    // A target that is the dead-letter stream itself fails, with a reason and nothing moved.
+    assert!(kubectl_apply(&ns, &redrive("loop", "billing", "  target: \"billing:dlq\"\n")).0);
+    let failed = wait_phase(&ns, "loop", "Failed", Duration::from_secs(30));
+    let reason = failed["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap();
+    assert_eq!(reason["reason"], "InvalidSpec", "{failed}");
+    assert_eq!(xrange(&mut conn, "billing:dlq").len(), 230);
+}
+
+/// The rate limit holds within 10%, measured from the ids the server gave the redriven entries.
+#[test]
+fn the_rate_limit_holds_within_ten_percent() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("redrive-rate");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("rate", &server.url(), "rate", "workers", "")).0);
+    wait_condition(&ns, "rate", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "rate:dlq", "rate", 1500, |_| "MaxDeliveriesExceeded");
+    let start = Instant::now();
+    assert!(kubectl_apply(&ns, &redrive("slow", "rate", "  ratePerSecond: 500\n")).0);
+    wait_phase(&ns, "slow", "Succeeded", Duration::from_secs(30));
+    let millis: Vec<u64> = xrange(&mut conn, "rate")
+        .iter()
+        .filter(|e| redriven(e))
+        .map(|e| e.0.split('-').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(millis.len(), 1500);
+    let span = (millis[millis.len() - 1] - millis[0]) as f64 / 1000.0;
+    let rate = (millis.len() - 1) as f64 / span;
+    println!("1500 entries at ratePerSecond 500: {rate:.0}/s over {span:.2} s (whole run {:?})", start.elapsed());
+    assert!((450.0..=550.0).contains(&rate), "rate {rate:.0}/s is not within 10% of 500/s");
+}
+
+/// One redrive per dead-letter stream: a second waits, says for whom, and starts when the first is done, with its
+/// own snapshot. Suspend pauses and resumes where it was.
+#[test]
+fn one_redrive_at_a_time_per_dead_letter_stream_and_suspend_resumes() {
+    let server = Server::start(Flavor::Valkey);
+    let ns = namespace("redrive-queue");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("jobs", &server.url(), "jobs", "workers", "")).0);
+    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "jobs:dlq", "jobs", 600, |_| "MaxDeliveriesExceeded");
+    assert!(kubectl_apply(&ns, &redrive("first", "jobs", "  ratePerSecond: 200\n")).0);
+    wait_phase(&ns, "first", "Running", Duration::from_secs(30));
+    assert!(kubectl_apply(&ns, &redrive("second", "jobs", "")).0);
+    let waiting = wait_for("the second redrive to wait", Duration::from_secs(30), || {
+        let object = get_redrive(&ns, "second");
+        let conditions = object["status"]["conditions"].as_array().cloned().unwrap_or_default();
+        match conditions.iter().find(|c| c["type"] == "Reconciling" && c["reason"] == "Waiting") {
+            Some(c) => Ok(c["message"].as_str().unwrap().to_string()),
+            None => Err(object["status"].to_string()),
+        }
+    });
+    assert!(waiting.contains(&format!("{ns}/first")), "{waiting}");
+    assert_eq!(get_redrive(&ns, "second")["status"]["phase"], "Pending");
+
+    // Suspend the first mid-way: it stops moving, then resumes where it was.
+    kubectl_ok(&["patch", "dlr", "first", "-n", &ns, "--type", "merge", "-p", r#"{"spec":{"suspend":true}}"#]);
+    let suspended = wait_phase(&ns, "first", "Suspended", Duration::from_secs(30));
+    let at = xrange(&mut conn, "jobs:dlq").len();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(xrange(&mut conn, "jobs:dlq").len(), at, "nothing moves while suspended");
+    assert!(at > 0 && at < 600, "suspended mid-way: {at} left; {}", suspended["status"]);
+    kubectl_ok(&["patch", "dlr", "first", "-n", &ns, "--type", "merge", "-p", r#"{"spec":{"suspend":false}}"#]);
+    let first = wait_phase(&ns, "first", "Succeeded", Duration::from_secs(30));
+    assert_eq!(first["status"]["moved"], 600);
+    // The second one ran after it, on what was left then: nothing.
+    let second = wait_phase(&ns, "second", "Succeeded", Duration::from_secs(30));
+    assert_eq!(second["status"]["toMove"], 0, "{second}");
+    assert_eq!(ns_in(&mut conn, "jobs", redriven).len(), 600);
+    let out = kubectl_ok(&["get", "dlr", "-n", &ns]);
+    println!("{out}");
+    let rows = table_rows(&out);
+    let first_row = rows.iter().find(|r| r["NAME"] == "first").unwrap();
+    assert_eq!((first_row["POLICY"].as_str(), first_row["PHASE"].as_str()), ("jobs", "Succeeded"));
+    assert_eq!((first_row["MOVED"].as_str(), first_row["TO-MOVE"].as_str()), ("600", "600"));
+}
+
+/// `ttlSecondsAfterFinished` deletes the object; the record on the server keeps the same manifest from running
+/// again when it is applied anew (a GitOps tool would re-create it).
+#[test]
+fn ttl_deletes_the_object_and_the_manifest_applied_again_does_not_run() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("redrive-ttl");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("ttl", &server.url(), "ttl", "workers", "")).0);
+    wait_condition(&ns, "ttl", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "ttl:dlq", "ttl", 10, |_| "MaxDeliveriesExceeded");
+    let manifest = redrive("once", "ttl", "  ttlSecondsAfterFinished: 2\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_phase(&ns, "once", "Succeeded", Duration::from_secs(30));
+    wait_for("the TTL to delete the redrive", Duration::from_secs(30), || {
+        let out = kubectl(&["get", "dlr", "once", "-n", &ns], None);
+        if out.status.success() { Err("still there".into()) } else { Ok(()) }
+    });
+    dead_letters(&mut conn, "ttl:dlq", "ttl", 10, |_| "MaxDeliveriesExceeded");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    let again = wait_phase(&ns, "once", "Succeeded", Duration::from_secs(30));
+    assert_eq!(again["status"]["moved"], 10, "the first run's count, from the record");
+    assert_eq!(xrange(&mut conn, "ttl:dlq").len(), 10, "the second application moved nothing");
+    assert!(!events(&ns, "Succeeded").is_empty());
+}
