@@ -30,9 +30,14 @@ fn to_lua(value: &Value) -> String {
 
 /// (status, message) from health.lua for a fixture file.
 fn argocd_health(fixture: &Path) -> (String, String) {
+    run_health("health.lua", fixture)
+}
+
+/// (status, message) from one of the health scripts for a fixture file.
+fn run_health(script: &str, fixture: &Path) -> (String, String) {
     let out = Command::new("lua5.1")
         .arg(format!("{ARGOCD}/run_health.lua"))
-        .arg(format!("{ARGOCD}/health.lua"))
+        .arg(format!("{ARGOCD}/{script}"))
         .arg(fixture)
         .output()
         .expect("lua5.1 must be installed: scripts/testenv up installs it");
@@ -96,6 +101,78 @@ fn argocd_health_and_kstatus_read_real_objects_right() {
     }
     let (_, message) = argocd_health(&dir.path().join("stalled.lua"));
     assert!(message.starts_with("SecretNotFound: "), "{message}");
+}
+
+/// DeadLetterRedrives in each phase, live from the bed, read by Argo CD's script and by kstatus.
+#[test]
+fn redrive_health_and_kstatus_read_real_redrives_right() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("gitops-dlr");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "")).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for n in 0..1000 {
+        let _: String = redis::cmd("XADD").arg("s:dlq").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
+    }
+    let redrive = |name: &str, extra: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: {name}\nspec:\n  policyRef: {{name: p}}\n{extra}"
+        )
+    };
+    let phase = |name: &str, phase: &str| {
+        wait_for(&format!("{name} {phase}"), Duration::from_secs(30), || {
+            let object: Value =
+                serde_json::from_str(&kubectl_ok(&["get", "dlr", name, "-n", &ns, "-o", "json"])).unwrap();
+            if object["status"]["phase"] == phase { Ok(object) } else { Err(object["status"].to_string()) }
+        })
+    };
+    assert!(kubectl_apply(&ns, &redrive("counted", "  dryRun: true\n")).0);
+    let succeeded = phase("counted", "Succeeded");
+    assert!(kubectl_apply(&ns, &redrive("broken", "  target: \"s:dlq\"\n")).0);
+    let failed = phase("broken", "Failed");
+    assert!(kubectl_apply(&ns, &redrive("paused", "  suspend: true\n")).0);
+    let suspended = phase("paused", "Suspended");
+    assert!(kubectl_apply(&ns, &redrive("slow", "  ratePerSecond: 10\n")).0);
+    let running = phase("slow", "Running");
+    assert!(kubectl_apply(&ns, &redrive("next", "")).0);
+    let pending = phase("next", "Pending");
+    let dir = tempfile::tempdir().unwrap();
+    for (object, health, kstatus_status) in [
+        (&succeeded, "Healthy", "Current"),
+        (&failed, "Degraded", "Failed"),
+        (&suspended, "Suspended", "Current"),
+        (&running, "Progressing", "InProgress"),
+        (&pending, "Progressing", "InProgress"),
+    ] {
+        let name = object["metadata"]["name"].as_str().unwrap();
+        let fixture = dir.path().join(format!("{name}.lua"));
+        std::fs::write(&fixture, format!("return {}\n", to_lua(object))).unwrap();
+        let (status, message) = run_health("redrive_health.lua", &fixture);
+        println!("{name}: Argo CD {status} ({message}); kstatus {}", kstatus(object));
+        assert_eq!(status, health, "{name}: {message}");
+        assert_eq!(kstatus(object), kstatus_status, "kstatus of {name}");
+    }
+    let (_, message) = run_health("redrive_health.lua", &dir.path().join("broken.lua"));
+    assert!(message.starts_with("InvalidSpec: "), "{message}");
+}
+
+/// The ConfigMap example carries the very scripts the tests run.
+#[test]
+fn the_argocd_example_embeds_the_tested_scripts() {
+    let example =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/gitops/argocd-cm-health.yaml")).unwrap();
+    let config: Value = serde_yaml::from_str(&example).unwrap();
+    for (key, script) in [
+        ("resource.customizations.health.pelican.io_ConsumerGroupPolicy", "health.lua"),
+        ("resource.customizations.health.pelican.io_DeadLetterRedrive", "redrive_health.lua"),
+    ] {
+        let file = std::fs::read_to_string(format!("{ARGOCD}/{script}")).unwrap();
+        // The file starts with a comment header the ConfigMap leaves out.
+        let code: String = file.lines().skip_while(|l| l.starts_with("--")).collect::<Vec<_>>().join("\n");
+        let embedded = config["data"][key].as_str().unwrap_or_else(|| panic!("{key} missing"));
+        assert_eq!(embedded.trim_end(), code.trim_end(), "{key} differs from gitops/argocd/{script}");
+    }
 }
 
 #[test]
