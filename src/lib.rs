@@ -9,6 +9,8 @@ pub mod worker;
 #[cfg(feature = "operator")]
 pub mod api;
 #[cfg(feature = "operator")]
+pub mod cli;
+#[cfg(feature = "operator")]
 pub mod controller;
 #[cfg(feature = "operator")]
 mod error;

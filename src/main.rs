@@ -53,11 +53,16 @@ enum Command {
     Crd { name: Option<String> },
     /// Print the version.
     Version,
+    /// The commands of `kubectl pelican` (status, dlq, redrive).
+    #[command(flatten)]
+    Cli(pelican::cli::Command),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Cli(command) => pelican::cli::run(command).await?,
         Command::Crd { name } => {
             let crds = [ConsumerGroupPolicy::crd(), DeadLetterRedrive::crd()];
             let chosen: Vec<_> = crds

@@ -98,6 +98,11 @@ pub async fn resolve_target(policy: &ConsumerGroupPolicy, ctx: &Context) -> Resu
     resolve::target(policy, &ctx.client, &ctx.secrets).await
 }
 
+/// The server and credentials of a policy, its Secrets read with `client`'s permissions (for `kubectl pelican`).
+pub async fn read_target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<crate::redis::Target> {
+    resolve::target(policy, client, &SecretCache::default()).await
+}
+
 /// `namespace/name`: how the runner and the logs name a policy.
 pub fn policy_id(policy: &ConsumerGroupPolicy) -> String {
     id(&policy.namespace().unwrap_or_default(), &policy.name_any())

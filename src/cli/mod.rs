@@ -1,0 +1,157 @@
+//! The command line for people (SPEC section 11): `kubectl pelican status | dlq | redrive`, also `pelican status
+//! | dlq | redrive`. It works from the user's kubeconfig and reads the policy's Secrets with the user's own
+//! permissions, so it can do exactly what the user could do with `kubectl` and `redis-cli`.
+
+mod dlq;
+mod redrive;
+mod status;
+
+use std::io::Write;
+
+use clap::{Args, Subcommand, ValueEnum};
+use kube::api::Api;
+use kube::{Client, ResourceExt};
+use serde::Serialize;
+
+use crate::api::ConsumerGroupPolicy;
+use crate::redis::{Conn, Pools};
+
+/// Where to look and how to print; shared by every command.
+#[derive(Args, Clone, Debug)]
+pub struct Scope {
+    /// Namespace of the policies (default: the kubeconfig context's).
+    #[arg(short, long)]
+    pub namespace: Option<String>,
+    /// `table` (default), `json` or `yaml`.
+    #[arg(short, long, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+    Yaml,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// The numbers and conditions of one policy or all, with the oldest pending entries.
+    Status(status::StatusArgs),
+    /// The dead letters of a policy, grouped by reason and source, with a payload preview.
+    Dlq(dlq::DlqArgs),
+    /// Create a DeadLetterRedrive for a policy and follow its progress.
+    Redrive(redrive::RedriveArgs),
+}
+
+/// Runs one command; the error is printed by the caller.
+pub async fn run(command: Command) -> anyhow::Result<()> {
+    let scope = match &command {
+        Command::Status(args) => args.scope.clone(),
+        Command::Dlq(args) => args.scope.clone(),
+        Command::Redrive(args) => args.scope.clone(),
+    };
+    let config = kube::Config::infer().await?;
+    let namespace = scope.namespace.clone().unwrap_or_else(|| config.default_namespace.clone());
+    let client = Client::try_from(config)?;
+    let session = Session { client, namespace, scope, pools: Pools::default() };
+    match command {
+        Command::Status(args) => status::run(&session, args).await,
+        Command::Dlq(args) => dlq::run(&session, args).await,
+        Command::Redrive(args) => redrive::run(&session, args).await,
+    }
+}
+
+struct Session {
+    client: Client,
+    namespace: String,
+    scope: Scope,
+    pools: Pools,
+}
+
+impl Session {
+    fn policies(&self) -> Api<ConsumerGroupPolicy> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    async fn policy(&self, name: &str) -> anyhow::Result<ConsumerGroupPolicy> {
+        self.policies().get_opt(name).await?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "ConsumerGroupPolicy {name:?} not found in namespace {:?} (kubectl get cgp -n {0} lists them)",
+                self.namespace
+            )
+        })
+    }
+
+    /// A connection to the policy's server with its own Secrets (read with the user's permissions).
+    async fn connect(&self, policy: &ConsumerGroupPolicy) -> anyhow::Result<(Conn, String)> {
+        let target = crate::controller::read_target(policy, &self.client).await?;
+        let conn = self.pools.get(&target).await?;
+        Ok((conn, target.server()))
+    }
+
+    /// Prints `value` as JSON or YAML when asked for, and says whether it did.
+    fn print_structured(&self, value: &impl Serialize) -> anyhow::Result<bool> {
+        let text = match self.scope.output {
+            Output::Table => return Ok(false),
+            Output::Json => serde_json::to_string_pretty(value)? + "\n",
+            Output::Yaml => serde_yaml::to_string(value)?,
+        };
+        std::io::stdout().write_all(text.as_bytes())?;
+        Ok(true)
+    }
+}
+
+/// Aligned columns, as kubectl prints them.
+fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
+    let mut table = tabwriter::TabWriter::new(std::io::stdout()).padding(3);
+    writeln!(table, "{}", header.join("\t"))?;
+    for row in rows {
+        writeln!(table, "{}", row.join("\t"))?;
+    }
+    table.flush()?;
+    Ok(())
+}
+
+/// `45s`, `12m`, `3h`, `5d`: the short ages kubectl shows.
+fn age(seconds: i64) -> String {
+    let s = seconds.max(0);
+    match s {
+        0..120 => format!("{s}s"),
+        120..7_200 => format!("{}m", s / 60),
+        7_200..172_800 => format!("{}h", s / 3_600),
+        _ => format!("{}d", s / 86_400),
+    }
+}
+
+/// Milliseconds since the epoch from an entry id (`<ms>-<seq>`).
+fn id_millis(id: &str) -> Option<i64> {
+    id.split('-').next()?.parse().ok()
+}
+
+fn now_millis() -> i64 {
+    k8s_openapi::jiff::Timestamp::now().as_millisecond()
+}
+
+fn cell(value: Option<impl ToString>) -> String {
+    value.map_or_else(|| "-".to_string(), |v| v.to_string())
+}
+
+fn name_of(policy: &ConsumerGroupPolicy) -> String {
+    policy.name_any()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_like_kubectl() {
+        assert_eq!(age(-3), "0s");
+        assert_eq!(age(119), "119s");
+        assert_eq!(age(120), "2m");
+        assert_eq!(age(7_199), "119m");
+        assert_eq!(age(7_200), "2h");
+        assert_eq!(age(200_000), "2d");
+    }
+}

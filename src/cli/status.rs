@@ -1,0 +1,214 @@
+//! `kubectl pelican status [policy]`: one line per policy from its status; for one policy, its conditions and the
+//! oldest pending entries read from the server.
+
+use clap::Args;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
+use serde::Serialize;
+
+use super::{Session, age, cell, id_millis, name_of, now_millis, print_table};
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus};
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub(super) scope: super::Scope,
+    /// One policy (all of the namespace when absent).
+    policy: Option<String>,
+    /// The policies of every namespace.
+    #[arg(short = 'A', long, conflicts_with = "policy")]
+    all_namespaces: bool,
+    /// How many of the oldest pending entries to show for one policy.
+    #[arg(long, default_value_t = 5)]
+    pending: usize,
+}
+
+/// What `-o json|yaml` prints for each policy.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PolicyReport {
+    namespace: String,
+    name: String,
+    stream: String,
+    group: String,
+    ready: String,
+    reason: String,
+    message: String,
+    #[serde(flatten)]
+    status: ConsumerGroupPolicyStatus,
+    /// Read from the server for a single policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    oldest_pending: Option<Vec<PendingEntry>>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PendingEntry {
+    id: String,
+    consumer: String,
+    idle_seconds: i64,
+    deliveries: i64,
+    age_seconds: Option<i64>,
+}
+
+pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<()> {
+    let policies = match &args.policy {
+        Some(name) => vec![session.policy(name).await?],
+        None if args.all_namespaces => {
+            Api::<ConsumerGroupPolicy>::all(session.client.clone()).list(&ListParams::default()).await?.items
+        }
+        None => session.policies().list(&ListParams::default()).await?.items,
+    };
+    let mut reports: Vec<PolicyReport> = policies.iter().map(report).collect();
+    if let (Some(policy), Some(report)) = (args.policy.as_ref().and(policies.first()), reports.first_mut()) {
+        report.oldest_pending = Some(oldest_pending(session, policy, args.pending).await?);
+    }
+    if args.policy.is_some() {
+        let report = reports.pop().expect("one policy");
+        if !session.print_structured(&report)? {
+            print_one(&report)?;
+        }
+        return Ok(());
+    }
+    if session.print_structured(&reports)? {
+        return Ok(());
+    }
+    if reports.is_empty() {
+        eprintln!("No ConsumerGroupPolicy found in namespace {:?}.", session.namespace);
+        return Ok(());
+    }
+    let all = args.all_namespaces;
+    let mut header = vec!["NAME", "READY", "REASON", "PENDING", "OLDEST", "LAG", "DEAD-LETTERED", "CONSUMERS"];
+    if all {
+        header.insert(0, "NAMESPACE");
+    }
+    let rows: Vec<Vec<String>> = reports
+        .iter()
+        .map(|r| {
+            let s = &r.status;
+            let oldest = s.oldest_pending_id.as_deref().and_then(id_millis).map(|ms| age((now_millis() - ms) / 1000));
+            let mut row = vec![
+                r.name.clone(),
+                r.ready.clone(),
+                r.reason.clone(),
+                cell(s.pending),
+                cell(oldest),
+                cell(s.lag),
+                cell(s.totals.as_ref().map(|t| t.dead_lettered)),
+                cell(s.consumers),
+            ];
+            if all {
+                row.insert(0, r.namespace.clone());
+            }
+            row
+        })
+        .collect();
+    print_table(&header, &rows)
+}
+
+fn report(policy: &ConsumerGroupPolicy) -> PolicyReport {
+    let ready = policy.condition(crate::controller::READY);
+    PolicyReport {
+        namespace: policy.namespace().unwrap_or_default(),
+        name: name_of(policy),
+        stream: policy.spec.stream.clone(),
+        group: policy.spec.group.clone(),
+        ready: ready.map_or("Unknown".into(), |c| c.status.clone()),
+        reason: ready.map_or("-".into(), |c| c.reason.clone()),
+        message: ready.map_or(String::new(), |c| c.message.clone()),
+        status: policy.status.clone().unwrap_or_default(),
+        oldest_pending: None,
+    }
+}
+
+async fn oldest_pending(
+    session: &Session,
+    policy: &ConsumerGroupPolicy,
+    count: usize,
+) -> anyhow::Result<Vec<PendingEntry>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let (mut conn, server) = session.connect(policy).await?;
+    let entries: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+        .arg(&policy.spec.stream)
+        .arg(&policy.spec.group)
+        .arg("-")
+        .arg("+")
+        .arg(count)
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| crate::Error::from_redis(&server, e))?;
+    let now = now_millis();
+    Ok(entries
+        .into_iter()
+        .map(|(id, consumer, idle_ms, deliveries)| PendingEntry {
+            age_seconds: id_millis(&id).map(|ms| (now - ms) / 1000),
+            id,
+            consumer,
+            idle_seconds: idle_ms / 1000,
+            deliveries,
+        })
+        .collect())
+}
+
+fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
+    let s = &report.status;
+    let totals = s.totals.clone().unwrap_or_default();
+    let lines = [
+        ("Policy", format!("{}/{}", report.namespace, report.name)),
+        ("Stream", format!("{} (group {})", report.stream, report.group)),
+        ("Server", cell(s.server_version.as_ref())),
+        ("Ready", format!("{} {}: {}", report.ready, report.reason, report.message)),
+        ("Pending", cell(s.pending)),
+        ("Lag", cell(s.lag)),
+        ("Consumers", cell(s.consumers)),
+        ("Stream length", cell(s.stream_length)),
+        ("Dead letters", cell(s.dead_letter_length)),
+        (
+            "Totals",
+            format!(
+                "dead-lettered {}, requeued {}, reassigned {}, payload deleted {}, consumers expired {}",
+                totals.dead_lettered,
+                totals.requeued,
+                totals.reassigned,
+                totals.payload_deleted,
+                totals.consumers_expired
+            ),
+        ),
+        ("Last pass", cell(s.last_pass_time.as_ref())),
+    ];
+    let rows: Vec<Vec<String>> = lines.into_iter().map(|(k, v)| vec![format!("{k}:"), v]).collect();
+    let mut out = tabwriter::TabWriter::new(std::io::stdout()).padding(2);
+    use std::io::Write;
+    for row in rows {
+        writeln!(out, "{}", row.join("\t"))?;
+    }
+    out.flush()?;
+    println!("\nConditions:");
+    let conditions: Vec<Vec<String>> = s
+        .conditions
+        .iter()
+        .map(|c| vec![c.type_.clone(), c.status.clone(), c.reason.clone(), c.message.clone()])
+        .collect();
+    print_table(&["TYPE", "STATUS", "REASON", "MESSAGE"], &conditions)?;
+    let pending = report.oldest_pending.as_deref().unwrap_or_default();
+    println!("\nOldest pending entries:");
+    if pending.is_empty() {
+        println!("none");
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = pending
+        .iter()
+        .map(|p| {
+            vec![
+                p.id.clone(),
+                p.consumer.clone(),
+                age(p.idle_seconds),
+                p.deliveries.to_string(),
+                cell(p.age_seconds.map(age)),
+            ]
+        })
+        .collect();
+    print_table(&["ID", "CONSUMER", "IDLE", "DELIVERIES", "AGE"], &rows)
+}
