@@ -108,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
                 concurrency: max_concurrent_reconciles,
             };
             if !leader_elect {
+                settings.metrics.watch_leadership("", Leadership::always());
                 pelican::controller::run(client, settings, shutdown).await;
                 http.await?;
                 tracing::info!("stopped");
@@ -118,6 +119,7 @@ async fn main() -> anyhow::Result<()> {
             let identity = format!("{}-{}", instance.unwrap_or_else(|| "pelican".into()), std::process::id());
             let mut elector =
                 Elector::start(client.clone(), &lease_namespace, &leader_election_lease, &identity).await?;
+            settings.metrics.watch_leadership(&leader_election_lease, elector.leadership());
             // A standby is ready: readiness says the process works, not that it leads.
             readiness.set_ready();
             tracing::info!(lease = %format!("{lease_namespace}/{leader_election_lease}"), identity, "waiting for the leader lease");

@@ -53,6 +53,7 @@ pub async fn report(
         ready: result.is_ok(),
         status: status.clone(),
         oldest_pending_age_seconds: age,
+        backlog_max_length: max_length,
     };
     ctx.metrics.observe_policy((policy.namespace().unwrap_or_default(), policy.name_any()), snapshot);
     if status::worth_writing(policy.status.as_ref(), &status) {

@@ -14,6 +14,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::api::ConsumerGroupPolicyStatus;
+use crate::leader::Leadership;
 
 /// The `controller` label of the reconcile metrics.
 pub const CONTROLLER: &str = "consumergrouppolicy";
@@ -28,6 +29,7 @@ pub struct Metrics {
     pass_delay: Histogram,
     passes: Counter,
     policies: Arc<PolicySeries>,
+    leader: Arc<LeaderSeries>,
 }
 
 impl Default for Metrics {
@@ -63,7 +65,9 @@ impl Default for Metrics {
         registry.register("pelican_passes", "Reclaim / dead-letter passes run", passes.clone());
         let policies = Arc::new(PolicySeries::default());
         registry.register_collector(Box::new(policies.clone()));
-        Metrics { registry, reconcile_total, reconcile_errors, reconcile_time, pass_delay, passes, policies }
+        let leader = Arc::new(LeaderSeries::default());
+        registry.register_collector(Box::new(leader.clone()));
+        Metrics { registry, reconcile_total, reconcile_errors, reconcile_time, pass_delay, passes, policies, leader }
     }
 }
 
@@ -88,6 +92,11 @@ impl Metrics {
     /// Publishes a policy's status as its series.
     pub fn observe_policy(&self, key: PolicyKey, snapshot: PolicySnapshot) {
         self.policies.0.lock().expect("metrics lock").insert(key, snapshot);
+    }
+
+    /// `pelican_leader{lease}` follows `leadership` from now on: 1 while this replica may write, else 0.
+    pub fn watch_leadership(&self, lease: &str, leadership: Leadership) {
+        *self.leader.0.lock().expect("metrics lock") = Some((lease.to_string(), leadership));
     }
 
     /// Drops a deleted policy's series.
@@ -115,6 +124,28 @@ pub struct PolicySnapshot {
     pub status: ConsumerGroupPolicyStatus,
     /// Server time minus the oldest pending id's time.
     pub oldest_pending_age_seconds: Option<i64>,
+    /// `spec.backlog.maxLength`, when set.
+    pub backlog_max_length: Option<i64>,
+}
+
+/// Whether this replica leads, read at scrape time (the Lease can be lost between two reconciles).
+#[derive(Debug, Default)]
+struct LeaderSeries(Mutex<Option<(String, Leadership)>>);
+
+impl Collector for LeaderSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some((lease, leadership)) = self.0.lock().expect("metrics lock").clone() else {
+            return Ok(());
+        };
+        let mut metric = encoder.encode_descriptor(
+            "pelican_leader",
+            "1 while this replica holds its leader Lease and may write (always 1 without leader election)",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        let labels: Labels = vec![("lease", lease)];
+        ConstGauge::new(leadership.may_write() as i64).encode(metric.encode_family(&labels)?)
+    }
 }
 
 /// Name, help, and the value of one policy (no series when `None`).
@@ -134,7 +165,7 @@ impl Collector for PolicySeries {
                 ("group", p.group.clone()),
             ]
         };
-        let gauges: [Series; 9] = [
+        let gauges: [Series; 10] = [
             ("pelican_group_pending", "Entries in the group's PEL", |p| p.status.pending),
             ("pelican_group_oldest_pending_age_seconds", "Age of the oldest pending entry, from its id", |p| {
                 p.oldest_pending_age_seconds
@@ -149,6 +180,9 @@ impl Collector for PolicySeries {
                 "Entries the group has not acknowledged: lag + pending (absent when unknown)",
                 |p| p.status.backlog,
             ),
+            ("pelican_group_backlog_max_length", "spec.backlog.maxLength of the group (absent when unbounded)", |p| {
+                p.backlog_max_length
+            }),
             ("pelican_stream_length", "Entries in the source stream", |p| p.status.stream_length),
             ("pelican_dead_letter_stream_length", "Entries in the dead-letter stream", |p| p.status.dead_letter_length),
             ("pelican_policy_ready", "1 when the policy's Ready condition is True", |p| Some(p.ready as i64)),
@@ -227,8 +261,10 @@ mod tests {
             ready: true,
             status,
             oldest_pending_age_seconds: None,
+            backlog_max_length: Some(500),
         };
         metrics.observe_policy(("apps".into(), "p".into()), snapshot);
+        metrics.watch_leadership("pelican-leader", Leadership::always());
         metrics.reconciled(Duration::from_millis(3), false);
         let text = metrics.render();
         let labels = r#"namespace="apps",policy="p",stream="s",group="g""#;
@@ -239,6 +275,8 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("pelican_group_lag{"), "unknown lag must be absent, not 0:\n{text}");
+        assert!(text.contains(&format!("pelican_group_backlog_max_length{{{labels}}} 500")), "{text}");
+        assert!(text.contains(r#"pelican_leader{lease="pelican-leader"} 1"#), "{text}");
         assert!(
             text.contains(r#"controller_runtime_reconcile_total{controller="consumergrouppolicy",result="success"} 1"#),
             "{text}"

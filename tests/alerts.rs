@@ -1,0 +1,274 @@
+//! The chart's alerts and dashboard: `promtool test rules` on series that must fire and series that must not, and
+//! every series the rules and the dashboard query checked against what a live operator exports.
+
+#[macro_use]
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
+
+/// One template of the chart rendered with alerts and dashboard on (release `pelican`, so the job is
+/// `pelican-metrics`), as JSON.
+fn render(template: &str) -> Value {
+    let out = Command::new(bed().var("PELICAN_HELM"))
+        .args(["template", "pelican", CHART, "--set", "alerts.enabled=true", "--set", "dashboard.enabled=true"])
+        .args(["--show-only", template])
+        .output()
+        .expect("run helm");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_yaml::from_slice(&out.stdout).unwrap()
+}
+
+fn rule_groups() -> Value {
+    render("templates/prometheusrule.yaml")["spec"].clone()
+}
+
+fn dashboard() -> Value {
+    let config = render("templates/dashboard.yaml");
+    serde_json::from_str(config["data"]["pelican.json"].as_str().unwrap()).unwrap()
+}
+
+/// Series that must fire each alert, next to series that must not (healthy, or not for long enough), one minute
+/// per sample.
+const TESTS: &str = r#"
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      # 700 s and growing: past 600 s for more than 5 minutes.
+      - series: 'pelican_group_oldest_pending_age_seconds{namespace="apps",policy="stuck",stream="s",group="g",job="pelican-metrics"}'
+        values: '700+60x20'
+      - series: 'pelican_group_oldest_pending_age_seconds{namespace="apps",policy="fine",stream="s",group="g",job="pelican-metrics"}'
+        values: '30x20'
+      # Over the threshold for 3 minutes only.
+      - series: 'pelican_group_oldest_pending_age_seconds{namespace="apps",policy="blip",stream="s",group="g",job="pelican-metrics"}'
+        values: '30x5 900x2 30x13'
+      - series: 'pelican_dead_lettered_total{namespace="apps",policy="poison",stream="s",group="g",job="pelican-metrics"}'
+        values: '0x5 1 2 3x13'
+      - series: 'pelican_dead_lettered_total{namespace="apps",policy="fine",stream="s",group="g",job="pelican-metrics"}'
+        values: '5x20'
+      - series: 'pelican_policy_ready{namespace="apps",policy="broken",stream="s",group="g",job="pelican-metrics"}'
+        values: '0x20'
+      - series: 'pelican_policy_ready{namespace="apps",policy="flaky",stream="s",group="g",job="pelican-metrics"}'
+        values: '1x10 0x10'
+      - series: 'pelican_policy_ready{namespace="apps",policy="fine",stream="s",group="g",job="pelican-metrics"}'
+        values: '1x20'
+      - series: 'pelican_group_backlog{namespace="apps",policy="full",stream="s",group="g",job="pelican-metrics"}'
+        values: '950x20'
+      - series: 'pelican_group_backlog_max_length{namespace="apps",policy="full",stream="s",group="g",job="pelican-metrics"}'
+        values: '1000x20'
+      - series: 'pelican_group_backlog{namespace="apps",policy="roomy",stream="s",group="g",job="pelican-metrics"}'
+        values: '100x20'
+      - series: 'pelican_group_backlog_max_length{namespace="apps",policy="roomy",stream="s",group="g",job="pelican-metrics"}'
+        values: '1000x20'
+      - series: 'pelican_publish_rejected_total{namespace="apps",policy="full",stream="s",group="g",job="pelican-metrics"}'
+        values: '0x15 4 9 9x3'
+      - series: 'pelican_publish_rejected_total{namespace="apps",policy="roomy",stream="s",group="g",job="pelican-metrics"}'
+        values: '0x20'
+      # Both replicas down from minute 8 on; replica b never leads, a leads until it goes down.
+      - series: 'up{job="pelican-metrics",instance="a"}'
+        values: '1x7 0x13'
+      - series: 'up{job="pelican-metrics",instance="b"}'
+        values: '1x7 0x13'
+      - series: 'pelican_leader{job="pelican-metrics",instance="a",lease="pelican-leader"}'
+        values: '1x7'
+      - series: 'pelican_leader{job="pelican-metrics",instance="b",lease="pelican-leader"}'
+        values: '0x7'
+      # A second shard's Lease that nobody holds although both replicas of that shard are up.
+      - series: 'pelican_leader{job="pelican-metrics",instance="d",lease="pelican-leader-shard1"}'
+        values: '0x20'
+      - series: 'pelican_leader{job="pelican-metrics",instance="e",lease="pelican-leader-shard1"}'
+        values: '0x20'
+      # Another install (another job) that is fine must not matter.
+      - series: 'up{job="other-pelican-metrics",instance="c"}'
+        values: '1x20'
+    alert_rule_test:
+      - eval_time: 12m
+        alertname: PelicanOldestPendingTooOld
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: stuck, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/stuck: a message has waited 23m 40s unacknowledged'
+              description: 'The oldest pending entry of group g on stream s is older than the threshold: consumers are stuck or too slow. kubectl pelican status stuck -n apps shows the oldest entries and their consumers.'
+      - eval_time: 3m
+        alertname: PelicanOldestPendingTooOld
+        exp_alerts: []
+      - eval_time: 10m
+        alertname: PelicanDeadLettersGrowing
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: poison, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/poison: 3 messages dead-lettered recently'
+              description: 'Messages of group g reached their delivery cap and were moved to the dead-letter stream. kubectl pelican dlq poison -n apps groups them by reason; once fixed, kubectl pelican redrive moves them back.'
+      - eval_time: 4m
+        alertname: PelicanDeadLettersGrowing
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: PelicanPolicyNotReady
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: broken}
+            exp_annotations:
+              summary: 'ConsumerGroupPolicy apps/broken is not Ready'
+              description: 'kubectl describe cgp broken -n apps shows the reason (Secret missing, server unreachable, conflict ...).'
+      - eval_time: 8m
+        alertname: PelicanBacklogNearlyFull
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: full, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/full: backlog at 95% of spec.backlog.maxLength'
+              description: 'Group g is falling behind its producers; bounded publishes will be refused when the backlog is full.'
+      - eval_time: 17m
+        alertname: PelicanPublishesRefused
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: apps, policy: full, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/full: 9 publishes refused (backlog full)'
+              description: 'Producers of stream s are being refused because group g reached spec.backlog.maxLength.'
+      - eval_time: 14m
+        alertname: PelicanPublishesRefused
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: PelicanOperatorDown
+        exp_alerts: []
+      - eval_time: 14m
+        alertname: PelicanOperatorDown
+        exp_alerts:
+          - exp_labels: {severity: critical}
+            exp_annotations:
+              summary: 'No Pelican operator replica is up (job pelican-metrics)'
+              description: 'No replica answers its metrics scrape: reclaim, dead-letter and retention jobs are not running.'
+      - eval_time: 4m
+        alertname: PelicanNotLeading
+        exp_alerts: []
+      - eval_time: 7m
+        alertname: PelicanNotLeading
+        exp_alerts:
+          - exp_labels: {severity: critical, lease: pelican-leader-shard1}
+            exp_annotations:
+              summary: 'No Pelican replica holds the leader Lease pelican-leader-shard1'
+              description: 'Replicas are up but none leads: no policy is reconciled. Check the operator logs and the Lease.'
+"#;
+
+#[test]
+fn promtool_test_rules_fire_what_must_fire_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("rules.yaml"), serde_yaml::to_string(&rule_groups()).unwrap()).unwrap();
+    std::fs::write(dir.path().join("tests.yaml"), format!("rule_files: [rules.yaml]\n{TESTS}")).unwrap();
+    let check = Command::new("promtool").arg("check").arg("rules").arg(dir.path().join("rules.yaml")).output().unwrap();
+    assert!(
+        check.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let out = Command::new("promtool")
+        .args(["test", "rules", "tests.yaml"])
+        .current_dir(dir.path())
+        .output()
+        .expect("promtool must be installed: scripts/testenv up installs Debian's prometheus");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("$ promtool test rules tests.yaml\n{text}");
+    assert!(out.status.success(), "{text}");
+    // Every alert of the chart is exercised.
+    let alerts: BTreeSet<String> = rule_groups()["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap().iter().map(|r| r["alert"].as_str().unwrap().to_string()))
+        .collect();
+    for alert in &alerts {
+        assert!(TESTS.contains(&format!("alertname: {alert}\n")), "{alert} has no test");
+    }
+}
+
+/// Metric names in a PromQL expression (ours, and the controller-runtime ones).
+fn series_in(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("pelican_").or_else(|| rest.find("controller_runtime_")) {
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        names.push(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+fn collect_exprs(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map {
+                match (key.as_str(), v) {
+                    ("expr" | "query", Value::String(s)) => out.push(s.clone()),
+                    _ => collect_exprs(v, out),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| collect_exprs(v, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_dashboard_and_the_alerts_query_only_series_the_operator_exports() {
+    // A live operator with a bounded policy that has passed, so every family has a sample.
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("alerts");
+    let operator = Operator::start(&ns);
+    let bounded =
+        policy("p", &server.url(), "s", "g", "  backlog:\n    maxLength: 100\n  retention:\n    mode: Acknowledged\n");
+    assert!(kubectl_apply(&ns, &bounded).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    // One entry read and not acknowledged: the oldest-pending series exists only while something is pending.
+    let mut conn = server.conn();
+    let _: String = redis::cmd("XADD").arg("s").arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+    assert_eq!(read_new(&mut conn, "s", "g", "worker-1", 10).len(), 1);
+    let exported: BTreeSet<String> =
+        wait_for("a pass and a pending entry in the metrics", Duration::from_secs(30), || {
+            let text = operator.metrics();
+            let names: BTreeSet<String> = text
+                .lines()
+                .filter(|l| !l.starts_with('#') && !l.is_empty())
+                .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+                .collect();
+            let ready = ["pelican_pass_delay_seconds_bucket", "pelican_group_oldest_pending_age_seconds"];
+            if ready.iter().all(|n| names.contains(*n)) { Ok(names) } else { Err(text) }
+        });
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard(), &mut exprs);
+    let panels = exprs.len();
+    collect_exprs(&rule_groups(), &mut exprs);
+    assert!(panels >= 10 && exprs.len() > panels, "{exprs:#?}");
+    let mut unknown = BTreeSet::new();
+    let mut used = BTreeSet::new();
+    for expr in &exprs {
+        for name in series_in(expr) {
+            used.insert(name.clone());
+            if !exported.contains(&name) {
+                unknown.insert(name);
+            }
+        }
+    }
+    println!("series used by the dashboard and the alerts: {used:?}");
+    assert!(unknown.is_empty(), "queried but not exported: {unknown:?}\nexported: {exported:?}");
+    // The check itself can tell: a misspelt name is caught.
+    assert!(!exported.contains("pelican_dead_letters_total"));
+    // Every panel has a title, and the ConfigMap carries the sidecar's label.
+    let dashboard = dashboard();
+    assert!(dashboard["panels"].as_array().unwrap().iter().all(|p| p["title"].as_str().is_some_and(|t| !t.is_empty())));
+    assert_eq!(render("templates/dashboard.yaml")["metadata"]["labels"]["grafana_dashboard"], "1");
+}
+
+#[test]
+fn alerts_and_dashboard_are_off_by_default() {
+    let out = Command::new(bed().var("PELICAN_HELM")).args(["template", "pelican", CHART]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(!text.contains("kind: PrometheusRule") && !text.contains("grafana_dashboard"), "{text}");
+}
