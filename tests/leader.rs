@@ -12,8 +12,10 @@ fn replica(ns: &str) -> Operator {
     Operator::start_with(ns, &["--leader-elect", "--leader-election-namespace", ns, "--log-format", "json"])
 }
 
+/// Whether the replica leads now, from its `pelican_leader` series (read at scrape time from the Lease state; a
+/// replica that lost the Lease shows 0 or is gone). A log line would stay after the Lease was lost.
 fn leads(operator: &Operator) -> bool {
-    operator.logs().contains("acquired the leader lease")
+    operator.metrics().contains("pelican_leader{lease=\"pelican-leader\"} 1")
 }
 
 fn reconciled(operator: &Operator) -> bool {
@@ -38,6 +40,8 @@ fn exactly_one_replica_leads_and_the_other_takes_over_when_it_dies() {
     let standby = 1 - leader;
     std::thread::sleep(Duration::from_secs(3));
     assert!(!leads(&replicas[standby]), "two leaders at once");
+    let standby_metrics = replicas[standby].metrics();
+    assert!(standby_metrics.contains("pelican_leader{lease=\"pelican-leader\"} 0"), "{standby_metrics}");
     assert!(reconciled(&replicas[leader]));
     assert!(!reconciled(&replicas[standby]), "the standby must not reconcile (no writes to Redis or the API)");
     let lease: serde_json::Value =
