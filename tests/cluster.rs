@@ -20,6 +20,7 @@ on_both_servers!(
     hash_slots_of_stream_and_counter_keys_match_cluster_keyslot,
     a_stream_whose_counters_cannot_share_its_slot_is_cross_slot,
     bounded_publish_and_retention_work_in_the_streams_slot,
+    a_redrive_moves_within_the_slot_and_refuses_a_target_in_another,
 );
 
 /// Tricky names: tags, empty tags, braces in odd places, a stray `}`.
@@ -306,4 +307,53 @@ fn bounded_publish_and_retention_work_in_the_streams_slot(flavor: Flavor) {
     let left: Vec<(String, HashMap<String, String>)> =
         redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(&mut conn).unwrap();
     assert_eq!(left.into_iter().map(|(id, _)| id).collect::<Vec<_>>(), ids[2..]);
+}
+
+/// A redrive on a Cluster: every move is one script, so the target shares the dead-letter stream's slot; a target
+/// in another slot fails with CrossSlot before anything moves.
+fn a_redrive_moves_within_the_slot_and_refuses_a_target_in_another(flavor: Flavor) {
+    let cluster = Cluster::start(flavor);
+    let ns = namespace("cluster-redrive");
+    let _operator = Operator::start(&ns);
+    let manifest = cluster_policy("orders", &cluster, "{orders}:events", "{orders}:dlq", "");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let mut conn = cluster.conn();
+    for n in 0..20 {
+        let _: String = redis::cmd("XADD")
+            .arg("{orders}:dlq")
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("pelican-source-stream")
+            .arg("{orders}:events")
+            .arg("pelican-reason")
+            .arg("MaxDeliveriesExceeded")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let redrive = |name: &str, extra: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: {name}\nspec:\n  policyRef: {{name: orders}}\n{extra}"
+        )
+    };
+    let phase = |name: &str, want: &str| {
+        wait_for(&format!("{name} {want}"), Duration::from_secs(30), || {
+            let object: serde_json::Value =
+                serde_json::from_str(&kubectl_ok(&["get", "dlr", name, "-n", &ns, "-o", "json"])).unwrap();
+            if object["status"]["phase"] == want { Ok(object) } else { Err(object["status"].to_string()) }
+        })
+    };
+    assert!(kubectl_apply(&ns, &redrive("elsewhere", "  target: other-stream\n")).0);
+    let failed = phase("elsewhere", "Failed");
+    let reason = failed["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap();
+    assert_eq!(reason["reason"], "CrossSlot", "{failed}");
+    let dead: i64 = redis::cmd("XLEN").arg("{orders}:dlq").query(&mut conn).unwrap();
+    assert_eq!(dead, 20, "nothing moved");
+    assert!(kubectl_apply(&ns, &redrive("home", "")).0);
+    let done = phase("home", "Succeeded");
+    assert_eq!(done["status"]["moved"], 20);
+    let dead: i64 = redis::cmd("XLEN").arg("{orders}:dlq").query(&mut conn).unwrap();
+    let back: i64 = redis::cmd("XLEN").arg("{orders}:events").query(&mut conn).unwrap();
+    assert_eq!((dead, back), (0, 20));
 }

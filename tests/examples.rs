@@ -45,6 +45,7 @@ fn every_example_is_covered_here() {
         "cluster.yaml",
         "reassign.yaml",
         "bounded.yaml",
+        "redrive.yaml",
     ]
     .into();
     let present: BTreeSet<String> = std::fs::read_dir(EXAMPLES)
@@ -96,4 +97,37 @@ fn cluster_example_gets_ready() {
     let cluster = Cluster::start(Flavor::Valkey);
     let seed = cluster.url().trim_start_matches("redis://").trim_end_matches("/0").to_string();
     applies_and_gets_ready("ex-cluster", &example("cluster.yaml").replace("redis-cluster.apps.svc:6379", &seed));
+}
+
+#[test]
+fn redrive_example_moves_the_notifications_dead_letters_back() {
+    let open = Server::start(Flavor::Redis);
+    let ns = namespace("ex-redrive");
+    let _operator = Operator::start(&ns);
+    let policy = example("notifications.yaml").replace("127.0.0.1:6379", &format!("127.0.0.1:{}", open.port));
+    assert!(kubectl_apply(&ns, &policy).0);
+    wait_condition(&ns, "notifications", "Ready", "True", "Reconciled");
+    let mut conn = open.conn();
+    for (n, reason) in [(1, "MaxDeliveriesExceeded"), (2, "Other"), (3, "MaxDeliveriesExceeded")] {
+        let _: String = redis::cmd("XADD")
+            .arg("notifications:dlq")
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("pelican-source-stream")
+            .arg("notifications")
+            .arg("pelican-reason")
+            .arg(reason)
+            .query(&mut conn)
+            .unwrap();
+    }
+    let (ok, out) = kubectl_apply(&ns, &example("redrive.yaml"));
+    assert!(ok, "{out}");
+    let done = wait_for("the example redrive to succeed", std::time::Duration::from_secs(30), || {
+        let out = kubectl_ok(&["get", "dlr", "notifications-after-fix-1", "-n", &ns, "-o", "json"]);
+        let object: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if object["status"]["phase"] == "Succeeded" { Ok(object) } else { Err(object["status"].to_string()) }
+    });
+    assert_eq!((done["status"]["moved"].as_i64(), done["status"]["skipped"].as_i64()), (Some(2), Some(1)));
+    assert_eq!(xrange(&mut conn, "notifications:dlq").len(), 1, "the Other dead letter stays");
 }
