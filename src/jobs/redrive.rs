@@ -106,13 +106,20 @@ fn text(entry: &StreamId, field: &str) -> Option<String> {
 }
 
 /// Reads `[start, end]` of the dead-letter stream, one page.
-async fn page(conn: &mut Conn, server: &str, stream: &str, start: &str, end: &str) -> Result<Vec<StreamId>> {
+async fn page(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    start: &str,
+    end: &str,
+    count: usize,
+) -> Result<Vec<StreamId>> {
     let reply: StreamRangeReply = redis::cmd("XRANGE")
         .arg(stream)
         .arg(start)
         .arg(end)
         .arg("COUNT")
-        .arg(PAGE)
+        .arg(count)
         .query_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
@@ -121,24 +128,44 @@ async fn page(conn: &mut Conn, server: &str, stream: &str, start: &str, end: &st
 
 /// Counts what the redrive will move: the matching entries from `filter.from` to the stream's last id now (or
 /// `filter.to`, when earlier), at most `maxMessages`, and checks that every one of them can go where it should.
+/// Without a filter, and with nothing to check per entry, that is the stream's length: no scan.
 pub async fn snapshot(conn: &mut Conn, server: &str, plan: &Plan) -> Result<Snapshot> {
-    let last: StreamRangeReply = redis::cmd("XREVRANGE")
+    // The last id and the length at one instant.
+    let (last, length): (StreamRangeReply, u64) = redis::pipe()
+        .atomic()
+        .cmd("XREVRANGE")
         .arg(&plan.dead_letter)
         .arg(plan.to.as_deref().unwrap_or("+"))
         .arg(plan.from.as_deref().unwrap_or("-"))
         .arg("COUNT")
         .arg(1)
+        .cmd("XLEN")
+        .arg(&plan.dead_letter)
         .query_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
     let Some(until_id) = last.ids.into_iter().next().map(|e| e.id) else {
         return Ok(Snapshot { until_id: None, to_move: 0 });
     };
+    let whole_stream = plan.reasons.is_empty() && plan.from.is_none() && plan.to.is_none();
+    match &plan.target {
+        Destination::Stream(stream) if whole_stream => {
+            plan.check_destination(stream)?;
+            let to_move = plan.max_messages.map_or(length, |max| max.min(length));
+            return Ok(Snapshot { until_id: Some(until_id), to_move });
+        }
+        // Each entry's source stream must share the dead-letter stream's slot: read them all.
+        Destination::Source { .. } if whole_stream && !plan.cluster => {
+            let to_move = plan.max_messages.map_or(length, |max| max.min(length));
+            return Ok(Snapshot { until_id: Some(until_id), to_move });
+        }
+        _ => {}
+    }
     let mut start = plan.from.clone().unwrap_or_else(|| "-".into());
     let mut to_move = 0;
     let mut checked = BTreeSet::new();
     'scan: loop {
-        let entries = page(conn, server, &plan.dead_letter, &start, &until_id).await?;
+        let entries = page(conn, server, &plan.dead_letter, &start, &until_id, PAGE).await?;
         let done = entries.len() < PAGE;
         for entry in &entries {
             if plan.matches(entry) {
@@ -216,11 +243,13 @@ pub async fn step(
         return Ok(Step { last_id: Some(checkpoint), finished: true, ..done });
     }
     let budget = budget.clamp(1, allowed);
+    // Without a filter every entry read is moved: read just the batch.
+    let count = if plan.reasons.is_empty() { budget as usize } else { PAGE };
     // Entries past the checkpoint (none when the last step covered `until_id` itself).
     let entries = if progress.last_id.as_deref() == Some(until_id) {
         Vec::new()
     } else {
-        page(conn, server, &plan.dead_letter, &start, until_id).await?
+        page(conn, server, &plan.dead_letter, &start, until_id, count).await?
     };
     let (mut ids, mut targets, mut left, mut bytes) = (Vec::new(), Vec::<String>::new(), 0u64, 0usize);
     let mut last_id = progress.last_id.clone();
@@ -256,7 +285,7 @@ pub async fn step(
     }
     // The range is done when this page was its last and every entry of it was taken or left. Reaching
     // `maxMessages` is recorded by the next step, once the script said how many of these were really moved.
-    let finished = !stopped_early && entries.len() < PAGE;
+    let finished = !stopped_early && entries.len() < count;
     let checkpoint = last_id.unwrap_or_else(|| until_id.to_string());
     let mut done = call(conn, server, plan, &targets, &ids, &checkpoint, left, finished).await?;
     done.last_id = Some(checkpoint);
