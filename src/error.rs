@@ -53,6 +53,11 @@ pub enum Error {
     )]
     ClusterNode { server: String },
 
+    #[error(
+        "the sentinel at {sentinel} knows no primary named {master:?}: set spec.redis.sentinel.masterName to a name of its `sentinel monitor` lines (SENTINEL MASTERS lists them)"
+    )]
+    SentinelMasterUnknown { sentinel: String, master: String },
+
     #[error("spec.startId {start_id:?}: {why}")]
     InvalidStartId { start_id: String, why: String },
 
@@ -93,6 +98,7 @@ impl Error {
             Error::InvalidStartId { .. } => "InvalidStartId",
             Error::NotACluster { .. } => "NotACluster",
             Error::ClusterNode { .. } => "ClusterNode",
+            Error::SentinelMasterUnknown { .. } => "SentinelMasterUnknown",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict(_) => "ResourceConflict",
@@ -116,6 +122,7 @@ impl Error {
                 | Error::InvalidStartId { .. }
                 | Error::NotACluster { .. }
                 | Error::ClusterNode { .. }
+                | Error::SentinelMasterUnknown { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ResourceConflict(_)

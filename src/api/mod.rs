@@ -130,6 +130,7 @@ pub enum RetentionMode {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.mode != 'Cluster' || !self.url.matches('/0*[1-9][0-9]*$')").message("spec.redis.url selects a database other than 0, but a Redis Cluster has only database 0: remove the path or use /0"))]
+#[x_kube(validation = Rule::new("self.mode == 'Sentinel' ? has(self.sentinel) : !has(self.sentinel)").message("spec.redis.sentinel goes with spec.redis.mode Sentinel: set both (the sentinel's address in url, the primary's name in sentinel.masterName) or neither"))]
 #[x_kube(validation = Rule::new("!has(self.tls) || self.url.startsWith('rediss://')").message("spec.redis.tls is set but spec.redis.url is redis://, which never uses TLS: use a rediss:// URL or remove spec.redis.tls"))]
 pub struct RedisSpec {
     /// `redis://host:port/db` or `rediss://host:port/db`. Credentials go in Secrets, never in the URL. Immutable.
@@ -139,9 +140,14 @@ pub struct RedisSpec {
     #[schemars(regex(pattern = r"^rediss?://[^\s]+$"), length(max = 2048))]
     pub url: String,
     /// `Standalone` (default): one server, or the primary of a replicated setup. `Cluster`: `url` names any node of a
-    /// Redis Cluster; the operator discovers the others and follows slot moves.
+    /// Redis Cluster; the operator discovers the others and follows slot moves. `Sentinel`: `url` names a sentinel
+    /// (usually the sentinels' Service) and `sentinel.masterName` the primary; the operator asks the sentinel for
+    /// the primary at every reconcile and follows failovers.
     #[serde(default)]
     pub mode: RedisMode,
+    /// The sentinels' settings (`mode: Sentinel` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sentinel: Option<SentinelSpec>,
     /// The ACL user name, from a Secret in the policy's namespace (optional; `default` when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub username_secret_ref: Option<SecretKeyRef>,
@@ -158,6 +164,24 @@ pub enum RedisMode {
     #[default]
     Standalone,
     Cluster,
+    Sentinel,
+}
+
+/// How to find the primary through Redis Sentinel. TLS (`rediss://`, `spec.redis.tls`) applies to the sentinels
+/// and the data nodes alike; the data nodes use `spec.redis.usernameSecretRef` / `passwordSecretRef`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SentinelSpec {
+    /// The name the sentinels monitor the primary under (`sentinel monitor <masterName> ...`). Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.sentinel.masterName is immutable: create a new policy for another primary"))]
+    #[schemars(length(min = 1, max = 256))]
+    pub master_name: String,
+    /// The ACL user name the sentinels require (`sentinel sentinel-user`), from a Secret in the policy's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    /// The password the sentinels require (`requirepass` of the sentinels), from a Secret in the policy's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
 }
 
 /// A key of a Secret in the policy's own namespace.
@@ -306,6 +330,9 @@ pub struct ConsumerGroupPolicyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// `mode: Sentinel`: the primary (`host:port`) the sentinels named at the last reconcile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub primary: Option<String>,
     /// The server's flavor and version, e.g. `redis 7.0.15` or `valkey 9.1.2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_version: Option<String>,

@@ -25,6 +25,8 @@ pub struct Observation {
     pub facts: GroupFacts,
     /// The stream's effective retention in words, when this policy or a neighbour on its stream sets one.
     pub retention: Option<String>,
+    /// `mode: Sentinel`: the primary the sentinel named.
+    pub primary: Option<String>,
 }
 
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
@@ -39,6 +41,10 @@ pub async fn converge(
     schedule: &Schedule,
     others: &[Arc<ConsumerGroupPolicy>],
 ) -> Result<Observation> {
+    // Sentinel mode: the primary the sentinel names now. A failover gives a new target, so a new connection for
+    // the probe and the runner, and the old one is closed by `assign`.
+    let target = &ctx.pools.resolve(target).await?;
+    let primary = policy.spec.redis.sentinel.as_ref().map(|_| target.server());
     ctx.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
     let server = target.server();
     let mut conn = ctx.pools.get(target).await?;
@@ -119,7 +125,7 @@ pub async fn converge(
     if facts.bound != bound.map(|max| max.to_string()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
-    Ok(Observation { server: setup.server, facts, retention: retention_note })
+    Ok(Observation { server: setup.server, facts, retention: retention_note, primary })
 }
 
 /// Whether deleting the policy has work to do in Redis, and so whether it carries the finalizer.
@@ -182,6 +188,7 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
 
 async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool, bounded: bool) -> Result<()> {
     let target = super::resolve::target(policy, &ctx.client, &ctx.secrets).await?;
+    let target = ctx.pools.resolve(&target).await?;
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
     if bounded {

@@ -14,7 +14,7 @@ use kube::runtime::watcher;
 
 use crate::api::ConsumerGroupPolicy;
 use crate::keys;
-use crate::redis::canonical_url;
+use crate::redis::server_identity;
 
 /// What a policy shares with its neighbours: the server (URL) and a stream or a key name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -25,7 +25,7 @@ enum Claim {
 }
 
 fn claims(policy: &ConsumerGroupPolicy) -> [Claim; 3] {
-    let (url, stream, group) = (&canonical_url(&policy.spec.redis.url), &policy.spec.stream, &policy.spec.group);
+    let (url, stream, group) = (&server_identity(&policy.spec.redis), &policy.spec.stream, &policy.spec.group);
     let [legacy_totals, _] = keys::legacy_keys(stream, group);
     [
         Claim::Stream(url.clone(), stream.clone()),

@@ -28,6 +28,7 @@ pub async fn report(
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
+            status.primary = seen.primary.clone();
             let jobs = ctx.runner.state(&policy_id(policy));
             if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
                 status.last_pass_time = Some(at.to_string());
@@ -47,6 +48,7 @@ pub async fn report(
     let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, ..status };
     announce_transition(policy, ctx, &previous, &status).await;
     announce_saturation(policy, ctx, &previous, &status).await;
+    announce_failover(policy, ctx, &previous, &status).await;
     let snapshot = PolicySnapshot {
         stream: policy.spec.stream.clone(),
         group: policy.spec.group.clone(),
@@ -139,6 +141,29 @@ async fn announce_saturation(
         }
         _ => {}
     }
+}
+
+/// `PrimaryChanged` (Warning) when the sentinel names another primary than at the last reconcile: a failover
+/// happened, and writes the old primary acknowledged but had not replicated may be gone.
+async fn announce_failover(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    previous: &ConsumerGroupPolicyStatus,
+    next: &ConsumerGroupPolicyStatus,
+) {
+    let (Some(before), Some(after)) = (&previous.primary, &next.primary) else {
+        return;
+    };
+    if before == after {
+        return;
+    }
+    let master = policy.spec.redis.sentinel.as_ref().map_or("", |s| s.master_name.as_str());
+    let note = format!(
+        "the sentinels now name {after} as the primary of {master:?} (was {before}): the jobs and the status follow it"
+    );
+    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+    warn!(namespace, name, "{note}");
+    publish(ctx, policy, EventType::Warning, "PrimaryChanged", note).await;
 }
 
 pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {

@@ -13,7 +13,7 @@ use kube::api::Api;
 use kube::{Client, ResourceExt};
 
 use crate::api::{ConsumerGroupPolicy, RedisMode, SecretKeyRef};
-use crate::redis::{Credentials, Target, Tls};
+use crate::redis::{Credentials, Sentinel, Target, Tls};
 use crate::{Error, Result};
 
 /// `namespace/name` of a Secret.
@@ -115,7 +115,8 @@ impl SecretCache {
 pub fn secret_refs(policy: &ConsumerGroupPolicy) -> impl Iterator<Item = &SecretKeyRef> {
     let redis = &policy.spec.redis;
     let tls = redis.tls.iter().flat_map(|t| [&t.ca_secret_ref, &t.cert_secret_ref, &t.key_secret_ref]);
-    [&redis.username_secret_ref, &redis.password_secret_ref].into_iter().chain(tls).flatten()
+    let sentinel = redis.sentinel.iter().flat_map(|s| [&s.username_secret_ref, &s.password_secret_ref]);
+    [&redis.username_secret_ref, &redis.password_secret_ref].into_iter().chain(tls).chain(sentinel).flatten()
 }
 
 /// The server and credentials of a policy, read from Secrets in its own namespace.
@@ -135,5 +136,15 @@ pub async fn target(policy: &ConsumerGroupPolicy, client: &Client, secrets: &Sec
             insecure_skip_verify: spec.insecure_skip_verify,
         },
     };
-    Ok(Target { url: redis.url.clone(), credentials, tls, cluster: redis.mode == RedisMode::Cluster })
+    let sentinel = match &redis.sentinel {
+        Some(spec) if redis.mode == RedisMode::Sentinel => Some(Sentinel {
+            master_name: spec.master_name.clone(),
+            credentials: Credentials {
+                username: secrets.text(client, &namespace, spec.username_secret_ref.as_ref()).await?,
+                password: secrets.text(client, &namespace, spec.password_secret_ref.as_ref()).await?,
+            },
+        }),
+        _ => None,
+    };
+    Ok(Target { url: redis.url.clone(), credentials, tls, cluster: redis.mode == RedisMode::Cluster, sentinel })
 }

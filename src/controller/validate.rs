@@ -145,7 +145,12 @@ pub fn conflict(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>
 
 /// Whether two policies name one server, however their URLs are spelled.
 fn same_server(a: &ConsumerGroupPolicy, b: &ConsumerGroupPolicy) -> bool {
-    a.spec.redis.url == b.spec.redis.url || canonical_url(&a.spec.redis.url) == canonical_url(&b.spec.redis.url)
+    fn master(p: &ConsumerGroupPolicy) -> Option<&str> {
+        p.spec.redis.sentinel.as_ref().map(|s| s.master_name.as_str())
+    }
+    master(a) == master(b)
+        && (a.spec.redis.url == b.spec.redis.url
+            || canonical_url(&a.spec.redis.url) == canonical_url(&b.spec.redis.url))
 }
 
 /// Who is older: creation time, then namespace and name.

@@ -7,4 +7,4 @@ mod reply;
 pub use group::{
     GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, probe_group, set_bound,
 };
-pub use pool::{Conn, Credentials, PoolKey, Pools, Target, Tls, canonical_url};
+pub use pool::{Conn, Credentials, PoolKey, Pools, Sentinel, Target, Tls, canonical_url, server_identity};

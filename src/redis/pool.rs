@@ -55,13 +55,23 @@ impl fmt::Debug for Tls {
     }
 }
 
-/// A server (or, in cluster mode, a seed node of the cluster) and the identity to use on it.
+/// A server (or, in cluster mode, a seed node of the cluster; in sentinel mode, a sentinel) and the identity to use
+/// on it. [`Pools::resolve`] turns a sentinel target into the primary's.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Target {
     pub url: String,
     pub credentials: Credentials,
     pub tls: Tls,
     pub cluster: bool,
+    /// `url` names a sentinel that knows the primary under this name; `credentials` are the primary's.
+    pub sentinel: Option<Sentinel>,
+}
+
+/// The name of a primary on a sentinel, and the sentinel's own credentials.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Sentinel {
+    pub master_name: String,
+    pub credentials: Credentials,
 }
 
 /// A shared connection to a standalone server or to a whole Redis Cluster. Both reconnect by themselves; the
@@ -103,7 +113,13 @@ impl ConnectionLike for Conn {
 impl Target {
     /// A server without credentials or TLS material.
     pub fn new(url: impl Into<String>) -> Target {
-        Target { url: url.into(), credentials: Credentials::default(), tls: Tls::default(), cluster: false }
+        Target {
+            url: url.into(),
+            credentials: Credentials::default(),
+            tls: Tls::default(),
+            cluster: false,
+            sentinel: None,
+        }
     }
 
     /// The server address without path or credentials, for messages.
@@ -118,6 +134,7 @@ impl Target {
         self.credentials.password.hash(&mut hasher);
         self.tls.hash(&mut hasher);
         self.cluster.hash(&mut hasher);
+        self.sentinel.hash(&mut hasher);
         (canonical_url(&self.url), self.credentials.username.clone(), hasher.finish())
     }
 
@@ -223,6 +240,15 @@ pub fn canonical_url(url: &str) -> String {
     format!("{}://{}:{port}/{database}", scheme.to_ascii_lowercase(), host.to_ascii_lowercase())
 }
 
+/// Which server a policy's spec names, however its URL is spelled: the canonical URL, and for `mode: Sentinel` the
+/// primary's name too (one sentinel watches many primaries).
+pub fn server_identity(redis: &crate::api::RedisSpec) -> String {
+    match &redis.sentinel {
+        Some(sentinel) => format!("{}#{}", canonical_url(&redis.url), sentinel.master_name),
+        None => canonical_url(&redis.url),
+    }
+}
+
 /// Bounds on how long one command or connection attempt may block a reconcile.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -233,9 +259,44 @@ pub type PoolKey = (String, Option<String>, u64);
 #[derive(Default)]
 pub struct Pools {
     connections: Mutex<HashMap<PoolKey, Conn>>,
+    /// Connections to sentinels: few, and kept apart from the data connections that `assign` closes.
+    sentinels: Mutex<HashMap<PoolKey, Conn>>,
 }
 
 impl Pools {
+    /// The target to send data commands to: `target` itself, or for a sentinel target the primary the sentinel
+    /// names now (`SENTINEL GET-MASTER-ADDR-BY-NAME`), with the URL's scheme and database, the data nodes'
+    /// credentials and the same TLS settings. Asked at every reconcile, so a failover yields a new target, hence a
+    /// new connection for the status probe and the runner.
+    pub async fn resolve(&self, target: &Target) -> Result<Target> {
+        let Some(sentinel) = &target.sentinel else {
+            return Ok(target.clone());
+        };
+        let at = Target { credentials: sentinel.credentials.clone(), sentinel: None, ..target.clone() };
+        let key = at.pool_key();
+        let cached = self.sentinels.lock().expect("pool lock").get(&key).cloned();
+        let mut conn = match cached {
+            Some(conn) => conn,
+            None => {
+                let conn = Conn::Single(connect_single(&at).await?);
+                self.sentinels.lock().expect("pool lock").entry(key).or_insert(conn).clone()
+            }
+        };
+        let primary: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(&sentinel.master_name)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| Error::from_redis(&at.server(), e))?;
+        let Some((host, port)) = primary else {
+            return Err(Error::SentinelMasterUnknown { sentinel: at.server(), master: sentinel.master_name.clone() });
+        };
+        let (scheme, rest) = target.url.split_once("://").unwrap_or(("redis", &target.url));
+        let database = rest.split_once('/').map_or("0", |(_, db)| if db.is_empty() { "0" } else { db });
+        let host = if host.contains(':') { format!("[{host}]") } else { host };
+        Ok(Target { url: format!("{scheme}://{host}:{port}/{database}"), sentinel: None, ..target.clone() })
+    }
+
     /// A multiplexed connection to `target` (a server, or a whole cluster), created on first use. It reconnects by
     /// itself after a server restart; a credential change in a Secret yields a new target and so a new connection.
     pub async fn get(&self, target: &Target) -> Result<Conn> {
@@ -246,16 +307,7 @@ impl Pools {
         let conn = if target.cluster {
             Conn::Cluster(target.cluster_connection().await?)
         } else {
-            let server = target.server();
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(CONNECT_TIMEOUT))
-                .set_response_timeout(Some(RESPONSE_TIMEOUT))
-                .set_number_of_retries(2)
-                .set_max_delay(Duration::from_secs(2));
-            let manager = ConnectionManager::new_with_config(target.client()?, config)
-                .await
-                .map_err(|e| target.connect_error(&server, e))?;
-            Conn::Single(manager)
+            Conn::Single(connect_single(target).await?)
         };
         let mut map = self.connections.lock().expect("pool lock");
         Ok(map.entry(key).or_insert(conn).clone())
@@ -288,6 +340,17 @@ impl Pools {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// A connection to one server that reconnects by itself.
+async fn connect_single(target: &Target) -> Result<ConnectionManager> {
+    let server = target.server();
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(2));
+    ConnectionManager::new_with_config(target.client()?, config).await.map_err(|e| target.connect_error(&server, e))
 }
 
 #[cfg(test)]

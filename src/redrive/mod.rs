@@ -33,7 +33,7 @@ use crate::controller::{self, FIELD_MANAGER};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
 use crate::leader::Leadership;
-use crate::redis::canonical_url;
+use crate::redis::server_identity;
 use crate::{Error, Result};
 
 /// How soon a redrive that waits (for its policy, or another redrive of its dead-letter stream) looks again.
@@ -178,7 +178,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         }
         Err(e) => return Err(e),
     };
-    let stream: StreamKey = (canonical_url(&target.url), policy.spec.dead_letter.stream.clone());
+    let stream: StreamKey = (server_identity(&policy.spec.redis), policy.spec.dead_letter.stream.clone());
     ctx.streams.lock().expect("streams lock").insert(uid.clone(), stream.clone());
     // 3. Decide.
     if redrive.spec.suspend {
@@ -203,7 +203,12 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         return Ok(Action::requeue(WAIT_RECHECK));
     }
     // 4. Act: connect and hand the work to a task.
-    let conn = match ctx.policies.pools.get(&target).await {
+    let connected = async {
+        let target = ctx.policies.pools.resolve(&target).await?;
+        let conn = ctx.policies.pools.get(&target).await?;
+        Ok::<_, Error>((conn, target))
+    };
+    let (conn, target) = match connected.await {
         Ok(conn) => conn,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;

@@ -630,3 +630,141 @@ impl Cluster {
         self.nodes.iter_mut().find(|n| n.port as i64 == port).unwrap()
     }
 }
+
+/// A primary, two replicas and three sentinels on loopback (`redis-server --sentinel` / `valkey-server --sentinel`),
+/// monitoring the primary as `mymaster` with a quorum of 2 and a 1-second down-after, so a failover takes seconds.
+pub struct Sentinels {
+    pub servers: Vec<Server>,
+    pub sentinels: Vec<(u16, Child, tempfile::TempDir)>,
+    /// The password of the data nodes and of the sentinels, when started with one.
+    pub password: Option<(String, String)>,
+}
+
+pub const MASTER_NAME: &str = "mymaster";
+
+impl Sentinels {
+    pub fn start(flavor: Flavor) -> Sentinels {
+        Sentinels::start_with_passwords(flavor, None)
+    }
+
+    /// With `requirepass` (and `masterauth`) `data` on the data nodes and `requirepass` `sentinel` on the sentinels.
+    pub fn start_with_passwords(flavor: Flavor, passwords: Option<(&str, &str)>) -> Sentinels {
+        let mut auth: Vec<&str> =
+            passwords.map(|(data, _)| vec!["--requirepass", data, "--masterauth", data]).unwrap_or_default();
+        // Valkey waits 5 s before a diskless full sync by default; the first sync is the one that matters here.
+        auth.extend(["--repl-diskless-sync-delay", "0"]);
+        let primary = Server::start_with(flavor, &auth);
+        let port = primary.port.to_string();
+        let mut servers = vec![primary];
+        for _ in 0..2 {
+            let args: Vec<&str> = auth.iter().copied().chain(["--replicaof", "127.0.0.1", &port]).collect();
+            servers.push(Server::start_with(flavor, &args));
+        }
+        let binary = match flavor {
+            Flavor::Redis => bed().var("PELICAN_REDIS_SERVER"),
+            Flavor::Valkey => bed().var("PELICAN_VALKEY_SERVER"),
+        };
+        let sentinels = (0..3)
+            .map(|_| {
+                let (dir, sentinel_port) = (tempfile::tempdir().unwrap(), free_port());
+                let mut conf = format!(
+                    "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER_NAME} 127.0.0.1 {port} 2\n\
+                     sentinel down-after-milliseconds {MASTER_NAME} 1000\nsentinel failover-timeout {MASTER_NAME} 5000\n",
+                    dir.path().display()
+                );
+                if let Some((data, sentinel)) = passwords {
+                    conf.push_str(&format!("sentinel auth-pass {MASTER_NAME} {data}\nrequirepass {sentinel}\n"));
+                }
+                let file = dir.path().join("sentinel.conf");
+                std::fs::write(&file, conf).unwrap();
+                let log = std::fs::File::create(dir.path().join("sentinel.log")).unwrap();
+                let child = Command::new(binary)
+                    .arg(&file)
+                    .arg("--sentinel")
+                    .stdout(log.try_clone().unwrap())
+                    .stderr(log)
+                    .spawn()
+                    .unwrap();
+                (sentinel_port, child, dir)
+            })
+            .collect();
+        let sentinels =
+            Sentinels { servers, sentinels, password: passwords.map(|(d, s)| (d.to_string(), s.to_string())) };
+        for replica in &sentinels.servers[1..] {
+            wait_for("a replica in sync with the primary", Duration::from_secs(30), || {
+                let info: String =
+                    redis::cmd("INFO").arg("replication").query(&mut replica.conn()).map_err(|e| e.to_string())?;
+                if info.contains("master_link_status:up") { Ok(()) } else { Err(info) }
+            });
+        }
+        sentinels.wait_settled(2);
+        sentinels
+    }
+
+    /// The URL a policy uses: the first sentinel.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.sentinels[0].0)
+    }
+
+    fn sentinel_conn(&self, index: usize) -> redis::RedisResult<redis::Connection> {
+        let url = match &self.password {
+            Some((_, sentinel)) => format!("redis://:{sentinel}@127.0.0.1:{}", self.sentinels[index].0),
+            None => format!("redis://127.0.0.1:{}", self.sentinels[index].0),
+        };
+        redis::Client::open(url)?.get_connection_with_timeout(Duration::from_secs(2))
+    }
+
+    /// The primary's port, as every sentinel names it (waits until they agree).
+    pub fn primary_port(&self) -> u16 {
+        wait_for("the sentinels to agree on a primary", Duration::from_secs(30), || {
+            let mut ports = Vec::new();
+            for i in 0..self.sentinels.len() {
+                let mut conn = self.sentinel_conn(i).map_err(|e| e.to_string())?;
+                let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+                    .arg("GET-MASTER-ADDR-BY-NAME")
+                    .arg(MASTER_NAME)
+                    .query(&mut conn)
+                    .map_err(|e| e.to_string())?;
+                ports.push(addr.map(|a| a.1));
+            }
+            match ports[0] {
+                Some(p) if ports.iter().all(|q| *q == Some(p)) => Ok(p),
+                _ => Err(format!("{ports:?}")),
+            }
+        })
+    }
+
+    /// The data node on `port`.
+    pub fn server(&mut self, port: u16) -> &mut Server {
+        self.servers.iter_mut().find(|s| s.port == port).expect("a data node on that port")
+    }
+
+    /// Waits until the primary has `replicas` replicas online and every sentinel knows them and the other sentinels.
+    pub fn wait_settled(&self, replicas: usize) {
+        wait_for("the sentinels to see the replicas and each other", Duration::from_secs(60), || {
+            for i in 0..self.sentinels.len() {
+                let mut conn = self.sentinel_conn(i).map_err(|e| e.to_string())?;
+                let master: HashMap<String, String> = redis::cmd("SENTINEL")
+                    .arg("MASTER")
+                    .arg(MASTER_NAME)
+                    .query(&mut conn)
+                    .map_err(|e| e.to_string())?;
+                let (slaves, others) = (master.get("num-slaves"), master.get("num-other-sentinels"));
+                if slaves.map(String::as_str) != Some(&replicas.to_string()) || others.map(String::as_str) != Some("2")
+                {
+                    return Err(format!("sentinel {i}: {slaves:?} replicas, {others:?} other sentinels"));
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+impl Drop for Sentinels {
+    fn drop(&mut self) {
+        for (_, child, _) in &mut self.sentinels {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

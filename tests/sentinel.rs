@@ -1,0 +1,183 @@
+//! `mode: Sentinel` (SPEC section 5) on a real primary, two replicas and three sentinels (Redis 7.0 and Valkey 9.1):
+//! credentials for the sentinels and the data nodes, failovers followed, and a primary killed with SIGKILL while
+//! 20,000 messages are being dead-lettered.
+
+#[macro_use]
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+on_both_servers!(
+    a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_failover,
+    primary_killed_while_20000_messages_are_dead_lettered_loses_and_duplicates_nothing,
+);
+
+/// A policy in Sentinel mode; `auth` adds the Secret references of the data nodes and the sentinels.
+fn sentinel_policy(name: &str, sentinels: &Sentinels, master: &str, extra: &str, auth: bool) -> String {
+    let mut redis =
+        format!("    url: {}\n    mode: Sentinel\n    sentinel:\n      masterName: {master}\n", sentinels.url());
+    if auth {
+        redis = format!(
+            "{redis}      passwordSecretRef: {{name: redis-auth, key: sentinel}}\n    passwordSecretRef: {{name: redis-auth, key: data}}\n"
+        );
+    }
+    policy(name, "X", "jobs", "workers", extra).replacen("    url: X\n", &redis, 1)
+}
+
+fn primary_of(ns: &str, name: &str) -> Option<String> {
+    get_policy(ns, name)["status"]["primary"].as_str().map(str::to_string)
+}
+
+fn a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_failover(flavor: Flavor) {
+    let mut sentinels = Sentinels::start_with_passwords(flavor, Some(("data-pw", "sentinel-pw")));
+    let ns = namespace("sentinel");
+    let _operator = Operator::start(&ns);
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-auth\nstringData:\n  data: data-pw\n  sentinel: sentinel-pw\n";
+    let good = sentinel_policy("jobs", &sentinels, MASTER_NAME, "", true);
+    let unknown =
+        sentinel_policy("typo", &sentinels, "mymastr", "", true).replace("stream: \"jobs\"", "stream: \"other\"");
+    assert!(kubectl_apply(&ns, &format!("{secret}---\n{good}---\n{unknown}")).0);
+    let first = sentinels.primary_port();
+    let ready = wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    assert_eq!(ready["status"]["primary"], format!("127.0.0.1:{first}"));
+    let stalled = wait_condition(&ns, "typo", "Stalled", "True", "SentinelMasterUnknown");
+    let conditions = stalled["status"]["conditions"].as_array().unwrap();
+    let message = conditions.iter().find(|c| c["type"] == "Stalled").unwrap()["message"].as_str().unwrap().to_string();
+    assert!(message.contains("\"mymastr\"") && message.contains("SENTINEL MASTERS"), "{message}");
+    let logs = _operator.logs();
+    assert!(!logs.contains("data-pw") && !logs.contains("sentinel-pw"), "a password reached the log");
+
+    // A failover (the sentinels' own, gracefully): the policy follows, says so, and works on the new primary.
+    let mut conn = sentinels.server(first).conn();
+    let _: String = redis::cmd("XADD").arg("jobs").arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+    let mut admin = redis::Client::open(format!("redis://:sentinel-pw@127.0.0.1:{}", sentinels.sentinels[0].0))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("SENTINEL").arg("FAILOVER").arg(MASTER_NAME).query(&mut admin).unwrap();
+    let second = wait_for("the sentinels to elect another primary", Duration::from_secs(60), || {
+        let port = sentinels.primary_port();
+        if port != first { Ok(port) } else { Err(format!("still {port}")) }
+    });
+    wait_for("the policy to follow the failover", Duration::from_secs(30), || match primary_of(&ns, "jobs") {
+        Some(p) if p == format!("127.0.0.1:{second}") => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+    let changed = events(&ns, "PrimaryChanged");
+    assert_eq!(changed.len(), 1, "{changed:?}");
+    assert_eq!(changed[0]["type"], "Warning");
+    let mut conn = sentinels.server(second).conn();
+    wait_for("the stream written before the failover", Duration::from_secs(30), || {
+        let len: i64 = redis::cmd("XLEN").arg("jobs").query(&mut conn).map_err(|e| e.to_string())?;
+        if len == 1 { Ok(()) } else { Err(format!("{len}")) }
+    });
+    let _: String = redis::cmd("XADD").arg("jobs").arg("*").arg("n").arg(2).query(&mut conn).unwrap();
+    wait_for("status from the new primary", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "jobs");
+        if p["status"]["streamLength"] == 2 { Ok(()) } else { Err(p["status"].to_string()) }
+    });
+}
+
+/// SIGKILL of the primary while its PEL is being dead-lettered. The guarantee: a move is one script, which the
+/// primary replicates as one unit (a MULTI/EXEC of its effects), so a replica has all of a move or none of it;
+/// writes the old primary did not replicate in time are lost with it, and on the new primary every message is
+/// still there exactly once: dead-lettered (and acknowledged), pending again, or not delivered yet.
+fn primary_killed_while_20000_messages_are_dead_lettered_loses_and_duplicates_nothing(flavor: Flavor) {
+    const COUNT: usize = 20_000;
+    let mut sentinels = Sentinels::start(flavor);
+    let ns = namespace("sentinel-failover");
+    let _operator = Operator::start(&ns);
+    // 2,000 entries a second: ten seconds of dead-lettering to kill the primary in.
+    let extra = "  retry:\n    maxDeliveries: 1\n";
+    let manifest = sentinel_policy("jobs", &sentinels, MASTER_NAME, extra, false)
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n    maxPerPass: 2000\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let first = sentinels.primary_port();
+    let mut conn = sentinels.server(first).conn();
+    for start in (0..COUNT).step_by(1000) {
+        let mut pipe = redis::pipe();
+        for n in start..start + 1000 {
+            pipe.cmd("XADD").arg("jobs").arg("*").arg("n").arg(n).ignore();
+        }
+        let _: () = pipe.query(&mut conn).unwrap();
+    }
+    // One consumer takes everything and dies: a PEL of 20,000 for the operator to dead-letter.
+    let mut taken = 0;
+    while taken < COUNT {
+        taken += read_new(&mut conn, "jobs", "workers", "crashed", COUNT).len();
+    }
+    let dead_at_kill = wait_for("dead-lettering under way", Duration::from_secs(60), || {
+        let len: usize = redis::cmd("XLEN").arg("jobs:dlq").query(&mut conn).map_err(|e| e.to_string())?;
+        if len >= 3000 { Ok(len) } else { Err(format!("{len}")) }
+    });
+    sentinels.server(first).kill9();
+    let killed = Instant::now();
+    assert!(dead_at_kill < COUNT, "all was dead-lettered before the kill: lower the pass size");
+    let second = wait_for("the sentinels to promote a replica", Duration::from_secs(60), || {
+        let port = sentinels.primary_port();
+        if port != first { Ok(port) } else { Err("no failover yet".into()) }
+    });
+    let elected = killed.elapsed();
+    wait_for("the policy Ready on the new primary", Duration::from_secs(60), || {
+        let p = get_policy(&ns, "jobs");
+        let ready = condition(&p, "Ready").is_some_and(|(s, _)| s == "True");
+        if ready && primary_of(&ns, "jobs") == Some(format!("127.0.0.1:{second}")) {
+            Ok(())
+        } else {
+            Err(p["status"].to_string())
+        }
+    });
+    let followed = killed.elapsed();
+    let mut conn = sentinels.server(second).conn();
+    wait_for("the new primary's PEL drained", Duration::from_secs(120), || {
+        let pending: (i64, redis::Value, redis::Value, redis::Value) =
+            redis::cmd("XPENDING").arg("jobs").arg("workers").query(&mut conn).map_err(|e| e.to_string())?;
+        if pending.0 == 0 { Ok(()) } else { Err(format!("{} pending", pending.0)) }
+    });
+
+    // The ledger, on the new primary.
+    let source = xrange(&mut conn, "jobs");
+    let dead = xrange(&mut conn, "jobs:dlq");
+    let mut dead_by_n: HashMap<String, usize> = HashMap::new();
+    for entry in &dead {
+        let n = String::from_utf8_lossy(field(entry, "n").expect("dead letters keep their fields")).into_owned();
+        *dead_by_n.entry(n).or_default() += 1;
+    }
+    let groups: Vec<HashMap<String, redis::Value>> =
+        redis::cmd("XINFO").arg("GROUPS").arg("jobs").query(&mut conn).unwrap();
+    let last_delivered = match &groups[0]["last-delivered-id"] {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        other => panic!("{other:?}"),
+    };
+    let id_key = |id: &str| {
+        let (ms, seq) = id.split_once('-').unwrap();
+        (ms.parse::<u64>().unwrap(), seq.parse::<u64>().unwrap())
+    };
+    let (mut acknowledged, mut undelivered) = (0, 0);
+    let mut seen = HashSet::new();
+    for entry in &source {
+        let n = String::from_utf8_lossy(field(entry, "n").unwrap()).into_owned();
+        assert!(seen.insert(n.clone()), "message {n} twice in the stream");
+        let delivered = id_key(&entry.0) <= id_key(&last_delivered);
+        let in_dlq = dead_by_n.get(&n).copied().unwrap_or(0);
+        if delivered {
+            // Delivered and no longer pending: acknowledged, which only a dead-lettering move does here.
+            acknowledged += 1;
+            assert_eq!(in_dlq, 1, "message {n} acknowledged but {in_dlq} times in the dead-letter stream");
+        } else {
+            undelivered += 1;
+            assert_eq!(in_dlq, 0, "message {n} not delivered yet but {in_dlq} times in the dead-letter stream");
+        }
+    }
+    assert_eq!(source.len(), COUNT, "every message is in the new primary's stream");
+    assert_eq!(dead.len(), acknowledged, "no dead letter without its acknowledged message");
+    println!(
+        "{flavor:?}: primary killed with {dead_at_kill} of {COUNT} dead-lettered; a replica elected after {elected:?}; \
+         the policy Ready on it after {followed:?}; ledger on the new primary: {acknowledged} dead-lettered once, \
+         {undelivered} not delivered (their delivery was not replicated), 0 lost, 0 duplicated"
+    );
+}
