@@ -21,6 +21,7 @@ on_both_servers!(
     a_stream_whose_counters_cannot_share_its_slot_is_cross_slot,
     bounded_publish_and_retention_work_in_the_streams_slot,
     a_redrive_moves_within_the_slot_and_refuses_a_target_in_another,
+    the_streams_primary_killed_while_20000_messages_are_dead_lettered_its_replica_takes_over,
 );
 
 /// Tricky names: tags, empty tags, braces in odd places, a stray `}`.
@@ -356,4 +357,71 @@ fn a_redrive_moves_within_the_slot_and_refuses_a_target_in_another(flavor: Flavo
     let dead: i64 = redis::cmd("XLEN").arg("{orders}:dlq").query(&mut conn).unwrap();
     let back: i64 = redis::cmd("XLEN").arg("{orders}:events").query(&mut conn).unwrap();
     assert_eq!((dead, back), (0, 20));
+}
+
+/// A Cluster with replicas: the primary serving the stream's slot is killed with SIGKILL while 20,000 messages are
+/// being dead-lettered; its replica takes over, the operator follows (MOVED), and on the new primary every message is
+/// exactly once dead-lettered, or still pending / not delivered (a move is one script, replicated as one unit).
+fn the_streams_primary_killed_while_20000_messages_are_dead_lettered_its_replica_takes_over(flavor: Flavor) {
+    const COUNT: usize = 20_000;
+    let mut cluster = Cluster::start_with_replicas(flavor);
+    let ns = namespace("cluster-failover");
+    let _operator = Operator::start(&ns);
+    let extra = "  retry:\n    maxDeliveries: 1\n";
+    let manifest = cluster_policy("fo", &cluster, "{fo}:in", "{fo}:dlq", extra)
+        .replace("    minIdle: 1s\n", "    minIdle: 1s\n    maxPerPass: 2000\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "fo", "Ready", "True", "Reconciled");
+    let mut conn = cluster.conn();
+    for start in (0..COUNT).step_by(1000) {
+        let mut pipe = redis::cluster::cluster_pipe();
+        for n in start..start + 1000 {
+            pipe.cmd("XADD").arg("{fo}:in").arg("*").arg("n").arg(n).ignore();
+        }
+        let _: () = pipe.query(&mut conn).unwrap();
+    }
+    let mut taken = 0;
+    while taken < COUNT {
+        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("workers")
+            .arg("crashed")
+            .arg("COUNT")
+            .arg(COUNT)
+            .arg("STREAMS")
+            .arg("{fo}:in")
+            .arg(">")
+            .query(&mut conn)
+            .unwrap();
+        taken += reply.keys.first().map_or(0, |k| k.ids.len());
+    }
+    let dead_at_kill = wait_for("dead-lettering under way", Duration::from_secs(60), || {
+        let len: usize = redis::cmd("XLEN").arg("{fo}:dlq").query(&mut conn).map_err(|e| e.to_string())?;
+        if len >= 3000 { Ok(len) } else { Err(format!("{len}")) }
+    });
+    let first = cluster.owner("{fo}:in").port;
+    cluster.owner("{fo}:in").kill9();
+    let killed = Instant::now();
+    assert!(dead_at_kill < COUNT, "all was dead-lettered before the kill: lower the pass size");
+    let second = wait_for("the replica to take the slot over", Duration::from_secs(60), || {
+        let port = cluster.owner("{fo}:in").port;
+        if port != first { Ok(port) } else { Err("not yet".into()) }
+    });
+    let promoted = killed.elapsed();
+    let mut conn = cluster.nodes.iter().find(|n| n.port == second).unwrap().conn();
+    wait_for("the new primary's PEL drained by the operator", Duration::from_secs(120), || {
+        let pending: (i64, redis::Value, redis::Value, redis::Value) =
+            redis::cmd("XPENDING").arg("{fo}:in").arg("workers").query(&mut conn).map_err(|e| e.to_string())?;
+        if pending.0 == 0 { Ok(()) } else { Err(format!("{} pending", pending.0)) }
+    });
+    let drained = killed.elapsed();
+    let p = wait_condition(&ns, "fo", "Ready", "True", "Reconciled");
+    let (dead_lettered, open) = failover_ledger(&mut conn, "{fo}:in", "{fo}:dlq", "workers");
+    assert_eq!(dead_lettered + open, COUNT, "every message is in the new primary's stream");
+    println!(
+        "{flavor:?}: primary of the slot killed with {dead_at_kill} of {COUNT} dead-lettered; replica promoted after \
+         {promoted:?}; PEL drained on it after {drained:?}; ledger: {dead_lettered} dead-lettered once, {open} pending or \
+         not delivered, 0 lost, 0 duplicated; status deadLettered {}",
+        p["status"]["totals"]["deadLettered"]
+    );
 }

@@ -545,7 +545,16 @@ impl Cluster {
 
     /// With `requirepass` on every node.
     pub fn start_with_password(flavor: Flavor, password: Option<&str>) -> Cluster {
-        let nodes: Vec<Server> = (0..3)
+        Cluster::create(flavor, password, 0)
+    }
+
+    /// Three primaries, each with a replica that takes over when its primary dies.
+    pub fn start_with_replicas(flavor: Flavor) -> Cluster {
+        Cluster::create(flavor, None, 1)
+    }
+
+    fn create(flavor: Flavor, password: Option<&str>, replicas: usize) -> Cluster {
+        let nodes: Vec<Server> = (0..3 * (1 + replicas))
             .map(|_| {
                 let mut args = vec![
                     "--cluster-enabled",
@@ -554,6 +563,9 @@ impl Cluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
+                    // A replica only takes over once it synced; the first sync starts at once, not after 5 s.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ];
                 if let Some(password) = password {
                     args.extend(["--requirepass", password]);
@@ -566,10 +578,27 @@ impl Cluster {
         if let Some(password) = password {
             create.env("REDISCLI_AUTH", password);
         }
-        let out = create.arg("--cluster").arg("create").args(&addrs).arg("--cluster-yes").output().unwrap();
+        let out = create
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .unwrap();
         assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
         let cluster = Cluster { nodes, password: password.map(str::to_string) };
         cluster.wait_ok();
+        if replicas > 0 {
+            wait_for("every replica in sync with its primary", Duration::from_secs(60), || {
+                let synced = cluster
+                    .nodes
+                    .iter()
+                    .filter_map(|n| redis::cmd("INFO").arg("replication").query::<String>(&mut n.conn()).ok())
+                    .filter(|info| info.contains("master_link_status:up"))
+                    .count();
+                if synced == 3 * replicas { Ok(()) } else { Err(format!("{synced} replicas in sync")) }
+            });
+        }
         cluster
     }
 
@@ -642,12 +671,21 @@ impl Cluster {
         }
     }
 
-    /// The node that serves `key`.
+    /// The node that serves `key` (as a live node sees it).
     pub fn owner(&mut self, key: &str) -> &mut Server {
-        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut self.nodes[0].conn()).unwrap();
-        let slots: Vec<(i64, i64, Vec<redis::Value>)> =
-            redis::cmd("CLUSTER").arg("SLOTS").query(&mut self.nodes[0].conn()).unwrap();
-        let (_, _, master) = slots.into_iter().find(|(lo, hi, _)| *lo <= slot && slot <= *hi).unwrap();
+        let live = self.nodes.iter().position(|n| n.child.is_some()).expect("a live node");
+        let mut conn = self.nodes[live].conn();
+        let slot: i64 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut conn).unwrap();
+        // Each range: low, high, the primary, then its replicas.
+        let slots: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER").arg("SLOTS").query(&mut conn).unwrap();
+        let range = slots
+            .into_iter()
+            .find(|r| {
+                let bound = |i: usize| redis::from_redis_value_ref::<i64>(&r[i]).unwrap();
+                bound(0) <= slot && slot <= bound(1)
+            })
+            .unwrap();
+        let master: Vec<redis::Value> = redis::from_redis_value_ref(&range[2]).unwrap();
         let port: i64 = redis::from_redis_value_ref(&master[1]).unwrap();
         self.nodes.iter_mut().find(|n| n.port as i64 == port).unwrap()
     }
@@ -786,4 +824,48 @@ impl Drop for Sentinels {
             let _ = child.wait();
         }
     }
+}
+
+/// The failover ledger: on the server now in charge, every message of `stream` (field `n`) is exactly once
+/// dead-lettered and acknowledged, or not acknowledged (pending, or not delivered yet) and not in `dlq`; no dead
+/// letter without its message. Returns (dead-lettered, not acknowledged). Only the dead-lettering script
+/// acknowledges in these tests.
+pub fn failover_ledger(conn: &mut impl redis::ConnectionLike, stream: &str, dlq: &str, group: &str) -> (usize, usize) {
+    let range = |conn: &mut dyn redis::ConnectionLike, key: &str| -> Vec<(String, Vec<Vec<u8>>)> {
+        redis::cmd("XRANGE").arg(key).arg("-").arg("+").query(conn).unwrap()
+    };
+    let n_of = |flat: &[Vec<u8>]| -> String {
+        flat.chunks(2).find(|p| p[0] == b"n").map(|p| String::from_utf8_lossy(&p[1]).into_owned()).expect("field n")
+    };
+    let mut dead: HashMap<String, usize> = HashMap::new();
+    let dead_entries = range(conn, dlq);
+    for (_, flat) in &dead_entries {
+        *dead.entry(n_of(flat)).or_default() += 1;
+    }
+    let pending: Vec<(String, String, i64, i64)> =
+        redis::cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(1_000_000).query(conn).unwrap();
+    let pending: std::collections::HashSet<String> = pending.into_iter().map(|p| p.0).collect();
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(conn).unwrap();
+    let group_info = groups.iter().find(|g| g["name"] == redis::Value::BulkString(group.as_bytes().to_vec())).unwrap();
+    let last_delivered: String = redis::from_redis_value_ref(&group_info["last-delivered-id"]).unwrap();
+    let id_key = |id: &str| {
+        let (ms, seq) = id.split_once('-').unwrap();
+        (ms.parse::<u64>().unwrap(), seq.parse::<u64>().unwrap())
+    };
+    let (mut acknowledged, mut open) = (0, 0);
+    let mut seen = std::collections::HashSet::new();
+    for (id, flat) in range(conn, stream) {
+        let n = n_of(&flat);
+        assert!(seen.insert(n.clone()), "message {n} twice in the stream");
+        let in_dlq = dead.get(&n).copied().unwrap_or(0);
+        if id_key(&id) <= id_key(&last_delivered) && !pending.contains(&id) {
+            acknowledged += 1;
+            assert_eq!(in_dlq, 1, "message {n} acknowledged but {in_dlq} times in the dead-letter stream");
+        } else {
+            open += 1;
+            assert_eq!(in_dlq, 0, "message {n} not acknowledged but {in_dlq} times in the dead-letter stream");
+        }
+    }
+    assert_eq!(dead_entries.len(), acknowledged, "no dead letter without its acknowledged message");
+    (acknowledged, open)
 }
