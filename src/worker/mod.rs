@@ -13,9 +13,11 @@
 //!
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
+mod connection;
 mod producer;
 mod reason;
 
+pub use connection::{Connection, Source};
 pub use producer::{BOUNDED_PUBLISH, BOUNDED_PUBLISH_LUA, Producer, PublishError};
 pub use reason::{InvalidReason, Reason};
 
@@ -27,7 +29,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionLike;
 use redis::{Client, RedisError, RedisResult, Script, Value};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -128,23 +130,24 @@ struct Counters {
 }
 
 pub struct Worker {
+    source: Source,
     /// Blocking reads get a connection of their own, so acknowledgements never wait behind them.
-    reader: ConnectionManager,
-    writer: ConnectionManager,
+    reader: Connection,
+    writer: Connection,
     config: WorkerConfig,
 }
 
 impl Worker {
+    /// A worker on one server.
     pub async fn connect(client: &Client, config: WorkerConfig) -> RedisResult<Worker> {
-        let timeouts = |response: Duration| {
-            ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(Duration::from_secs(5)))
-                .set_response_timeout(Some(response))
-        };
-        let reader =
-            ConnectionManager::new_with_config(client.clone(), timeouts(config.block + Duration::from_secs(10)));
-        let writer = ConnectionManager::new_with_config(client.clone(), timeouts(Duration::from_secs(10)));
-        Ok(Worker { reader: reader.await?, writer: writer.await?, config })
+        Worker::connect_to(Source::Server(client.clone()), config).await
+    }
+
+    /// A worker on a server, a Redis Cluster, or the primary a sentinel names (followed across failovers: after a
+    /// failed read the worker asks the sentinel again).
+    pub async fn connect_to(source: Source, config: WorkerConfig) -> RedisResult<Worker> {
+        let (reader, writer) = connections(&source, &config).await?;
+        Ok(Worker { source, reader, writer, config })
     }
 
     /// Runs until `shutdown` resolves: then stops reading, lets in-flight handlers finish (up to the grace period)
@@ -185,6 +188,13 @@ impl Worker {
                     Err(e) => {
                         warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
                         tokio::time::sleep(Duration::from_millis(500)).await;
+                        if self.source.follows_failovers() {
+                            // The primary may have moved (or be a replica now): ask the sentinel again.
+                            match connections(&self.source, &self.config).await {
+                                Ok((reader, writer)) => (self.reader, self.writer) = (reader, writer),
+                                Err(e) => warn!(error = %e, "no primary from the sentinel yet; retrying"),
+                            }
+                        }
                         continue;
                     }
                 },
@@ -276,6 +286,13 @@ impl Worker {
     }
 }
 
+/// The reader (its response timeout covers a blocking read) and the writer.
+async fn connections(source: &Source, config: &WorkerConfig) -> RedisResult<(Connection, Connection)> {
+    let reader = connection::Timeouts { response: config.block + Duration::from_secs(10), retries: 6 };
+    let writer = connection::Timeouts { response: Duration::from_secs(10), retries: 6 };
+    Ok((source.connect(reader).await?, source.connect(writer).await?))
+}
+
 /// An entry of our PEL whose payload was deleted comes back without fields: a stale reference that the operator
 /// drops as PayloadDeleted. It is not a message, so the handler never sees it.
 fn messages(entries: Vec<RawEntry>) -> Vec<Message> {
@@ -302,7 +319,7 @@ fn certainly_not_written(e: &RedisError) -> bool {
 /// Acknowledges `id` and counts it under `reason` in `{T}:pelican:<stream>:<group>:terminal`, atomically. Returns whether
 /// this call removed the entry from the PEL; a repeated call returns `false` and counts nothing.
 pub async fn ack_terminal(
-    conn: &mut ConnectionManager,
+    conn: &mut (impl ConnectionLike + Send),
     stream: &str,
     group: &str,
     id: &str,
@@ -326,7 +343,7 @@ async fn drain(tasks: &mut JoinSet<()>) {
 /// Runs the handler for one message and performs its outcome: the only place that acknowledges.
 async fn dispatch<H, Fut>(
     config: &WorkerConfig,
-    mut conn: ConnectionManager,
+    mut conn: Connection,
     counters: &Counters,
     message: Message,
     handler: &H,

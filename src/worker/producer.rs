@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use super::connection::{Connection, Source, Timeouts};
 use redis::{Client, RedisError, RedisResult, Script, ToRedisArgs};
 
 use crate::keys::{bounds_key, rejected_key};
@@ -74,7 +74,7 @@ impl PublishError {
 /// Publishes into one stream through the bounded-publish script. Cheap to clone; clones share the connection.
 #[derive(Clone)]
 pub struct Producer {
-    conn: ConnectionManager,
+    conn: Connection,
     stream: String,
     bounds: String,
     rejected: String,
@@ -82,12 +82,14 @@ pub struct Producer {
 
 impl Producer {
     pub async fn connect(client: &Client, stream: impl Into<String>) -> RedisResult<Producer> {
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(10)))
-            // A publish is never sent twice by the connection itself: whether to republish is the caller's call.
-            .set_number_of_retries(0);
-        let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
+        Producer::connect_to(&Source::Server(client.clone()), stream).await
+    }
+
+    /// A producer on a server, a Redis Cluster (the stream's keys share its slot), or the primary a sentinel names
+    /// when it connects.
+    pub async fn connect_to(source: &Source, stream: impl Into<String>) -> RedisResult<Producer> {
+        // A publish is never sent twice by the connection itself: whether to republish is the caller's call.
+        let conn = source.connect(Timeouts { response: Duration::from_secs(10), retries: 0 }).await?;
         let stream = stream.into();
         Ok(Producer { bounds: bounds_key(&stream), rejected: rejected_key(&stream), stream, conn })
     }
