@@ -180,6 +180,16 @@ impl Target {
     /// Why connecting failed. The connection selects the URL's database first; a server without that database
     /// answers SELECT with `ERR DB index is out of range` (a message about the SELECT itself, which quotes no key).
     fn connect_error(&self, server: &str, e: redis::RedisError) -> Error {
+        if self.refused_without_client_certificate(&e) {
+            return Error::TlsFailed {
+                server: server.to_string(),
+                detail: format!(
+                    "the server ended the connection right after the TLS handshake ({e}), which is how a server that \
+                     requires client certificates (tls-auth-clients yes) refuses a client without one: set \
+                     spec.redis.tls.certSecretRef and keySecretRef"
+                ),
+            };
+        }
         let database = self.url.rsplit_once('/').map(|(_, db)| db).filter(|db| !db.is_empty() && !db.contains(':'));
         match (database, e.detail()) {
             (Some(database), Some(detail))
@@ -189,6 +199,21 @@ impl Target {
             }
             _ => Error::from_redis(server, e),
         }
+    }
+
+    /// A TLS connection without a client certificate that the server dropped as soon as it was set up. With TLS 1.3
+    /// the client's side of the handshake is done before the server checks for a certificate, so the refusal arrives
+    /// as an alert (`CertificateRequired`) or a connection closed under the first command (broken pipe, reset, end of
+    /// file), depending on timing, not as a handshake error.
+    fn refused_without_client_certificate(&self, e: &redis::RedisError) -> bool {
+        self.url.starts_with("rediss://")
+            && self.tls.client_cert.is_none()
+            && e.code().is_none()
+            && !e.is_connection_refusal()
+            && !e.is_timeout()
+            && (e.is_connection_dropped()
+                || e.is_unrecoverable_error() && e.is_io_error()
+                || e.to_string().contains("CertificateRequired"))
     }
 
     /// A client for this target: credentials in the connection settings, TLS material when the URL is `rediss://`.
@@ -350,7 +375,16 @@ async fn connect_single(target: &Target) -> Result<ConnectionManager> {
         .set_response_timeout(Some(RESPONSE_TIMEOUT))
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_secs(2));
-    ConnectionManager::new_with_config(target.client()?, config).await.map_err(|e| target.connect_error(&server, e))
+    let manager = ConnectionManager::new_with_config(target.client()?, config)
+        .await
+        .map_err(|e| target.connect_error(&server, e))?;
+    if target.url.starts_with("rediss://") && target.tls.client_cert.is_none() {
+        // A server that requires a client certificate drops the connection once it is set up (TLS 1.3): find out
+        // here, where it can be told apart from a server that is down.
+        let mut probe = manager.clone();
+        redis::cmd("PING").query_async::<()>(&mut probe).await.map_err(|e| target.connect_error(&server, e))?;
+    }
+    Ok(manager)
 }
 
 #[cfg(test)]
