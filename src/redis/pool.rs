@@ -6,13 +6,10 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{
-    Client, ClientTlsConfig, Cmd, ConnectionAddr, IntoConnectionInfo, Pipeline, RedisFuture, TlsCertificates, TlsMode,
-    Value,
-};
+use redis::{Client, ClientTlsConfig, ConnectionAddr, IntoConnectionInfo, TlsCertificates, TlsMode};
 
 use crate::{Error, Result};
 
@@ -74,41 +71,9 @@ pub struct Sentinel {
     pub credentials: Credentials,
 }
 
-/// A shared connection to a standalone server or to a whole Redis Cluster. Both reconnect by themselves; the
-/// cluster connection follows MOVED / ASK redirections and slot migrations.
-#[derive(Clone)]
-pub enum Conn {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
-    }
-}
+/// A shared connection to a standalone server or to a whole Redis Cluster: the worker SDK's [`Connection`]. Both
+/// reconnect by themselves; the cluster connection follows MOVED / ASK redirections and slot migrations.
+pub use crate::worker::Connection as Conn;
 
 impl Target {
     /// A server without credentials or TLS material.
