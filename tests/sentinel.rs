@@ -147,3 +147,26 @@ fn primary_killed_while_20000_messages_are_dead_lettered_loses_and_duplicates_no
          {open} pending or not delivered, 0 lost, 0 duplicated"
     );
 }
+
+/// TLS to the sentinels and to the data nodes alike (`rediss://`, the CA from a Secret): the sentinels name the
+/// primary's TLS port, and the operator reaches it with the same TLS settings.
+#[test]
+fn sentinels_and_data_nodes_over_tls() {
+    let sentinels = Sentinels::start_tls(Flavor::Redis);
+    let ns = namespace("sentinel-tls");
+    let _operator = Operator::start(&ns);
+    let ca = std::fs::read_to_string(tls_file("ca.crt")).unwrap();
+    let secret = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-ca\nstringData:\n  ca.crt: {}\n",
+        serde_json::to_string(&ca).unwrap()
+    );
+    let redis = format!(
+        "    url: {}\n    mode: Sentinel\n    sentinel:\n      masterName: {MASTER_NAME}\n    tls:\n      caSecretRef: {{name: redis-ca, key: ca.crt}}\n",
+        sentinels.tls_url()
+    );
+    let manifest = policy("secure", "X", "jobs", "workers", "").replacen("    url: X\n", &redis, 1);
+    assert!(kubectl_apply(&ns, &format!("{secret}---\n{manifest}")).0);
+    let ready = wait_condition(&ns, "secure", "Ready", "True", "Reconciled");
+    let primary = sentinels.servers[0].tls_port.unwrap();
+    assert_eq!(ready["status"]["primary"], format!("127.0.0.1:{primary}"), "the primary's TLS port");
+}

@@ -696,6 +696,8 @@ impl Cluster {
 pub struct Sentinels {
     pub servers: Vec<Server>,
     pub sentinels: Vec<(u16, Child, tempfile::TempDir)>,
+    /// The sentinels' TLS ports (`start_tls`).
+    pub sentinel_tls_ports: Vec<u16>,
     /// The password of the data nodes and of the sentinels, when started with one.
     pub password: Option<(String, String)>,
 }
@@ -709,26 +711,77 @@ impl Sentinels {
 
     /// With `requirepass` (and `masterauth`) `data` on the data nodes and `requirepass` `sentinel` on the sentinels.
     pub fn start_with_passwords(flavor: Flavor, passwords: Option<(&str, &str)>) -> Sentinels {
-        let mut auth: Vec<&str> =
-            passwords.map(|(data, _)| vec!["--requirepass", data, "--masterauth", data]).unwrap_or_default();
+        Sentinels::create(flavor, passwords, false)
+    }
+
+    /// Everything also on TLS ports with the bed's test CA: the sentinels monitor the primary's TLS port, replicas
+    /// replicate over TLS, and the sentinels answer on a TLS port too (`tls_url`). The plain ports stay for the
+    /// test's own checks.
+    pub fn start_tls(flavor: Flavor) -> Sentinels {
+        Sentinels::create(flavor, None, true)
+    }
+
+    fn create(flavor: Flavor, passwords: Option<(&str, &str)>, tls: bool) -> Sentinels {
+        let mut auth: Vec<String> = passwords
+            .map(|(data, _)| ["--requirepass", data, "--masterauth", data].map(String::from).to_vec())
+            .unwrap_or_default();
         // Valkey waits 5 s before a diskless full sync by default; the first sync is the one that matters here.
-        auth.extend(["--repl-diskless-sync-delay", "0"]);
-        let primary = Server::start_with(flavor, &auth);
-        let port = primary.port.to_string();
+        auth.extend(["--repl-diskless-sync-delay", "0"].map(String::from));
+        let dir = tls_file("");
+        let tls_args = |port: u16| -> Vec<String> {
+            [
+                "--tls-port".to_string(),
+                port.to_string(),
+                "--tls-cert-file".into(),
+                format!("{dir}server.crt"),
+                "--tls-key-file".into(),
+                format!("{dir}server.key"),
+                "--tls-ca-cert-file".into(),
+                format!("{dir}ca.crt"),
+                "--tls-auth-clients".into(),
+                "no".into(),
+                "--tls-replication".into(),
+                "yes".into(),
+            ]
+            .to_vec()
+        };
+        let start = |extra: &[String]| {
+            let tls_port = free_port();
+            let mut args = auth.clone();
+            if tls {
+                args.extend(tls_args(tls_port));
+            }
+            args.extend_from_slice(extra);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let mut server = Server::start_with(flavor, &args);
+            server.tls_port = tls.then_some(tls_port);
+            server
+        };
+        let primary = start(&[]);
+        // The address the sentinels monitor and the replicas replicate from.
+        let port = primary.tls_port.unwrap_or(primary.port).to_string();
         let mut servers = vec![primary];
         for _ in 0..2 {
-            let args: Vec<&str> = auth.iter().copied().chain(["--replicaof", "127.0.0.1", &port]).collect();
-            servers.push(Server::start_with(flavor, &args));
+            servers.push(start(&["--replicaof".into(), "127.0.0.1".into(), port.clone()]));
         }
         let binary = flavor.binary();
-        let sentinels = (0..3)
-            .map(|_| {
+        let sentinel_tls_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let sentinels = sentinel_tls_ports
+            .iter()
+            .map(|sentinel_tls_port| {
                 let (dir, sentinel_port) = (tempfile::tempdir().unwrap(), free_port());
                 let mut conf = format!(
                     "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER_NAME} 127.0.0.1 {port} 2\n\
                      sentinel down-after-milliseconds {MASTER_NAME} 1000\nsentinel failover-timeout {MASTER_NAME} 5000\n",
                     dir.path().display()
                 );
+                if tls {
+                    let certs = tls_file("");
+                    conf.push_str(&format!(
+                        "tls-port {sentinel_tls_port}\ntls-cert-file {certs}server.crt\ntls-key-file {certs}server.key\n\
+                         tls-ca-cert-file {certs}ca.crt\ntls-auth-clients no\ntls-replication yes\n"
+                    ));
+                }
                 if let Some((data, sentinel)) = passwords {
                     conf.push_str(&format!("sentinel auth-pass {MASTER_NAME} {data}\nrequirepass {sentinel}\n"));
                 }
@@ -745,8 +798,12 @@ impl Sentinels {
                 (sentinel_port, child, dir)
             })
             .collect();
-        let sentinels =
-            Sentinels { servers, sentinels, password: passwords.map(|(d, s)| (d.to_string(), s.to_string())) };
+        let sentinels = Sentinels {
+            servers,
+            sentinels,
+            sentinel_tls_ports,
+            password: passwords.map(|(d, s)| (d.to_string(), s.to_string())),
+        };
         for replica in &sentinels.servers[1..] {
             wait_for("a replica in sync with the primary", Duration::from_secs(30), || {
                 let info: String =
@@ -791,9 +848,14 @@ impl Sentinels {
         })
     }
 
-    /// The data node on `port`.
+    /// The data node on `port` (plain or TLS).
     pub fn server(&mut self, port: u16) -> &mut Server {
-        self.servers.iter_mut().find(|s| s.port == port).expect("a data node on that port")
+        self.servers.iter_mut().find(|s| s.port == port || s.tls_port == Some(port)).expect("a data node on that port")
+    }
+
+    /// `rediss://` URL of the first sentinel's TLS port (`start_tls`).
+    pub fn tls_url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/0", self.sentinel_tls_ports[0])
     }
 
     /// Waits until the primary has `replicas` replicas online and every sentinel knows them and the other sentinels.
