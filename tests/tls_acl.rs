@@ -222,6 +222,28 @@ fn the_documented_acl_runs_every_job(flavor: Flavor) {
         }
     });
     assert_eq!(condition(&p, "Ready").unwrap().0, "True");
+    // A redrive of the dead letters, with the same user.
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: back\nspec:\n  policyRef: {name: acl}\n";
+    assert!(kubectl_apply(&ns, redrive).0);
+    let done = wait_for("the redrive to finish", Duration::from_secs(30), || {
+        let out = kubectl_ok(&["get", "dlr", "back", "-n", &ns, "-o", "json"]);
+        let object: serde_json::Value = serde_json::from_str(&out).unwrap();
+        match object["status"]["phase"].as_str() {
+            Some("Succeeded" | "Failed") => Ok(object),
+            _ => Err(format!(
+                "{}; {}",
+                object["status"],
+                operator
+                    .logs()
+                    .lines()
+                    .filter(|l| l.contains("redrive") || l.contains("WARN"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            )),
+        }
+    });
+    assert_eq!(done["status"]["phase"], "Succeeded", "{}", done["status"]);
+    assert_eq!(done["status"]["moved"], 5);
     let logs = operator.logs();
     assert!(!logs.contains("NOPERM") && !logs.contains("PermissionDenied"), "{logs}");
     assert!(!logs.contains("acl-pw-1") && !api_objects(&ns).contains("acl-pw-1"), "the password leaked");

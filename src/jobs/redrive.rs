@@ -130,37 +130,30 @@ async fn page(
 /// `filter.to`, when earlier), at most `maxMessages`, and checks that every one of them can go where it should.
 /// Without a filter, and with nothing to check per entry, that is the stream's length: no scan.
 pub async fn snapshot(conn: &mut Conn, server: &str, plan: &Plan) -> Result<Snapshot> {
-    // The last id and the length at one instant.
-    let (last, length): (StreamRangeReply, u64) = redis::pipe()
-        .atomic()
-        .cmd("XREVRANGE")
+    let whole_stream = plan.reasons.is_empty() && plan.from.is_none() && plan.to.is_none();
+    // Each entry's source stream must share the dead-letter stream's slot on a Cluster: then read them all.
+    let per_entry_checks = matches!(plan.target, Destination::Source { .. }) && plan.cluster;
+    if whole_stream && !per_entry_checks {
+        if let Destination::Stream(stream) = &plan.target {
+            plan.check_destination(stream)?;
+        }
+        // XINFO STREAM: the length and the last entry at one instant, in one command.
+        let (length, last) = length_and_last(conn, server, &plan.dead_letter).await?;
+        let to_move = plan.max_messages.map_or(length, |max| max.min(length));
+        return Ok(Snapshot { until_id: last, to_move: if length == 0 { 0 } else { to_move } });
+    }
+    let last: StreamRangeReply = redis::cmd("XREVRANGE")
         .arg(&plan.dead_letter)
         .arg(plan.to.as_deref().unwrap_or("+"))
         .arg(plan.from.as_deref().unwrap_or("-"))
         .arg("COUNT")
         .arg(1)
-        .cmd("XLEN")
-        .arg(&plan.dead_letter)
         .query_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
     let Some(until_id) = last.ids.into_iter().next().map(|e| e.id) else {
         return Ok(Snapshot { until_id: None, to_move: 0 });
     };
-    let whole_stream = plan.reasons.is_empty() && plan.from.is_none() && plan.to.is_none();
-    match &plan.target {
-        Destination::Stream(stream) if whole_stream => {
-            plan.check_destination(stream)?;
-            let to_move = plan.max_messages.map_or(length, |max| max.min(length));
-            return Ok(Snapshot { until_id: Some(until_id), to_move });
-        }
-        // Each entry's source stream must share the dead-letter stream's slot: read them all.
-        Destination::Source { .. } if whole_stream && !plan.cluster => {
-            let to_move = plan.max_messages.map_or(length, |max| max.min(length));
-            return Ok(Snapshot { until_id: Some(until_id), to_move });
-        }
-        _ => {}
-    }
     let mut start = plan.from.clone().unwrap_or_else(|| "-".into());
     let mut to_move = 0;
     let mut checked = BTreeSet::new();
@@ -186,6 +179,32 @@ pub async fn snapshot(conn: &mut Conn, server: &str, plan: &Plan) -> Result<Snap
         }
     }
     Ok(Snapshot { until_id: Some(until_id), to_move })
+}
+
+/// The stream's length and its last entry's id (`None` for an empty or missing stream).
+async fn length_and_last(conn: &mut Conn, server: &str, stream: &str) -> Result<(u64, Option<String>)> {
+    let info: redis::RedisResult<HashMap<String, redis::Value>> =
+        redis::cmd("XINFO").arg("STREAM").arg(stream).query_async(conn).await;
+    let info = match info {
+        Ok(info) => info,
+        // A dead-letter stream nothing was ever dead-lettered to.
+        Err(e) if e.code() == Some("ERR") && e.detail().is_some_and(|d| d.starts_with("no such key")) => {
+            return Ok((0, None));
+        }
+        Err(e) => return Err(Error::from_redis(server, e)),
+    };
+    let length = match info.get("length") {
+        Some(redis::Value::Int(n)) => (*n).max(0) as u64,
+        _ => 0,
+    };
+    let last = match info.get("last-entry") {
+        Some(redis::Value::Array(entry)) => match entry.first() {
+            Some(redis::Value::BulkString(id)) => Some(String::from_utf8_lossy(id).into_owned()),
+            _ => None,
+        },
+        _ => None,
+    };
+    Ok((length, last))
 }
 
 pub async fn read_progress(conn: &mut Conn, server: &str, key: &str) -> Result<Progress> {
