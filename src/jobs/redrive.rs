@@ -140,7 +140,7 @@ pub async fn snapshot(conn: &mut Conn, server: &str, plan: &Plan) -> Result<Snap
         // XINFO STREAM: the length and the last entry at one instant, in one command.
         let (length, last) = length_and_last(conn, server, &plan.dead_letter).await?;
         let to_move = plan.max_messages.map_or(length, |max| max.min(length));
-        return Ok(Snapshot { until_id: last, to_move: if length == 0 { 0 } else { to_move } });
+        return Ok(Snapshot { until_id: last, to_move });
     }
     let last: StreamRangeReply = redis::cmd("XREVRANGE")
         .arg(&plan.dead_letter)
@@ -286,12 +286,12 @@ pub async fn step(
             }
             bytes += size;
             let destination = plan.destination(entry);
-            // The snapshot checked every destination of the range; an entry added to the range since (only XADD
-            // with an explicit id can do that) is checked here.
-            plan.check_destination(&destination)?;
             let index = match targets.iter().position(|t| *t == destination) {
                 Some(i) => i,
                 None => {
+                    // The snapshot checked every destination of the range; one added to the range since (only
+                    // XADD with an explicit id can do that) is checked here, once per step.
+                    plan.check_destination(&destination)?;
                     targets.push(destination);
                     targets.len() - 1
                 }

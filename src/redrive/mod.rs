@@ -22,7 +22,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use tokio::sync::watch;
@@ -138,6 +138,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
     let status = redrive.status.clone().unwrap_or_default();
     // 1. A finished redrive is terminal: an operator restart or the same manifest applied again changes nothing.
     if status.phase.is_finished() {
+        ctx.forget_gone(&redrive);
         return expire(&ctx, &redrive, &status).await;
     }
     if !ctx.leadership.may_write() {
@@ -158,7 +159,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
     // 2. Resolve the policy and its server.
     let namespace = redrive.namespace().unwrap_or_default();
     let policy_name = &redrive.spec.policy_ref.name;
-    let policy = ctx.policies.policies.get(&kube::runtime::reflector::ObjectRef::new(policy_name).within(&namespace));
+    let policy = ctx.policies.policies.get(&ObjectRef::new(policy_name).within(&namespace));
     let Some(policy) = policy else {
         if ctx.sharded {
             // Another shard's policy, or none at all: the shard that serves it writes the status.
@@ -293,6 +294,22 @@ async fn expire(ctx: &Redrives, redrive: &DeadLetterRedrive, status: &DeadLetter
 }
 
 impl Redrives {
+    /// Drops the dead-letter streams remembered for redrives that finished or no longer exist.
+    fn forget_gone(&self, finished: &DeadLetterRedrive) {
+        let live: std::collections::HashSet<String> = self
+            .redrives
+            .state()
+            .iter()
+            .filter(|r| !r.status.as_ref().is_some_and(|s| s.phase.is_finished()))
+            .filter_map(|r| r.uid())
+            .collect();
+        let finished = finished.uid();
+        self.streams
+            .lock()
+            .expect("streams lock")
+            .retain(|uid, _| live.contains(uid) && Some(uid) != finished.as_ref());
+    }
+
     /// Another redrive that goes first on the same dead-letter stream: one that runs now, else the first of the
     /// unfinished, unsuspended ones (a started one before a pending one, then by creation), by name.
     fn ahead_of(&self, redrive: &DeadLetterRedrive, stream: &StreamKey) -> Option<String> {
