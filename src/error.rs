@@ -9,6 +9,12 @@ pub enum Error {
     SecretNotFound { namespace: String, name: String, key: String },
 
     #[error(
+        "Secret {namespace}/{name}: this operator reads Secrets only in the namespaces {allowed} (--secret-namespaces, \
+         the chart's rbac.secretNamespaces): add {namespace} to them"
+    )]
+    SecretNamespaceNotAllowed { namespace: String, name: String, allowed: String },
+
+    #[error(
         "Secret {namespace}/{name} key {key:?} is not valid UTF-8: a username or password must be text; rewrite the Secret"
     )]
     SecretInvalid { namespace: String, name: String, key: String },
@@ -88,6 +94,7 @@ impl Error {
     pub fn reason(&self) -> &'static str {
         match self {
             Error::SecretNotFound { .. } => "SecretNotFound",
+            Error::SecretNamespaceNotAllowed { .. } => "SecretNamespaceNotAllowed",
             Error::SecretInvalid { .. } => "SecretInvalid",
             Error::AuthenticationFailed { .. } => "AuthenticationFailed",
             Error::TlsFailed { .. } => "TLSHandshakeFailed",
@@ -114,6 +121,7 @@ impl Error {
         matches!(
             self,
             Error::SecretNotFound { .. }
+                | Error::SecretNamespaceNotAllowed { .. }
                 | Error::SecretInvalid { .. }
                 | Error::AuthenticationFailed { .. }
                 | Error::TlsFailed { .. }

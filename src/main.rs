@@ -22,6 +22,10 @@ enum Command {
         /// Watch only this namespace (default: all namespaces).
         #[arg(long, env = "PELICAN_NAMESPACE")]
         namespace: Option<String>,
+        /// Read Secrets only in these namespaces (comma-separated) while watching policies in all: what RBAC then
+        /// grants with Roles there only. A policy elsewhere that references a Secret is Stalled, saying so.
+        #[arg(long, value_delimiter = ',', conflicts_with = "namespace", env = "PELICAN_SECRET_NAMESPACES")]
+        secret_namespaces: Vec<String>,
         #[arg(long, value_enum, default_value_t = LogFormat::Json, env = "PELICAN_LOG_FORMAT")]
         log_format: LogFormat,
         /// Where `/metrics` is served.
@@ -80,6 +84,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Version => println!("pelican {}", env!("CARGO_PKG_VERSION")),
         Command::Run {
             namespace,
+            secret_namespaces,
             log_format,
             metrics_addr,
             health_addr,
@@ -106,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
                 leadership: Leadership::always(),
                 label_selector: watch_label_selector,
                 concurrency: max_concurrent_reconciles,
+                secret_namespaces: (!secret_namespaces.is_empty()).then(|| secret_namespaces.into_iter().collect()),
             };
             if !leader_elect {
                 settings.metrics.watch_leadership("", Leadership::always());

@@ -213,3 +213,26 @@ fn sharding_renders_one_deployment_per_shard_with_its_own_lease_and_selector() {
     let (ok, out) = helm(&["template", "x", CHART, "--set", "sharding.shards={Bad_Name}"]);
     assert!(!ok && out.contains("/sharding/shards/0"), "{out}");
 }
+
+#[test]
+fn secret_namespaces_grant_secrets_there_only() {
+    let manifests = render("sn", "pelican-system", &["rbac.secretNamespaces={team-a,team-b}"]);
+    let documents: Vec<&str> = manifests.split("\n---").collect();
+    let cluster_role = documents.iter().find(|d| d.contains("kind: ClusterRole\n")).unwrap();
+    assert!(!cluster_role.contains("secrets"), "the ClusterRole grants no Secret:\n{cluster_role}");
+    for namespace in ["team-a", "team-b"] {
+        for kind in ["Role", "RoleBinding"] {
+            let found = documents.iter().any(|d| {
+                d.contains(&format!("kind: {kind}\n"))
+                    && d.contains("name: sn-pelican-secrets\n")
+                    && d.contains(&format!("namespace: {namespace}\n"))
+            });
+            assert!(found, "no {kind} sn-pelican-secrets in {namespace}:\n{manifests}");
+        }
+    }
+    assert!(manifests.contains("- --secret-namespaces=team-a,team-b"), "{manifests}");
+    // With watchNamespace the operator reads Secrets in that namespace only already: the two do not combine.
+    let (ok, out) =
+        helm(&["template", "x", CHART, "--set", "watchNamespace=apps", "--set", "rbac.secretNamespaces={team-a}"]);
+    assert!(!ok && out.contains("rbac.secretNamespaces is for an operator watching all namespaces"), "{out}");
+}

@@ -69,6 +69,32 @@ fn only_policies_with_redis_work_on_deletion_carry_the_finalizer(flavor: Flavor)
     assert!(operator.is_running());
 }
 
+/// Deleting a namespace takes a policy's Redis (and Secret, and the operator's Roles there) with it in no order: a
+/// `Delete` policy whose server is gone must not hold the namespace in Terminating for good.
+#[test]
+fn a_policy_whose_server_is_gone_lets_go_when_its_namespace_is_deleted() {
+    let mut server = Server::start(Flavor::Redis);
+    let ns = namespace("nsgone");
+    let operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "  deletionPolicy: Delete\n")).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    server.stop();
+    kubectl_ok(&["delete", "cgp", "p", "-n", &ns, "--wait=false"]);
+    // The server may come back: the policy alone being deleted waits for it.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(kubectl(&["get", "cgp", "p", "-n", &ns], None).status.success(), "let go while the server may return");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"]);
+    wait_for("the policy gone with its namespace", Duration::from_secs(70), || {
+        if kubectl(&["get", "cgp", "p", "-n", &ns], None).status.success() { Err("still there".into()) } else { Ok(()) }
+    });
+    let logs = operator.logs();
+    let line = logs.lines().find(|l| l.contains("CleanupSkipped"));
+    assert!(
+        line.is_some_and(|l| l.contains("group \\\"g\\\" left in Redis: the namespace is being deleted")),
+        "{logs}"
+    );
+}
+
 fn group_names(server: &Server, stream: &str) -> Vec<String> {
     let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(&mut server.conn()).unwrap();
     groups

@@ -4,11 +4,13 @@
 
 use std::sync::Arc;
 
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::report::publish;
 use super::validate::{self, Schedule};
@@ -182,7 +184,27 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
             publish(ctx, policy, EventType::Warning, "CleanupSkipped", note).await;
             Ok(Action::await_change())
         }
+        // A namespace being deleted takes the policy's Redis, its Secret and the operator's Roles there with it, in
+        // no particular order: waiting for the server would hold the namespace in Terminating for good.
+        Err(e) if namespace_terminating(policy, ctx).await => {
+            let what = if destroy { "group" } else { "backlog bound of group" };
+            let note = format!("{what} {:?} left in Redis: the namespace is being deleted and {e}", policy.spec.group);
+            let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+            // The Event cannot be created in a terminating namespace; the log keeps the note.
+            warn!(namespace, name, reason = "CleanupSkipped", "{note}");
+            Ok(Action::await_change())
+        }
         Err(e) => Err(e),
+    }
+}
+
+/// Whether the policy's namespace is being deleted (false when that cannot be read).
+async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> bool {
+    let Some(namespace) = policy.namespace() else { return false };
+    match Api::<Namespace>::all(ctx.client.clone()).get_opt(&namespace).await {
+        Ok(Some(ns)) => ns.metadata.deletion_timestamp.is_some(),
+        Ok(None) => true,
+        Err(_) => false,
     }
 }
 

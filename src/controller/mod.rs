@@ -18,7 +18,7 @@ mod validate;
 
 pub use status::{READY, RECONCILED, RECONCILING, STALLED};
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -84,6 +84,8 @@ pub struct Settings {
     /// How many policies are reconciled at once. Bounds the burst on the API server and on each Redis connection
     /// when thousands of policies are seen at start; passes are bounded separately, per server, by the runner.
     pub concurrency: u16,
+    /// Read Secrets only in these namespaces (their RBAC is namespaced); all watched namespaces when `None`.
+    pub secret_namespaces: Option<BTreeSet<String>>,
 }
 
 impl Context {
@@ -114,9 +116,15 @@ fn id(namespace: &str, name: &str) -> String {
 
 /// Runs the controller until `shutdown` resolves.
 pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
-    let (policies, secrets): (Api<ConsumerGroupPolicy>, Api<PartialObjectMeta<Secret>>) = match &settings.namespace {
-        Some(ns) => (Api::namespaced(client.clone(), ns), Api::namespaced(client.clone(), ns)),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    let policies: Api<ConsumerGroupPolicy> = match &settings.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    // Where Secrets are watched (metadata only) and read: the watched namespace, the --secret-namespaces, or all.
+    let secrets: Vec<Api<PartialObjectMeta<Secret>>> = match (&settings.namespace, &settings.secret_namespaces) {
+        (Some(ns), _) => vec![Api::namespaced(client.clone(), ns)],
+        (None, Some(namespaces)) => namespaces.iter().map(|ns| Api::namespaced(client.clone(), ns)).collect(),
+        (None, None) => vec![Api::all(client.clone())],
     };
     let (store, writer) = reflector::store();
     let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
@@ -130,7 +138,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         metrics: settings.metrics.clone(),
         runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone()),
         leadership: settings.leadership,
-        secrets: SecretCache::default(),
+        secrets: SecretCache::new(settings.secret_namespaces.clone()),
         failures: Mutex::default(),
         pool_users: Mutex::default(),
     });
@@ -160,7 +168,11 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
     // Only Secret metadata is watched (`Api<PartialObjectMeta<_>>` asks the API server for PartialObjectMetadata,
     // so no value crosses the watch): a change to a referenced Secret drops its cached value and re-runs its
     // policies at once.
-    let secret_changes = watcher(secrets, watcher::Config::default()).default_backoff().touched_objects();
+    let secret_changes = futures::stream::select_all(
+        secrets
+            .into_iter()
+            .map(|api| watcher(api, watcher::Config::default()).default_backoff().touched_objects().boxed()),
+    );
     let (ready_store, readiness) = (store.clone(), settings.readiness);
     tokio::spawn(async move {
         // The store's readiness signal wakes only its latest waiter (the controller also waits on it), so ask

@@ -4,7 +4,7 @@
 //! and dropped when the metadata-only watch reports a change to that Secret, so a reconcile costs no API request
 //! while nothing changes. The watch itself carries no Secret values.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use k8s_openapi::ByteString;
@@ -24,6 +24,8 @@ type SecretData = Option<Arc<BTreeMap<String, ByteString>>>;
 #[derive(Default)]
 pub struct SecretCache {
     entries: Mutex<Entries>,
+    /// The namespaces whose Secrets may be read (the operator's RBAC); all when `None`.
+    namespaces: Option<BTreeSet<String>>,
 }
 
 #[derive(Default)]
@@ -34,6 +36,11 @@ struct Entries {
 }
 
 impl SecretCache {
+    /// A cache that reads Secrets in `namespaces` only, or in every namespace when `None`.
+    pub fn new(namespaces: Option<BTreeSet<String>>) -> Self {
+        SecretCache { entries: Mutex::default(), namespaces }
+    }
+
     /// Forgets a Secret the watch saw change (created, updated, deleted): the next read fetches it again.
     pub fn invalidate(&self, namespace: &str, name: &str) {
         let mut entries = self.entries.lock().expect("secret cache lock");
@@ -54,6 +61,15 @@ impl SecretCache {
     }
 
     async fn data(&self, client: &Client, namespace: &str, name: &str) -> Result<SecretData> {
+        if let Some(allowed) = &self.namespaces
+            && !allowed.contains(namespace)
+        {
+            return Err(Error::SecretNamespaceNotAllowed {
+                namespace: namespace.into(),
+                name: name.into(),
+                allowed: allowed.iter().cloned().collect::<Vec<_>>().join(", "),
+            });
+        }
         let key = (namespace.to_string(), name.to_string());
         let epoch = {
             let entries = self.entries.lock().expect("secret cache lock");
