@@ -1,5 +1,8 @@
 # The operator image: a static (musl) binary on a distroless base, running as non-root.
 #   docker build -t pelican:0.1.0 .
+# Without Docker (and what CI runs on its node): `scripts/image pelican pelican.tar` puts the release binary, linked
+# statically against glibc, with the same user (65532), entrypoint, ports and CA bundle into an OCI image tar for
+# `ctr images import`, `docker load` or `podman load`.
 FROM rust:1.95-alpine AS build
 RUN apk add --no-cache musl-dev
 WORKDIR /src

@@ -1,0 +1,355 @@
+//! The chart as pods on the bed's node (`scripts/testenv node up`: kubelet, containerd, runc, CNI, kube-proxy,
+//! kube-controller-manager, kube-scheduler): the operator image built without a registry (`scripts/image pelican`),
+//! `helm install` into a namespace enforcing the restricted Pod Security level, a policy against Redis running as a
+//! pod behind a Service, `/metrics` from the pods, the leader pod deleted, `helm upgrade`, `helm uninstall` and
+//! namespace deletion.
+//!
+//! The main run has no node (it would change what the other tests see: garbage collection, namespace deletion), so
+//! these tests are ignored there and `scripts/test` runs them afterwards with `--ignored`, the node up and the
+//! image imported.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const LEASE: &str = "pelican-leader";
+
+/// The node's init process, from `$PELICAN_TESTENV/node/env`; its network namespace holds the pods' and the
+/// Services' addresses.
+fn node_pid() -> String {
+    let file = format!("{}/node/env", bed().var("PELICAN_TESTENV"));
+    let env = std::fs::read_to_string(&file)
+        .unwrap_or_else(|_| panic!("the node is not up ({file} missing): run `scripts/testenv node up`"));
+    env.lines().find_map(|l| l.strip_prefix("export PELICAN_NODE_PID=")).expect("PELICAN_NODE_PID").to_string()
+}
+
+/// Runs a command in the node's network namespace (where pod and Service addresses are reachable).
+fn in_node(args: &[&str]) -> Output {
+    Command::new("nsenter").args(["--target", &node_pid(), "--net", "--"]).args(args).output().unwrap()
+}
+
+fn helm(args: &[&str]) -> String {
+    let out =
+        Command::new(bed().var("PELICAN_HELM")).args(args).env("KUBECONFIG", bed().kubeconfig()).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "helm {args:?} failed:\n{text}");
+    text
+}
+
+/// Uninstalls the release when the test ends early, so that a failed run leaves no operator watching every
+/// namespace behind for the next one.
+struct Release {
+    name: String,
+    namespace: String,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = Command::new(bed().var("PELICAN_HELM"))
+                .args(["uninstall", &self.name, "-n", &self.namespace, "--wait", "--timeout=60s"])
+                .env("KUBECONFIG", bed().kubeconfig())
+                .output();
+        }
+    }
+}
+
+fn restricted_namespace(prefix: &str) -> String {
+    let ns = namespace(prefix);
+    kubectl_ok(&[
+        "label",
+        "namespace",
+        &ns,
+        "pod-security.kubernetes.io/enforce=restricted",
+        "pod-security.kubernetes.io/enforce-version=latest",
+    ]);
+    ns
+}
+
+/// (name, pod IP, Ready) of the namespace's running pods with `selector`.
+fn pods(namespace: &str, selector: &str) -> Vec<(String, String, bool)> {
+    let out: serde_json::Value =
+        serde_json::from_str(&kubectl_ok(&["get", "pods", "-n", namespace, "-l", selector, "-o", "json"])).unwrap();
+    let items = out["items"].as_array().cloned().unwrap_or_default();
+    items
+        .iter()
+        .filter(|p| p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null())
+        .map(|p| {
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"));
+            let ip = p["status"]["podIP"].as_str().unwrap_or_default().to_string();
+            (p["metadata"]["name"].as_str().unwrap().to_string(), ip, ready)
+        })
+        .collect()
+}
+
+/// `/metrics` of a pod, scraped from inside the node's network, as Prometheus would.
+fn scrape(ip: &str) -> Option<String> {
+    let out = in_node(&["curl", "-sf", "--max-time", "2", &format!("http://{ip}:8080/metrics")]);
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+fn leads(metrics: &str) -> bool {
+    metrics.contains(&format!("pelican_leader{{lease=\"{LEASE}\"}} 1"))
+}
+
+/// The pods whose `/metrics` say they lead. Two seen at once are scraped again in the other order before they
+/// count, so a hand-over between two scrapes is not mistaken for two leaders.
+fn leaders(namespace: &str, selector: &str) -> Vec<String> {
+    let running = pods(namespace, selector);
+    let mut leading: Vec<(String, String)> = running
+        .iter()
+        .filter(|(_, ip, _)| !ip.is_empty() && scrape(ip).is_some_and(|m| leads(&m)))
+        .map(|(name, ip, _)| (name.clone(), ip.clone()))
+        .collect();
+    if leading.len() > 1 {
+        leading.reverse();
+        leading.retain(|(_, ip)| scrape(ip).is_some_and(|m| leads(&m)));
+    }
+    leading.into_iter().map(|(name, _)| name).collect()
+}
+
+/// A container's log, read from the node's log directory (the API server cannot reach the kubelet: the node's
+/// network is its own).
+fn pod_log(namespace: &str, pod: &str) -> String {
+    let dir = format!("{}/node/var-log/pods", bed().var("PELICAN_TESTENV"));
+    let mut text = String::new();
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&format!("{namespace}_{pod}_")) {
+            for file in walk(&entry.path()) {
+                text += &std::fs::read_to_string(file).unwrap_or_default();
+            }
+        }
+    }
+    text
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = vec![];
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() { files.extend(walk(&path)) } else { files.push(path) }
+    }
+    files
+}
+
+fn show(args: &[&str]) {
+    println!("$ kubectl {}\n{}", args.join(" "), kubectl_ok(args));
+}
+
+fn redis_in_pod(ip: &str, args: &[&str]) -> String {
+    let mut all = vec!["redis-cli", "-h", ip, "-a", "node-pw", "--no-auth-warning"];
+    all.extend_from_slice(args);
+    let out = in_node(&all);
+    assert!(out.status.success(), "redis-cli {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[test]
+#[ignore = "needs the node and the operator image: scripts/test runs it (scripts/testenv node up, then --ignored)"]
+fn the_chart_runs_as_pods_on_a_real_node() {
+    let system = restricted_namespace("pelican-system");
+    let apps = restricted_namespace("apps");
+    let release = system.replace("-system", "");
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let fullname = release.clone();
+
+    // The namespaces really enforce `restricted`: a pod that may run as root is refused by the API server.
+    let root_pod = "apiVersion: v1\nkind: Pod\nmetadata:\n  name: root\nspec:\n  containers:\n    - name: c\n      image: localhost/redis:7.0.15\n";
+    let (ok, out) = kubectl_apply(&system, root_pod);
+    assert!(!ok && out.contains("violates PodSecurity \"restricted:latest\""), "{out}");
+
+    // Redis as a pod, its password from a Secret, behind a Service.
+    let redis = include_str!("node/redis.yaml");
+    let (ok, out) = kubectl_apply(&apps, redis);
+    assert!(ok, "{out}");
+    kubectl_ok(&["rollout", "status", "deployment/redis", "-n", &apps, "--timeout=120s"]);
+    let redis_ip = kubectl_ok(&["get", "service", "redis", "-n", &apps, "-o", "jsonpath={.spec.clusterIP}"]);
+    // kube-proxy writes the Service's rules a moment after the pod is Ready.
+    wait_for("Redis through its Service", Duration::from_secs(20), || {
+        let out = in_node(&["redis-cli", "-h", &redis_ip, "-a", "node-pw", "--no-auth-warning", "PING"]);
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if text == "PONG" { Ok(()) } else { Err(format!("{text} {}", String::from_utf8_lossy(&out.stderr))) }
+    });
+
+    // helm install, the image imported into the node's containerd (no registry, never pulled).
+    let start = Instant::now();
+    let version = env!("CARGO_PKG_VERSION");
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
+    let _uninstall = Release { name: release.clone(), namespace: system.clone() };
+    helm(&[
+        "install",
+        &release,
+        chart,
+        "-n",
+        &system,
+        "--set",
+        "image.repository=localhost/pelican",
+        "--set",
+        &format!("image.tag={version}"),
+        "--set",
+        "image.pullPolicy=Never",
+        "--set",
+        &format!("rbac.secretNamespaces={{{apps}}}"),
+        "--wait",
+        "--timeout=180s",
+    ]);
+    println!("helm install: both replicas Ready after {:.1}s", start.elapsed().as_secs_f64());
+    show(&["get", "pods", "-n", &system, "-o", "wide"]);
+    let running = pods(&system, &selector);
+    assert_eq!(running.len(), 2, "{running:?}");
+    assert!(running.iter().all(|(_, _, ready)| *ready), "{running:?}");
+    let pod: serde_json::Value =
+        serde_json::from_str(&kubectl_ok(&["get", "pod", &running[0].0, "-n", &system, "-o", "json"])).unwrap();
+    assert_eq!(pod["spec"]["serviceAccountName"], fullname.as_str());
+    assert_eq!(pod["spec"]["containers"][0]["image"], format!("localhost/pelican:{version}"));
+    let volumes = pod["spec"]["volumes"].as_array().cloned().unwrap_or_default();
+    assert!(
+        volumes.iter().any(|v| v["name"].as_str().is_some_and(|n| n.starts_with("kube-api-access-"))),
+        "the ServiceAccount token is mounted: {volumes:?}"
+    );
+
+    // The chart's RBAC and nothing more: Secrets readable in the served namespace only.
+    let account = format!("system:serviceaccount:{system}:{fullname}");
+    let can = |args: &[&str]| {
+        let mut all = vec!["auth", "can-i"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--as", &account]);
+        String::from_utf8_lossy(&kubectl(&all, None).stdout).trim().to_string()
+    };
+    assert_eq!(can(&["get", "secrets", "-n", &apps]), "yes");
+    assert_eq!(can(&["get", "secrets", "-n", &system]), "no");
+    assert_eq!(can(&["list", "secrets", "--all-namespaces"]), "no");
+    assert_eq!(can(&["create", "pods", "-n", &apps]), "no");
+
+    // A policy reconciled by the pods against Redis through its Service, the password read with that RBAC.
+    let orders = format!(
+        "apiVersion: pelican.io/v1alpha1\nkind: ConsumerGroupPolicy\nmetadata:\n  name: orders\nspec:\n  redis:\n    url: redis://{redis_ip}:6379\n    passwordSecretRef: {{name: redis-auth, key: password}}\n  stream: orders\n  group: billing\n  startId: \"0\"\n  reclaim: {{minIdle: 1s, interval: 1s}}\n  retry: {{maxDeliveries: 1}}\n  deadLetter: {{stream: \"orders:dlq\"}}\n  deletionPolicy: Delete\n"
+    );
+    let (ok, out) = kubectl_apply(&apps, &orders);
+    assert!(ok, "{out}");
+    wait_condition(&apps, "orders", "Ready", "True", "Reconciled");
+    show(&["get", "cgp", "-n", &apps, "-o", "wide"]);
+    assert!(redis_in_pod(&redis_ip, &["XINFO", "GROUPS", "orders"]).contains("billing"));
+
+    // A policy in a namespace the operator may not read Secrets in says so.
+    let elsewhere = namespace("elsewhere");
+    let (ok, out) = kubectl_apply(
+        &elsewhere,
+        &format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-auth\nstringData:\n  password: node-pw\n---\n{orders}"
+        ),
+    );
+    assert!(ok, "{out}");
+    let refused = wait_condition(&elsewhere, "orders", "Ready", "False", "SecretNamespaceNotAllowed");
+    let message = condition_message(&refused, "Ready");
+    assert!(message.contains(&apps) && message.contains("rbac.secretNamespaces"), "{message}");
+
+    // /metrics from the pods: exactly one leads, and it reports the policy.
+    let leader = wait_for("one leader", Duration::from_secs(30), || match leaders(&system, &selector)[..] {
+        [ref one] => Ok(one.clone()),
+        ref other => Err(format!("{other:?}")),
+    });
+    let leader_ip = running.iter().find(|(name, _, _)| *name == leader).unwrap().1.clone();
+    let metrics = scrape(&leader_ip).unwrap();
+    let ready = format!("pelican_policy_ready{{namespace=\"{apps}\",policy=\"orders\",");
+    let line = metrics.lines().find(|l| l.starts_with(&ready));
+    assert!(line.is_some_and(|l| l.ends_with(" 1")), "{ready}... 1 missing:\n{metrics}");
+    let standby = running.iter().find(|(name, _, _)| *name != leader).unwrap();
+    assert!(scrape(&standby.1).unwrap().contains(&format!("pelican_leader{{lease=\"{LEASE}\"}} 0")));
+    println!("leader {leader} ({leader_ip}); standby {} ({})", standby.0, standby.1);
+
+    // The leader pod deleted: the other one leads within the lease duration, and passes run again.
+    let deleted = Instant::now();
+    kubectl_ok(&["delete", "pod", &leader, "-n", &system, "--wait=false"]);
+    let successor = wait_for("another leader", Duration::from_secs(30), || match leaders(&system, &selector)[..] {
+        [ref one] if *one != leader => Ok(one.clone()),
+        ref other => Err(format!("{other:?}")),
+    });
+    let takeover = deleted.elapsed();
+    println!("leader pod {leader} deleted: {successor} leads after {:.1}s", takeover.as_secs_f64());
+    assert!(takeover < Duration::from_secs(15), "takeover took {takeover:?}, longer than the 15 s lease");
+    redis_in_pod(&redis_ip, &["XADD", "orders", "*", "order", "1"]);
+    redis_in_pod(&redis_ip, &["XREADGROUP", "GROUP", "billing", "w1", "COUNT", "1", "STREAMS", "orders", ">"]);
+    wait_for("the unacknowledged message dead-lettered by the new leader", Duration::from_secs(30), || {
+        match redis_in_pod(&redis_ip, &["XLEN", "orders:dlq"]).as_str() {
+            "1" => Ok(()),
+            other => Err(format!("XLEN orders:dlq = {other}")),
+        }
+    });
+
+    // helm upgrade with a changed value rolls the pods; never two leaders at once while it does.
+    kubectl_ok(&["rollout", "status", &format!("deployment/{fullname}"), "-n", &system, "--timeout=120s"]);
+    let before: BTreeSet<String> = pods(&system, &selector).into_iter().map(|p| p.0).collect();
+    let (stop, seen) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::<Vec<String>>::new())));
+    let sampler = {
+        let (stop, seen, system, selector) = (stop.clone(), seen.clone(), system.clone(), selector.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                seen.lock().unwrap().push(leaders(&system, &selector));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let start = Instant::now();
+    helm(&["upgrade", &release, chart, "-n", &system, "--reuse-values", "--set", "maxConcurrentReconciles=16"]);
+    kubectl_ok(&["rollout", "status", &format!("deployment/{fullname}"), "-n", &system, "--timeout=180s"]);
+    wait_for("a leader after the upgrade", Duration::from_secs(30), || match leaders(&system, &selector)[..] {
+        [ref one] => Ok(one.clone()),
+        ref other => Err(format!("{other:?}")),
+    });
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let samples = seen.lock().unwrap().clone();
+    let most = samples.iter().map(Vec::len).max().unwrap_or(0);
+    let holders: BTreeSet<&String> = samples.iter().flatten().collect();
+    println!(
+        "helm upgrade rolled in {:.1}s; {} samples of every pod's pelican_leader, at most {most} leader at once, leaders seen {holders:?}",
+        start.elapsed().as_secs_f64(),
+        samples.len()
+    );
+    assert_eq!(most, 1, "two leaders at once during the upgrade: {samples:?}");
+    let after = pods(&system, &selector);
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert!(after.iter().all(|(name, _, ready)| *ready && !before.contains(name)), "{before:?} -> {after:?}");
+    let args = kubectl_ok(&["get", "pod", &after[0].0, "-n", &system, "-o", "jsonpath={.spec.containers[0].args}"]);
+    assert!(args.contains("--max-concurrent-reconciles=16"), "{args}");
+    show(&["get", "pods", "-n", &system, "-o", "wide"]);
+
+    // Everything the pods did, with exactly the chart's RBAC: no request was refused.
+    for (pod, _, _) in &after {
+        let log = pod_log(&system, pod);
+        assert!(!log.is_empty(), "no log for {pod}");
+        assert!(!log.contains("forbidden"), "a request of {pod} was refused:\n{log}");
+    }
+
+    // Deleting the namespaces (policies with their finalizer, the Secret, Redis) and uninstalling finish.
+    let start = Instant::now();
+    kubectl_ok(&["delete", "namespace", &apps, &elsewhere, "--timeout=120s"]);
+    println!("namespaces {apps} and {elsewhere} deleted in {:.1}s", start.elapsed().as_secs_f64());
+    // The policy let go of its finalizer on purpose, saying what it left in Redis (its Redis went with the namespace).
+    let logs: String = pods(&system, &selector).iter().map(|(pod, _, _)| pod_log(&system, pod)).collect();
+    let skipped: Vec<&str> = logs.lines().filter(|l| l.contains("CleanupSkipped") && l.contains(&apps)).collect();
+    assert!(!skipped.is_empty(), "no CleanupSkipped for {apps}/orders in the operator's logs:\n{logs}");
+    println!("{}", skipped[0]);
+    let start = Instant::now();
+    helm(&["uninstall", &release, "-n", &system, "--wait", "--timeout=120s"]);
+    kubectl_ok(&["delete", "namespace", &system, "--timeout=120s"]);
+    println!("helm uninstall and namespace {system} deleted in {:.1}s", start.elapsed().as_secs_f64());
+    for kind in ["clusterrole", "clusterrolebinding"] {
+        assert!(!kubectl(&["get", kind, &fullname], None).status.success(), "{kind} {fullname} left behind");
+    }
+}
+
+fn condition_message(object: &serde_json::Value, type_: &str) -> String {
+    let conditions = object["status"]["conditions"].as_array().cloned().unwrap_or_default();
+    let found = conditions.iter().find(|c| c["type"] == type_).cloned().unwrap_or_default();
+    found["message"].as_str().unwrap_or_default().to_string()
+}
