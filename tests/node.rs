@@ -69,6 +69,11 @@ fn restricted_namespace(prefix: &str) -> String {
         "pod-security.kubernetes.io/enforce=restricted",
         "pod-security.kubernetes.io/enforce-version=latest",
     ]);
+    // The controller-manager creates the namespace's `default` ServiceAccount a moment later; pods wait for it.
+    wait_for("the default ServiceAccount", Duration::from_secs(60), || {
+        let out = kubectl(&["get", "serviceaccount", "default", "-n", &ns], None);
+        if out.status.success() { Ok(()) } else { Err(String::from_utf8_lossy(&out.stderr).to_string()) }
+    });
     ns
 }
 
