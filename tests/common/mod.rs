@@ -96,8 +96,25 @@ pub fn patch_policy(namespace: &str, name: &str, kind: &str, patch: &str) {
     kubectl_ok(&["patch", "cgp", name, "-n", namespace, "--type", kind, "-p", patch]);
 }
 
+/// A loopback port for a server the test is about to start, with its cluster bus port (`port + 10000`) free too.
+///
+/// Ports come from 10000-19999 (buses 20000-29999), below the kernel's ephemeral range (32768 and up here): a port
+/// the kernel picks for `bind(0)` can go to any process's outgoing connection before the server binds it, and Redis
+/// refuses cluster mode above port 55535. A counter keeps a process from handing out a port twice; its start is
+/// spread by process id, and each candidate is checked free against other processes.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 10_000;
+    const COUNT: u32 = 10_000;
+    static NEXT: OnceLock<AtomicU32> = OnceLock::new();
+    let next = NEXT.get_or_init(|| AtomicU32::new(std::process::id().wrapping_mul(7_919) % COUNT));
+    for _ in 0..COUNT {
+        let port = (FIRST + next.fetch_add(1, Ordering::Relaxed) % COUNT) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {FIRST}-{}", FIRST + COUNT - 1);
 }
 
 /// Polls `probe` until it returns `Some`, or panics with `what` and the last value seen.
@@ -223,6 +240,10 @@ impl Server {
             .unwrap_or_else(|e| panic!("start {}: {e}", self.binary()));
         self.child = Some(child);
         wait_for("server to answer PING", Duration::from_secs(10), || {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                let log = std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
+                panic!("{} on port {} exited ({status}):\n{log}", self.binary(), self.port);
+            }
             let mut conn = self.admin().map_err(|e| e.to_string())?;
             redis::cmd("PING").query::<String>(&mut conn).map_err(|e| e.to_string())
         });
