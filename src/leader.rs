@@ -74,6 +74,13 @@ pub enum Ended {
     NotRenewed,
 }
 
+/// The field manager under which `identity` applies its lock on the Lease. Every replica has its own, so that
+/// server-side apply refuses a replica's lock on a Lease another one locked a moment before; kube-lease-manager
+/// requires it.
+pub fn field_manager(identity: &str) -> String {
+    format!("pelican-lease-{identity}")
+}
+
 impl Elector {
     /// Starts competing for `namespace/name` as `identity`.
     pub async fn start(client: Client, namespace: &str, name: &str, identity: &str) -> anyhow::Result<Elector> {
@@ -82,7 +89,7 @@ impl Elector {
             .with_identity(identity)
             .with_duration(LEASE_DURATION_SECONDS)
             .with_grace(LEASE_GRACE_SECONDS)
-            .with_field_manager("pelican")
+            .with_field_manager(field_manager(identity))
             .build()
             .await?;
         let (leading, task) = manager.watch().await;

@@ -224,3 +224,38 @@ fn a_leader_cut_off_from_the_api_server_stops_its_passes_before_the_standby_lead
     assert!(!first.is_running(), "the isolated leader exits once it may no longer write");
     assert!(first.logs().contains("leadership ended"), "{}", first.logs());
 }
+
+/// Two replicas that start together (a `helm install` of two) both find the Lease free and both apply their lock,
+/// as kube-lease-manager does, with server-side apply and no force. The one that applies second must get a conflict;
+/// under one field manager for all replicas its apply silently overwrote the first, both believed they led, and the
+/// one not named in the Lease exited when it learned so ten seconds later.
+#[tokio::test]
+async fn a_replica_that_saw_the_lease_free_cannot_take_it_from_the_one_that_locked_it() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::api::{Api, Patch, PatchParams};
+    use pelican::leader::{Elector, field_manager};
+    let ns = namespace("together");
+    let kubeconfig = kube::config::Kubeconfig::read_from(bed().kubeconfig()).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.unwrap();
+    let client = kube::Client::try_from(config).unwrap();
+    let mut first = Elector::start(client.clone(), &ns, "pelican-leader", "replica-a").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), first.acquired()).await.unwrap().unwrap();
+
+    let leases: Api<Lease> = Api::namespaced(client, &ns);
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let lock = serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "spec": {"holderIdentity": "replica-b", "acquireTime": now, "renewTime": now, "leaseDurationSeconds": 15},
+    });
+    let second = PatchParams::apply(&field_manager("replica-b"));
+    let applied = leases.patch("pelican-leader", &second, &Patch::Apply(lock)).await;
+    assert!(
+        matches!(&applied, Err(kube::Error::Api(e)) if e.code == 409),
+        "the second replica's lock was not refused: {:?}",
+        applied.map(|lease| lease.spec)
+    );
+    let holder = leases.get("pelican-leader").await.unwrap().spec.unwrap().holder_identity;
+    assert_eq!(holder.as_deref(), Some("replica-a"));
+    first.release().await;
+}
