@@ -7,6 +7,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{Api, Patch, PatchParams};
+use pelican::leader::{Elector, LEASE_DURATION_SECONDS, field_manager};
 
 fn replica(ns: &str) -> Operator {
     Operator::start_with(ns, &["--leader-elect", "--leader-election-namespace", ns, "--log-format", "json"])
@@ -231,25 +235,14 @@ fn a_leader_cut_off_from_the_api_server_stops_its_passes_before_the_standby_lead
 /// one not named in the Lease exited when it learned so ten seconds later.
 #[tokio::test]
 async fn a_replica_that_saw_the_lease_free_cannot_take_it_from_the_one_that_locked_it() {
-    use k8s_openapi::api::coordination::v1::Lease;
-    use kube::api::{Api, Patch, PatchParams};
-    use pelican::leader::{Elector, field_manager};
     let ns = namespace("together");
-    let kubeconfig = kube::config::Kubeconfig::read_from(bed().kubeconfig()).unwrap();
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.unwrap();
-    let client = kube::Client::try_from(config).unwrap();
+    let client = client().await;
     let mut first = Elector::start(client.clone(), &ns, "pelican-leader", "replica-a").await.unwrap();
     tokio::time::timeout(Duration::from_secs(10), first.acquired()).await.unwrap().unwrap();
 
     let leases: Api<Lease> = Api::namespaced(client, &ns);
-    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now());
-    let lock = serde_json::json!({
-        "apiVersion": "coordination.k8s.io/v1",
-        "kind": "Lease",
-        "spec": {"holderIdentity": "replica-b", "acquireTime": now, "renewTime": now, "leaseDurationSeconds": 15},
-    });
     let second = PatchParams::apply(&field_manager("replica-b"));
-    let applied = leases.patch("pelican-leader", &second, &Patch::Apply(lock)).await;
+    let applied = leases.patch("pelican-leader", &second, &Patch::Apply(lock("replica-b"))).await;
     assert!(
         matches!(&applied, Err(kube::Error::Api(e)) if e.code == 409),
         "the second replica's lock was not refused: {:?}",
@@ -258,4 +251,45 @@ async fn a_replica_that_saw_the_lease_free_cannot_take_it_from_the_one_that_lock
     let holder = leases.get("pelican-leader").await.unwrap().spec.unwrap().holder_identity;
     assert_eq!(holder.as_deref(), Some("replica-a"));
     first.release().await;
+}
+
+/// Upgrading from a release whose replicas all applied their lock as field manager "pelican": a Lease its leader
+/// left locked (killed, so never released) is taken by a replica of this release once it expires, not refused
+/// for good as another manager's fields.
+#[tokio::test]
+async fn a_lease_locked_by_the_previous_release_is_taken_once_it_expires() {
+    let ns = namespace("upgrade");
+    let client = client().await;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    leases.patch("pelican-leader", &PatchParams::apply("pelican"), &Patch::Apply(lock("old-replica"))).await.unwrap();
+
+    let locked = Instant::now();
+    let mut new = Elector::start(client, &ns, "pelican-leader", "new-replica").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(40), new.acquired())
+        .await
+        .expect("the expired lease was not taken")
+        .unwrap();
+    let waited = locked.elapsed();
+    println!("the previous release's lease taken after {:.1}s", waited.as_secs_f64());
+    assert!(waited >= Duration::from_secs(LEASE_DURATION_SECONDS), "taken before it expired: {waited:?}");
+    let holder = leases.get("pelican-leader").await.unwrap().spec.unwrap().holder_identity;
+    assert_eq!(holder.as_deref(), Some("new-replica"));
+    new.release().await;
+}
+
+async fn client() -> kube::Client {
+    let kubeconfig = kube::config::Kubeconfig::read_from(bed().kubeconfig()).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await.unwrap();
+    kube::Client::try_from(config).unwrap()
+}
+
+/// A lock on the Lease as kube-lease-manager applies it (server-side apply, no force), held by `holder` from now.
+fn lock(holder: &str) -> serde_json::Value {
+    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": "pelican-leader"},
+        "spec": {"holderIdentity": holder, "acquireTime": now, "renewTime": now, "leaseDurationSeconds": LEASE_DURATION_SECONDS},
+    })
 }
