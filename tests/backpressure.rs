@@ -22,6 +22,44 @@ on_both_servers!(
 
 const STREAM: &str = "{orders}:in";
 
+#[test]
+fn a_bound_whose_removal_failed_goes_with_the_policy_deleted_afterwards() {
+    // Appended to every write and kept across the restart below.
+    let mut server = Server::start_with(Flavor::Redis, &["--appendonly", "yes", "--appendfsync", "always"]);
+    let ns = namespace("bound-outlives");
+    let _operator = Operator::start(&ns);
+    let manifest = policy("orders", &server.url(), STREAM, "billing", "  backlog:\n    maxLength: 10\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    wait_bound(&mut server.conn(), "billing", Some("10"));
+
+    // The server goes away; the bound is removed from the spec (the reconcile cannot take it off the server),
+    // then the policy is deleted.
+    server.stop();
+    kubectl_ok(&[
+        "patch",
+        "cgp",
+        "orders",
+        "-n",
+        &ns,
+        "--type=json",
+        "-p",
+        r#"[{"op":"remove","path":"/spec/backlog"}]"#,
+    ]);
+    wait_condition(&ns, "orders", "Ready", "False", "RedisUnavailable");
+    let finalizers = get_policy(&ns, "orders")["metadata"]["finalizers"].clone();
+    assert_eq!(finalizers, serde_json::json!(["pelican.io/cleanup"]), "the finalizer went before the bound did");
+    kubectl_ok(&["delete", "cgp", "orders", "-n", &ns, "--wait=false"]);
+
+    // Once the server is back, the bound goes, then the policy.
+    server.resume();
+    wait_for("the policy to be gone", Duration::from_secs(60), || {
+        let out = kubectl(&["get", "cgp", "orders", "-n", &ns], None);
+        if out.status.success() { Err(String::from_utf8_lossy(&out.stdout).to_string()) } else { Ok(()) }
+    });
+    assert_eq!(bound_in_redis(&mut server.conn(), "billing"), None, "a bound outlived its policy");
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }

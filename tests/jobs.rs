@@ -21,6 +21,37 @@ on_both_servers!(
     server_restarted_mid_pass_loses_and_duplicates_nothing,
 );
 
+#[test]
+fn a_policy_deleted_while_its_reconcile_is_in_flight_runs_no_job_afterwards() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("deleted-in-flight");
+    let operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &jobs_policy("q", &server, "q", "")).0);
+    wait_condition(&ns, "q", "Ready", "True", "Reconciled");
+    assert!(operator.metrics().contains(&format!("namespace=\"{ns}\",policy=\"q\"")), "{}", operator.metrics());
+
+    // The server stops answering; a change of spec starts a reconcile that waits on it; the policy (without a
+    // finalizer) is deleted meanwhile; then the server answers again and that reconcile finishes.
+    let mut conn = server.conn();
+    let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(4000).arg("ALL").query(&mut conn).unwrap();
+    kubectl_ok(&["patch", "cgp", "q", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"reclaim":{"interval":"2s"}}}"#]);
+    thread::sleep(Duration::from_millis(500));
+    kubectl_ok(&["delete", "cgp", "q", "-n", &ns, "--wait=false"]);
+    thread::sleep(Duration::from_secs(6));
+
+    // A message read and left unacknowledged well past minIdle: no job may touch it any more.
+    produce(&mut conn, "q", 1);
+    poll(&mut conn, "q", "worker").unwrap();
+    thread::sleep(Duration::from_secs(5));
+    let pending = pel(&mut conn, "q", "workers");
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!(pending[0].3, 1, "the entry of a deleted policy was requeued: {pending:?}");
+    let length: u64 = redis::cmd("XLEN").arg("q").query(&mut conn).unwrap();
+    assert_eq!(length, 1, "a deleted policy's job added a copy to the stream");
+    let metrics = operator.metrics();
+    assert!(!metrics.contains(&format!("namespace=\"{ns}\",policy=\"q\"")), "series of a deleted policy:\n{metrics}");
+}
+
 fn jobs_policy(name: &str, server: &Server, stream: &str, extra: &str) -> String {
     policy(name, &server.url(), stream, "workers", extra)
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n    maxPerPass: 100000\n")

@@ -132,3 +132,62 @@ fn kubectl_pelican_status_dlq_and_redrive() {
     let err = String::from_utf8_lossy(&missing.stderr);
     assert!(err.contains("ConsumerGroupPolicy \"nope\" not found") && err.contains("kubectl get cgp"), "{err}");
 }
+
+/// `kubectl pelican redrive` run twice in the same second makes two redrives, and following one that is suspended
+/// ends (with how to resume it) instead of waiting forever.
+#[test]
+fn redrive_twice_at_once_and_following_a_suspended_one() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("plugin-redrive");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "workers", "")).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for n in 0..50 {
+        let _: String = redis::cmd("XADD")
+            .arg("orders:dlq")
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("pelican-source-stream")
+            .arg("orders")
+            .arg("pelican-reason")
+            .arg("MaxDeliveriesExceeded")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let first = pelican_ok(&["redrive", "orders", "-n", &ns, "--rate", "1", "--no-wait"]);
+    let second = pelican_ok(&["redrive", "orders", "-n", &ns, "--rate", "1", "--no-wait"]);
+    let name = |out: &str| out.trim().strip_prefix("deadletterredrive.pelican.io/").unwrap().replace(" created", "");
+    let (first, second) = (name(&first), name(&second));
+    assert!(first.starts_with("orders-redrive-") && second.starts_with("orders-redrive-"), "{first} {second}");
+    assert_ne!(first, second);
+
+    // Follow a third one (it waits behind the first), suspend it meanwhile: the command ends.
+    let plugin_dir = Path::new(env!("CARGO_BIN_EXE_kubectl-pelican")).parent().unwrap();
+    let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let mut follow = Command::new(bed().var("PELICAN_KUBECTL"))
+        .args(["pelican", "redrive", "orders", "-n", &ns, "--name", "third", "--rate", "1"])
+        .env("KUBECONFIG", bed().kubeconfig())
+        .env("PATH", path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    kubectl_ok(&["patch", "dlr", "third", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"suspend":true}}"#]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let exited = loop {
+        if let Some(status) = follow.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = follow.kill();
+            panic!("kubectl pelican redrive still follows a suspended redrive after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(follow.stdout.as_mut().unwrap(), &mut out).unwrap();
+    assert!(exited.success(), "{out}");
+    assert!(out.contains("redrive third is suspended; resume it with: kubectl patch dlr third"), "{out}");
+}

@@ -88,6 +88,38 @@ fn ns_in(conn: &mut redis::Connection, stream: &str, keep: impl Fn(&RawEntry) ->
     seen
 }
 
+/// A batch that fails half way (the second source stream cannot take another entry) records the moves before the
+/// failure: when the redrive ends, `moved` counts every entry that moved, none twice.
+#[test]
+fn moves_before_a_failure_in_the_same_batch_are_recorded() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("redrive-half");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("mail", &server.url(), "a", "workers", "")).0);
+    wait_condition(&ns, "mail", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    // Stream b's last id is the largest there is: XADD * into it fails.
+    let max_id = "18446744073709551615-18446744073709551615";
+    let _: String = redis::cmd("XADD").arg("b").arg(max_id).arg("full").arg(1).query(&mut conn).unwrap();
+    dead_letters(&mut conn, "a:dlq", "a", 5, |_| "MaxDeliveriesExceeded");
+    dead_letters(&mut conn, "a:dlq", "b", 5, |_| "MaxDeliveriesExceeded");
+    assert!(kubectl_apply(&ns, &redrive("back", "mail", "")).0);
+    wait_for("the entries for a to move", Duration::from_secs(30), || {
+        let moved = ns_in(&mut conn, "a", redriven).len();
+        if moved == 5 { Ok(()) } else { Err(format!("{moved} moved")) }
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(xrange(&mut conn, "a:dlq").len(), 5, "the entries for b stay dead letters while b is full");
+
+    let _: i64 = redis::cmd("DEL").arg("b").query(&mut conn).unwrap();
+    let done = wait_phase(&ns, "back", "Succeeded", Duration::from_secs(60));
+    assert_eq!(ns_in(&mut conn, "a", redriven), (0..5).map(|n| (n, 1)).collect());
+    assert_eq!(ns_in(&mut conn, "b", redriven), (0..5).map(|n| (n, 1)).collect());
+    assert!(xrange(&mut conn, "a:dlq").is_empty());
+    let counted = (&done["status"]["moved"], &done["status"]["missing"], &done["status"]["skipped"]);
+    assert_eq!(counted, (&Value::from(10), &Value::from(0), &Value::from(0)), "{}", done["status"]);
+}
+
 fn redriven(entry: &RawEntry) -> bool {
     field(entry, "pelican-redriven-from").is_some()
 }

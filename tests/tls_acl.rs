@@ -275,6 +275,61 @@ fn a_missing_acl_permission_stalls_naming_the_command_then_heals(flavor: Flavor)
     assert!(!operator.logs().contains("acl-pw-2"));
 }
 
+/// A job that fails (the retention trim without `+xtrim`) shows in status, Events and metrics, and the other jobs
+/// go on: the pass still dead-letters and announces it, consumer expiry still deletes idle consumers.
+#[test]
+fn a_failing_job_is_visible_and_the_others_go_on() {
+    let server = Server::start(Flavor::Redis);
+    let rules = acl_rules("{jf}:in", "{jf}:dlq", "jf", "acl-pw-3");
+    set_user(&server, &rules.iter().filter(|r| *r != "+xtrim").cloned().collect::<Vec<_>>());
+    let ns = namespace("job-fails");
+    let operator = Operator::start(&ns);
+    let creds = secret("redis-acl", &[("username", "pelican"), ("password", "acl-pw-3")]);
+    let extra =
+        "  retry:\n    maxDeliveries: 1\n  retention:\n    mode: Acknowledged\n  consumers:\n    expireAfter: 1s\n";
+    let manifest = policy("jf", &server.url(), "{jf}:in", "g", extra)
+        .replace("{jf}:in:dlq", "{jf}:dlq")
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n")
+        .replacen("  stream:", &format!("{ACL_REFS}  stream:"), 1);
+    assert!(kubectl_apply(&ns, &format!("{creds}---\n{manifest}")).0);
+    let p = wait_condition(&ns, "jf", "Ready", "False", "PermissionDenied");
+    let ready = p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
+    let message = ready["message"].as_str().unwrap().to_lowercase();
+    assert!(message.contains("retention job failed") && message.contains("xtrim"), "{message}");
+    assert_eq!(condition(&p, "Stalled").unwrap(), ("True".to_string(), "PermissionDenied".to_string()));
+    let warning = wait_for("a PermissionDenied event", Duration::from_secs(10), || {
+        events(&ns, "PermissionDenied").into_iter().next().ok_or_else(|| "none".to_string())
+    });
+    assert_eq!(warning["type"], "Warning");
+    wait_for("the failures counted", Duration::from_secs(10), || {
+        let metrics = operator.metrics();
+        let series = format!(
+            "pelican_job_failures_total{{namespace=\"{ns}\",policy=\"jf\",job=\"retention\",reason=\"PermissionDenied\"}}"
+        );
+        if metrics.contains(&series) { Ok(()) } else { Err(metrics) }
+    });
+
+    // The pass and consumer expiry still run: a message read and never acknowledged is dead-lettered, and its
+    // consumer, with nothing pending any more, is deleted.
+    let mut conn = server.conn();
+    let _: String = redis::cmd("XADD").arg("{jf}:in").arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+    read_new(&mut conn, "{jf}:in", "g", "crashed", 1);
+    wait_for("the dead letter and its Event", Duration::from_secs(30), || {
+        let dead = xrange(&mut conn, "{jf}:dlq").len();
+        let announced = !events(&ns, "DeadLettered").is_empty();
+        if dead == 1 && announced { Ok(()) } else { Err(format!("{dead} dead letters, event: {announced}")) }
+    });
+    wait_for("the idle consumer expired", Duration::from_secs(30), || {
+        let consumers: Vec<redis::Value> =
+            redis::cmd("XINFO").arg("CONSUMERS").arg("{jf}:in").arg("g").query(&mut conn).unwrap();
+        if consumers.is_empty() { Ok(()) } else { Err(format!("{} consumers", consumers.len())) }
+    });
+
+    // Granted, the trim succeeds and the policy is Ready again.
+    set_user(&server, &["+xtrim".to_string()]);
+    wait_condition(&ns, "jf", "Ready", "True", "Reconciled");
+}
+
 /// The status probe is one pipeline; a NOPERM inside it must still name the command (it comes without a separate
 /// detail, unlike a plain reply).
 fn a_refusal_inside_the_status_pipeline_names_the_command(flavor: Flavor) {

@@ -33,7 +33,8 @@ pub struct RedriveArgs {
     /// `Source` (each entry back to its source stream) or a stream name.
     #[arg(long, default_value = SOURCE_TARGET)]
     target: String,
-    /// Name of the DeadLetterRedrive (default: `<policy>-redrive-<UTC time>`).
+    /// Name of the DeadLetterRedrive (default: `<policy>-redrive-` and a suffix the API server picks, so two runs
+    /// in the same second never collide).
     #[arg(long)]
     name: Option<String>,
     /// Create it and return without following its progress.
@@ -44,10 +45,6 @@ pub struct RedriveArgs {
 pub(super) async fn run(session: &Session, args: RedriveArgs) -> anyhow::Result<()> {
     // The policy must exist; the error says how to list them.
     session.policy(&args.policy).await?;
-    let name = args.name.clone().unwrap_or_else(|| {
-        let now = k8s_openapi::jiff::Timestamp::now().strftime("%Y%m%d-%H%M%S").to_string();
-        format!("{}-redrive-{now}", args.policy)
-    });
     let filter = (!args.reasons.is_empty()).then(|| RedriveFilter {
         reasons: args.reasons.iter().cloned().map(ReasonCode).collect(),
         ..RedriveFilter::default()
@@ -63,7 +60,13 @@ pub(super) async fn run(session: &Session, args: RedriveArgs) -> anyhow::Result<
         ttl_seconds_after_finished: None,
     };
     let api: Api<DeadLetterRedrive> = Api::namespaced(session.client.clone(), &session.namespace);
-    let created = api.create(&PostParams::default(), &DeadLetterRedrive::new(&name, spec)).await?;
+    let mut object = DeadLetterRedrive::new(args.name.as_deref().unwrap_or_default(), spec);
+    if args.name.is_none() {
+        object.metadata.name = None;
+        object.metadata.generate_name = Some(format!("{}-redrive-", args.policy));
+    }
+    let created = api.create(&PostParams::default(), &object).await?;
+    let name = created.name_any();
     let table = session.scope.output == Output::Table;
     if table {
         println!("deadletterredrive.pelican.io/{} created", created.name_any());
@@ -95,7 +98,8 @@ pub(super) async fn run(session: &Session, args: RedriveArgs) -> anyhow::Result<
             println!("{line}");
             last = line;
         }
-        if status.phase.is_finished() {
+        // Suspended waits for a person (`spec.suspend: false`), not for the operator: following it would never end.
+        if status.phase.is_finished() || status.phase == RedrivePhase::Suspended {
             break redrive;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -104,8 +108,14 @@ pub(super) async fn run(session: &Session, args: RedriveArgs) -> anyhow::Result<
         session.print_structured(&finished)?;
     }
     let status = finished.status.unwrap_or_default();
-    if status.phase == RedrivePhase::Failed {
-        anyhow::bail!("redrive {name} failed");
+    match status.phase {
+        RedrivePhase::Failed => anyhow::bail!("redrive {name} failed"),
+        RedrivePhase::Suspended if table => println!(
+            "redrive {name} is suspended; resume it with: kubectl patch dlr {name} -n {} --type=merge -p \
+             '{{\"spec\":{{\"suspend\":false}}}}'",
+            session.namespace
+        ),
+        _ => {}
     }
     Ok(())
 }

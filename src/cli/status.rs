@@ -39,6 +39,9 @@ struct PolicyReport {
     /// Read from the server for a single policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     oldest_pending: Option<Vec<PendingEntry>>,
+    /// Why the oldest pending entries could not be read (the server unreachable, say); the rest is the status.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    oldest_pending_error: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -61,7 +64,11 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
     };
     let mut reports: Vec<PolicyReport> = policies.iter().map(report).collect();
     if let (Some(policy), Some(report)) = (args.policy.as_ref().and(policies.first()), reports.first_mut()) {
-        report.oldest_pending = Some(oldest_pending(session, policy, args.pending).await?);
+        // The Kubernetes status is shown whatever the server does: that is when people look.
+        match oldest_pending(session, policy, args.pending).await {
+            Ok(entries) => report.oldest_pending = Some(entries),
+            Err(e) => report.oldest_pending_error = Some(format!("{e:#}")),
+        }
     }
     if args.policy.is_some() {
         let report = reports.pop().expect("one policy");
@@ -118,6 +125,7 @@ fn report(policy: &ConsumerGroupPolicy) -> PolicyReport {
         message: ready.map_or(String::new(), |c| c.message.clone()),
         status: policy.status.clone().unwrap_or_default(),
         oldest_pending: None,
+        oldest_pending_error: None,
     }
 }
 
@@ -194,6 +202,10 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
     print_table(&["TYPE", "STATUS", "REASON", "MESSAGE"], &conditions)?;
     let pending = report.oldest_pending.as_deref().unwrap_or_default();
     println!("\nOldest pending entries:");
+    if let Some(error) = &report.oldest_pending_error {
+        println!("not read from the server: {error}");
+        return Ok(());
+    }
     if pending.is_empty() {
         println!("none");
         return Ok(());

@@ -149,6 +149,9 @@ pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Acti
 /// Drops what the operator keeps about a policy that is gone: its jobs, retry count, metric series and its use
 /// of a shared connection.
 pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
+    if let Some(uid) = &key.extra.uid {
+        ctx.deleted.bury(uid);
+    }
     let namespace = key.namespace.clone().unwrap_or_default();
     ctx.runner.stop(&id(&namespace, &key.name));
     ctx.failures.lock().expect("failures lock").remove(key);
@@ -160,10 +163,6 @@ pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
 /// `Retain` leaves the rest of Redis untouched; `Delete` destroys the group (never the streams).
 async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let destroy = policy.spec.deletion_policy == DeletionPolicy::Delete;
-    let bounded = policy.spec.backlog.is_some();
-    if !destroy && !bounded {
-        return Ok(Action::await_change());
-    }
     if let Some(conflict) = validate::conflict(policy, &ctx.neighbours.of(policy, &ctx.policies)) {
         // The group, and its bound, belong to the older policy.
         if destroy {
@@ -172,7 +171,7 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
         }
         return Ok(Action::await_change());
     }
-    match release_on_server(policy, ctx, destroy, bounded).await {
+    match release_on_server(policy, ctx, destroy).await {
         Ok(()) => Ok(Action::await_change()),
         // A policy that never reached its server changed nothing there. One that cannot reach it for a reason only
         // a person can fix (credentials, TLS, a database the server lacks) would hold the finalizer, and the
@@ -198,6 +197,12 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
     }
 }
 
+/// Takes the group's backlog bound off the server, before the finalizer of a policy whose `spec.backlog` was
+/// removed goes.
+pub async fn release_bound(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<()> {
+    release_on_server(policy, ctx, false).await
+}
+
 /// Whether the policy's namespace is being deleted (false when that cannot be read).
 async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> bool {
     let Some(namespace) = policy.namespace() else { return false };
@@ -208,14 +213,14 @@ async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> b
     }
 }
 
-async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool, bounded: bool) -> Result<()> {
+/// Removes the bound (also when the spec no longer sets one: the finalizer stays until a reconcile took it off),
+/// then destroys the group when `destroy`.
+async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool) -> Result<()> {
     let target = super::resolve::target(policy, &ctx.client, &ctx.secrets).await?;
     let target = ctx.pools.resolve(&target).await?;
     let server = target.server();
     let mut conn = ctx.pools.get(&target).await?;
-    if bounded {
-        redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
-    }
+    redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
     if !destroy {
         return Ok(());
     }

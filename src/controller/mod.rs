@@ -68,6 +68,28 @@ pub struct Context {
     failures: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, u32>>,
     /// Which shared connection each policy uses, so unused ones (old credentials) are closed.
     pool_users: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, PoolKey>>,
+    /// Policies (by uid) the watch saw deleted, so a reconcile that was in flight then does not start their jobs
+    /// again when it finishes.
+    deleted: Tombstones,
+}
+
+/// The uids of recently deleted policies. A reconcile lasts seconds (a slow server), so a uid is kept
+/// [`Tombstones::KEEP`] and then dropped: the set stays as small as the deletions of the last minutes.
+#[derive(Default)]
+struct Tombstones(Mutex<HashMap<String, Instant>>);
+
+impl Tombstones {
+    const KEEP: Duration = Duration::from_secs(600);
+
+    fn bury(&self, uid: &str) {
+        let mut gone = self.0.lock().expect("tombstones lock");
+        gone.retain(|_, at| at.elapsed() < Self::KEEP);
+        gone.insert(uid.to_string(), Instant::now());
+    }
+
+    fn contains(&self, uid: &str) -> bool {
+        self.0.lock().expect("tombstones lock").contains_key(uid)
+    }
 }
 
 /// Where to watch, how to identify ourselves, where to report.
@@ -141,6 +163,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         secrets: SecretCache::new(settings.secret_namespaces.clone()),
         failures: Mutex::default(),
         pool_users: Mutex::default(),
+        deleted: Tombstones::default(),
     });
     // Status writes change the resource version but not the generation: they must not wake the reconcile.
     let mut config = watcher::Config::default().any_semantic();
@@ -241,10 +264,18 @@ async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -
     // The finalizer is there only when deleting the policy has something to do in Redis (destroy the group, remove
     // the backlog bound): a `Retain` policy without a bound is deleted at once, with or without the operator.
     if !act::needs_cleanup(&policy) && policy.metadata.deletion_timestamp.is_none() {
+        let action = apply(&policy, ctx, &api).await?;
+        // The finalizer guards the bound: it goes only once the bound is off the server, or a policy deleted after
+        // a failed removal would leave producers refused by a bound nobody owns.
         if has_finalizer {
-            remove_finalizer(&api, &policy).await?;
+            match act::release_bound(&policy, ctx).await {
+                Ok(()) => remove_finalizer(&api, &policy).await?,
+                // Stalled (the status says why): the finalizer stays, and the next look tries again.
+                Err(e) if e.is_stalled() => {}
+                Err(e) => return Err(e),
+            }
         }
-        return apply(&policy, ctx, &api).await;
+        return Ok(action);
     }
     let action = finalizer(&api, FINALIZER, policy, |event| async {
         match event {
@@ -298,7 +329,14 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGr
     {
         ctx.runner.stop(&policy_id(policy));
     }
-    report::report(policy, ctx, api, &result).await?;
+    let reported = report::report(policy, ctx, api, &result).await;
+    // Deleted while this reconcile ran: the watch already stopped its jobs, dropped its metric series and its
+    // connection, and what this reconcile started or recorded since is dropped again.
+    if policy.uid().is_some_and(|uid| ctx.deleted.contains(&uid)) {
+        act::forget(ctx, &ObjectRef::from_obj(policy));
+        return Ok(Action::await_change());
+    }
+    reported?;
     let recheck = schedule.map_or(STALLED_RECHECK, |s| s.interval);
     match result {
         Ok(_) => {

@@ -24,27 +24,31 @@ pub async fn report(
 ) -> Result<()> {
     let previous = policy.status.clone().unwrap_or_default();
     let now = Timestamp::now();
+    let jobs = ctx.runner.state(&policy_id(policy));
     let (status, outcome, age) = match result {
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
             status.primary = seen.primary.clone();
-            let jobs = ctx.runner.state(&policy_id(policy));
             if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
                 status.last_pass_time = Some(at.to_string());
             }
             status.retention = seen.retention.clone().map(|effective| RetentionStatus {
                 effective,
-                pinned_by: jobs.trim.and_then(|t| t.pinned_by).map(|pin| pin.to_string()),
+                pinned_by: jobs.trim.as_ref().and_then(|t| t.pinned_by.as_ref()).map(|pin| pin.to_string()),
             });
-            (status, Outcome::Ready { message }, status::oldest_pending_age_seconds(&seen.facts))
+            let outcome = match jobs.failures.first_key_value() {
+                Some((job, failure)) => Outcome::JobFailed(*job, failure),
+                None => Outcome::Ready { message },
+            };
+            (status, outcome, status::oldest_pending_age_seconds(&seen.facts))
         }
         Err(error) => (previous.clone(), Outcome::Failed(error), None),
     };
     let generation = policy.metadata.generation;
     let mut conditions = status::conditions(&previous.conditions, &outcome, generation, now);
     let max_length = policy.spec.backlog.as_ref().map(|b| b.max_length);
-    conditions.extend(status::saturated(&previous.conditions, status.backlog, max_length, generation, now));
+    conditions.extend(status::saturated(&previous.conditions, &status, max_length, generation, now));
     let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, ..status };
     announce_transition(policy, ctx, &previous, &status).await;
     announce_saturation(policy, ctx, &previous, &status).await;
@@ -52,7 +56,7 @@ pub async fn report(
     let snapshot = PolicySnapshot {
         stream: policy.spec.stream.clone(),
         group: policy.spec.group.clone(),
-        ready: result.is_ok(),
+        ready: matches!(outcome, Outcome::Ready { .. }),
         status: status.clone(),
         oldest_pending_age_seconds: age,
         backlog_max_length: max_length,

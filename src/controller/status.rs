@@ -7,6 +7,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::Error;
 use crate::api::{ConsumerGroupPolicyStatus, TerminalAckCount, Totals};
 use crate::redis::{GroupFacts, ServerInfo};
+use crate::runner::{JobFailure, JobKind};
 
 pub const READY: &str = "Ready";
 /// True while the group's backlog is at its `backlog.maxLength` (producers are refused); Ready stays True.
@@ -18,8 +19,12 @@ pub const RECONCILED: &str = "Reconciled";
 
 /// How the last reconcile ended, as far as conditions are concerned.
 pub enum Outcome<'a> {
-    Ready { message: String },
+    Ready {
+        message: String,
+    },
     Failed(&'a Error),
+    /// The group is set up, but a job of the runner fails: its reason and message, and the runner goes on.
+    JobFailed(JobKind, &'a JobFailure),
 }
 
 /// Status numbers from the probe. Counters missing in Redis (a reset, or nothing counted yet) read as 0.
@@ -37,7 +42,9 @@ pub fn observed(
         stream_length: Some(facts.stream_length),
         lag,
         pending: Some(facts.pending),
-        backlog: lag.map(|lag| lag + facts.pending),
+        // The bounded publish script's number: when the server cannot tell the lag, every entry of the stream
+        // counts as unread (an upper bound), so status and producers never disagree about being full.
+        backlog: Some(lag.unwrap_or(facts.stream_length) + facts.pending),
         oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
         oldest_pending_time: oldest_millis.and_then(format_millis),
         oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms / 1000),
@@ -78,29 +85,36 @@ pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &Consume
     timeless(current) != timeless(next)
 }
 
-/// The `Saturated` condition when the policy bounds its backlog (SPEC section 9): True while the backlog is at
-/// the bound. A backlog the server cannot tell keeps the last known state. No condition without a bound.
+/// The `Saturated` condition when the policy bounds its backlog: True while the backlog is at the bound, judged on
+/// the number the bounded publish script uses (the stream's length for the lag when the server cannot tell it).
+/// A backlog never read yet keeps the last known state. No condition without a bound.
 pub fn saturated(
     previous: &[Condition],
-    backlog: Option<i64>,
+    status: &ConsumerGroupPolicyStatus,
     max_length: Option<i64>,
     generation: Option<i64>,
     now: Timestamp,
 ) -> Option<Condition> {
     let max = max_length?;
     let old = previous.iter().find(|c| c.type_ == SATURATED);
-    let (status, reason, message) = match backlog {
-        Some(backlog) if backlog >= max => (
+    let backlog = |b: i64| match status.lag {
+        Some(_) => format!("backlog {b}"),
+        None => format!(
+            "backlog {b} (an upper bound: the server cannot tell the lag until the group reads the stream's last entry)"
+        ),
+    };
+    let (status, reason, message) = match status.backlog {
+        Some(b) if b >= max => (
             "True",
             "BacklogFull",
-            format!("backlog {backlog} is at spec.backlog.maxLength {max}: bounded publishes are refused"),
+            format!("{} is at spec.backlog.maxLength {max}: bounded publishes are refused", backlog(b)),
         ),
-        Some(backlog) => {
-            ("False", "BacklogBelowBound", format!("backlog {backlog} is below spec.backlog.maxLength {max}"))
-        }
+        Some(b) => ("False", "BacklogBelowBound", format!("{} is below spec.backlog.maxLength {max}", backlog(b))),
         None => match old {
             Some(old) => return Some(Condition { observed_generation: generation, ..old.clone() }),
-            None => ("Unknown", "BacklogUnknown", "the server cannot tell the group's lag".to_string()),
+            None => {
+                ("Unknown", "BacklogUnknown", "the group's backlog has not been read from the server yet".to_string())
+            }
         },
     };
     let last_transition_time = match old {
@@ -151,6 +165,18 @@ pub fn conditions(
             ("True", error.reason(), format!("retrying: {error}")),
             ("False", error.reason(), String::new()),
         ),
+        Outcome::JobFailed(job, failure) => {
+            let message = format!("the {} job failed: {}", job.name(), failure.message);
+            let (reconciling, stalled) = match failure.stalled {
+                true => (String::new(), message.clone()),
+                false => (format!("retrying: {message}"), String::new()),
+            };
+            (
+                ("False", failure.reason, message),
+                (if failure.stalled { "False" } else { "True" }, failure.reason, reconciling),
+                (if failure.stalled { "True" } else { "False" }, failure.reason, stalled),
+            )
+        }
     };
     [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
         .into_iter()
@@ -262,21 +288,26 @@ mod tests {
     fn saturated_follows_the_backlog_and_keeps_its_transition_time() {
         let t0 = Timestamp::UNIX_EPOCH;
         let t1 = Timestamp::from_second(100).unwrap();
-        assert_eq!(saturated(&[], Some(5), None, Some(1), t0), None);
-        let full = saturated(&[], Some(10_000), Some(10_000), Some(1), t0).unwrap();
+        let with = |backlog: Option<i64>| ConsumerGroupPolicyStatus { backlog, lag: Some(0), ..Default::default() };
+        assert_eq!(saturated(&[], &with(Some(5)), None, Some(1), t0), None);
+        let full = saturated(&[], &with(Some(10_000)), Some(10_000), Some(1), t0).unwrap();
         assert_eq!((full.status.as_str(), full.reason.as_str()), ("True", "BacklogFull"));
-        let still = saturated(std::slice::from_ref(&full), Some(10_001), Some(10_000), Some(1), t1).unwrap();
+        let still = saturated(std::slice::from_ref(&full), &with(Some(10_001)), Some(10_000), Some(1), t1).unwrap();
         assert_eq!(still.last_transition_time, Time(t0));
-        let unknown = saturated(std::slice::from_ref(&full), None, Some(10_000), Some(2), t1).unwrap();
+        let unknown = saturated(std::slice::from_ref(&full), &with(None), Some(10_000), Some(2), t1).unwrap();
         assert_eq!((unknown.status.as_str(), unknown.observed_generation), ("True", Some(2)));
-        let cleared = saturated(std::slice::from_ref(&full), Some(9_999), Some(10_000), Some(2), t1).unwrap();
+        let cleared = saturated(std::slice::from_ref(&full), &with(Some(9_999)), Some(10_000), Some(2), t1).unwrap();
         assert_eq!((cleared.status.as_str(), cleared.last_transition_time.clone()), ("False", Time(t1)));
     }
 
     #[test]
-    fn backlog_is_lag_plus_pending_and_absent_without_lag() {
+    fn backlog_is_lag_plus_pending_or_the_stream_without_lag() {
+        // As the bounded publish script counts: the whole stream is unread when the lag is unknown.
         let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &facts());
-        assert_eq!(status.backlog, None);
+        assert_eq!((status.lag, status.backlog), (None, Some(facts().stream_length + facts().pending)));
+        let full = saturated(&[], &status, Some(status.backlog.unwrap()), Some(1), Timestamp::UNIX_EPOCH).unwrap();
+        assert_eq!((full.status.as_str(), full.reason.as_str()), ("True", "BacklogFull"));
+        assert!(full.message.contains("upper bound"), "{}", full.message);
         let known = GroupFacts { lag: Some(6), ..facts() };
         assert_eq!(observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &known).backlog, Some(10));
     }

@@ -270,7 +270,10 @@ pub async fn step(
     } else {
         page(conn, server, &plan.dead_letter, &start, until_id, count).await?
     };
-    let (mut ids, mut targets, mut left, mut bytes) = (Vec::new(), Vec::<String>::new(), 0u64, 0usize);
+    // `left_before`: entries left in place since the previous id taken, sent with the next one so that a batch that
+    // fails half way records exactly what it covered.
+    let (mut ids, mut targets, mut left, mut left_before, mut bytes) =
+        (Vec::new(), Vec::<String>::new(), 0u64, 0u64, 0usize);
     let mut last_id = progress.last_id.clone();
     let mut stopped_early = false;
     for entry in &entries {
@@ -296,9 +299,10 @@ pub async fn step(
                     targets.len() - 1
                 }
             };
-            ids.push((entry.id.clone(), index + 3));
+            ids.push((entry.id.clone(), index + 3, std::mem::take(&mut left_before)));
         } else {
             left += 1;
+            left_before += 1;
         }
         last_id = Some(entry.id.clone());
     }
@@ -325,7 +329,7 @@ async fn call(
     server: &str,
     plan: &Plan,
     targets: &[String],
-    ids: &[(String, usize)],
+    ids: &[(String, usize, u64)],
     last_id: &str,
     left: u64,
     finished: bool,
@@ -342,8 +346,8 @@ async fn call(
         .arg(left)
         .arg(if finished { "1" } else { "0" })
         .arg(MAX_FIELDS);
-    for (id, index) in ids {
-        invocation.arg(id).arg(*index);
+    for (id, index, left_before) in ids {
+        invocation.arg(id).arg(*index).arg(*left_before);
     }
     let (moved, missing, too_large): (u64, u64, u64) =
         invocation.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;

@@ -13,10 +13,12 @@
 //!   longer write ([`Leadership`]).
 //! - **Retention.** When the stream's retention is `Acknowledged`, a sweep that reached the end of the PEL is
 //!   followed, under the same permit, by one trim of what every group acknowledged.
-//! - **Backoff.** A failed pass is retried after 1 s, 2 s, 4 s ... 60 s; the controller reports the failure in
-//!   status from its own probe.
+//! - **Failures.** Each job (pass, trim, consumer expiry) fails on its own: a failed trim or expiry takes nothing
+//!   from the pass, and the next sweep runs them again. A failed pass is retried after 1 s, 2 s, 4 s ... 60 s. Every
+//!   failure is logged, counted (`pelican_job_failures_total`) and kept in [`JobState::failures`] until that job
+//!   succeeds, for the controller's Ready condition and Event.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -86,6 +88,35 @@ pub struct JobState {
     pub last_pass: Option<Timestamp>,
     /// What the last retention trim did.
     pub trim: Option<jobs::Trim>,
+    /// The jobs whose last run failed, each with why; a job's next success removes it.
+    pub failures: BTreeMap<JobKind, JobFailure>,
+}
+
+/// The jobs of a policy, each run and failing on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum JobKind {
+    Reclaim,
+    Retention,
+    ConsumerExpiry,
+}
+
+impl JobKind {
+    /// As the condition message, the log and the `job` label of `pelican_job_failures_total` name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            JobKind::Reclaim => "reclaim",
+            JobKind::Retention => "retention",
+            JobKind::ConsumerExpiry => "consumer-expiry",
+        }
+    }
+}
+
+/// Why a job's last run failed: the error's condition reason, whether only a person can fix it, its message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobFailure {
+    pub reason: &'static str,
+    pub stalled: bool,
+    pub message: String,
 }
 
 /// The policies' tasks, keyed by `namespace/name`.
@@ -198,6 +229,13 @@ impl PolicyTask {
                 }
             }
             let job = self.job.borrow_and_update().clone();
+            if job.retention.is_none() {
+                // No retention any more: what the last trim saw (who pinned the stream) is no longer true.
+                if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
+                    state.trim = None;
+                    state.failures.remove(&JobKind::Retention);
+                }
+            }
             if !self.leadership.may_write() {
                 due = Instant::now() + Duration::from_millis(500);
                 continue;
@@ -209,14 +247,16 @@ impl PolicyTask {
             let sweep_start = cursor.is_none();
             // Boxed: a sleeping task then holds only its small loop state, not the largest state of a pass (10,000
             // policies mean 10,000 sleeping tasks).
-            let mut result = Box::pin(self.pass(&job, &mut cursor)).await;
+            let result = Box::pin(self.pass(&job, &mut cursor)).await;
+            self.outcome(JobKind::Reclaim, &result);
+            // A failed trim is reported on its own and retried after the next sweep; it takes nothing from the pass.
             if let (Ok(report), Some(min_age)) = (&result, job.retention)
                 && cursor.is_none()
                 && !report.interrupted
                 && self.leadership.may_write()
-                && let Err(e) = Box::pin(self.trim(&job, min_age)).await
             {
-                result = Err(e);
+                let trimmed = Box::pin(self.trim(&job, min_age)).await;
+                self.outcome(JobKind::Retention, &trimmed);
             }
             drop(permit);
             match result {
@@ -233,13 +273,9 @@ impl PolicyTask {
                     }
                     due = if mid_sweep { Instant::now() } else { next_sweep };
                 }
-                Err(e) => {
+                Err(_) => {
                     failures = (failures + 1).min(7);
-                    let backoff = Duration::from_secs(1 << (failures - 1)).min(MAX_BACKOFF);
-                    let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
-                    warn!(namespace, name, reason = e.reason(), error = %e, ?backoff, "pass failed; retrying");
-                    due = Instant::now() + backoff;
-                    continue;
+                    due = Instant::now() + Duration::from_secs(1 << (failures - 1)).min(MAX_BACKOFF);
                 }
             }
             if let Some(expire_after) = job.expire_after
@@ -248,16 +284,31 @@ impl PolicyTask {
             {
                 next_expiry = Instant::now() + job.interval;
                 let mut conn = job.conn.clone();
-                match Box::pin(jobs::expire_consumers(&mut conn, &job.server, &job.keys(), expire_after)).await {
-                    Ok(0) => {}
-                    Ok(expired) => {
-                        let note = format!(
-                            "deleted {expired} consumers idle for {expire_after:?} that owned no pending entries"
-                        );
-                        self.publish(&job, EventType::Normal, "ConsumersExpired", note).await;
-                    }
-                    Err(e) => warn!(policy = self.policy, error = %e, "consumer expiry failed"),
+                let expired = Box::pin(jobs::expire_consumers(&mut conn, &job.server, &job.keys(), expire_after)).await;
+                self.outcome(JobKind::ConsumerExpiry, &expired);
+                if let Ok(expired @ 1..) = expired {
+                    let note =
+                        format!("deleted {expired} consumers idle for {expire_after:?} that owned no pending entries");
+                    self.publish(&job, EventType::Normal, "ConsumersExpired", note).await;
                 }
+            }
+        }
+    }
+
+    /// Records how a job's run ended, for the policy's status and `pelican_job_failures_total`.
+    fn outcome<T>(&self, kind: JobKind, result: &crate::Result<T>) {
+        let mut states = self.states.lock().expect("runner states lock");
+        let failures = &mut states.entry(self.policy.clone()).or_default().failures;
+        match result {
+            Ok(_) => {
+                failures.remove(&kind);
+            }
+            Err(e) => {
+                let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+                warn!(namespace, name, job = kind.name(), reason = e.reason(), error = %e, "job failed");
+                self.metrics.job_failed((namespace.into(), name.into()), kind.name(), e.reason());
+                let failure = JobFailure { reason: e.reason(), stalled: e.is_stalled(), message: e.to_string() };
+                failures.insert(kind, failure);
             }
         }
     }

@@ -29,6 +29,7 @@ pub struct Metrics {
     pass_delay: Histogram,
     passes: Counter,
     policies: Arc<PolicySeries>,
+    job_failures: Arc<JobFailureSeries>,
     leader: Arc<LeaderSeries>,
 }
 
@@ -65,9 +66,21 @@ impl Default for Metrics {
         registry.register("pelican_passes", "Reclaim / dead-letter passes run", passes.clone());
         let policies = Arc::new(PolicySeries::default());
         registry.register_collector(Box::new(policies.clone()));
+        let job_failures = Arc::new(JobFailureSeries::default());
+        registry.register_collector(Box::new(job_failures.clone()));
         let leader = Arc::new(LeaderSeries::default());
         registry.register_collector(Box::new(leader.clone()));
-        Metrics { registry, reconcile_total, reconcile_errors, reconcile_time, pass_delay, passes, policies, leader }
+        Metrics {
+            registry,
+            reconcile_total,
+            reconcile_errors,
+            reconcile_time,
+            pass_delay,
+            passes,
+            policies,
+            job_failures,
+            leader,
+        }
     }
 }
 
@@ -102,6 +115,12 @@ impl Metrics {
     /// Drops a deleted policy's series.
     pub fn forget_policy(&self, key: &PolicyKey) {
         self.policies.0.lock().expect("metrics lock").remove(key);
+        self.job_failures.0.lock().expect("metrics lock").retain(|(policy, _, _), _| policy != key);
+    }
+
+    /// Counts one failed run of a policy's job (`reclaim`, `retention`, `consumer-expiry`) by the error's reason.
+    pub fn job_failed(&self, key: PolicyKey, job: &'static str, reason: &'static str) {
+        *self.job_failures.0.lock().expect("metrics lock").entry((key, job, reason)).or_default() += 1;
     }
 
     /// The Prometheus text exposition format (version 0.0.4).
@@ -177,7 +196,7 @@ impl Collector for PolicySeries {
             ("pelican_group_consumers", "Consumers of the group", |p| p.status.consumers),
             (
                 "pelican_group_backlog",
-                "Entries the group has not acknowledged: lag + pending (absent when unknown)",
+                "Entries the group has not acknowledged: lag + pending, or XLEN + pending when the lag is unknown",
                 |p| p.status.backlog,
             ),
             ("pelican_group_backlog_max_length", "spec.backlog.maxLength of the group (absent when unbounded)", |p| {
@@ -231,6 +250,33 @@ impl Collector for PolicySeries {
                 with_reason.push(("reason", ack.reason.clone()));
                 ConstCounter::new(ack.count.max(0) as u64).encode(metric.encode_family(&with_reason)?)?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// `pelican_job_failures_total{namespace, policy, job, reason}`: kept per policy so that a deleted policy's series go
+/// with it.
+#[derive(Debug, Default)]
+struct JobFailureSeries(Mutex<BTreeMap<(PolicyKey, &'static str, &'static str), u64>>);
+
+impl Collector for JobFailureSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let failures = self.0.lock().expect("metrics lock");
+        let mut metric = encoder.encode_descriptor(
+            "pelican_job_failures",
+            "Failed runs of a policy's jobs (reclaim, retention, consumer-expiry), by the error's reason",
+            None,
+            ConstCounter::new(0u64).metric_type(),
+        )?;
+        for (((namespace, policy), job, reason), count) in failures.iter() {
+            let labels: Labels = vec![
+                ("namespace", namespace.clone()),
+                ("policy", policy.clone()),
+                ("job", job.to_string()),
+                ("reason", reason.to_string()),
+            ];
+            ConstCounter::new(*count).encode(metric.encode_family(&labels)?)?;
         }
         Ok(())
     }

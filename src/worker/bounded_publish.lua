@@ -9,8 +9,9 @@
 -- The bounds hash (field = group, value = maxLength) is kept by the operator from the policies. A group's backlog is
 -- what it has not acknowledged: entries not yet delivered to it (lag, at most the stream's length: Redis 7.0
 -- overstates it after a MAXLEN trim) plus its pending entries. When the server cannot tell the lag (XINFO GROUPS
--- reports none after an XDEL inside the unread range), every entry of the stream counts as unread: an upper bound,
--- so the bound still holds, and refusals may come early until the group reads past the deleted entry.
+-- reports none after an XDEL or a trim of entries past the group's position), every entry of the stream counts as
+-- unread: an upper bound, so the bound still holds, and refusals may come early. The server tells the lag again
+-- only once the group has read up to the stream's last entry; the operator's status counts the same way.
 -- Invariant: an entry is added only when every bounded group's backlog is below its bound, so after the XADD no
 -- backlog exceeds its bound. Groups named in KEYS[2] that the stream does not have bound nothing. The operator's
 -- own writes (requeue copies) do not go through this script and are never refused.

@@ -29,6 +29,9 @@ pub enum PublishError {
     /// The server answered with another error (a key of the wrong type, a script error, an ACL refusal): nothing
     /// was written, and publishing again will fail the same way until that is fixed.
     Failed(RedisError),
+    /// Nothing was written, and publishing again may succeed: the server is a replica now (`READONLY`, after a
+    /// failover: a producer on a sentinel source reconnects to the new primary), loading, or busy.
+    Unavailable(RedisError),
 }
 
 impl fmt::Display for PublishError {
@@ -39,6 +42,7 @@ impl fmt::Display for PublishError {
             }
             PublishError::OutcomeUnknown(e) => write!(f, "outcome unknown (may have been written): {e}"),
             PublishError::Failed(e) => write!(f, "failed (not written): {e}"),
+            PublishError::Unavailable(e) => write!(f, "unavailable (not written, try again): {e}"),
         }
     }
 }
@@ -65,6 +69,8 @@ impl PublishError {
         }
         if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() {
             PublishError::OutcomeUnknown(error)
+        } else if matches!(error.code(), Some("READONLY" | "LOADING" | "MASTERDOWN" | "BUSY" | "TRYAGAIN")) {
+            PublishError::Unavailable(error)
         } else {
             PublishError::Failed(error)
         }
@@ -119,5 +125,17 @@ mod tests {
         let error = PublishError::classify(RedisError::from(io));
         assert!(matches!(error, PublishError::OutcomeUnknown(_)), "{error:?}");
         assert!(!error.certainly_not_written());
+    }
+
+    #[test]
+    fn a_demoted_primary_is_unavailable_not_failed() {
+        let readonly = RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+            "READONLY",
+            "You can't write against a read only replica.".to_string(),
+        ));
+        let error = PublishError::classify(readonly);
+        assert!(matches!(error, PublishError::Unavailable(_)), "{error:?}");
+        assert!(error.certainly_not_written());
     }
 }

@@ -6,15 +6,19 @@
 -- ARGV[4] entries of the batch's range the caller left in place (outside the filter, too large)
 -- ARGV[5] '1' when this batch ends the redrive, else '0'
 -- ARGV[6] most fields an entry may have to be moved
--- ARGV[7..] pairs: a dead-letter id, and the index in KEYS of the stream it goes to
+-- ARGV[7..] triples: a dead-letter id, the index in KEYS of the stream it goes to, and how many entries of the range
+--           before it (after the previous triple's id) the caller left in place
 --
--- Returns {moved, missing, tooLarge}.
+-- Returns {moved, missing, tooLarge}. When a move fails (an out-of-memory XADD, a target whose last id is the
+-- largest possible), the moves before it are recorded as if the batch had ended just before the failing id, and
+-- the failure is returned as an error: the next call starts at that id again.
 --
 -- Invariant: every id ends either moved (one entry in its target: the application's fields, the `pelican-*`
 -- metadata stripped, then `pelican-redriven-from` <id> and `pelican-redrive` <name>; the dead letter deleted) or
--- still in the dead-letter stream, never both and never neither, and the progress hash moves with the entries, so
--- a caller that dies at any instant resumes after exactly what was done. Key types and the owner of the progress
--- hash are checked before the first write; each copy is written before the XDEL of its original.
+-- still in the dead-letter stream, never both and never neither, and the progress hash moves with the entries in
+-- the same call, also when the call fails half way, so a caller that dies at any instant resumes after exactly
+-- what was done. Key types and the owner of the progress hash are checked before the first write; each copy is
+-- written before the XDEL of its original.
 local dlq, progress = KEYS[1], KEYS[2]
 local uid, name, last_id, left, finished = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local max_fields = tonumber(ARGV[6])
@@ -44,33 +48,49 @@ for i, field in ipairs({'moved', 'missing', 'skipped'}) do
 end
 
 local moved, missing, too_large = 0, 0, 0
-for i = 7, #ARGV, 2 do
-  local id, target = ARGV[i], KEYS[tonumber(ARGV[i + 1])]
-  local entry = redis.call('XRANGE', dlq, id, id)[1]
-  if entry == nil then
-    missing = missing + 1
-  elseif #entry[2] > max_fields then
-    too_large = too_large + 1
-  else
-    local fields = entry[2]
-    local args = {target, '*'}
-    for f = 1, #fields, 2 do
-      if string.sub(fields[f], 1, 8) ~= 'pelican-' then
-        args[#args + 1] = fields[f]; args[#args + 1] = fields[f + 1]
+-- The last id handled and the entries left in place up to it, for the record when a move fails.
+local done_id, done_left = nil, 0
+local function move_batch()
+  for i = 7, #ARGV, 3 do
+    local id, target = ARGV[i], KEYS[tonumber(ARGV[i + 1])]
+    local entry = redis.call('XRANGE', dlq, id, id)[1]
+    if entry == nil then
+      missing = missing + 1
+    elseif #entry[2] > max_fields then
+      too_large = too_large + 1
+    else
+      local fields = entry[2]
+      local args = {target, '*'}
+      for f = 1, #fields, 2 do
+        if string.sub(fields[f], 1, 8) ~= 'pelican-' then
+          args[#args + 1] = fields[f]; args[#args + 1] = fields[f + 1]
+        end
       end
+      args[#args + 1] = 'pelican-redriven-from'; args[#args + 1] = id
+      args[#args + 1] = 'pelican-redrive'; args[#args + 1] = name
+      redis.call('XADD', unpack(args))
+      redis.call('XDEL', dlq, id)
+      moved = moved + 1
     end
-    args[#args + 1] = 'pelican-redriven-from'; args[#args + 1] = id
-    args[#args + 1] = 'pelican-redrive'; args[#args + 1] = name
-    redis.call('XADD', unpack(args))
-    redis.call('XDEL', dlq, id)
-    moved = moved + 1
+    done_id, done_left = id, done_left + tonumber(ARGV[i + 2])
   end
 end
 
-redis.call('HSET', progress, 'uid', uid, 'lastId', last_id)
+local ok, failure = pcall(move_batch)
+if ok then
+  done_id, done_left = last_id, left
+end
+if done_id then
+  redis.call('HSET', progress, 'uid', uid, 'lastId', done_id)
+else
+  redis.call('HSET', progress, 'uid', uid)
+end
 redis.call('HINCRBY', progress, 'moved', moved)
 redis.call('HINCRBY', progress, 'missing', missing)
-redis.call('HINCRBY', progress, 'skipped', left + too_large)
+redis.call('HINCRBY', progress, 'skipped', done_left + too_large)
+if not ok then
+  return redis.error_reply(type(failure) == 'table' and failure.err or tostring(failure))
+end
 if finished == '1' then
   local now = redis.call('TIME')
   redis.call('HSET', progress, 'finishedAt', string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
