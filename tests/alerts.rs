@@ -272,3 +272,57 @@ fn alerts_and_dashboard_are_off_by_default() {
     assert!(out.status.success());
     assert!(!text.contains("kind: PrometheusRule") && !text.contains("grafana_dashboard"), "{text}");
 }
+
+/// A real Prometheus scrapes a live operator the way Prometheus Operator configures it from the chart's
+/// ServiceMonitor: the target gets `namespace` = the release's namespace, and `honor_labels` is the ServiceMonitor's
+/// `honorLabels`. The policy's series must keep the policy's namespace in `namespace` (what the alerts and the
+/// dashboard group by), never as `exported_namespace`.
+#[test]
+fn prometheus_keeps_the_policy_namespace_in_namespace() {
+    let rendered = Command::new(bed().var("PELICAN_HELM"))
+        .args(["template", "pelican", CHART, "--namespace", "pelican-system"])
+        .args(["--set", "metrics.serviceMonitor.enabled=true", "--show-only", "templates/servicemonitor.yaml"])
+        .output()
+        .expect("run helm");
+    assert!(rendered.status.success(), "{}", String::from_utf8_lossy(&rendered.stderr));
+    let monitor: Value = serde_yaml::from_slice(&rendered.stdout).unwrap();
+    let endpoint = &monitor["spec"]["endpoints"][0];
+    let honor = endpoint["honorLabels"].as_bool().unwrap_or(false);
+
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("scraped");
+    let operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "billing", "")).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+
+    // The scrape configuration Prometheus Operator generates for a ServiceMonitor endpoint, reduced to what sets
+    // labels: honor_labels from the endpoint, and the target's namespace, service and job from the Service.
+    let dir = tempfile::tempdir().unwrap();
+    let web = free_port();
+    let config = format!(
+        "global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: serviceMonitor/pelican-system/pelican/0\n    \
+         honor_labels: {honor}\n    metrics_path: {path}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n        \
+         labels: {{namespace: pelican-system, service: pelican-metrics, job: pelican-metrics}}\n",
+        path = endpoint["path"].as_str().unwrap(),
+        port = operator.metrics_port,
+    );
+    std::fs::write(dir.path().join("prometheus.yml"), config).unwrap();
+    let mut prometheus = Command::new("prometheus")
+        .arg(format!("--config.file={}", dir.path().join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{web}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start prometheus");
+    let labels = wait_for("Prometheus to scrape the policy's series", Duration::from_secs(60), || {
+        let url = "/api/v1/query?query=pelican_policy_ready%7Bpolicy%3D%22orders%22%7D";
+        let (_, body) = Operator::http_get(web, url);
+        let reply: Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        reply["data"]["result"][0]["metric"].as_object().cloned().ok_or(body)
+    });
+    let _ = prometheus.kill();
+    let _ = prometheus.wait();
+    assert_eq!(labels.get("namespace").and_then(Value::as_str), Some(ns.as_str()), "{labels:?}");
+    assert!(!labels.contains_key("exported_namespace"), "{labels:?}");
+}

@@ -236,3 +236,23 @@ fn secret_namespaces_grant_secrets_there_only() {
         helm(&["template", "x", CHART, "--set", "watchNamespace=apps", "--set", "rbac.secretNamespaces={team-a}"]);
     assert!(!ok && out.contains("rbac.secretNamespaces is for an operator watching all namespaces"), "{out}");
 }
+
+#[test]
+fn the_notes_point_the_first_policy_at_a_server_the_pod_can_reach() {
+    let ns = namespace("chart-notes");
+    let (ok, out) = helm(&["install", "notes", CHART, "--namespace", &ns, "--dry-run=client"]);
+    assert!(ok, "{out}");
+    let notes = out.split("NOTES:").nth(1).expect("helm prints the NOTES");
+    assert!(!notes.contains("examples/notifications.yaml"), "{notes}");
+    assert!(notes.contains("redis://redis.<namespace>.svc:6379/0"), "{notes}");
+    // The policy in the NOTES is one the API server admits (with the namespace and Service filled in).
+    let manifest: String = notes
+        .lines()
+        .skip_while(|l| !l.contains("apiVersion: pelican.io"))
+        .take_while(|l| !l.trim_start().starts_with("EOF"))
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect();
+    let manifest = manifest.replace("<namespace>", &ns);
+    let applied = kubectl(&["apply", "--dry-run=server", "-n", &ns, "-f", "-"], Some(&manifest));
+    assert!(applied.status.success(), "{manifest}\n{}", String::from_utf8_lossy(&applied.stderr));
+}

@@ -271,3 +271,54 @@ fn second_policy_for_the_same_group_is_a_conflict(flavor: Flavor) {
     assert_eq!(group_names(&server, "shared"), ["g"]);
     wait_condition(&ns, "first", "Ready", "True", "Reconciled");
 }
+
+/// Requeueing into a stream other groups read gives each of them a copy: `kubectl get -o wide` names them and a
+/// Warning Event says so when it starts.
+#[test]
+fn requeue_on_a_stream_other_groups_read_is_signalled() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("requeue-copies");
+    let _operator = Operator::start(&ns);
+    let mut conn = server.conn();
+    for group in ["audit", "search"] {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg("orders")
+            .arg(group)
+            .arg("$")
+            .arg("MKSTREAM")
+            .query(&mut conn)
+            .unwrap();
+    }
+    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "billing", "")).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let policy_json = wait_for("status.requeueCopiesTo", Duration::from_secs(20), || {
+        let p = get_policy(&ns, "orders");
+        if p["status"]["requeueCopiesTo"].is_string() { Ok(p) } else { Err(p["status"].to_string()) }
+    });
+    assert_eq!(policy_json["status"]["requeueCopiesTo"], "audit,search");
+    let wide = table_rows(&kubectl_ok(&["get", "cgp", "orders", "-n", &ns, "-o", "wide"]));
+    assert_eq!(wide[0]["REQUEUE-COPIES-TO"], "audit,search", "{wide:?}");
+    let warning = wait_for("a RequeueCopies event", Duration::from_secs(10), || {
+        events(&ns, "RequeueCopies").into_iter().next().ok_or_else(|| "none".to_string())
+    });
+    assert_eq!(warning["type"], "Warning");
+    let message = warning["message"].as_str().unwrap();
+    assert!(message.contains("audit,search") && message.contains("Reassign"), "{message}");
+
+    // Reassign hands idle entries to a consumer of the same group: nobody else gets a copy, nothing to signal.
+    kubectl_ok(&[
+        "patch",
+        "cgp",
+        "orders",
+        "-n",
+        &ns,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"reclaim":{"strategy":"Reassign"}}}"#,
+    ]);
+    wait_for("requeueCopiesTo gone", Duration::from_secs(20), || {
+        let p = get_policy(&ns, "orders");
+        if p["status"]["requeueCopiesTo"].is_null() { Ok(()) } else { Err(p["status"].to_string()) }
+    });
+}

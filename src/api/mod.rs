@@ -44,6 +44,13 @@ pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
     printcolumn(name = "Consumers", type_ = "integer", json_path = ".status.consumers", priority = "1"),
     printcolumn(name = "Backlog", type_ = "integer", json_path = ".status.backlog", priority = "1"),
     printcolumn(
+        name = "Requeue-Copies-To",
+        type_ = "string",
+        json_path = ".status.requeueCopiesTo",
+        description = "other groups of the stream, each of which also gets every requeued copy",
+        priority = "1"
+    ),
+    printcolumn(
         name = "Reason",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
@@ -368,9 +375,14 @@ pub struct ConsumerGroupPolicyStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["reason"]))]
     pub terminal_acks: Vec<TerminalAckCount>,
-    /// Entries the group has not acknowledged (lag + pending); absent when the server cannot tell the lag.
+    /// Entries the group has not acknowledged: lag + pending; when the server cannot tell the lag, the stream's
+    /// length + pending (an upper bound, the number the bounded publish script refuses with).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backlog: Option<i64>,
+    /// With `strategy: Requeue`, the stream's other groups (comma-separated): a requeued copy is a new entry of the
+    /// stream, so each of them reads it too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requeue_copies_to: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<RetentionStatus>,
     /// When the last reclaim / dead-letter pass ended.

@@ -30,6 +30,7 @@ pub async fn report(
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
             status.primary = seen.primary.clone();
+            status.requeue_copies_to = status::requeue_copies_to(&policy.spec, &seen.facts);
             if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
                 status.last_pass_time = Some(at.to_string());
             }
@@ -53,6 +54,7 @@ pub async fn report(
     announce_transition(policy, ctx, &previous, &status).await;
     announce_saturation(policy, ctx, &previous, &status).await;
     announce_failover(policy, ctx, &previous, &status).await;
+    announce_requeue_copies(policy, ctx, &previous, &status).await;
     let snapshot = PolicySnapshot {
         stream: policy.spec.stream.clone(),
         group: policy.spec.group.clone(),
@@ -168,6 +170,30 @@ async fn announce_failover(
     let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
     warn!(namespace, name, "{note}");
     publish(ctx, policy, EventType::Warning, "PrimaryChanged", note).await;
+}
+
+/// `RequeueCopies` (Warning) when the policy starts requeueing into a stream other groups read (or the set of them
+/// changes): each requeued copy is a new entry, so every one of them gets it too.
+async fn announce_requeue_copies(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    previous: &ConsumerGroupPolicyStatus,
+    next: &ConsumerGroupPolicyStatus,
+) {
+    let Some(others) = &next.requeue_copies_to else {
+        return;
+    };
+    if previous.requeue_copies_to.as_ref() == Some(others) {
+        return;
+    }
+    let note = format!(
+        "strategy Requeue on stream {:?}, which the groups {others} also read: each message this policy requeues is \
+         added to the stream again, so they get it a second time; use strategy Reassign, or a stream per group",
+        policy.spec.stream
+    );
+    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+    warn!(namespace, name, "{note}");
+    publish(ctx, policy, EventType::Warning, "RequeueCopies", note).await;
 }
 
 pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {

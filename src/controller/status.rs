@@ -5,7 +5,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use crate::Error;
-use crate::api::{ConsumerGroupPolicyStatus, TerminalAckCount, Totals};
+use crate::api::{ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals};
 use crate::redis::{GroupFacts, ServerInfo};
 use crate::runner::{JobFailure, JobKind};
 
@@ -67,6 +67,17 @@ pub fn observed(
             .collect(),
         ..previous.clone()
     }
+}
+
+/// With `strategy: Requeue`, the stream's other groups, sorted and comma-separated: each of them also reads every
+/// requeued copy.
+pub fn requeue_copies_to(spec: &ConsumerGroupPolicySpec, facts: &GroupFacts) -> Option<String> {
+    if spec.reclaim.strategy != ReclaimStrategy::Requeue || facts.other_groups.is_empty() {
+        return None;
+    }
+    let mut others = facts.other_groups.clone();
+    others.sort();
+    Some(others.join(","))
 }
 
 /// Whether `next` differs from what the API holds in a value a person acts on (SPEC section 8): counts,
@@ -240,8 +251,21 @@ mod tests {
             terminal: [("RecordNotFound".to_string(), 40)].into(),
             publish_rejected: 0,
             bound: None,
+            other_groups: vec!["search".into(), "audit".into()],
             server_time_ms: 1_764_421_200_000 + 90_000,
         }
+    }
+
+    #[test]
+    fn requeue_names_the_other_groups_that_get_copies() {
+        let mut spec: ConsumerGroupPolicySpec = serde_json::from_value(serde_json::json!({
+            "redis": {"url": "redis://r:6379/0"}, "stream": "s", "group": "g", "deadLetter": {"stream": "d"},
+        }))
+        .unwrap();
+        assert_eq!(requeue_copies_to(&spec, &facts()).as_deref(), Some("audit,search"));
+        assert_eq!(requeue_copies_to(&spec, &GroupFacts { other_groups: vec![], ..facts() }), None);
+        spec.reclaim.strategy = ReclaimStrategy::Reassign;
+        assert_eq!(requeue_copies_to(&spec, &facts()), None);
     }
 
     fn valkey() -> ServerInfo {

@@ -262,6 +262,8 @@ pub struct GroupFacts {
     pub publish_rejected: i64,
     /// The group's field of the stream's bounds hash, as stored.
     pub bound: Option<String>,
+    /// The stream's other groups, by name.
+    pub other_groups: Vec<String>,
     pub server_time_ms: i64,
 }
 
@@ -322,11 +324,14 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
             .map_err(|e| Error::from_redis(server, e))?;
 
     let stream_info = reply::fields(stream_info).unwrap_or_default();
-    let group: Fields = groups
-        .into_iter()
-        .filter_map(reply::fields)
-        .find(|g| reply::get::<String>(g, "name").as_deref() == Some(keys.group))
-        .unwrap_or_default();
+    let (mut group, mut other_groups) = (Fields::default(), Vec::new());
+    for fields in groups.into_iter().filter_map(reply::fields) {
+        match reply::get::<String>(&fields, "name") {
+            Some(name) if name == keys.group => group = fields,
+            Some(name) => other_groups.push(name),
+            None => {}
+        }
+    }
     let consumers = consumers
         .into_iter()
         .filter_map(reply::fields)
@@ -350,6 +355,7 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
         terminal: counts(terminal),
         publish_rejected: rejected.and_then(|n| n.parse().ok()).unwrap_or(0),
         bound,
+        other_groups,
         server_time_ms,
     })
 }
