@@ -64,6 +64,11 @@ pub enum Error {
     )]
     SentinelMasterUnknown { sentinel: String, master: String },
 
+    #[error(
+        "the sentinels name {server} as the primary of {master:?}, but it answers ROLE {role}: a failover is under way; retrying until the sentinels name the new primary"
+    )]
+    NotPrimary { server: String, master: String, role: String },
+
     #[error("spec.startId {start_id:?}: {why}")]
     InvalidStartId { start_id: String, why: String },
 
@@ -106,6 +111,7 @@ impl Error {
             Error::NotACluster { .. } => "NotACluster",
             Error::ClusterNode { .. } => "ClusterNode",
             Error::SentinelMasterUnknown { .. } => "SentinelMasterUnknown",
+            Error::NotPrimary { .. } => "NotPrimary",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ResourceConflict(_) => "ResourceConflict",

@@ -170,3 +170,59 @@ fn sentinels_and_data_nodes_over_tls() {
     let primary = sentinels.servers[0].tls_port.unwrap();
     assert_eq!(ready["status"]["primary"], format!("127.0.0.1:{primary}"), "the primary's TLS port");
 }
+
+/// A redrive running when the primary is killed (SIGKILL, not the sentinels' graceful failover) follows its
+/// policy to the new primary and finishes there: every message once in the source stream, `moved` exact.
+#[test]
+fn a_redrive_follows_a_failover_and_finishes_on_the_new_primary() {
+    const COUNT: u64 = 200;
+    let mut sentinels = Sentinels::start(Flavor::Redis);
+    sentinels.wait_settled(2);
+    let ns = namespace("sentinel-redrive");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &sentinel_policy("jobs", &sentinels, MASTER_NAME, "", false)).0);
+    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let first = sentinels.primary_port();
+    let mut conn = sentinels.server(first).conn();
+    for n in 0..COUNT {
+        let _: String = redis::cmd("XADD")
+            .arg("jobs:dlq")
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("pelican-source-stream")
+            .arg("jobs")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let _: i64 = redis::cmd("WAIT").arg(2).arg(5000).query(&mut conn).unwrap();
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: back\nspec:\n  policyRef: {name: jobs}\n  ratePerSecond: 20\n";
+    assert!(kubectl_apply(&ns, redrive).0);
+    wait_for("the redrive under way", Duration::from_secs(30), || {
+        let moved: i64 = redis::cmd("XLEN").arg("jobs").query(&mut conn).map_err(|e| e.to_string())?;
+        if moved >= 40 { Ok(()) } else { Err(format!("{moved} moved")) }
+    });
+    sentinels.server(first).kill9();
+    let killed = Instant::now();
+    let second = wait_for("the sentinels to promote a replica", Duration::from_secs(60), || {
+        let port = sentinels.primary_port();
+        if port != first { Ok(port) } else { Err("no failover yet".into()) }
+    });
+    let done = wait_for("the redrive Succeeded", Duration::from_secs(90), || {
+        let out = kubectl_ok(&["get", "dlr", "back", "-n", &ns, "-o", "json"]);
+        let object: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if object["status"]["phase"] == "Succeeded" { Ok(object) } else { Err(object["status"].to_string()) }
+    });
+    let mut conn = sentinels.server(second).conn();
+    let entries = xrange(&mut conn, "jobs");
+    let mut seen: Vec<u64> =
+        entries.iter().map(|e| String::from_utf8_lossy(field(e, "n").unwrap()).parse().unwrap()).collect();
+    seen.sort();
+    assert_eq!(seen, (0..COUNT).collect::<Vec<_>>(), "every message once in the new primary's stream");
+    assert!(xrange(&mut conn, "jobs:dlq").is_empty());
+    assert_eq!(done["status"]["moved"], COUNT, "{}", done["status"]);
+    println!(
+        "primary killed mid-redrive; the redrive Succeeded on the new primary {:?} after the kill",
+        killed.elapsed()
+    );
+}

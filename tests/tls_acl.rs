@@ -330,6 +330,59 @@ fn a_failing_job_is_visible_and_the_others_go_on() {
     wait_condition(&ns, "jf", "Ready", "True", "Reconciled");
 }
 
+/// A password rotated while a redrive runs: the old connections are cut, the step fails with the old password,
+/// and once the Secret holds the new one the redrive goes on where it was (it never ends Failed for it).
+#[test]
+fn a_redrive_survives_a_password_rotation() {
+    let server = Server::start(Flavor::Redis);
+    set_user(&server, &acl_rules("{rot}:in", "{rot}:dlq", "rot", "old-pw"));
+    let ns = namespace("redrive-rotation");
+    let _operator = Operator::start(&ns);
+    let creds = |pw: &str| secret("redis-acl", &[("username", "pelican"), ("password", pw)]);
+    let manifest = policy("rot", &server.url(), "{rot}:in", "g", "").replace("{rot}:in:dlq", "{rot}:dlq").replacen(
+        "  stream:",
+        &format!("{ACL_REFS}  stream:"),
+        1,
+    );
+    assert!(kubectl_apply(&ns, &format!("{}---\n{manifest}", creds("old-pw"))).0);
+    wait_condition(&ns, "rot", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for n in 0..100 {
+        let _: String = redis::cmd("XADD")
+            .arg("{rot}:dlq")
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("pelican-source-stream")
+            .arg("{rot}:in")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: back\nspec:\n  policyRef: {name: rot}\n  ratePerSecond: 20\n";
+    assert!(kubectl_apply(&ns, redrive).0);
+    wait_for("the redrive under way", Duration::from_secs(30), || {
+        let moved: i64 = redis::cmd("XLEN").arg("{rot}:in").query(&mut conn).map_err(|e| e.to_string())?;
+        if moved >= 20 { Ok(()) } else { Err(format!("{moved} moved")) }
+    });
+    // Rotation: the server takes only the new password and drops the connections made with the old one.
+    set_user(&server, &["resetpass".to_string(), ">new-pw".to_string()]);
+    let _: i64 = redis::cmd("CLIENT").arg("KILL").arg("USER").arg("pelican").query(&mut conn).unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    let phase = |ns: &str| -> serde_json::Value {
+        let out = kubectl_ok(&["get", "dlr", "back", "-n", ns, "-o", "json"]);
+        serde_json::from_str(&out).unwrap()
+    };
+    assert_ne!(phase(&ns)["status"]["phase"], "Failed", "{}", phase(&ns)["status"]);
+    assert!(kubectl_apply(&ns, &creds("new-pw")).0);
+    let done = wait_for("the redrive Succeeded", Duration::from_secs(60), || {
+        let object = phase(&ns);
+        if object["status"]["phase"] == "Succeeded" { Ok(object) } else { Err(object["status"].to_string()) }
+    });
+    assert_eq!(done["status"]["moved"], 100, "{}", done["status"]);
+    assert_eq!(xrange(&mut conn, "{rot}:in").len(), 100);
+    assert!(xrange(&mut conn, "{rot}:dlq").is_empty());
+}
+
 /// The status probe is one pipeline; a NOPERM inside it must still name the command (it comes without a separate
 /// detail, unlike a plain reply).
 fn a_refusal_inside_the_status_pipeline_names_the_command(flavor: Flavor) {

@@ -45,11 +45,12 @@ pub async fn converge(
 ) -> Result<Observation> {
     // Sentinel mode: the primary the sentinel names now. A failover gives a new target, so a new connection for
     // the probe and the runner, and the old one is closed by `assign`.
-    let target = &ctx.pools.resolve(target).await?;
+    let original = target;
+    let (target, mut conn) = ctx.pools.connect_primary(target).await?;
+    let target = &target;
     let primary = policy.spec.redis.sentinel.as_ref().map(|_| target.server());
     ctx.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
     let server = target.server();
-    let mut conn = ctx.pools.get(target).await?;
     let keys = group_keys(policy);
     // Carried over from the second reconcile on, never the first: policies applied together (one `kubectl apply`)
     // reach the watch one by one, and the first reconcile of one may run before its neighbours are known.
@@ -117,6 +118,7 @@ pub async fn converge(
             expire_after: schedule.expire_after,
             retention,
             object: policy.object_ref(&()),
+            sentinel_source: original.sentinel.is_some().then(|| original.clone()),
         };
         ctx.runner.run(&id, job);
     }
@@ -217,9 +219,8 @@ async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> b
 /// then destroys the group when `destroy`.
 async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool) -> Result<()> {
     let target = super::resolve::target(policy, &ctx.client, &ctx.secrets).await?;
-    let target = ctx.pools.resolve(&target).await?;
+    let (target, mut conn) = ctx.pools.connect_primary(&target).await?;
     let server = target.server();
-    let mut conn = ctx.pools.get(&target).await?;
     redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
     if !destroy {
         return Ok(());

@@ -55,7 +55,7 @@ const NOT_LEADING_RECHECK: Duration = Duration::from_secs(1);
 /// Shared by all reconciles.
 pub struct Context {
     pub client: Client,
-    pub pools: Pools,
+    pub pools: Arc<Pools>,
     pub events: Events,
     /// Every policy the controller sees, for the (server, stream, group) ownership check.
     pub policies: Store<ConsumerGroupPolicy>,
@@ -151,14 +151,15 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
     let (store, writer) = reflector::store();
     let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
     let events = Events::new(client.clone(), reporter);
+    let pools = Arc::new(Pools::default());
     let ctx = Arc::new(Context {
         client,
-        pools: Pools::default(),
+        pools: pools.clone(),
         events: events.clone(),
         policies: store.clone(),
         neighbours: Neighbours::default(),
         metrics: settings.metrics.clone(),
-        runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone()),
+        runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone(), pools),
         leadership: settings.leadership,
         secrets: SecretCache::new(settings.secret_namespaces.clone()),
         failures: Mutex::default(),

@@ -287,6 +287,28 @@ impl Pools {
         Ok(Target { url: format!("{scheme}://{host}:{port}/{database}"), sentinel: None, ..target.clone() })
     }
 
+    /// The target to write to and a connection to it: [`Pools::resolve`], then [`Pools::get`]; for a sentinel
+    /// target, only once the server the sentinel named answers `ROLE` as a primary. A sentinel can name a primary
+    /// that was demoted meanwhile (its answer is older than the failover); writing there would fail with READONLY,
+    /// or, on a primary that is about to be demoted, be lost.
+    pub async fn connect_primary(&self, target: &Target) -> Result<(Target, Conn)> {
+        let primary = self.resolve(target).await?;
+        let mut conn = self.get(&primary).await?;
+        if let Some(sentinel) = &target.sentinel {
+            let role: Vec<redis::Value> =
+                redis::cmd("ROLE").query_async(&mut conn).await.map_err(|e| Error::from_redis(&primary.server(), e))?;
+            let role = match role.first() {
+                Some(redis::Value::BulkString(role)) => String::from_utf8_lossy(role).into_owned(),
+                Some(redis::Value::SimpleString(role)) => role.clone(),
+                _ => "unknown".to_string(),
+            };
+            if role != "master" {
+                return Err(Error::NotPrimary { server: primary.server(), master: sentinel.master_name.clone(), role });
+            }
+        }
+        Ok((primary, conn))
+    }
+
     /// A multiplexed connection to `target` (a server, or a whole cluster), created on first use. It reconnects by
     /// itself after a server restart; a credential change in a Secret yields a new target and so a new connection.
     pub async fn get(&self, target: &Target) -> Result<Conn> {

@@ -33,7 +33,7 @@ use crate::controller::{self, FIELD_MANAGER};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
 use crate::leader::Leadership;
-use crate::redis::server_identity;
+use crate::redis::{Conn, server_identity};
 use crate::{Error, Result};
 
 /// How soon a redrive that waits (for its policy, or another redrive of its dead-letter stream) looks again.
@@ -204,12 +204,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         return Ok(Action::requeue(WAIT_RECHECK));
     }
     // 4. Act: connect and hand the work to a task.
-    let connected = async {
-        let target = ctx.policies.pools.resolve(&target).await?;
-        let conn = ctx.policies.pools.get(&target).await?;
-        Ok::<_, Error>((conn, target))
-    };
-    let (conn, target) = match connected.await {
+    let (conn, target) = match ctx.policies.pools.connect_primary(&target).await.map(|(t, c)| (c, t)) {
         Ok(conn) => conn,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
@@ -294,6 +289,22 @@ async fn expire(ctx: &Redrives, redrive: &DeadLetterRedrive, status: &DeadLetter
 }
 
 impl Redrives {
+    /// A connection to where the redrive's policy points now (its Secrets read again, the sentinels asked again),
+    /// for a task whose step failed: a failover, a rotated password or a fixed Secret is followed, as the policy's
+    /// own jobs follow it.
+    async fn reconnect(&self, redrive: &DeadLetterRedrive) -> Result<(Conn, String)> {
+        let namespace = redrive.namespace().unwrap_or_default();
+        let name = &redrive.spec.policy_ref.name;
+        let Some(policy) = self.policies.policies.get(&ObjectRef::new(name).within(&namespace)) else {
+            return Err(Error::InvalidSpec(format!(
+                "ConsumerGroupPolicy {name:?} not found in namespace {namespace:?}"
+            )));
+        };
+        let target = controller::resolve_target(&policy, &self.policies).await?;
+        let (target, conn) = self.policies.pools.connect_primary(&target).await?;
+        Ok((conn, target.server()))
+    }
+
     /// Drops the dead-letter streams remembered for redrives that finished or no longer exist.
     fn forget_gone(&self, finished: &DeadLetterRedrive) {
         let live: std::collections::HashSet<String> = self

@@ -38,7 +38,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
     loop {
         match drive(&ctx, &redrive, &mut work, &mut status).await {
             Ok(()) => return,
-            Err(e) if e.is_stalled() => {
+            Err(e) if ends_the_redrive(&e) => {
                 let note = e.to_string();
                 warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = e.reason(), "{note}");
                 let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
@@ -46,9 +46,11 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
             }
             Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 => return,
             Err(e) => {
-                // The server restarting, a failover, the API server unreachable: the record on the server is
-                // exact, so the next attempt resumes after the last move.
-                warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, "redrive step failed; retrying");
+                // The server restarting, a failover, a password rotated, the API server unreachable: the record on
+                // the server is exact, so the next attempt, on the policy's current target, resumes after the last
+                // move.
+                warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = e.reason(), error = %e, "redrive step failed; retrying");
+                let _ = retrying(&ctx, &redrive, &mut status, &e).await;
                 let halted = tokio::time::timeout(backoff, work.halt.changed()).await;
                 let halt = *work.halt.borrow();
                 if matches!(halted, Ok(Ok(()))) && halt.is_some() {
@@ -56,9 +58,41 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                     return;
                 }
                 backoff = (backoff * 2).min(RETRY_MAX);
+                match ctx.reconnect(&redrive).await {
+                    Ok((conn, server)) => (work.conn, work.server) = (conn, server),
+                    Err(e) => {
+                        warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, "cannot reach the policy's server; retrying")
+                    }
+                }
             }
         }
     }
+}
+
+/// Failures that retrying cannot fix, which end the redrive `Failed`: the plan itself is wrong (a target that is
+/// the dead-letter stream, or in another Cluster slot; a key of another type) or the ACL user lacks a command.
+/// Credentials, TLS, a failover or a server that is down are the policy's concern: the redrive waits, retries on
+/// the policy's current target, and resumes once the policy's server answers.
+fn ends_the_redrive(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::InvalidSpec(_) | Error::CrossSlot(_) | Error::WrongKeyType(_) | Error::PermissionDenied { .. }
+    )
+}
+
+/// Shows why the redrive is not moving while it retries, written once per reason and message.
+async fn retrying(
+    ctx: &Redrives,
+    redrive: &DeadLetterRedrive,
+    status: &mut DeadLetterRedriveStatus,
+    error: &Error,
+) -> Result<()> {
+    let note = format!("retrying: {error}");
+    if status.conditions.iter().any(|c| c.type_ == "Reconciling" && c.message == note) {
+        return Ok(());
+    }
+    let phase = status.phase;
+    ctx.set_phase(redrive, status, phase, error.reason(), note).await
 }
 
 async fn drive(

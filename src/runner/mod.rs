@@ -32,7 +32,7 @@ use tracing::{debug, info, warn};
 
 use crate::jobs::{self, PassReport, PassSettings};
 use crate::leader::Leadership;
-use crate::redis::{Conn, GroupKeys, PoolKey};
+use crate::redis::{Conn, GroupKeys, PoolKey, Pools, Target};
 use crate::telemetry::{Events, Metrics};
 
 /// Passes running at once against one server. The server runs scripts one at a time anyway; two keep it busy
@@ -59,6 +59,9 @@ pub struct Job {
     pub retention: Option<Duration>,
     /// The policy, for Events.
     pub object: ObjectReference,
+    /// `mode: Sentinel`: the sentinel target, asked again for the primary after a failed pass, so the jobs follow
+    /// a failover at once instead of at the next reconcile.
+    pub sentinel_source: Option<Target>,
 }
 
 impl Job {
@@ -78,6 +81,7 @@ impl Job {
             && self.pass == other.pass
             && self.expire_after == other.expire_after
             && self.retention == other.retention
+            && self.sentinel_source == other.sentinel_source
     }
 }
 
@@ -127,6 +131,7 @@ pub struct Runner {
     metrics: Arc<Metrics>,
     leadership: Leadership,
     events: Events,
+    pools: Arc<Pools>,
 }
 
 struct Task {
@@ -141,7 +146,7 @@ impl Drop for Task {
 }
 
 impl Runner {
-    pub fn new(leadership: Leadership, events: Events, metrics: Arc<Metrics>) -> Runner {
+    pub fn new(leadership: Leadership, events: Events, metrics: Arc<Metrics>, pools: Arc<Pools>) -> Runner {
         Runner {
             tasks: Mutex::default(),
             servers: Mutex::default(),
@@ -149,6 +154,7 @@ impl Runner {
             metrics,
             leadership,
             events,
+            pools,
         }
     }
 
@@ -176,6 +182,7 @@ impl Runner {
             events: self.events.clone(),
             states: self.states.clone(),
             metrics: self.metrics.clone(),
+            pools: self.pools.clone(),
         };
         let handle = tokio::spawn(worker.run());
         tasks.insert(policy.to_string(), Task { job: sender, handle });
@@ -205,6 +212,14 @@ struct PolicyTask {
     events: Events,
     states: Arc<Mutex<HashMap<String, JobState>>>,
     metrics: Arc<Metrics>,
+    pools: Arc<Pools>,
+}
+
+/// A primary found after a failed pass, used until the controller sends the job again.
+struct Followed {
+    conn: Conn,
+    pool: PoolKey,
+    server: String,
 }
 
 impl PolicyTask {
@@ -216,6 +231,7 @@ impl PolicyTask {
         let mut due = Instant::now();
         // What the passes of the current sweep did, announced once when the sweep ends.
         let mut sweep = PassReport::default();
+        let mut followed: Option<Followed> = None;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(due) => {}
@@ -223,12 +239,16 @@ impl PolicyTask {
                     if changed.is_err() {
                         return;
                     }
+                    followed = None;
                     // New settings take effect at once (a shorter interval, say).
                     due = Instant::now();
                     continue;
                 }
             }
-            let job = self.job.borrow_and_update().clone();
+            let mut job = self.job.borrow_and_update().clone();
+            if let Some(primary) = &followed {
+                (job.conn, job.pool, job.server) = (primary.conn.clone(), primary.pool.clone(), primary.server.clone());
+            }
             if job.retention.is_none() {
                 // No retention any more: what the last trim saw (who pinned the stream) is no longer true.
                 if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
@@ -276,6 +296,9 @@ impl PolicyTask {
                 Err(_) => {
                     failures = (failures + 1).min(7);
                     due = Instant::now() + Duration::from_secs(1 << (failures - 1)).min(MAX_BACKOFF);
+                    if let Some(source) = &job.sentinel_source {
+                        followed = self.follow_primary(source, &job).await.or(followed);
+                    }
                 }
             }
             if let Some(expire_after) = job.expire_after
@@ -293,6 +316,19 @@ impl PolicyTask {
                 }
             }
         }
+    }
+
+    /// After a failed pass in Sentinel mode: the primary the sentinels name now, when it is another server than the
+    /// job's and answers as a primary (a failover the next reconcile would only see an interval later).
+    async fn follow_primary(&self, source: &Target, job: &Job) -> Option<Followed> {
+        let (primary, conn) = self.pools.connect_primary(source).await.ok()?;
+        let pool = primary.pool_key();
+        if pool == job.pool {
+            return None;
+        }
+        let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+        info!(namespace, name, from = job.server, to = primary.server(), "following the primary the sentinels name");
+        Some(Followed { conn, pool, server: primary.server() })
     }
 
     /// Records how a job's run ended, for the policy's status and `pelican_job_failures_total`.
