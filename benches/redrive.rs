@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use pelican::jobs::redrive::{Destination, Plan, Progress, read_progress, snapshot, step};
-use pelican::keys::redrive_key;
+use pelican::keys::{redrive_key, redrive_lock_key};
 use pelican::redis::{Conn, Pools, Target};
 use redis::streams::StreamRangeReply;
 use support::bed_var;
@@ -50,6 +50,8 @@ async fn pelican_redrive(conn: &mut Conn, server: &str) -> usize {
     let plan = Plan {
         dead_letter: DLQ.into(),
         progress_key: redrive_key(DLQ, "bench", "r"),
+        lock_key: redrive_lock_key(DLQ),
+        full_name: "bench/r".into(),
         uid: "bench-uid".into(),
         name: "r".into(),
         target: Destination::Source { fallback: SOURCE.into() },

@@ -55,6 +55,12 @@ pub fn redrive_key(dead_letter: &str, namespace: &str, name: &str) -> String {
     format!("{{{}}}:pelican:{dead_letter}:redrive:{namespace}/{name}", hash_tag(dead_letter))
 }
 
+/// `{T}:pelican:<dead-letter stream>:redrive-lock`: the uid and name of the one redrive that moves entries out of the
+/// stream now (`scripts/redrive_lock.lua`); removed by the script call that finishes it.
+pub fn redrive_lock_key(dead_letter: &str) -> String {
+    format!("{{{}}}:pelican:{dead_letter}:redrive-lock", hash_tag(dead_letter))
+}
+
 /// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
 /// only to carry their counts over once (SPEC section 4).
 pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {

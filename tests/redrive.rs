@@ -394,3 +394,42 @@ fn ttl_deletes_the_object_and_the_manifest_applied_again_does_not_run() {
     assert_eq!(xrange(&mut conn, "ttl:dlq").len(), 10, "the second application moved nothing");
     assert!(!events(&ns, "Succeeded").is_empty());
 }
+
+/// One redrive per dead-letter stream also across an operator killed with SIGKILL: the restarted operator sees the
+/// running redrive and five waiting ones at once, in no particular order, and only the running one moves entries;
+/// the others start after it, one at a time, and find nothing left.
+#[test]
+fn one_redrive_at_a_time_across_an_operator_restart() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("redrive-restart");
+    // Named so that the restarted operator lists (and reconciles) the waiting ones before the running one.
+    let mut operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("jobs", &server.url(), "jobs", "workers", "")).0);
+    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "jobs:dlq", "jobs", 300, |_| "MaxDeliveriesExceeded");
+    assert!(kubectl_apply(&ns, &redrive("z-first", "jobs", "  ratePerSecond: 30\n")).0);
+    wait_phase(&ns, "z-first", "Running", Duration::from_secs(30));
+    let waiting: Vec<String> = (1..=5).map(|i| format!("next-{i}")).collect();
+    for name in &waiting {
+        assert!(kubectl_apply(&ns, &redrive(name, "jobs", "")).0);
+    }
+    for name in &waiting {
+        wait_for(&format!("{name} Waiting"), Duration::from_secs(30), || {
+            let object = get_redrive(&ns, name);
+            let conditions = object["status"]["conditions"].as_array().cloned().unwrap_or_default();
+            let waits = conditions.iter().any(|c| c["type"] == "Reconciling" && c["reason"] == "Waiting");
+            if waits { Ok(()) } else { Err(object["status"].to_string()) }
+        });
+    }
+    operator.kill9();
+    drop(operator);
+    let _operator = Operator::start(&ns);
+    wait_phase(&ns, "z-first", "Succeeded", Duration::from_secs(60));
+    for name in &waiting {
+        let done = wait_phase(&ns, name, "Succeeded", Duration::from_secs(60));
+        assert_eq!(done["status"]["moved"], 0, "{name} ran beside the first redrive: {}", done["status"]);
+    }
+    assert_eq!(get_redrive(&ns, "z-first")["status"]["moved"], 300);
+    assert_eq!(ns_in(&mut conn, "jobs", redriven), (0..300).map(|n| (n, 1)).collect());
+}

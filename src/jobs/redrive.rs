@@ -14,6 +14,7 @@ use crate::redis::Conn;
 use crate::{Error, Result};
 
 static REDRIVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/redrive.lua")));
+static REDRIVE_LOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/redrive_lock.lua")));
 
 /// Dead-letter entries read per `XRANGE`.
 const PAGE: usize = 256;
@@ -28,6 +29,10 @@ pub struct Plan {
     pub dead_letter: String,
     /// `{T}:pelican:<dead-letter>:redrive:<namespace>/<name>`.
     pub progress_key: String,
+    /// `{T}:pelican:<dead-letter>:redrive-lock`: who moves entries out of the dead-letter stream now.
+    pub lock_key: String,
+    /// `namespace/name`, as the lock names its owner.
+    pub full_name: String,
     pub uid: String,
     pub name: String,
     pub target: Destination,
@@ -227,6 +232,37 @@ pub async fn forget_progress(conn: &mut Conn, server: &str, key: &str) -> Result
     redis::cmd("DEL").arg(key).query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
 }
 
+/// The redrive that owns a dead-letter stream: its uid and `namespace/name`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockOwner {
+    pub uid: String,
+    pub name: String,
+}
+
+/// Takes the dead-letter stream's lock for this redrive, when nobody holds it, it holds it already, or its holder
+/// is `gone` (the caller checked that redrive no longer runs). Returns who holds it after the call.
+pub async fn claim(conn: &mut Conn, server: &str, plan: &Plan, gone: Option<&str>) -> Result<LockOwner> {
+    lock(conn, server, plan, "claim", gone.unwrap_or_default()).await
+}
+
+/// Lets go of the lock, when this redrive holds it (it failed).
+pub async fn release(conn: &mut Conn, server: &str, plan: &Plan) -> Result<()> {
+    lock(conn, server, plan, "release", "").await.map(|_| ())
+}
+
+async fn lock(conn: &mut Conn, server: &str, plan: &Plan, op: &str, gone: &str) -> Result<LockOwner> {
+    let (uid, name): (String, String) = REDRIVE_LOCK
+        .key(&plan.lock_key)
+        .arg(op)
+        .arg(&plan.uid)
+        .arg(&plan.full_name)
+        .arg(gone)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(LockOwner { uid, name })
+}
+
 /// What one step did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Step {
@@ -299,7 +335,7 @@ pub async fn step(
                     targets.len() - 1
                 }
             };
-            ids.push((entry.id.clone(), index + 3, std::mem::take(&mut left_before)));
+            ids.push((entry.id.clone(), index + 4, std::mem::take(&mut left_before)));
         } else {
             left += 1;
             left_before += 1;
@@ -335,7 +371,7 @@ async fn call(
     finished: bool,
 ) -> Result<Step> {
     let mut invocation = REDRIVE.key(&plan.dead_letter);
-    invocation.key(&plan.progress_key);
+    invocation.key(&plan.progress_key).key(&plan.lock_key);
     for target in targets {
         invocation.key(target);
     }

@@ -241,6 +241,8 @@ fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool
     let filter = redrive.spec.filter.clone().unwrap_or_default();
     Plan {
         progress_key: keys::redrive_key(&dead_letter, &namespace, &redrive.name_any()),
+        lock_key: keys::redrive_lock_key(&dead_letter),
+        full_name: format!("{namespace}/{}", redrive.name_any()),
         dead_letter,
         uid: redrive.uid().unwrap_or_default(),
         name: redrive.name_any(),
@@ -319,6 +321,21 @@ impl Redrives {
             .lock()
             .expect("streams lock")
             .retain(|uid, _| live.contains(uid) && Some(uid) != finished.as_ref());
+    }
+
+    /// Whether the redrive with this uid is deleted or finished: its lock on the dead-letter stream is then stale
+    /// and may be taken over. A suspended redrive keeps its place (delete it to let the next one run). Never true
+    /// before the redrives are listed: a restarted operator would take every lock.
+    async fn is_gone(&self, uid: &str) -> bool {
+        match tokio::time::timeout(Duration::from_secs(10), self.redrives.wait_until_ready()).await {
+            Ok(Ok(())) => {}
+            _ => return false,
+        }
+        !self
+            .redrives
+            .state()
+            .iter()
+            .any(|r| r.uid().as_deref() == Some(uid) && !r.status.as_ref().is_some_and(|s| s.phase.is_finished()))
     }
 
     /// Another redrive that goes first on the same dead-letter stream: one that runs now, else the first of the

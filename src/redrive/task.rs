@@ -39,6 +39,9 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
         match drive(&ctx, &redrive, &mut work, &mut status).await {
             Ok(()) => return,
             Err(e) if ends_the_redrive(&e) => {
+                // The next redrive of the stream may start at once (or, if this fails too, once it sees this one
+                // Failed).
+                let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
                 let note = e.to_string();
                 warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = e.reason(), "{note}");
                 let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
@@ -125,6 +128,22 @@ async fn drive(
     if progress.finished_at.is_some() {
         copy_progress(status, &progress);
         return ctx.finish(redrive, status, RedrivePhase::Succeeded, "Complete", summary(redrive, status)).await;
+    }
+    // One redrive per dead-letter stream, decided on the server: whatever this process has seen (it may have just
+    // started), a redrive moves nothing while another one holds the stream.
+    if !redrive.spec.dry_run {
+        let mut owner = moves::claim(conn, server, plan, None).await?;
+        if owner.uid != plan.uid && ctx.is_gone(&owner.uid).await {
+            owner = moves::claim(conn, server, plan, Some(&owner.uid)).await?;
+        }
+        if owner.uid != plan.uid {
+            let note = format!(
+                "waiting for DeadLetterRedrive {}, which redrives the same dead-letter stream {:?}: one redrive runs \
+                 per dead-letter stream at a time",
+                owner.name, plan.dead_letter
+            );
+            return ctx.pending(redrive, status, "Waiting", note).await;
+        }
     }
     let until_id = match status.until_id.clone() {
         Some(until) if status.to_move.is_some() => until,

@@ -1,10 +1,11 @@
 -- Redrive one batch of dead letters (SPEC section 10) and record the progress, in one script.
 --
--- KEYS[1] dead-letter stream    KEYS[2] the redrive's progress hash    KEYS[3..] target streams of this batch
+-- KEYS[1] dead-letter stream    KEYS[2] the redrive's progress hash    KEYS[3] the stream's redrive lock
+-- KEYS[4..] target streams of this batch
 -- ARGV[1] the redrive's uid     ARGV[2] its name (written as `pelican-redrive` on each moved entry)
 -- ARGV[3] the last dead-letter id this batch covers (the next batch starts after it)
 -- ARGV[4] entries of the batch's range the caller left in place (outside the filter, too large)
--- ARGV[5] '1' when this batch ends the redrive, else '0'
+-- ARGV[5] '1' when this batch ends the redrive (its lock is released with the record of its end), else '0'
 -- ARGV[6] most fields an entry may have to be moved
 -- ARGV[7..] triples: a dead-letter id, the index in KEYS of the stream it goes to, and how many entries of the range
 --           before it (after the previous triple's id) the caller left in place
@@ -19,7 +20,7 @@
 -- the same call, also when the call fails half way, so a caller that dies at any instant resumes after exactly
 -- what was done. Key types and the owner of the progress hash are checked before the first write; each copy is
 -- written before the XDEL of its original.
-local dlq, progress = KEYS[1], KEYS[2]
+local dlq, progress, lock = KEYS[1], KEYS[2], KEYS[3]
 local uid, name, last_id, left, finished = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local max_fields = tonumber(ARGV[6])
 
@@ -31,7 +32,7 @@ local function expect_type(key, wanted)
 end
 local bad = expect_type(dlq, 'stream') or expect_type(progress, 'hash')
 if bad then return bad end
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   bad = expect_type(KEYS[i], 'stream')
   if bad then return bad end
 end
@@ -94,5 +95,6 @@ end
 if finished == '1' then
   local now = redis.call('TIME')
   redis.call('HSET', progress, 'finishedAt', string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
+  if redis.call('HGET', lock, 'uid') == uid then redis.call('DEL', lock) end
 end
 return {moved, missing, too_large}
