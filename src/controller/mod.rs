@@ -90,6 +90,45 @@ impl Tombstones {
     fn contains(&self, uid: &str) -> bool {
         self.0.lock().expect("tombstones lock").contains_key(uid)
     }
+
+    /// Drops the uids kept longer than [`Tombstones::KEEP`]; returns how many are left.
+    fn prune(&self) -> usize {
+        let mut gone = self.0.lock().expect("tombstones lock");
+        gone.retain(|_, at| at.elapsed() < Self::KEEP);
+        gone.len()
+    }
+}
+
+/// How often what the operator keeps per server or Secret is checked against the policies that still use it.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+impl Context {
+    /// Forgets what no policy uses any more: cached Secret values, sentinel connections, a server's pass permits.
+    /// Per-policy state goes when the policy goes ([`act::forget`]); these are shared by policies, so they are
+    /// swept instead.
+    fn sweep(&self) {
+        let policies = self.policies.state();
+        self.secrets.retain_referenced(&policies);
+        let sentinels = policies.iter().filter(|p| p.spec.redis.sentinel.is_some()).map(|p| p.spec.redis.url.as_str());
+        self.pools.retain_sentinels(sentinels);
+        self.runner.sweep();
+        self.deleted.prune();
+    }
+
+    /// Entries of each in-memory map, for `pelican_state_entries`.
+    fn sizes(&self) -> Vec<(&'static str, usize)> {
+        let mut sizes = vec![
+            ("connections", self.pools.len()),
+            ("sentinel_connections", self.pools.sentinels()),
+            ("secrets", self.secrets.len()),
+            ("deleted_policies", self.deleted.prune()),
+            ("reconcile_failures", self.failures.lock().expect("failures lock").len()),
+            ("connection_users", self.pool_users.lock().expect("pool users lock").len()),
+            ("neighbour_index", self.neighbours.len()),
+        ];
+        sizes.extend(self.runner.sizes());
+        sizes
+    }
 }
 
 /// Where to watch, how to identify ourselves, where to report.
@@ -166,6 +205,18 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         pool_users: Mutex::default(),
         deleted: Tombstones::default(),
     });
+    let sweep_ctx = Arc::downgrade(&ctx);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            match sweep_ctx.upgrade() {
+                Some(ctx) => ctx.sweep(),
+                None => return,
+            }
+        }
+    });
+    let state_ctx = Arc::downgrade(&ctx);
+    settings.metrics.watch_state(move || state_ctx.upgrade().map(|ctx| ctx.sizes()).unwrap_or_default());
     // Status writes change the resource version but not the generation: they must not wake the reconcile.
     let mut config = watcher::Config::default().any_semantic();
     if let Some(selector) = &settings.label_selector {

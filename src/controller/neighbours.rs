@@ -103,6 +103,11 @@ impl Neighbours {
         Vec::new()
     }
 
+    /// Policies indexed.
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("neighbours lock").by_policy.len()
+    }
+
     /// The policies that share a server and a stream, a counter key name or a 0.1 counter key name with `policy`
     /// (itself included when the store has it), as the store holds them now.
     pub fn of(

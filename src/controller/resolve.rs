@@ -60,6 +60,11 @@ impl SecretCache {
         self.entries.lock().expect("secret cache lock").values.retain(|key, _| referenced.contains(key));
     }
 
+    /// Secrets cached now.
+    pub fn len(&self) -> usize {
+        self.entries.lock().expect("secret cache lock").values.len()
+    }
+
     async fn data(&self, client: &Client, namespace: &str, name: &str) -> Result<SecretData> {
         if let Some(allowed) = &self.namespaces
             && !allowed.contains(namespace)

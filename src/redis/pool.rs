@@ -344,9 +344,21 @@ impl Pools {
         }
     }
 
+    /// Closes the connections to sentinels no target in `sentinels` names (by canonical URL): a sentinel is
+    /// connected to only while a policy uses it.
+    pub fn retain_sentinels<'a>(&self, sentinels: impl IntoIterator<Item = &'a str>) {
+        let used: HashSet<String> = sentinels.into_iter().map(canonical_url).collect();
+        self.sentinels.lock().expect("pool lock").retain(|(url, _, _), _| used.contains(url));
+    }
+
     /// Number of distinct server + credential pairs connected.
     pub fn len(&self) -> usize {
         self.connections.lock().expect("pool lock").len()
+    }
+
+    /// Number of sentinels connected.
+    pub fn sentinels(&self) -> usize {
+        self.sentinels.lock().expect("pool lock").len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -184,6 +184,7 @@ impl Runner {
             metrics: self.metrics.clone(),
             pools: self.pools.clone(),
         };
+        self.states.lock().expect("runner states lock").entry(policy.to_string()).or_default();
         let handle = tokio::spawn(worker.run());
         tasks.insert(policy.to_string(), Task { job: sender, handle });
     }
@@ -192,6 +193,20 @@ impl Runner {
     pub fn stop(&self, policy: &str) {
         self.tasks.lock().expect("runner lock").remove(policy);
         self.states.lock().expect("runner states lock").remove(policy);
+    }
+
+    /// Forgets the pass permits of servers no task uses any more (each task holds its server's permits).
+    pub fn sweep(&self) {
+        self.servers.lock().expect("runner servers lock").retain(|_, permits| Arc::strong_count(permits) > 1);
+    }
+
+    /// Sizes of the runner's maps, for `pelican_state_entries`.
+    pub fn sizes(&self) -> [(&'static str, usize); 3] {
+        [
+            ("runner_tasks", self.tasks.lock().expect("runner lock").len()),
+            ("runner_servers", self.servers.lock().expect("runner servers lock").len()),
+            ("runner_states", self.states.lock().expect("runner states lock").len()),
+        ]
     }
 
     pub fn state(&self, policy: &str) -> JobState {
@@ -334,7 +349,11 @@ impl PolicyTask {
     /// Records how a job's run ended, for the policy's status and `pelican_job_failures_total`.
     fn outcome<T>(&self, kind: JobKind, result: &crate::Result<T>) {
         let mut states = self.states.lock().expect("runner states lock");
-        let failures = &mut states.entry(self.policy.clone()).or_default().failures;
+        // Gone: the policy's task was stopped while this job ran.
+        let Some(state) = states.get_mut(&self.policy) else {
+            return;
+        };
+        let failures = &mut state.failures;
         match result {
             Ok(_) => {
                 failures.remove(&kind);
@@ -367,7 +386,9 @@ impl PolicyTask {
             report.summary()
         );
         let now = Timestamp::now();
-        self.states.lock().expect("runner states lock").entry(self.policy.clone()).or_default().last_pass = Some(now);
+        if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
+            state.last_pass = Some(now);
+        }
         Ok(report)
     }
 
@@ -379,7 +400,9 @@ impl PolicyTask {
             let pinned_by = trim.pinned_by.as_ref().map(ToString::to_string);
             info!(namespace, name, trimmed = trim.trimmed, pinned_by, "trimmed entries every group acknowledged");
         }
-        self.states.lock().expect("runner states lock").entry(self.policy.clone()).or_default().trim = Some(trim);
+        if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
+            state.trim = Some(trim);
+        }
         Ok(())
     }
 

@@ -31,6 +31,7 @@ pub struct Metrics {
     policies: Arc<PolicySeries>,
     job_failures: Arc<JobFailureSeries>,
     leader: Arc<LeaderSeries>,
+    state: Arc<StateSeries>,
 }
 
 impl Default for Metrics {
@@ -70,6 +71,8 @@ impl Default for Metrics {
         registry.register_collector(Box::new(job_failures.clone()));
         let leader = Arc::new(LeaderSeries::default());
         registry.register_collector(Box::new(leader.clone()));
+        let state = Arc::new(StateSeries::default());
+        registry.register_collector(Box::new(state.clone()));
         Metrics {
             registry,
             reconcile_total,
@@ -80,6 +83,7 @@ impl Default for Metrics {
             policies,
             job_failures,
             leader,
+            state,
         }
     }
 }
@@ -105,6 +109,11 @@ impl Metrics {
     /// Publishes a policy's status as its series.
     pub fn observe_policy(&self, key: PolicyKey, snapshot: PolicySnapshot) {
         self.policies.0.lock().expect("metrics lock").insert(key, snapshot);
+    }
+
+    /// `pelican_state_entries{map}` reads the sizes of the operator's in-memory maps from `source` at scrape time.
+    pub fn watch_state(&self, source: impl Fn() -> Vec<(&'static str, usize)> + Send + Sync + 'static) {
+        *self.state.0.lock().expect("metrics lock") = Some(Box::new(source));
     }
 
     /// `pelican_leader{lease}` follows `leadership` from now on: 1 while this replica may write, else 0.
@@ -145,6 +154,39 @@ pub struct PolicySnapshot {
     pub oldest_pending_age_seconds: Option<i64>,
     /// `spec.backlog.maxLength`, when set.
     pub backlog_max_length: Option<i64>,
+}
+
+type StateSource = Box<dyn Fn() -> Vec<(&'static str, usize)> + Send + Sync>;
+
+/// Entries of the operator's in-memory maps (tasks, connections, cached Secrets, ...): they follow the policies, so a
+/// count that only grows is a leak.
+#[derive(Default)]
+struct StateSeries(Mutex<Option<StateSource>>);
+
+impl std::fmt::Debug for StateSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateSeries")
+    }
+}
+
+impl Collector for StateSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let source = self.0.lock().expect("metrics lock");
+        let Some(source) = source.as_ref() else {
+            return Ok(());
+        };
+        let mut metric = encoder.encode_descriptor(
+            "pelican_state_entries",
+            "Entries of the operator's in-memory maps, by map; they follow the policies and return when policies go",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for (map, entries) in source() {
+            let labels: Labels = vec![("map", map.to_string())];
+            ConstGauge::new(entries as i64).encode(metric.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
 }
 
 /// Whether this replica leads, read at scrape time (the Lease can be lost between two reconciles).
