@@ -183,7 +183,7 @@ fn seed_002_the_bound_follows_the_policy_and_producers_see_refusals(flavor: Flav
 fn retention_trims_what_every_group_acknowledged_and_names_who_pins(flavor: Flavor) {
     let server = Server::start(flavor);
     let ns = namespace("retention");
-    let _operator = Operator::start(&ns);
+    let operator = Operator::start(&ns);
     let mut conn = server.conn();
     let _: () =
         redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg("audit").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
@@ -214,7 +214,18 @@ fn retention_trims_what_every_group_acknowledged_and_names_who_pins(flavor: Flav
     ack(&mut conn, "audit", &audit[10..]);
     let ledger = read_new(&mut conn, STREAM, "ledger", "l1", 100);
     ack(&mut conn, "ledger", &ledger);
-    std::thread::sleep(Duration::from_secs(4));
+    // Not a sleep: the passes of both policies go on (three sweeps each, counted by the operator) and still
+    // nothing is trimmed.
+    let passes = |operator: &Operator| -> u64 {
+        let metrics = operator.metrics();
+        let line = metrics.lines().find(|l| l.starts_with("pelican_passes_total ")).unwrap_or("x 0").to_string();
+        line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap() as u64
+    };
+    let before = passes(&operator);
+    wait_for("six more passes", Duration::from_secs(30), || {
+        let now = passes(&operator);
+        if now >= before + 6 { Ok(()) } else { Err(format!("{} passes", now - before)) }
+    });
     assert_eq!(xrange(&mut conn, STREAM).len(), 90, "trimmed while another policy of the stream says None");
 
     // Without it, the trim goes on to audit's read position.
@@ -259,18 +270,29 @@ fn operator_killed_while_trimming_never_removes_an_entry_a_group_needs(flavor: F
         })
     };
     // Each consumer acknowledges a batch `lag` batches after reading it, so its oldest pending entry moves on but
-    // something is always pending.
+    // something is always pending. Before acknowledging, it reads each entry of the batch again, as a consumer
+    // that processes late would: one trimmed while pending (XACK still succeeds then) is recorded as lost.
     let consumer = |group: &'static str, batch: usize, lag: usize| {
         let (mut conn, stop) = (server.conn(), stop.clone());
         std::thread::spawn(move || {
-            let mut held = std::collections::VecDeque::new();
+            let (mut held, mut delivered, mut lost) = (std::collections::VecDeque::new(), Vec::new(), Vec::new());
             while !stop.load(Ordering::Relaxed) {
-                held.push_back(read_new(&mut conn, STREAM, group, "c", batch));
+                let ids = read_new(&mut conn, STREAM, group, "c", batch);
+                delivered.extend(ids.iter().cloned());
+                held.push_back(ids);
                 if held.len() > lag {
-                    ack(&mut conn, group, &held.pop_front().unwrap());
+                    let batch = held.pop_front().unwrap();
+                    let mut pipe = redis::pipe();
+                    for id in &batch {
+                        pipe.cmd("XRANGE").arg(STREAM).arg(id).arg(id);
+                    }
+                    let found: Vec<Vec<redis::Value>> = pipe.query(&mut conn).unwrap();
+                    lost.extend(batch.iter().zip(&found).filter(|(_, f)| f.is_empty()).map(|(id, _)| id.clone()));
+                    ack(&mut conn, group, &batch);
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
+            (delivered, lost)
         })
     };
     let fast = consumer("billing", 1_000, 0);
@@ -283,9 +305,17 @@ fn operator_killed_while_trimming_never_removes_an_entry_a_group_needs(flavor: F
     std::thread::sleep(Duration::from_secs(3));
     stop.store(true, Ordering::Relaxed);
     let ledger = producer.join().unwrap();
-    fast.join().unwrap();
-    slow.join().unwrap();
+    let (fast_delivered, fast_lost) = fast.join().unwrap();
+    let (slow_delivered, slow_lost) = slow.join().unwrap();
     drop(operator);
+    assert!(fast_lost.is_empty() && slow_lost.is_empty(), "trimmed while pending: {fast_lost:?} {slow_lost:?}");
+    // Every delivered id was published, and each group got each at most once.
+    let published: HashSet<&String> = ledger.iter().collect();
+    for (group, delivered) in [("billing", &fast_delivered), ("audit", &slow_delivered)] {
+        let unique: HashSet<&String> = delivered.iter().collect();
+        assert_eq!(unique.len(), delivered.len(), "{group} got an entry twice");
+        assert!(unique.is_subset(&published), "{group} got an entry nobody published");
+    }
 
     let present: HashSet<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
     let trimmed = ledger.iter().filter(|id| !present.contains(*id)).count();

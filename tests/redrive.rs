@@ -179,15 +179,19 @@ fn ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once(flavor: Fl
     assert_eq!(names, ["n", "body", "pelican-redriven-from", "pelican-redrive"]);
     assert_eq!(field(sample, "pelican-redrive"), Some(b"after-fix".as_slice()));
 
-    // Terminal: a restart and the same manifest applied again move nothing, even with new dead letters waiting;
-    // nor does the manifest applied after the object was deleted.
+    // Terminal: a restart and a change of the finished object's spec (which does reach a reconcile: its new TTL
+    // deletes it) move nothing, even with new dead letters waiting; nor does the manifest applied after the object
+    // was deleted.
     dead_letters(&mut conn, "orders:dlq", "orders", 5, |_| "MaxDeliveriesExceeded");
     operator.kill9();
     let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &manifest).0);
-    std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(get_redrive(&ns, "after-fix")["status"]["moved"], COUNT);
-    kubectl_ok(&["delete", "dlr", "after-fix", "-n", &ns]);
+    let changed = redrive("after-fix", "orders", "  ratePerSecond: 100\n  ttlSecondsAfterFinished: 2\n");
+    assert!(kubectl_apply(&ns, &changed).0);
+    wait_for("the changed, finished redrive reconciled (deleted by its new TTL)", Duration::from_secs(30), || {
+        let out = kubectl(&["get", "dlr", "after-fix", "-n", &ns], None);
+        if out.status.success() { Err("still there".to_string()) } else { Ok(()) }
+    });
+    assert_eq!(xrange(&mut conn, "orders:dlq").len(), 5, "a finished redrive moved entries again");
     assert!(kubectl_apply(&ns, &manifest).0);
     let again = wait_phase(&ns, "after-fix", "Succeeded", Duration::from_secs(30));
     let complete = again["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Complete").unwrap();
