@@ -158,8 +158,17 @@ impl Error {
             let detail = server_message(&source);
             return Error::AuthenticationFailed { server, detail };
         }
-        if source.code() == Some("NOPERM") {
-            let detail = server_message(&source);
+        // A command a script calls without permission is refused inside the script: an ERR naming the user, not a
+        // NOPERM reply (Redis and Valkey alike).
+        let in_script = source.detail().is_some_and(|d| d.contains("The user executing the script can't"));
+        if source.code() == Some("NOPERM") || in_script {
+            let mut detail = server_message(&source);
+            if in_script {
+                // The server names the script's line, not the command: point at the list of what scripts call.
+                detail.push_str(
+                    " (a command one of Pelican's Lua scripts calls: examples/acl/pelican.acl lists them all)",
+                );
+            }
             return Error::PermissionDenied { server, detail };
         }
         if let Some(detail) = tls_failure(&source) {

@@ -164,6 +164,7 @@ fn acl_rules(stream: &str, dead_letter: &str, tag: &str, password: &str) -> Vec<
     line.trim_start_matches("user pelican ")
         .replace("~DEAD_LETTER_STREAM", &format!("~{dead_letter}"))
         .replace("~STREAM", &format!("~{stream}"))
+        .replace("{D}", &format!("{{{}}}", pelican::keys::hash_tag(dead_letter)))
         .replace("{T}", &format!("{{{tag}}}"))
         .replace(">CHANGE-ME", &format!(">{password}"))
         .split_whitespace()
@@ -295,7 +296,7 @@ fn a_failing_job_is_visible_and_the_others_go_on() {
     let p = wait_condition(&ns, "jf", "Ready", "False", "PermissionDenied");
     let ready = p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
     let message = ready["message"].as_str().unwrap().to_lowercase();
-    assert!(message.contains("retention job failed") && message.contains("xtrim"), "{message}");
+    assert!(message.contains("retention job failed") && message.contains("examples/acl/pelican.acl"), "{message}");
     assert_eq!(condition(&p, "Stalled").unwrap(), ("True".to_string(), "PermissionDenied".to_string()));
     let warning = wait_for("a PermissionDenied event", Duration::from_secs(10), || {
         events(&ns, "PermissionDenied").into_iter().next().ok_or_else(|| "none".to_string())
