@@ -161,7 +161,9 @@ impl Error {
         // A command a script calls without permission is refused inside the script: an ERR naming the user, not a
         // NOPERM reply (Redis and Valkey alike).
         let in_script = source.detail().is_some_and(|d| d.contains("The user executing the script can't"));
-        if source.code() == Some("NOPERM") || in_script {
+        // A NOPERM to a command the client sends while connecting (SELECT) comes wrapped, without its code.
+        let while_connecting = source.code().is_none() && source.to_string().contains("no permissions to run");
+        if source.code() == Some("NOPERM") || in_script || while_connecting {
             let mut detail = server_message(&source);
             if in_script {
                 // The server names the script's line, not the command: point at the list of what scripts call.
