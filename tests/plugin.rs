@@ -191,3 +191,21 @@ fn redrive_twice_at_once_and_following_a_suspended_one() {
     assert!(exited.success(), "{out}");
     assert!(out.contains("redrive third is suspended; resume it with: kubectl patch dlr third"), "{out}");
 }
+
+/// `kubectl pelican status <policy>` while the server is down: the Kubernetes status is shown, and the part only
+/// the server can tell (the oldest pending entries) says why it is missing, instead of the whole command failing.
+#[test]
+fn status_of_one_policy_shows_the_kubernetes_status_when_redis_is_down() {
+    let mut server = Server::start(Flavor::Redis);
+    let ns = namespace("plugin-down");
+    let _operator = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "workers", "")).0);
+    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    server.stop();
+    let out = pelican_ok(&["status", "orders", "-n", &ns]);
+    assert!(out.contains("Policy:") && out.contains("Conditions:"), "{out}");
+    assert!(out.contains("not read from the server:"), "{out}");
+    let json: Value = serde_json::from_str(&pelican_ok(&["status", "orders", "-n", &ns, "-o", "json"])).unwrap();
+    assert_eq!(json["name"], "orders");
+    assert!(json["oldestPendingError"].as_str().is_some_and(|e| !e.is_empty()), "{json}");
+}
