@@ -181,7 +181,7 @@ fn every_role_runs_with_its_rules(bed: Bed, stream: &str, dead_letter: &str) {
     assert_eq!(redriven, 0);
 
     // The producer at the bound: refused (not NOPERM), also with the script sent whole.
-    kubectl_ok(&["patch", "cgp", "roles", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"backlog":{"maxLength":1}}}"#]);
+    patch_policy(&ns, "roles", "merge", r#"{"spec":{"backlog":{"maxLength":1}}}"#);
     wait_condition(&ns, "roles", "Saturated", "True", "BacklogFull");
     match runtime.block_on(producer.publish(&[("n", 9)])) {
         Err(PublishError::Refused { .. }) => {}

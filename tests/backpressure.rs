@@ -36,16 +36,7 @@ fn a_bound_whose_removal_failed_goes_with_the_policy_deleted_afterwards() {
     // The server goes away; the bound is removed from the spec (the reconcile cannot take it off the server),
     // then the policy is deleted.
     server.stop();
-    kubectl_ok(&[
-        "patch",
-        "cgp",
-        "orders",
-        "-n",
-        &ns,
-        "--type=json",
-        "-p",
-        r#"[{"op":"remove","path":"/spec/backlog"}]"#,
-    ]);
+    patch_policy(&ns, "orders", "json", r#"[{"op":"remove","path":"/spec/backlog"}]"#);
     wait_condition(&ns, "orders", "Ready", "False", "RedisUnavailable");
     let finalizers = get_policy(&ns, "orders")["metadata"]["finalizers"].clone();
     assert_eq!(finalizers, serde_json::json!(["pelican.io/cleanup"]), "the finalizer went before the bound did");

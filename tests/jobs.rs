@@ -34,7 +34,7 @@ fn a_policy_deleted_while_its_reconcile_is_in_flight_runs_no_job_afterwards() {
     // finalizer) is deleted meanwhile; then the server answers again and that reconcile finishes.
     let mut conn = server.conn();
     let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(4000).arg("ALL").query(&mut conn).unwrap();
-    kubectl_ok(&["patch", "cgp", "q", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"reclaim":{"interval":"2s"}}}"#]);
+    patch_policy(&ns, "q", "merge", r#"{"spec":{"reclaim":{"interval":"2s"}}}"#);
     thread::sleep(Duration::from_millis(500));
     kubectl_ok(&["delete", "cgp", "q", "-n", &ns, "--wait=false"]);
     thread::sleep(Duration::from_secs(6));

@@ -307,16 +307,7 @@ fn requeue_on_a_stream_other_groups_read_is_signalled() {
     assert!(message.contains("audit,search") && message.contains("Reassign"), "{message}");
 
     // Reassign hands idle entries to a consumer of the same group: nobody else gets a copy, nothing to signal.
-    kubectl_ok(&[
-        "patch",
-        "cgp",
-        "orders",
-        "-n",
-        &ns,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"reclaim":{"strategy":"Reassign"}}}"#,
-    ]);
+    patch_policy(&ns, "orders", "merge", r#"{"spec":{"reclaim":{"strategy":"Reassign"}}}"#);
     wait_for("requeueCopiesTo gone", Duration::from_secs(20), || {
         let p = get_policy(&ns, "orders");
         if p["status"]["requeueCopiesTo"].is_null() { Ok(()) } else { Err(p["status"].to_string()) }

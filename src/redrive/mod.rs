@@ -54,8 +54,6 @@ pub enum Halt {
 }
 
 struct Running {
-    stream: StreamKey,
-    name: String,
     rate: watch::Sender<Option<u32>>,
     halt: watch::Sender<Option<Halt>>,
 }
@@ -215,8 +213,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
     let plan = plan(&redrive, &policy, target.cluster);
     let (rate_tx, rate_rx) = watch::channel(rate(&redrive));
     let (halt_tx, halt_rx) = watch::channel(None);
-    let name = format!("{namespace}/{}", redrive.name_any());
-    ctx.tasks.lock().expect("tasks lock").insert(uid.clone(), Running { stream, name, rate: rate_tx, halt: halt_tx });
+    ctx.tasks.lock().expect("tasks lock").insert(uid.clone(), Running { rate: rate_tx, halt: halt_tx });
     let work = task::Work { conn, server: target.server(), plan, rate: rate_rx, halt: halt_rx };
     let task_ctx = ctx.clone();
     tokio::spawn(async move {
@@ -338,15 +335,13 @@ impl Redrives {
             .any(|r| r.uid().as_deref() == Some(uid) && !r.status.as_ref().is_some_and(|s| s.phase.is_finished()))
     }
 
-    /// Another redrive that goes first on the same dead-letter stream: one that runs now, else the first of the
-    /// unfinished, unsuspended ones (a started one before a pending one, then by creation), by name.
+    /// Another redrive that goes first on the same dead-letter stream, as far as this process knows: the first of
+    /// the unfinished, unsuspended ones (a started one before a pending one, then by creation), by name. This only
+    /// orders the queue; whether a redrive may move is decided by the lock on the server (a task that starts
+    /// while another holds it waits), so a restarted operator that has not seen every redrive yet cannot start one
+    /// beside another.
     fn ahead_of(&self, redrive: &DeadLetterRedrive, stream: &StreamKey) -> Option<String> {
         let uid = redrive.uid().unwrap_or_default();
-        if let Some(running) =
-            self.tasks.lock().expect("tasks lock").values().find(|r| r.stream == *stream && r.halt.borrow().is_none())
-        {
-            return Some(running.name.clone());
-        }
         let streams = self.streams.lock().expect("streams lock");
         let rank = |r: &DeadLetterRedrive| {
             let started = r.status.as_ref().is_some_and(|s| s.phase == RedrivePhase::Running);
