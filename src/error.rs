@@ -145,11 +145,6 @@ impl Error {
         )
     }
 
-    /// Low-cardinality label for the reconcile error metric.
-    pub fn metric_label(&self) -> String {
-        self.reason().to_string()
-    }
-
     /// Classifies a Redis client error by what the user should do about it: by its kind and the server's error
     /// code, never by words of a message that may quote a key name.
     pub fn from_redis(server: &str, source: RedisError) -> Error {

@@ -11,6 +11,8 @@ pub mod api;
 #[cfg(feature = "operator")]
 pub mod cli;
 #[cfg(feature = "operator")]
+pub mod context;
+#[cfg(feature = "operator")]
 pub mod controller;
 #[cfg(feature = "operator")]
 mod error;

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
+use kube::runtime::reflector::store::Writer;
 use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive};
+use pelican::context::Shared;
 use pelican::leader::{Elector, Leadership};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
 
@@ -103,29 +105,27 @@ async fn main() -> anyhow::Result<()> {
             let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
             let http = tokio::spawn(http);
             tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, leader_elect, "starting pelican");
-            let mut settings = pelican::controller::Settings {
+            let settings = pelican::controller::Settings {
                 namespace,
-                instance: instance.clone(),
-                metrics,
                 readiness: readiness.clone(),
-                leadership: Leadership::always(),
                 label_selector: watch_label_selector,
                 concurrency: max_concurrent_reconciles,
                 secret_namespaces: (!secret_namespaces.is_empty()).then(|| secret_namespaces.into_iter().collect()),
             };
             if !leader_elect {
-                settings.metrics.watch_leadership("", Leadership::always());
-                pelican::controller::run(client, settings, shutdown).await;
+                metrics.watch_leadership("", Leadership::always());
+                let shared = Shared::new(client, instance, metrics, Leadership::always(), &settings);
+                run_controllers(shared, settings, shutdown).await;
                 http.await?;
                 tracing::info!("stopped");
                 return Ok(());
             }
 
             let lease_namespace = leader_election_namespace.unwrap_or_else(|| "default".into());
-            let identity = format!("{}-{}", instance.unwrap_or_else(|| "pelican".into()), std::process::id());
+            let identity = format!("{}-{}", instance.as_deref().unwrap_or("pelican"), std::process::id());
             let mut elector =
                 Elector::start(client.clone(), &lease_namespace, &leader_election_lease, &identity).await?;
-            settings.metrics.watch_leadership(&leader_election_lease, elector.leadership());
+            metrics.watch_leadership(&leader_election_lease, elector.leadership());
             // A standby is ready: readiness says the process works, not that it leads.
             readiness.set_ready();
             tracing::info!(lease = %format!("{lease_namespace}/{leader_election_lease}"), identity, "waiting for the leader lease");
@@ -139,10 +139,10 @@ async fn main() -> anyhow::Result<()> {
                     anyhow::bail!("the leader election task died before this replica led");
                 }
             }
-            settings.leadership = elector.leadership();
+            let shared = Shared::new(client, instance, metrics, elector.leadership(), &settings);
             let ended = elector.ended().shared();
-            let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ());
-            pelican::controller::run(client, settings, stop).await;
+            let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ()).shared();
+            run_controllers(shared, settings, stop).await;
             if let Some(why) = ended.peek() {
                 // Another replica may be writing already: stop at once and let the Pod restart as a standby.
                 tracing::error!(?why, "leadership ended; exiting");
@@ -156,6 +156,19 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The policy controller and the redrive controller side by side, on the same shared handles, until `stop`.
+async fn run_controllers(
+    (shared, policies): (Arc<Shared>, Writer<ConsumerGroupPolicy>),
+    settings: pelican::controller::Settings,
+    stop: impl Future<Output = ()> + Clone + Send + Sync + 'static,
+) {
+    let (namespace, sharded) = (settings.namespace.clone(), settings.label_selector.is_some());
+    futures::join!(
+        pelican::controller::run(shared.clone(), policies, settings, stop.clone()),
+        pelican::redrive::run(shared, namespace, sharded, stop),
+    );
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

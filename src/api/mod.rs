@@ -14,6 +14,15 @@ use serde::{Deserialize, Serialize};
 /// Go-style durations made of integer parts: `90s`, `5m`, `1h30m`, `250ms`.
 pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
 
+/// The policy's condition types (kstatus's three, and `Saturated`).
+pub const READY: &str = "Ready";
+/// True while the group's backlog is at its `backlog.maxLength` (producers are refused); Ready stays True.
+pub const SATURATED: &str = "Saturated";
+pub const RECONCILING: &str = "Reconciling";
+pub const STALLED: &str = "Stalled";
+/// Reason on all three conditions when the last reconcile succeeded.
+pub const RECONCILED: &str = "Reconciled";
+
 /// What Pelican manages for one consumer group: the server, the stream and group, the reclaim / retry /
 /// dead-letter policy, and optionally a backlog bound and retention.
 // clippy reads the repeated `type_ = ...` of the printer columns as duplicated attributes.

@@ -85,7 +85,7 @@ impl Session {
 
     /// A connection to the policy's server with its own Secrets (read with the user's permissions).
     async fn connect(&self, policy: &ConsumerGroupPolicy) -> anyhow::Result<(Conn, String)> {
-        let target = crate::controller::read_target(policy, &self.client).await?;
+        let target = crate::context::read_target(policy, &self.client).await?;
         let target = self.pools.resolve(&target).await?;
         let conn = self.pools.get(&target).await?;
         Ok((conn, target.server()))

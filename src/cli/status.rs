@@ -114,7 +114,7 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
 }
 
 fn report(policy: &ConsumerGroupPolicy) -> PolicyReport {
-    let ready = policy.condition(crate::controller::READY);
+    let ready = policy.condition(crate::api::READY);
     PolicyReport {
         namespace: policy.namespace().unwrap_or_default(),
         name: name_of(policy),

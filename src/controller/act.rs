@@ -14,8 +14,9 @@ use tracing::{info, warn};
 
 use super::report::publish;
 use super::validate::{self, Schedule};
-use super::{Context, id, policy_id};
+use super::{Context, id};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
+use crate::context::policy_id;
 use crate::keys;
 use crate::redis::{self as redis_ops, GroupFacts, GroupKeys, ServerInfo, Target};
 use crate::runner::Job;
@@ -46,10 +47,10 @@ pub async fn converge(
     // Sentinel mode: the primary the sentinel names now. A failover gives a new target, so a new connection for
     // the probe and the runner, and the old one is closed by `assign`.
     let original = target;
-    let (target, mut conn) = ctx.pools.connect_primary(target).await?;
+    let (target, mut conn) = ctx.shared.pools.connect_primary(target).await?;
     let target = &target;
     let primary = policy.spec.redis.sentinel.as_ref().map(|_| target.server());
-    ctx.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
+    ctx.shared.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
     let server = target.server();
     let keys = group_keys(policy);
     // Carried over from the second reconcile on, never the first: policies applied together (one `kubectl apply`)
@@ -60,7 +61,7 @@ pub async fn converge(
         .await
         .map_err(|e| if target.cluster { e } else { e.for_standalone() });
     if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
-        ctx.pools.forget(target);
+        ctx.shared.pools.forget(target);
     }
     let setup = setup?;
     let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
@@ -144,7 +145,7 @@ pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Acti
     ctx.runner.stop(&policy_id(policy));
     let done = release_redis(policy, ctx).await;
     forget(ctx, &key);
-    ctx.secrets.retain_referenced(&ctx.policies.state());
+    ctx.shared.secrets.retain_referenced(&ctx.shared.policies.state());
     done
 }
 
@@ -157,15 +158,15 @@ pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
     let namespace = key.namespace.clone().unwrap_or_default();
     ctx.runner.stop(&id(&namespace, &key.name));
     ctx.failures.lock().expect("failures lock").remove(key);
-    ctx.metrics.forget_policy(&(namespace, key.name.clone()));
-    ctx.pools.assign(&ctx.pool_users, key, None);
+    ctx.shared.metrics.forget_policy(&(namespace, key.name.clone()));
+    ctx.shared.pools.assign(&ctx.pool_users, key, None);
 }
 
 /// The group's backlog bound goes with the policy (producers are no longer refused for a group nobody manages).
 /// `Retain` leaves the rest of Redis untouched; `Delete` destroys the group (never the streams).
 async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let destroy = policy.spec.deletion_policy == DeletionPolicy::Delete;
-    if let Some(conflict) = validate::conflict(policy, &ctx.neighbours.of(policy, &ctx.policies)) {
+    if let Some(conflict) = validate::conflict(policy, &ctx.neighbours.of(policy, &ctx.shared.policies)) {
         // The group, and its bound, belong to the older policy.
         if destroy {
             let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);
@@ -208,7 +209,7 @@ pub async fn release_bound(policy: &ConsumerGroupPolicy, ctx: &Context) -> Resul
 /// Whether the policy's namespace is being deleted (false when that cannot be read).
 async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> bool {
     let Some(namespace) = policy.namespace() else { return false };
-    match Api::<Namespace>::all(ctx.client.clone()).get_opt(&namespace).await {
+    match Api::<Namespace>::all(ctx.shared.client.clone()).get_opt(&namespace).await {
         Ok(Some(ns)) => ns.metadata.deletion_timestamp.is_some(),
         Ok(None) => true,
         Err(_) => false,
@@ -218,8 +219,8 @@ async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> b
 /// Removes the bound (also when the spec no longer sets one: the finalizer stays until a reconcile took it off),
 /// then destroys the group when `destroy`.
 async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool) -> Result<()> {
-    let target = super::resolve::target(policy, &ctx.client, &ctx.secrets).await?;
-    let (target, mut conn) = ctx.pools.connect_primary(&target).await?;
+    let target = ctx.shared.target(policy).await?;
+    let (target, mut conn) = ctx.shared.pools.connect_primary(&target).await?;
     let server = target.server();
     redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
     if !destroy {

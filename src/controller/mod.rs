@@ -1,6 +1,7 @@
 //! The control loop. Each reconcile runs four phases, each in its own file:
 //!
-//! 1. [`resolve`]: the policy's Secrets -> the server and identity to connect with (cached Secret values);
+//! 1. resolve: the policy's Secrets -> the server and identity to connect with (cached Secret values, in
+//!    [`crate::context`], which the redrive controller uses too);
 //! 2. [`validate`]: schedule, conflicts with other policies, cluster slots (pure);
 //! 3. [`act`]: the group on the server, the jobs handed to the [`Runner`], the numbers read back;
 //! 4. [`report`]: status, conditions, Events, metrics.
@@ -12,59 +13,45 @@
 mod act;
 mod neighbours;
 mod report;
-mod resolve;
 mod status;
 mod validate;
-
-pub use status::{READY, RECONCILED, RECONCILING, STALLED};
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{FutureExt, StreamExt, TryStreamExt};
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::events::Reporter;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{ObjectRef, Store, store::Writer};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
-use kube::{Client, ResourceExt};
+use kube::ResourceExt;
 use tracing::{instrument, warn};
 
 use crate::api::ConsumerGroupPolicy;
-use crate::leader::Leadership;
-use crate::redis::{PoolKey, Pools};
+use crate::context::{self, Shared, policy_id};
+use crate::redis::PoolKey;
 use crate::runner::Runner;
-use crate::telemetry::{Events, Metrics, Readiness};
+use crate::telemetry::Readiness;
 use crate::{Error, Result};
 use neighbours::Neighbours;
-use resolve::SecretCache;
 use validate::Schedule;
 
-/// Field manager of every status write; the operator owns nothing else of the object but its finalizer.
-pub const FIELD_MANAGER: &str = "pelican";
 pub const FINALIZER: &str = "pelican.io/cleanup";
 /// How often a policy whose interval cannot be read is looked at again.
 const STALLED_RECHECK: Duration = Duration::from_secs(60);
 /// How soon a replica that may not write (yet) looks at a policy again.
 const NOT_LEADING_RECHECK: Duration = Duration::from_secs(1);
 
-/// Shared by all reconciles.
+/// What the reconciles of policies share: the handles every controller has, and the policy controller's own state.
 pub struct Context {
-    pub client: Client,
-    pub pools: Arc<Pools>,
-    pub events: Events,
-    /// Every policy the controller sees, for the (server, stream, group) ownership check.
-    pub policies: Store<ConsumerGroupPolicy>,
+    pub shared: Arc<Shared>,
     /// Which of them share a server and a stream or a key name with a given policy.
     neighbours: Neighbours,
-    pub metrics: Arc<Metrics>,
-    pub runner: Runner,
-    leadership: Leadership,
-    secrets: SecretCache,
+    runner: Runner,
     failures: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, u32>>,
     /// Which shared connection each policy uses, so unused ones (old credentials) are closed.
     pool_users: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, PoolKey>>,
@@ -107,10 +94,10 @@ impl Context {
     /// Per-policy state goes when the policy goes ([`act::forget`]); these are shared by policies, so they are
     /// swept instead.
     fn sweep(&self) {
-        let policies = self.policies.state();
-        self.secrets.retain_referenced(&policies);
+        let policies = self.shared.policies.state();
+        self.shared.secrets.retain_referenced(&policies);
         let sentinels = policies.iter().filter(|p| p.spec.redis.sentinel.is_some()).map(|p| p.spec.redis.url.as_str());
-        self.pools.retain_sentinels(sentinels);
+        self.shared.pools.retain_sentinels(sentinels);
         self.runner.sweep();
         self.deleted.prune();
     }
@@ -118,9 +105,9 @@ impl Context {
     /// Entries of each in-memory map, for `pelican_state_entries`.
     fn sizes(&self) -> Vec<(&'static str, usize)> {
         let mut sizes = vec![
-            ("connections", self.pools.len()),
-            ("sentinel_connections", self.pools.sentinels()),
-            ("secrets", self.secrets.len()),
+            ("connections", self.shared.pools.len()),
+            ("sentinel_connections", self.shared.pools.sentinels()),
+            ("secrets", self.shared.secrets.len()),
             ("deleted_policies", self.deleted.prune()),
             ("reconcile_failures", self.failures.lock().expect("failures lock").len()),
             ("connection_users", self.pool_users.lock().expect("pool users lock").len()),
@@ -131,52 +118,32 @@ impl Context {
     }
 }
 
-/// Where to watch, how to identify ourselves, where to report.
+/// Where to watch and how much at once.
 pub struct Settings {
     /// Watch one namespace, or all when `None`.
     pub namespace: Option<String>,
-    pub instance: Option<String>,
-    pub metrics: Arc<Metrics>,
     pub readiness: Readiness,
-    /// Whether this replica may write; [`Leadership::always`] without leader election.
-    pub leadership: Leadership,
     /// Only policies matching this label selector (a shard); all when `None`.
     pub label_selector: Option<String>,
     /// How many policies are reconciled at once. Bounds the burst on the API server and on each Redis connection
     /// when thousands of policies are seen at start; passes are bounded separately, per server, by the runner.
     pub concurrency: u16,
-    /// Read Secrets only in these namespaces (their RBAC is namespaced); all watched namespaces when `None`.
+    /// Watch Secrets only in these namespaces (the operator's RBAC); all watched namespaces when `None`.
     pub secret_namespaces: Option<BTreeSet<String>>,
-}
-
-impl Context {
-    /// Whether this replica may write, shared with the redrive controller.
-    pub fn leadership(&self) -> Leadership {
-        self.leadership.clone()
-    }
-}
-
-/// The server and credentials of a policy (phase 1, resolve), for the redrive controller.
-pub async fn resolve_target(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<crate::redis::Target> {
-    resolve::target(policy, &ctx.client, &ctx.secrets).await
-}
-
-/// The server and credentials of a policy, its Secrets read with `client`'s permissions (for `kubectl pelican`).
-pub async fn read_target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<crate::redis::Target> {
-    resolve::target(policy, client, &SecretCache::default()).await
-}
-
-/// `namespace/name`: how the runner and the logs name a policy.
-pub fn policy_id(policy: &ConsumerGroupPolicy) -> String {
-    id(&policy.namespace().unwrap_or_default(), &policy.name_any())
 }
 
 fn id(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
-/// Runs the controller until `shutdown` resolves.
-pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Output = ()> + Send + Sync + 'static) {
+/// Runs the controller until `shutdown` resolves; `writer` fills `shared.policies`.
+pub async fn run(
+    shared: Arc<Shared>,
+    writer: Writer<ConsumerGroupPolicy>,
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = shared.client.clone();
     let policies: Api<ConsumerGroupPolicy> = match &settings.namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
@@ -187,20 +154,16 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         (None, Some(namespaces)) => namespaces.iter().map(|ns| Api::namespaced(client.clone(), ns)).collect(),
         (None, None) => vec![Api::all(client.clone())],
     };
-    let (store, writer) = reflector::store();
-    let reporter = Reporter { controller: "pelican".into(), instance: settings.instance };
-    let events = Events::new(client.clone(), reporter);
-    let pools = Arc::new(Pools::default());
+    let store = shared.policies.clone();
     let ctx = Arc::new(Context {
-        client,
-        pools: pools.clone(),
-        events: events.clone(),
-        policies: store.clone(),
+        runner: Runner::new(
+            shared.leadership.clone(),
+            shared.events.clone(),
+            shared.metrics.clone(),
+            shared.pools.clone(),
+        ),
+        shared: shared.clone(),
         neighbours: Neighbours::default(),
-        metrics: settings.metrics.clone(),
-        runner: Runner::new(settings.leadership.clone(), events, settings.metrics.clone(), pools),
-        leadership: settings.leadership,
-        secrets: SecretCache::new(settings.secret_namespaces.clone()),
         failures: Mutex::default(),
         pool_users: Mutex::default(),
         deleted: Tombstones::default(),
@@ -216,7 +179,7 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         }
     });
     let state_ctx = Arc::downgrade(&ctx);
-    settings.metrics.watch_state(move || state_ctx.upgrade().map(|ctx| ctx.sizes()).unwrap_or_default());
+    shared.metrics.watch_state(move || state_ctx.upgrade().map(|ctx| ctx.sizes()).unwrap_or_default());
     // Status writes change the resource version but not the generation: they must not wake the reconcile.
     let mut config = watcher::Config::default().any_semantic();
     if let Some(selector) = &settings.label_selector {
@@ -261,13 +224,10 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
         }
     });
     let mapper_ctx = ctx.clone();
-    let shutdown = shutdown.shared();
-    let sharded = settings.label_selector.is_some();
-    let redrives = crate::redrive::run(ctx.clone(), settings.namespace.clone(), sharded, shutdown.clone());
-    let policies = Controller::for_stream(changes, store.clone())
+    Controller::for_stream(changes, store.clone())
         .watches_stream(secret_changes, move |secret| {
             let (namespace, name) = (secret.namespace().unwrap_or_default(), secret.name_any());
-            mapper_ctx.secrets.invalidate(&namespace, &name);
+            mapper_ctx.shared.secrets.invalidate(&namespace, &name);
             policies_using_secret(&store, &namespace, &name)
         })
         .with_config(controller::Config::default().concurrency(settings.concurrency))
@@ -280,8 +240,8 @@ pub async fn run(client: Client, settings: Settings, shutdown: impl Future<Outpu
             {
                 warn!(error = %e, "controller error");
             }
-        });
-    futures::join!(policies, redrives);
+        })
+        .await;
 }
 
 fn policies_using_secret(
@@ -292,7 +252,7 @@ fn policies_using_secret(
     store
         .state()
         .iter()
-        .filter(|p| p.namespace().as_deref() == Some(namespace) && resolve::secret_refs(p).any(|r| r.name == name))
+        .filter(|p| p.namespace().as_deref() == Some(namespace) && context::secret_refs(p).any(|r| r.name == name))
         .map(|p| ObjectRef::from_obj(p.as_ref()))
         .collect()
 }
@@ -301,17 +261,17 @@ fn policies_using_secret(
 async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Result<Action> {
     let start = Instant::now();
     let result = reconcile_inner(policy, &ctx).await;
-    ctx.metrics.reconciled(start.elapsed(), result.is_err());
+    ctx.shared.metrics.reconciled(start.elapsed(), result.as_ref().err().map(Error::reason));
     result
 }
 
 async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -> Result<Action> {
     // A replica that may not write does nothing (it is about to exit, or has not read its Lease yet).
-    if !ctx.leadership.may_write() {
+    if !ctx.shared.leadership.may_write() {
         return Ok(Action::requeue(NOT_LEADING_RECHECK));
     }
     let namespace = policy.namespace().unwrap_or_default();
-    let api: Api<ConsumerGroupPolicy> = Api::namespaced(ctx.client.clone(), &namespace);
+    let api: Api<ConsumerGroupPolicy> = Api::namespaced(ctx.shared.client.clone(), &namespace);
     let has_finalizer = policy.finalizers().iter().any(|f| f == FINALIZER);
     // The finalizer is there only when deleting the policy has something to do in Redis (destroy the group, remove
     // the backlog bound): a `Retain` policy without a bound is deleted at once, with or without the operator.
@@ -366,10 +326,10 @@ fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Contex
 /// The four phases, then the next look: after `interval` when the policy is Ready or Stalled (Redis can heal
 /// without any Kubernetes event: a key of the wrong type deleted, an ACL fixed), with backoff otherwise.
 async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGroupPolicy>) -> Result<Action> {
-    let others = ctx.neighbours.of(policy, &ctx.policies);
+    let others = ctx.neighbours.of(policy, &ctx.shared.policies);
     let schedule = Schedule::from_spec(&policy.spec);
     let result = async {
-        let target = resolve::target(policy, &ctx.client, &ctx.secrets).await?;
+        let target = ctx.shared.target(policy).await?;
         let schedule = validate::validate(policy, &others)?;
         act::converge(policy, ctx, &target, &schedule, &others).await
     }

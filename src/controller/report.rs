@@ -8,11 +8,12 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 
+use super::Context;
 use super::act::Observation;
 use super::status::{self, Outcome, READY};
-use super::{Context, FIELD_MANAGER, policy_id};
 use crate::Result;
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
+use crate::context::{FIELD_MANAGER, policy_id};
 use crate::telemetry::PolicySnapshot;
 
 /// Turns what the reconcile saw (or the error that stopped it) into status, Events and metrics.
@@ -63,7 +64,7 @@ pub async fn report(
         oldest_pending_age_seconds: age,
         backlog_max_length: max_length,
     };
-    ctx.metrics.observe_policy((policy.namespace().unwrap_or_default(), policy.name_any()), snapshot);
+    ctx.shared.metrics.observe_policy((policy.namespace().unwrap_or_default(), policy.name_any()), snapshot);
     if status::worth_writing(policy.status.as_ref(), &status) {
         write_status(api, policy, &status).await?;
     }
@@ -198,7 +199,7 @@ async fn announce_requeue_copies(
 
 pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
     let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
-    if let Err(e) = ctx.events.publish(&event, &policy.object_ref(&())).await {
+    if let Err(e) = ctx.shared.events.publish(&event, &policy.object_ref(&())).await {
         let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
         warn!(namespace, name, error = %e, reason, "could not publish event");
     }

@@ -1,21 +1,16 @@
 //! Pure status building: "what Redis reports + what happened" -> the status to write (SPEC sections 2, 3 and 5).
 //! No IO here, so every rule is a plain unit test.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::Error;
 use crate::api::{ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals};
+use crate::context::conditions::{Said, condition};
 use crate::redis::{GroupFacts, ServerInfo};
 use crate::runner::{JobFailure, JobKind};
 
-pub const READY: &str = "Ready";
-/// True while the group's backlog is at its `backlog.maxLength` (producers are refused); Ready stays True.
-pub const SATURATED: &str = "Saturated";
-pub const RECONCILING: &str = "Reconciling";
-pub const STALLED: &str = "Stalled";
-/// Reason on all three conditions when the last reconcile succeeded.
-pub const RECONCILED: &str = "Reconciled";
+pub use crate::api::{READY, RECONCILED, RECONCILING, SATURATED, STALLED};
 
 /// How the last reconcile ended, as far as conditions are concerned.
 pub enum Outcome<'a> {
@@ -128,18 +123,7 @@ pub fn saturated(
             }
         },
     };
-    let last_transition_time = match old {
-        Some(old) if old.status == status => old.last_transition_time.clone(),
-        _ => Time(now),
-    };
-    Some(Condition {
-        type_: SATURATED.into(),
-        status: status.into(),
-        reason: reason.into(),
-        message,
-        observed_generation: generation,
-        last_transition_time,
-    })
+    Some(condition(previous, Said { type_: SATURATED, status, reason, message }, generation, now))
 }
 
 /// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id (SPEC section 3).
@@ -192,20 +176,7 @@ pub fn conditions(
     [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
         .into_iter()
         .map(|(type_, (status, reason, message))| {
-            let old = previous.iter().find(|c| c.type_ == type_);
-            // The transition time moves only when the status flips, as the Condition contract says.
-            let last_transition_time = match old {
-                Some(old) if old.status == status => old.last_transition_time.clone(),
-                _ => Time(now),
-            };
-            Condition {
-                type_: type_.into(),
-                status: status.into(),
-                reason: reason.into(),
-                message,
-                observed_generation: generation,
-                last_transition_time,
-            }
+            condition(previous, Said { type_, status, reason, message }, generation, now)
         })
         .collect()
 }
@@ -213,6 +184,7 @@ pub fn conditions(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     #[test]
     fn status_is_not_rewritten_because_time_passed() {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
@@ -29,10 +29,10 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::api::{ConsumerGroupPolicy, DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase, SOURCE_TARGET};
-use crate::controller::{self, FIELD_MANAGER};
+use crate::context::conditions::{Said, condition};
+use crate::context::{FIELD_MANAGER, Shared};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
-use crate::leader::Leadership;
 use crate::redis::{Conn, server_identity};
 use crate::{Error, Result};
 
@@ -60,9 +60,8 @@ struct Running {
 
 /// Shared by the redrive reconciles and their tasks.
 pub struct Redrives {
-    policies: Arc<controller::Context>,
+    shared: Arc<Shared>,
     redrives: Store<DeadLetterRedrive>,
-    leadership: Leadership,
     /// When the operator serves one shard, a redrive of a policy outside it belongs to another replica.
     sharded: bool,
     /// Running tasks by object uid.
@@ -73,12 +72,12 @@ pub struct Redrives {
 
 /// Runs the redrive controller until `shutdown` resolves; running tasks are told to stop then.
 pub async fn run(
-    policies: Arc<controller::Context>,
+    shared: Arc<Shared>,
     namespace: Option<String>,
     sharded: bool,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let client = policies.client.clone();
+    let client = shared.client.clone();
     let api: Api<DeadLetterRedrive> = match &namespace {
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
@@ -91,8 +90,7 @@ pub async fn run(
         .applied_objects()
         .predicate_filter(predicates::generation, Default::default());
     let ctx = Arc::new(Redrives {
-        leadership: policies.leadership(),
-        policies,
+        shared,
         redrives: store.clone(),
         sharded,
         tasks: Mutex::default(),
@@ -104,7 +102,7 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = shutdown.clone() => return,
-            ready = tokio::time::timeout(Duration::from_secs(1), ctx.policies.policies.wait_until_ready()) => match ready {
+            ready = tokio::time::timeout(Duration::from_secs(1), ctx.shared.policies.wait_until_ready()) => match ready {
                 Ok(Ok(())) => break,
                 Ok(Err(_)) => return,
                 Err(_) => continue,
@@ -139,7 +137,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         ctx.forget_gone(&redrive);
         return expire(&ctx, &redrive, &status).await;
     }
-    if !ctx.leadership.may_write() {
+    if !ctx.shared.leadership.may_write() {
         return Ok(Action::requeue(Duration::from_secs(1)));
     }
     let uid = redrive.uid().unwrap_or_default();
@@ -157,7 +155,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
     // 2. Resolve the policy and its server.
     let namespace = redrive.namespace().unwrap_or_default();
     let policy_name = &redrive.spec.policy_ref.name;
-    let policy = ctx.policies.policies.get(&ObjectRef::new(policy_name).within(&namespace));
+    let policy = ctx.shared.policies.get(&ObjectRef::new(policy_name).within(&namespace));
     let Some(policy) = policy else {
         if ctx.sharded {
             // Another shard's policy, or none at all: the shard that serves it writes the status.
@@ -169,7 +167,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         ctx.pending(&redrive, &status, "PolicyNotFound", note).await?;
         return Ok(Action::requeue(WAIT_RECHECK));
     };
-    let target = match controller::resolve_target(&policy, &ctx.policies).await {
+    let target = match ctx.shared.target(&policy).await {
         Ok(target) => target,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
@@ -202,7 +200,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         return Ok(Action::requeue(WAIT_RECHECK));
     }
     // 4. Act: connect and hand the work to a task.
-    let (conn, target) = match ctx.policies.pools.connect_primary(&target).await.map(|(t, c)| (c, t)) {
+    let (conn, target) = match ctx.shared.pools.connect_primary(&target).await.map(|(t, c)| (c, t)) {
         Ok(conn) => conn,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
@@ -269,11 +267,11 @@ async fn expire(ctx: &Redrives, redrive: &DeadLetterRedrive, status: &DeadLetter
     if left > 0 {
         return Ok(Action::requeue(Duration::from_secs(left as u64)));
     }
-    if !ctx.leadership.may_write() {
+    if !ctx.shared.leadership.may_write() {
         return Ok(Action::requeue(Duration::from_secs(1)));
     }
     let api: Api<DeadLetterRedrive> =
-        Api::namespaced(ctx.policies.client.clone(), &redrive.namespace().unwrap_or_default());
+        Api::namespaced(ctx.shared.client.clone(), &redrive.namespace().unwrap_or_default());
     let params = DeleteParams {
         preconditions: Some(Preconditions { uid: redrive.uid(), resource_version: None }),
         ..DeleteParams::default()
@@ -294,13 +292,13 @@ impl Redrives {
     async fn reconnect(&self, redrive: &DeadLetterRedrive) -> Result<(Conn, String)> {
         let namespace = redrive.namespace().unwrap_or_default();
         let name = &redrive.spec.policy_ref.name;
-        let Some(policy) = self.policies.policies.get(&ObjectRef::new(name).within(&namespace)) else {
+        let Some(policy) = self.shared.policies.get(&ObjectRef::new(name).within(&namespace)) else {
             return Err(Error::InvalidSpec(format!(
                 "ConsumerGroupPolicy {name:?} not found in namespace {namespace:?}"
             )));
         };
-        let target = controller::resolve_target(&policy, &self.policies).await?;
-        let (target, conn) = self.policies.pools.connect_primary(&target).await?;
+        let target = self.shared.target(&policy).await?;
+        let (target, conn) = self.shared.pools.connect_primary(&target).await?;
         Ok((conn, target.server()))
     }
 
@@ -390,7 +388,8 @@ impl Redrives {
     ) -> Result<()> {
         status.phase = phase;
         status.observed_generation = redrive.metadata.generation;
-        status.conditions = conditions(&status.conditions, phase, reason, &note, redrive.metadata.generation);
+        let generation = redrive.metadata.generation;
+        status.conditions = conditions(&status.conditions, phase, reason, &note, generation, Timestamp::now());
         self.write(redrive, status).await
     }
 
@@ -413,7 +412,7 @@ impl Redrives {
 
     async fn write(&self, redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> Result<()> {
         let api: Api<DeadLetterRedrive> =
-            Api::namespaced(self.policies.client.clone(), &redrive.namespace().unwrap_or_default());
+            Api::namespaced(self.shared.client.clone(), &redrive.namespace().unwrap_or_default());
         let patch = serde_json::json!({
             "apiVersion": "pelican.io/v1alpha1",
             "kind": "DeadLetterRedrive",
@@ -426,7 +425,7 @@ impl Redrives {
 
     async fn publish(&self, redrive: &DeadLetterRedrive, type_: EventType, reason: &str, note: String) {
         let event = Event { type_, reason: reason.into(), note: Some(note), action: "Redrive".into(), secondary: None };
-        if let Err(e) = self.policies.events.publish(&event, &redrive.object_ref(&())).await {
+        if let Err(e) = self.shared.events.publish(&event, &redrive.object_ref(&())).await {
             warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, reason, "could not publish event");
         }
     }
@@ -440,9 +439,8 @@ fn conditions(
     reason: &str,
     message: &str,
     generation: Option<i64>,
+    now: Timestamp,
 ) -> Vec<Condition> {
-    let now = Time(Timestamp::now());
-    let on = |yes: bool| if yes { "True" } else { "False" };
     [
         ("Complete", phase == RedrivePhase::Succeeded),
         ("Failed", phase == RedrivePhase::Failed),
@@ -451,19 +449,35 @@ fn conditions(
     ]
     .into_iter()
     .map(|(type_, yes)| {
-        let status = on(yes);
-        let last_transition_time = match previous.iter().find(|c| c.type_ == type_) {
-            Some(old) if old.status == status => old.last_transition_time.clone(),
-            _ => now.clone(),
-        };
-        Condition {
-            type_: type_.into(),
-            status: status.into(),
-            reason: reason.into(),
-            message: if yes { message.into() } else { String::new() },
-            observed_generation: generation,
-            last_transition_time,
-        }
+        let status = if yes { "True" } else { "False" };
+        let message = if yes { message.to_string() } else { String::new() };
+        condition(previous, Said { type_, status, reason, message }, generation, now)
     })
     .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn true_ones(conditions: &[Condition]) -> Vec<&str> {
+        conditions.iter().filter(|c| c.status == "True").map(|c| c.type_.as_str()).collect()
+    }
+
+    #[test]
+    fn phases_read_as_jobs_and_kstatus_read_them() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let running = conditions(&[], RedrivePhase::Running, "Running", "moving", Some(1), t0);
+        assert_eq!(true_ones(&running), ["Reconciling"]);
+        assert_eq!(running.iter().find(|c| c.type_ == "Reconciling").unwrap().message, "moving");
+        let t1 = Timestamp::from_second(60).unwrap();
+        let done = conditions(&running, RedrivePhase::Succeeded, "Complete", "moved 3 of 3", Some(1), t1);
+        assert_eq!(true_ones(&done), ["Complete"]);
+        let failed_before = running.iter().find(|c| c.type_ == "Failed").unwrap().last_transition_time.clone();
+        let failed_now = done.iter().find(|c| c.type_ == "Failed").unwrap().last_transition_time.clone();
+        assert_eq!(failed_before, failed_now, "Failed stayed False: its transition time stays");
+        let failed = conditions(&running, RedrivePhase::Failed, "CrossSlot", "other slot", Some(1), t1);
+        assert_eq!(true_ones(&failed), ["Failed", "Stalled"]);
+        assert!(true_ones(&conditions(&[], RedrivePhase::Suspended, "Suspended", "", None, t0)).is_empty());
+    }
 }

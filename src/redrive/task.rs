@@ -191,7 +191,7 @@ async fn drive(
             copy_progress(status, &progress);
             return halted_status(ctx, redrive, status, Some(halt)).await;
         }
-        if !ctx.leadership.may_write() {
+        if !ctx.shared.leadership.may_write() {
             return Ok(());
         }
         if work.rate.has_changed().unwrap_or(false) {

@@ -89,13 +89,16 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Records one reconcile; `error` says whether it failed.
-    pub fn reconciled(&self, took: Duration, error: bool) {
+    /// Records one reconcile; `error` is the reason it failed, the error's condition reason (`RedisUnavailable`,
+    /// `KubernetesApiError`, ...), which labels the error counter.
+    pub fn reconciled(&self, took: Duration, error: Option<&'static str>) {
         let controller: Labels = vec![("controller", CONTROLLER.into())];
-        let result = if error { "error" } else { "success" };
+        let result = if error.is_some() { "error" } else { "success" };
         self.reconcile_total.get_or_create(&vec![("controller", CONTROLLER.into()), ("result", result.into())]).inc();
-        if error {
-            self.reconcile_errors.get_or_create(&controller).inc();
+        if let Some(reason) = error {
+            self.reconcile_errors
+                .get_or_create(&vec![("controller", CONTROLLER.into()), ("reason", reason.into())])
+                .inc();
         }
         self.reconcile_time.get_or_create(&controller).observe(took.as_secs_f64());
     }
@@ -353,7 +356,8 @@ mod tests {
         };
         metrics.observe_policy(("apps".into(), "p".into()), snapshot);
         metrics.watch_leadership("pelican-leader", Leadership::always());
-        metrics.reconciled(Duration::from_millis(3), false);
+        metrics.reconciled(Duration::from_millis(3), None);
+        metrics.reconciled(Duration::from_millis(3), Some("RedisUnavailable"));
         let text = metrics.render();
         let labels = r#"namespace="apps",policy="p",stream="s",group="g""#;
         assert!(text.contains(&format!("pelican_group_pending{{{labels}}} 42")), "{text}");
@@ -365,6 +369,8 @@ mod tests {
         assert!(!text.contains("pelican_group_lag{"), "unknown lag must be absent, not 0:\n{text}");
         assert!(text.contains(&format!("pelican_group_backlog_max_length{{{labels}}} 500")), "{text}");
         assert!(text.contains(r#"pelican_leader{lease="pelican-leader"} 1"#), "{text}");
+        let errors = r#"controller_runtime_reconcile_errors_total{controller="consumergrouppolicy",reason="RedisUnavailable"} 1"#;
+        assert!(text.contains(errors), "{text}");
         assert!(
             text.contains(r#"controller_runtime_reconcile_total{controller="consumergrouppolicy",result="success"} 1"#),
             "{text}"

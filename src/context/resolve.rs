@@ -1,4 +1,4 @@
-//! Phase 1, resolve: the policy's Secrets -> the server and identity to connect with.
+//! The policy's Secrets -> the server and identity to connect with.
 //!
 //! Secret values come from a cache holding only the Secrets policies reference, filled by one GET on first use
 //! and dropped when the metadata-only watch reports a change to that Secret, so a reconcile costs no API request
@@ -61,7 +61,7 @@ impl SecretCache {
     }
 
     /// Secrets cached now.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.lock().expect("secret cache lock").values.len()
     }
 

@@ -1,0 +1,60 @@
+//! Conditions in the `metav1.Condition` shape, for every kind Pelican writes: one rule for the transition time.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+/// What a condition says now.
+pub struct Said<'a> {
+    pub type_: &'a str,
+    pub status: &'a str,
+    pub reason: &'a str,
+    pub message: String,
+}
+
+/// The condition `said` describes, observed at `generation`. Its transition time moves (to `now`) only when its
+/// status flips against `previous`, as the Condition contract says; a new reason or message alone keeps it.
+pub fn condition(previous: &[Condition], said: Said<'_>, generation: Option<i64>, now: Timestamp) -> Condition {
+    let last_transition_time = match previous.iter().find(|c| c.type_ == said.type_) {
+        Some(old) if old.status == said.status => old.last_transition_time.clone(),
+        _ => Time(now),
+    };
+    Condition {
+        type_: said.type_.into(),
+        status: said.status.into(),
+        reason: said.reason.into(),
+        message: said.message,
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn said<'a>(status: &'a str, reason: &'a str) -> Said<'a> {
+        Said { type_: "Ready", status, reason, message: format!("{reason} now") }
+    }
+
+    #[test]
+    fn the_transition_time_moves_only_when_the_status_flips() {
+        let (t0, t1, t2) =
+            (Timestamp::UNIX_EPOCH, Timestamp::from_second(10).unwrap(), Timestamp::from_second(20).unwrap());
+        let first = condition(&[], said("False", "RedisUnavailable"), Some(1), t0);
+        assert_eq!(first.last_transition_time, Time(t0));
+        let other_reason = condition(std::slice::from_ref(&first), said("False", "AuthenticationFailed"), Some(2), t1);
+        assert_eq!(other_reason.last_transition_time, Time(t0), "a new reason is no transition");
+        assert_eq!((other_reason.reason.as_str(), other_reason.observed_generation), ("AuthenticationFailed", Some(2)));
+        let flipped = condition(std::slice::from_ref(&other_reason), said("True", "Reconciled"), Some(2), t2);
+        assert_eq!(flipped.last_transition_time, Time(t2));
+        assert_eq!(flipped.message, "Reconciled now");
+    }
+
+    #[test]
+    fn other_types_do_not_count() {
+        let stalled =
+            Condition { type_: "Stalled".into(), ..condition(&[], said("False", "x"), None, Timestamp::UNIX_EPOCH) };
+        let ready = condition(&[stalled], said("False", "y"), None, Timestamp::from_second(5).unwrap());
+        assert_eq!(ready.last_transition_time, Time(Timestamp::from_second(5).unwrap()));
+    }
+}

@@ -1,0 +1,77 @@
+//! What the controllers share, so that none of them imports another: the API client, the connections to servers,
+//! Events and metrics, whether this replica may write, the Secret cache that turns a policy into a server and
+//! credentials, and the store of policies the policy controller watches (the redrive controller finds a redrive's
+//! policy there). `main.rs` builds one [`Shared`] and starts the controllers beside each other with it.
+
+pub mod conditions;
+mod resolve;
+
+pub use resolve::{SecretCache, secret_refs};
+
+use std::sync::Arc;
+
+use kube::runtime::events::Reporter;
+use kube::runtime::reflector::{self, Store, store::Writer};
+use kube::{Client, ResourceExt};
+
+use crate::Result;
+use crate::api::ConsumerGroupPolicy;
+use crate::leader::Leadership;
+use crate::redis::{Pools, Target};
+use crate::telemetry::{Events, Metrics};
+
+/// Field manager of every status write; the operator owns nothing else of its objects but the policies' finalizer.
+pub const FIELD_MANAGER: &str = "pelican";
+
+pub struct Shared {
+    pub client: Client,
+    /// One connection per server and identity, shared by every policy and redrive that uses it.
+    pub pools: Arc<Pools>,
+    pub events: Events,
+    pub metrics: Arc<Metrics>,
+    /// Whether this replica may write.
+    pub leadership: Leadership,
+    pub secrets: SecretCache,
+    /// Every policy the policy controller watches, kept by its reflector.
+    pub policies: Store<ConsumerGroupPolicy>,
+}
+
+impl Shared {
+    /// The shared handles, and the writer of the policy store for the policy controller's reflector. Secrets are
+    /// read only in the settings' `secret_namespaces` when given (the operator's RBAC is namespaced then).
+    pub fn new(
+        client: Client,
+        instance: Option<String>,
+        metrics: Arc<Metrics>,
+        leadership: Leadership,
+        settings: &crate::controller::Settings,
+    ) -> (Arc<Shared>, Writer<ConsumerGroupPolicy>) {
+        let (policies, writer) = reflector::store();
+        let reporter = Reporter { controller: "pelican".into(), instance };
+        let shared = Shared {
+            events: Events::new(client.clone(), reporter),
+            client,
+            pools: Arc::default(),
+            metrics,
+            leadership,
+            secrets: SecretCache::new(settings.secret_namespaces.clone()),
+            policies,
+        };
+        (Arc::new(shared), writer)
+    }
+
+    /// The server and credentials a policy names, its Secrets read through the cache.
+    pub async fn target(&self, policy: &ConsumerGroupPolicy) -> Result<Target> {
+        resolve::target(policy, &self.client, &self.secrets).await
+    }
+}
+
+/// The server and credentials of a policy, its Secrets read with `client`'s permissions (for `kubectl pelican`).
+pub async fn read_target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<Target> {
+    resolve::target(policy, client, &SecretCache::default()).await
+}
+
+/// `namespace/name`: how the runner and the logs name a policy.
+pub fn policy_id(policy: &ConsumerGroupPolicy) -> String {
+    format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())
+}
