@@ -22,13 +22,13 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store, store::Writer};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
-use kube::ResourceExt;
 use tracing::{instrument, warn};
 
 use crate::api::ConsumerGroupPolicy;
