@@ -108,10 +108,6 @@ fn set_user(bed: &Bed, user: &str, rules: &[String]) {
     bed.on_every_node(&cmd);
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
 fn every_role_runs_with_its_rules(bed: Bed, stream: &str, dead_letter: &str) {
     for (user, role) in [("pelican", "pelican"), ("producer", "producer"), ("worker", "worker")] {
         set_user(&bed, user, &rules(role, stream, dead_letter, &format!("{user}-pw")));

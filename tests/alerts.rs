@@ -290,10 +290,7 @@ fn prometheus_keeps_the_policy_namespace_in_namespace() {
     let honor = endpoint["honorLabels"].as_bool().unwrap_or(false);
 
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("scraped");
-    let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "billing", "")).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("scraped", &policy("orders", &server.url(), "orders", "billing", ""), "orders");
 
     // The scrape configuration Prometheus Operator generates for a ServiceMonitor endpoint, reduced to what sets
     // labels: honor_labels from the endpoint, and the target's namespace, service and job from the Service.

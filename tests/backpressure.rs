@@ -51,10 +51,6 @@ fn a_bound_whose_removal_failed_goes_with_the_policy_deleted_afterwards() {
     assert_eq!(bound_in_redis(&mut server.conn(), "billing"), None, "a bound outlived its policy");
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
 /// Publishes `count` entries through the SDK, 100 at a time: (accepted ids, refusals).
 fn publish(
     runtime: &tokio::runtime::Runtime,
@@ -323,13 +319,9 @@ fn operator_killed_while_trimming_never_removes_an_entry_a_group_needs(flavor: F
 }
 
 fn last_delivered(conn: &mut redis::Connection, group: &str) -> String {
-    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(STREAM).query(conn).unwrap();
-    groups
-        .into_iter()
-        .map(|g| redis::from_redis_value::<std::collections::HashMap<String, redis::Value>>(g).unwrap())
-        .find(|g| redis::from_redis_value::<String>(g["name"].clone()).unwrap() == group)
-        .map(|g| redis::from_redis_value(g["last-delivered-id"].clone()).unwrap())
-        .unwrap()
+    let groups = xinfo_groups(conn, STREAM);
+    let info = groups.iter().find(|g| group_field::<String>(g, "name") == group).unwrap();
+    group_field(info, "last-delivered-id")
 }
 
 fn newer(id: &str, than: &str) -> bool {

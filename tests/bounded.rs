@@ -78,16 +78,9 @@ fn bound(conn: &mut redis::Connection, group: &str, max: u64) {
 
 /// lag + pending of a group, as XINFO GROUPS reports them.
 fn backlog(conn: &mut redis::Connection, group: &str) -> i64 {
-    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(STREAM).query(conn).unwrap();
-    for g in groups {
-        let fields: std::collections::HashMap<String, redis::Value> = redis::from_redis_value(g).unwrap();
-        if redis::from_redis_value::<String>(fields["name"].clone()).unwrap() == group {
-            let lag: i64 = redis::from_redis_value(fields["lag"].clone()).unwrap();
-            let pending: i64 = redis::from_redis_value(fields["pending"].clone()).unwrap();
-            return lag + pending;
-        }
-    }
-    panic!("no group {group}");
+    let groups = xinfo_groups(conn, STREAM);
+    let info = groups.iter().find(|g| group_field::<String>(g, "name") == group).expect("the group");
+    group_field::<i64>(info, "lag") + group_field::<i64>(info, "pending")
 }
 
 fn ack_all(conn: &mut redis::Connection, group: &str, ids: &[String]) {

@@ -136,10 +136,7 @@ fn keys_in_different_slots_are_refused_before_any_write(flavor: Flavor) {
 
 fn a_node_down_is_redis_unavailable_then_heals(flavor: Flavor) {
     let mut cluster = Cluster::start(flavor);
-    let ns = namespace("nodedown");
-    let mut operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &cluster_policy("p", &cluster, "{down}:s", "{down}:dlq", "")).0);
-    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let (ns, mut operator) = ready_policy("nodedown", &cluster_policy("p", &cluster, "{down}:s", "{down}:dlq", ""), "p");
     cluster.owner("{down}:s").stop();
     let p = wait_for("Ready=False while the node is down", Duration::from_secs(60), || {
         let p = get_policy(&ns, "p");
@@ -260,8 +257,7 @@ fn a_password_protected_cluster_takes_the_password_from_the_secret(flavor: Flavo
     );
     assert!(kubectl_apply(&ns, &format!("{secret}---\n{manifest}")).0);
     wait_condition(&ns, "p", "Ready", "True", "Reconciled");
-    let groups: Vec<redis::Value> =
-        redis::cmd("XINFO").arg("GROUPS").arg("{auth}:s").query(&mut cluster.conn()).unwrap();
+    let groups = group_names(&mut cluster.conn(), "{auth}:s");
     assert_eq!(groups.len(), 1);
     assert!(!operator.logs().contains("cluster-pw-1"));
 }

@@ -65,7 +65,7 @@ fn only_policies_with_redis_work_on_deletion_carry_the_finalizer(flavor: Flavor)
     let bound: Option<String> =
         redis::cmd("HGET").arg(pelican::keys::bounds_key("c")).arg("g").query(&mut server.conn()).unwrap();
     assert_eq!(bound, None, "the deleted policy's bound is still in Redis");
-    assert_eq!(group_names(&server, "a"), ["g"], "Retain leaves the group");
+    assert_eq!(group_names(&mut server.conn(), "a"), ["g"], "Retain leaves the group");
     assert!(operator.is_running());
 }
 
@@ -74,10 +74,7 @@ fn only_policies_with_redis_work_on_deletion_carry_the_finalizer(flavor: Flavor)
 #[test]
 fn a_policy_whose_server_is_gone_lets_go_when_its_namespace_is_deleted() {
     let mut server = Server::start(Flavor::Redis);
-    let ns = namespace("nsgone");
-    let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "  deletionPolicy: Delete\n")).0);
-    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("nsgone", &policy("p", &server.url(), "s", "g", "  deletionPolicy: Delete\n"), "p");
     server.stop();
     kubectl_ok(&["delete", "cgp", "p", "-n", &ns, "--wait=false"]);
     // The server may come back: the policy alone being deleted waits for it.
@@ -93,17 +90,6 @@ fn a_policy_whose_server_is_gone_lets_go_when_its_namespace_is_deleted() {
         line.is_some_and(|l| l.contains("group \\\"g\\\" left in Redis: the namespace is being deleted")),
         "{logs}"
     );
-}
-
-fn group_names(server: &Server, stream: &str) -> Vec<String> {
-    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(&mut server.conn()).unwrap();
-    groups
-        .into_iter()
-        .map(|g| {
-            let fields: std::collections::HashMap<String, redis::Value> = redis::from_redis_value(g).unwrap();
-            redis::from_redis_value(fields["name"].clone()).unwrap()
-        })
-        .collect()
 }
 
 /// README's move: Retain, delete, apply with the new URL. The group, its PEL and the counters carry on.
@@ -181,9 +167,7 @@ fn mistakes_a_new_user_makes_are_stalled_with_what_to_change(flavor: Flavor) {
             p["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
         assert!(ready["message"].as_str().unwrap().contains(says), "{name}: {ready}");
     }
-    let groups: Vec<redis::Value> =
-        redis::cmd("XINFO").arg("GROUPS").arg("c").query(&mut server.conn()).unwrap_or_default();
-    assert!(groups.is_empty(), "a group was created at a future id");
+    assert!(group_names(&mut server.conn(), "c").is_empty(), "a group was created at a future id");
 
     // The default mode pointed at a cluster node that does not own the stream's slot.
     let cluster = Cluster::start(flavor);

@@ -107,10 +107,7 @@ fn argocd_health_and_kstatus_read_real_objects_right() {
 #[test]
 fn redrive_health_and_kstatus_read_real_redrives_right() {
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("gitops-dlr");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "")).0);
-    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("gitops-dlr", &policy("p", &server.url(), "s", "g", ""), "p");
     let mut conn = server.conn();
     for n in 0..1000 {
         let _: String = redis::cmd("XADD").arg("s:dlq").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
@@ -192,10 +189,7 @@ fn argocd_health_of_the_committed_fixtures() {
 #[test]
 fn metrics_pass_promtool_and_agree_with_status() {
     let server = Server::start(Flavor::Valkey);
-    let ns = namespace("promtool");
-    let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("m", &server.url(), "s", "g", "")).0);
-    wait_condition(&ns, "m", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("promtool", &policy("m", &server.url(), "s", "g", ""), "m");
     let mut conn = server.conn();
     for _ in 0..3 {
         let _: String = redis::cmd("XADD").arg("s").arg("*").arg("k").arg("v").query(&mut conn).unwrap();

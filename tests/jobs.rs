@@ -24,10 +24,7 @@ on_both_servers!(
 #[test]
 fn a_policy_deleted_while_its_reconcile_is_in_flight_runs_no_job_afterwards() {
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("deleted-in-flight");
-    let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &jobs_policy("q", &server, "q", "")).0);
-    wait_condition(&ns, "q", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("deleted-in-flight", &jobs_policy("q", &server, "q", ""), "q");
     assert!(operator.metrics().contains(&format!("namespace=\"{ns}\",policy=\"q\"")), "{}", operator.metrics());
 
     // The server stops answering; a change of spec starts a reconcile that waits on it; the policy (without a
@@ -97,10 +94,7 @@ fn dead_lettered(conn: &mut redis::Connection, dlq: &str) -> HashMap<u64, usize>
 
 fn seed_001_failed_messages_are_redelivered_then_dead_lettered_once(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("seed001");
-    let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &jobs_policy("mail", &server, "mail", "")).0);
-    wait_condition(&ns, "mail", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("seed001", &jobs_policy("mail", &server, "mail", ""), "mail");
     let mut conn = server.conn();
     produce(&mut conn, "mail", 30);
 

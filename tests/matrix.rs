@@ -146,8 +146,7 @@ fn run_on(flavor: Flavor, label: &str) -> Vec<String> {
     if cells[0] == "pass" {
         cells[0] = cell(|| {
             kubectl_ok(&["delete", "cgp", "jobs", "-n", &ns, "--timeout=30s"]);
-            let groups: Vec<redis::Value> =
-                redis::cmd("XINFO").arg("GROUPS").arg("jobs").query(&mut server.conn()).unwrap();
+            let groups = group_names(&mut server.conn(), "jobs");
             assert!(groups.is_empty(), "deletionPolicy Delete destroys the group");
         });
     }

@@ -7,7 +7,6 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use redis::Value as RV;
 use serde_json::Value;
 
 on_both_servers!(
@@ -21,15 +20,6 @@ on_both_servers!(
     second_policy_for_the_same_group_is_a_conflict,
 );
 
-fn group_names(server: &Server, stream: &str) -> Vec<String> {
-    let groups: Vec<RV> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(&mut server.conn()).unwrap_or_default();
-    groups
-        .into_iter()
-        .filter_map(|g| redis::from_redis_value::<std::collections::HashMap<String, RV>>(g).ok())
-        .filter_map(|g| redis::from_redis_value_ref::<String>(g.get("name")?).ok())
-        .collect()
-}
-
 fn status_i64(policy: &Value, field: &str) -> Option<i64> {
     policy["status"][field].as_i64()
 }
@@ -42,7 +32,7 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
     let (ok, out) = kubectl_apply(&ns, &manifest);
     assert!(ok, "{out}");
     kubectl_ok(&["wait", "-n", &ns, "--for=condition=Ready", "--timeout=30s", "cgp/orders"]);
-    assert_eq!(group_names(&server, "orders"), vec!["billing"]);
+    assert_eq!(group_names(&mut server.conn(), "orders"), vec!["billing"]);
 
     // Produce 10, deliver 6 to two consumers, acknowledge 2: 4 pending, 4 never delivered.
     let mut conn = server.conn();
@@ -132,13 +122,10 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
 
 fn group_deleted_out_of_band_is_recreated_with_a_warning(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("recreate");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("jobs", &server.url(), "jobs", "runner", "")).0);
-    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("recreate", &policy("jobs", &server.url(), "jobs", "runner", ""), "jobs");
     let _: i64 = redis::cmd("XGROUP").arg("DESTROY").arg("jobs").arg("runner").query(&mut server.conn()).unwrap();
     wait_for("group to be recreated", Duration::from_secs(20), || {
-        if group_names(&server, "jobs") == ["runner"] { Ok(()) } else { Err("missing".into()) }
+        if group_names(&mut server.conn(), "jobs") == ["runner"] { Ok(()) } else { Err("missing".into()) }
     });
     let recreated = wait_for("GroupRecreated event", Duration::from_secs(10), || {
         let ev = events(&ns, "GroupRecreated");
@@ -161,8 +148,8 @@ fn retain_leaves_the_group_and_delete_destroys_it(flavor: Flavor) {
     assert_eq!(get_policy(&ns, "gone")["metadata"]["finalizers"], serde_json::json!(["pelican.io/cleanup"]));
 
     kubectl_ok(&["delete", "cgp", "kept", "gone", "-n", &ns, "--timeout=30s"]);
-    assert_eq!(group_names(&server, "kept"), ["g"], "Retain must leave the group");
-    assert!(group_names(&server, "gone").is_empty(), "Delete must destroy the group");
+    assert_eq!(group_names(&mut server.conn(), "kept"), ["g"], "Retain must leave the group");
+    assert!(group_names(&mut server.conn(), "gone").is_empty(), "Delete must destroy the group");
     let kind: String = redis::cmd("TYPE").arg("gone").query(&mut server.conn()).unwrap();
     assert_eq!(kind, "stream", "the stream itself is never deleted");
 }
@@ -192,7 +179,7 @@ fn missing_secret_stalls_then_heals_when_created(flavor: Flavor) {
     assert!(kubectl_apply(&ns, &secret("s3cret-pw-1")).0);
     // Healed by the Secret watch, well before the policy's own timer would matter.
     wait_condition(&ns, "paid", "Ready", "True", "Reconciled");
-    assert_eq!(group_names(&server, "paid"), ["g"]);
+    assert_eq!(group_names(&mut server.conn(), "paid"), ["g"]);
     assert!(!operator.logs().contains("s3cret-pw-1"), "the password leaked into the operator log");
 }
 
@@ -215,17 +202,14 @@ fn wrong_password_is_refused_then_heals_when_fixed(flavor: Flavor) {
 
 fn server_restart_is_redis_unavailable_then_heals(flavor: Flavor) {
     let mut server = Server::start(flavor);
-    let ns = namespace("restart");
-    let mut operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("flaky", &server.url(), "flaky", "g", "")).0);
-    wait_condition(&ns, "flaky", "Ready", "True", "Reconciled");
+    let (ns, mut operator) = ready_policy("restart", &policy("flaky", &server.url(), "flaky", "g", ""), "flaky");
     server.stop();
     let p = wait_condition(&ns, "flaky", "Ready", "False", "RedisUnavailable");
     assert_eq!(condition(&p, "Reconciling"), Some(("True".into(), "RedisUnavailable".into())));
     assert_eq!(condition(&p, "Stalled").unwrap().0, "False");
     server.resume();
     wait_condition(&ns, "flaky", "Ready", "True", "Reconciled");
-    assert_eq!(group_names(&server, "flaky"), ["g"], "the restarted (empty) server gets the group again");
+    assert_eq!(group_names(&mut server.conn(), "flaky"), ["g"], "the restarted (empty) server gets the group again");
     // The most common way to lose a group (a restart without persistence) is a Warning, whatever the condition
     // was just before (RedisUnavailable here), never a Normal GroupCreated.
     let recreated = wait_for("GroupRecreated event", Duration::from_secs(10), || {
@@ -257,10 +241,7 @@ fn stream_key_of_another_type_stalls_until_removed(flavor: Flavor) {
 
 fn second_policy_for_the_same_group_is_a_conflict(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("conflict");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("first", &server.url(), "shared", "g", "")).0);
-    wait_condition(&ns, "first", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("conflict", &policy("first", &server.url(), "shared", "g", ""), "first");
     std::thread::sleep(Duration::from_millis(1100)); // creation timestamps have one-second resolution
     let second = policy("second", &server.url(), "shared", "g", "  deletionPolicy: Delete\n");
     assert!(kubectl_apply(&ns, &second).0);
@@ -268,7 +249,7 @@ fn second_policy_for_the_same_group_is_a_conflict(flavor: Flavor) {
     assert!(p.to_string().contains(&format!("{ns}/first")), "{p}");
     // Deleting the loser must not destroy the winner's group, even with deletionPolicy Delete.
     kubectl_ok(&["delete", "cgp", "second", "-n", &ns, "--timeout=30s"]);
-    assert_eq!(group_names(&server, "shared"), ["g"]);
+    assert_eq!(group_names(&mut server.conn(), "shared"), ["g"]);
     wait_condition(&ns, "first", "Ready", "True", "Reconciled");
 }
 
@@ -341,10 +322,7 @@ fn a_churn_of_a_thousand_policies_leaves_nothing_behind() {
     const ROUND: usize = 500;
     let steady_server = Server::start(Flavor::Valkey);
     let churn_server = Server::start_with(Flavor::Valkey, &["--requirepass", "churn-pw"]);
-    let ns = namespace("churn");
-    let operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("steady", &steady_server.url(), "steady", "g", "")).0);
-    wait_condition(&ns, "steady", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("churn", &policy("steady", &steady_server.url(), "steady", "g", ""), "steady");
     let secret = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: churn-auth\nstringData:\n  password: churn-pw\n";
     assert!(kubectl_apply(&ns, secret).0);
     std::thread::sleep(Duration::from_secs(12));

@@ -45,10 +45,6 @@ fn settings(strategy: ReclaimStrategy, max_deliveries: u32) -> PassSettings {
     PassSettings { min_idle: IDLE, max_per_pass: 1000, max_deliveries, strategy, dead_letter_max_len: None }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
 async fn connect(server: &Server) -> Conn {
     let target = Target::new(server.url());
     Pools::default().get(&target).await.unwrap()

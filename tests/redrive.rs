@@ -93,10 +93,7 @@ fn ns_in(conn: &mut redis::Connection, stream: &str, keep: impl Fn(&RawEntry) ->
 #[test]
 fn moves_before_a_failure_in_the_same_batch_are_recorded() {
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("redrive-half");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("mail", &server.url(), "a", "workers", "")).0);
-    wait_condition(&ns, "mail", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("redrive-half", &policy("mail", &server.url(), "a", "workers", ""), "mail");
     let mut conn = server.conn();
     // Stream b's last id is the largest there is: XADD * into it fails.
     let max_id = "18446744073709551615-18446744073709551615";
@@ -127,10 +124,7 @@ fn redriven(entry: &RawEntry) -> bool {
 fn ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once(flavor: Flavor) {
     const COUNT: u64 = 10_000;
     let server = Server::start(flavor);
-    let ns = namespace("redrive-ledger");
-    let mut operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("orders", &server.url(), "orders", "workers", "")).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let (ns, mut operator) = ready_policy("redrive-ledger", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
     let mut conn = server.conn();
     dead_letters(&mut conn, "orders:dlq", "orders", COUNT, |_| "MaxDeliveriesExceeded");
 
@@ -256,10 +250,7 @@ fn poison_dead_lettered_fixed_redriven_and_processed(flavor: Flavor) {
 
 fn filters_move_exactly_the_matching_entries(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("redrive-filter");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("billing", &server.url(), "billing", "workers", "")).0);
-    wait_condition(&ns, "billing", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("redrive-filter", &policy("billing", &server.url(), "billing", "workers", ""), "billing");
     let mut conn = server.conn();
     // Even n: MaxDeliveriesExceeded; odd n: PayloadInvalid.
     dead_letters(&mut conn, "billing:dlq", "billing", 300, |n| {
@@ -305,10 +296,7 @@ fn filters_move_exactly_the_matching_entries(flavor: Flavor) {
 #[test]
 fn the_rate_limit_holds_within_ten_percent() {
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("redrive-rate");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("rate", &server.url(), "rate", "workers", "")).0);
-    wait_condition(&ns, "rate", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("redrive-rate", &policy("rate", &server.url(), "rate", "workers", ""), "rate");
     let mut conn = server.conn();
     dead_letters(&mut conn, "rate:dlq", "rate", 1500, |_| "MaxDeliveriesExceeded");
     let start = Instant::now();
@@ -331,10 +319,7 @@ fn the_rate_limit_holds_within_ten_percent() {
 #[test]
 fn one_redrive_at_a_time_per_dead_letter_stream_and_suspend_resumes() {
     let server = Server::start(Flavor::Valkey);
-    let ns = namespace("redrive-queue");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("jobs", &server.url(), "jobs", "workers", "")).0);
-    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("redrive-queue", &policy("jobs", &server.url(), "jobs", "workers", ""), "jobs");
     let mut conn = server.conn();
     dead_letters(&mut conn, "jobs:dlq", "jobs", 600, |_| "MaxDeliveriesExceeded");
     assert!(kubectl_apply(&ns, &redrive("first", "jobs", "  ratePerSecond: 200\n")).0);
@@ -378,10 +363,7 @@ fn one_redrive_at_a_time_per_dead_letter_stream_and_suspend_resumes() {
 #[test]
 fn ttl_deletes_the_object_and_the_manifest_applied_again_does_not_run() {
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("redrive-ttl");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &policy("ttl", &server.url(), "ttl", "workers", "")).0);
-    wait_condition(&ns, "ttl", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("redrive-ttl", &policy("ttl", &server.url(), "ttl", "workers", ""), "ttl");
     let mut conn = server.conn();
     dead_letters(&mut conn, "ttl:dlq", "ttl", 10, |_| "MaxDeliveriesExceeded");
     let manifest = redrive("once", "ttl", "  ttlSecondsAfterFinished: 2\n");

@@ -178,10 +178,7 @@ fn a_redrive_follows_a_failover_and_finishes_on_the_new_primary() {
     const COUNT: u64 = 200;
     let mut sentinels = Sentinels::start(Flavor::Redis);
     sentinels.wait_settled(2);
-    let ns = namespace("sentinel-redrive");
-    let _operator = Operator::start(&ns);
-    assert!(kubectl_apply(&ns, &sentinel_policy("jobs", &sentinels, MASTER_NAME, "", false)).0);
-    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("sentinel-redrive", &sentinel_policy("jobs", &sentinels, MASTER_NAME, "", false), "jobs");
     let first = sentinels.primary_port();
     let mut conn = sentinels.server(first).conn();
     for n in 0..COUNT {

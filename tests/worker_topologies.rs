@@ -28,10 +28,6 @@ async fn handle(message: Message) -> Result<Outcome, pelican::worker::BoxError> 
     Ok(if n.is_multiple_of(2) { Outcome::Done } else { Outcome::Terminal(Reason::new("RecordNotFound")?) })
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
 fn a_worker_on_a_cluster_acks_and_counts_on_the_streams_node(flavor: Flavor) {
     let cluster = Cluster::start(flavor);
     let mut conn = cluster.conn();

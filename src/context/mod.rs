@@ -10,9 +10,17 @@ pub use resolve::{SecretCache, secret_refs};
 
 use std::sync::Arc;
 
-use kube::runtime::events::Reporter;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::NamespaceResourceScope;
+use kube::runtime::events::{Event, EventType, Reporter};
 use kube::runtime::reflector::{self, Store, store::Writer};
-use kube::{Client, ResourceExt};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::fmt::Debug;
+
+use tracing::warn;
 
 use crate::Result;
 use crate::api::ConsumerGroupPolicy;
@@ -63,6 +71,30 @@ impl Shared {
     /// The server and credentials a policy names, its Secrets read through the cache.
     pub async fn target(&self, policy: &ConsumerGroupPolicy) -> Result<Target> {
         resolve::target(policy, &self.client, &self.secrets).await
+    }
+}
+
+impl Shared {
+    /// Writes `status` as the object's status by server-side apply under [`FIELD_MANAGER`] (forced: the operator
+    /// owns the status of its objects).
+    pub async fn apply_status<K>(&self, object: &K, status: &impl Serialize) -> Result<()>
+    where
+        K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Clone + DeserializeOwned + Debug,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), &object.namespace().unwrap_or_default());
+        let patch = serde_json::json!({"apiVersion": K::api_version(&()), "kind": K::kind(&()), "status": status});
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        api.patch_status(&object.name_any(), &params, &Patch::Apply(&patch)).await?;
+        Ok(())
+    }
+
+    /// Publishes an Event about `object` (`action`: `Reconcile`, `Redrive`, ...). Events are best effort: a failure
+    /// is logged with the reason, never returned.
+    pub async fn publish(&self, object: &ObjectReference, action: &str, type_: EventType, reason: &str, note: String) {
+        let event = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+        if let Err(e) = self.events.publish(&event, object).await {
+            warn!(namespace = object.namespace, name = object.name, error = %e, reason, "could not publish event");
+        }
     }
 }
 

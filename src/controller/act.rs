@@ -1,6 +1,6 @@
-//! Phase 3, act: converge Redis on what the policy says (the group exists; the 0.1 counters are carried over),
-//! hand the data-plane work to the runner, and read the numbers the status shows. On deletion, apply the
-//! `deletionPolicy`.
+//! Phase 3b, act: the IO of converging Redis on what the policy says, in the order [`super::plan`] decides it:
+//! connect, set the group up, hand the data-plane work to the runner, read the numbers the status shows, write
+//! the bound. On deletion, apply the `deletionPolicy`.
 
 use std::sync::Arc;
 
@@ -12,12 +12,11 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
-use super::report::publish;
+use super::plan;
 use super::validate::{self, Schedule};
-use super::{Context, id};
+use super::{Context, id, publish};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
 use crate::context::policy_id;
-use crate::keys;
 use crate::redis::{self as redis_ops, GroupFacts, GroupKeys, ServerInfo, Target};
 use crate::runner::Job;
 use crate::{Error, Result};
@@ -53,10 +52,7 @@ pub async fn converge(
     ctx.shared.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
     let server = target.server();
     let keys = group_keys(policy);
-    // Carried over from the second reconcile on, never the first: policies applied together (one `kubectl apply`)
-    // reach the watch one by one, and the first reconcile of one may run before its neighbours are known.
-    let seen_before = policy.status.as_ref().is_some_and(|s| s.server_version.is_some());
-    let carry_over = seen_before && !validate::shares_legacy_counters(policy, others);
+    let carry_over = plan::carry_over(policy, others);
     let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over)
         .await
         .map_err(|e| if target.cluster { e } else { e.for_standalone() });
@@ -64,73 +60,43 @@ pub async fn converge(
         ctx.shared.pools.forget(target);
     }
     let setup = setup?;
-    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
-    if setup.carried_over > 0 {
-        let [totals, terminal] = keys::legacy_keys(keys.stream, keys.group);
-        let note = format!(
-            "carried {} counter fields over from {totals:?} and {terminal:?} to the keys that name the stream",
-            setup.carried_over
-        );
-        info!(namespace, name, "{note}");
-        publish(ctx, policy, EventType::Normal, "CountersCarriedOver", note).await;
+    for said in plan::setup_announcements(policy, &setup) {
+        announce(ctx, policy, said).await;
     }
-    if setup.created {
-        // A status that shows server numbers means this policy saw its group before, whatever its condition is
-        // now (a restart without persistence first shows RedisUnavailable): the group was lost, and recreating it
-        // at startId may skip or replay messages, so it is a Warning every time.
-        let (type_, reason, note) = if seen_before {
-            let note = format!(
-                "group {:?} on stream {:?} was missing and has been recreated at {:?}",
-                keys.group, keys.stream, policy.spec.start_id
-            );
-            (EventType::Warning, "GroupRecreated", note)
-        } else {
-            let note =
-                format!("created group {:?} on stream {:?} at {:?}", keys.group, keys.stream, policy.spec.start_id);
-            (EventType::Normal, "GroupCreated", note)
-        };
-        info!(namespace, name, group = keys.group, stream = keys.stream, reason, "{note}");
-        publish(ctx, policy, type_, reason, note).await;
-    }
-    let (retention, set_by) = validate::effective_retention(policy, schedule.retention, others);
-    let retention_note = (policy.spec.retention.is_some() || set_by.is_some()).then(|| {
-        let mode = match retention {
-            Some(min_age) => format!("Acknowledged, minAge {}", humantime::format_duration(min_age)),
-            None => "None".to_string(),
-        };
-        match set_by {
-            Some(owner) => format!("{mode} (the most conservative on the stream, from ConsumerGroupPolicy {owner})"),
-            None => mode,
-        }
-    });
+    let jobs = plan::jobs(policy, schedule, others);
     let id = policy_id(policy);
-    if policy.spec.suspend {
-        ctx.runner.stop(&id);
-    } else {
-        let job = Job {
-            conn: conn.clone(),
-            pool: target.pool_key(),
-            server: server.clone(),
-            stream: policy.spec.stream.clone(),
-            group: policy.spec.group.clone(),
-            dead_letter: policy.spec.dead_letter.stream.clone(),
-            interval: schedule.interval,
-            pass: schedule.pass.clone(),
-            expire_after: schedule.expire_after,
-            retention,
-            object: policy.object_ref(&()),
-            sentinel_source: original.sentinel.is_some().then(|| original.clone()),
-        };
-        ctx.runner.run(&id, job);
+    match jobs.work {
+        None => ctx.runner.stop(&id),
+        Some(work) => {
+            let job = Job {
+                conn: conn.clone(),
+                pool: target.pool_key(),
+                server: server.clone(),
+                stream: policy.spec.stream.clone(),
+                group: policy.spec.group.clone(),
+                dead_letter: policy.spec.dead_letter.stream.clone(),
+                interval: work.interval,
+                pass: work.pass,
+                expire_after: work.expire_after,
+                retention: work.retention,
+                object: policy.object_ref(&()),
+                sentinel_source: original.sentinel.is_some().then(|| original.clone()),
+            };
+            ctx.runner.run(&id, job);
+        }
     }
     let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
-    // The bounds hash is written only when it differs from the spec (set, changed, removed, or deleted out of band),
-    // never on every reconcile.
-    let bound = policy.spec.backlog.as_ref().map(|b| b.max_length);
-    if facts.bound != bound.map(|max| max.to_string()) {
+    if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
-    Ok(Observation { server: setup.server, facts, retention: retention_note, primary })
+    Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary })
+}
+
+/// Logs and publishes what a step of the plan announces.
+async fn announce(ctx: &Context, policy: &ConsumerGroupPolicy, said: plan::Announcement) {
+    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
+    info!(namespace, name, reason = said.reason, "{}", said.note);
+    publish(ctx, policy, said.type_, said.reason, said.note).await;
 }
 
 /// Whether deleting the policy has work to do in Redis, and so whether it carries the finalizer.

@@ -3,7 +3,8 @@
 //! 1. resolve: the policy's Secrets -> the server and identity to connect with (cached Secret values, in
 //!    [`crate::context`], which the redrive controller uses too);
 //! 2. [`validate`]: schedule, conflicts with other policies, cluster slots (pure);
-//! 3. [`act`]: the group on the server, the jobs handed to the [`Runner`], the numbers read back;
+//! 3. [`plan`] (pure) and [`act`] (its IO): the group on the server, the jobs handed to the [`Runner`], the numbers
+//!    read back;
 //! 4. [`report`]: status, conditions, Events, metrics.
 //!
 //! The data-plane work (passes, expiry) lives in [`crate::runner`], on its own clock. A reconcile is woken by a
@@ -12,6 +13,7 @@
 
 mod act;
 mod neighbours;
+mod plan;
 mod report;
 mod status;
 mod validate;
@@ -22,13 +24,14 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
-use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store, store::Writer};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
+use kube::{Resource, ResourceExt};
 use tracing::{instrument, warn};
 
 use crate::api::ConsumerGroupPolicy;
@@ -276,7 +279,7 @@ async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -
     // The finalizer is there only when deleting the policy has something to do in Redis (destroy the group, remove
     // the backlog bound): a `Retain` policy without a bound is deleted at once, with or without the operator.
     if !act::needs_cleanup(&policy) && policy.metadata.deletion_timestamp.is_none() {
-        let action = apply(&policy, ctx, &api).await?;
+        let action = apply(&policy, ctx).await?;
         // The finalizer guards the bound: it goes only once the bound is off the server, or a policy deleted after
         // a failed removal would leave producers refused by a bound nobody owns.
         if has_finalizer {
@@ -291,7 +294,7 @@ async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -
     }
     let action = finalizer(&api, FINALIZER, policy, |event| async {
         match event {
-            Finalizer::Apply(policy) => apply(&policy, ctx, &api).await,
+            Finalizer::Apply(policy) => apply(&policy, ctx).await,
             Finalizer::Cleanup(policy) => act::cleanup(&policy, ctx).await,
         }
     })
@@ -314,6 +317,11 @@ async fn remove_finalizer(api: &Api<ConsumerGroupPolicy>, policy: &ConsumerGroup
     Ok(())
 }
 
+/// An Event about the policy, from its reconcile (phases act and report).
+async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
+    ctx.shared.publish(&policy.object_ref(&()), "Reconcile", type_, reason, note).await;
+}
+
 /// Retries with exponential backoff per policy (1s, 2s, 4s ... 60s), reset by the next success.
 fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
     let mut failures = ctx.failures.lock().expect("failures lock");
@@ -325,7 +333,7 @@ fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Contex
 
 /// The four phases, then the next look: after `interval` when the policy is Ready or Stalled (Redis can heal
 /// without any Kubernetes event: a key of the wrong type deleted, an ACL fixed), with backoff otherwise.
-async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGroupPolicy>) -> Result<Action> {
+async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let others = ctx.neighbours.of(policy, &ctx.shared.policies);
     let schedule = Schedule::from_spec(&policy.spec);
     let result = async {
@@ -341,7 +349,7 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context, api: &Api<ConsumerGr
     {
         ctx.runner.stop(&policy_id(policy));
     }
-    let reported = report::report(policy, ctx, api, &result).await;
+    let reported = report::report(policy, ctx, &result).await;
     // Deleted while this reconcile ran: the watch already stopped its jobs, dropped its metric series and its
     // connection, and what this reconcile started or recorded since is dropped again.
     if policy.uid().is_some_and(|uid| ctx.deleted.contains(&uid)) {

@@ -2,27 +2,20 @@
 //! per change of the Ready reason, and the policy's metric series.
 
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType};
-use kube::{Resource, ResourceExt};
-use serde_json::json;
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
 use tracing::{info, warn};
 
-use super::Context;
 use super::act::Observation;
 use super::status::{self, Outcome, READY};
+use super::{Context, publish};
 use crate::Result;
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
-use crate::context::{FIELD_MANAGER, policy_id};
+use crate::context::policy_id;
 use crate::telemetry::PolicySnapshot;
 
 /// Turns what the reconcile saw (or the error that stopped it) into status, Events and metrics.
-pub async fn report(
-    policy: &ConsumerGroupPolicy,
-    ctx: &Context,
-    api: &Api<ConsumerGroupPolicy>,
-    result: &Result<Observation>,
-) -> Result<()> {
+pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result<Observation>) -> Result<()> {
     let previous = policy.status.clone().unwrap_or_default();
     let now = Timestamp::now();
     let jobs = ctx.runner.state(&policy_id(policy));
@@ -66,22 +59,8 @@ pub async fn report(
     };
     ctx.shared.metrics.observe_policy((policy.namespace().unwrap_or_default(), policy.name_any()), snapshot);
     if status::worth_writing(policy.status.as_ref(), &status) {
-        write_status(api, policy, &status).await?;
+        ctx.shared.apply_status(policy, &status).await?;
     }
-    Ok(())
-}
-
-async fn write_status(
-    api: &Api<ConsumerGroupPolicy>,
-    policy: &ConsumerGroupPolicy,
-    status: &ConsumerGroupPolicyStatus,
-) -> Result<()> {
-    let patch = json!({
-        "apiVersion": "pelican.io/v1alpha1",
-        "kind": "ConsumerGroupPolicy",
-        "status": status,
-    });
-    api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     Ok(())
 }
 
@@ -195,12 +174,4 @@ async fn announce_requeue_copies(
     let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
     warn!(namespace, name, "{note}");
     publish(ctx, policy, EventType::Warning, "RequeueCopies", note).await;
-}
-
-pub async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, reason: &str, note: String) {
-    let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reconcile".into(), secondary: None };
-    if let Err(e) = ctx.shared.events.publish(&event, &policy.object_ref(&())).await {
-        let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
-        warn!(namespace, name, error = %e, reason, "could not publish event");
-    }
 }

@@ -19,9 +19,9 @@ use std::time::Duration;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use kube::{Resource, ResourceExt};
@@ -29,8 +29,8 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::api::{ConsumerGroupPolicy, DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase, SOURCE_TARGET};
+use crate::context::Shared;
 use crate::context::conditions::{Said, condition};
-use crate::context::{FIELD_MANAGER, Shared};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
 use crate::redis::{Conn, server_identity};
@@ -411,23 +411,11 @@ impl Redrives {
     }
 
     async fn write(&self, redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> Result<()> {
-        let api: Api<DeadLetterRedrive> =
-            Api::namespaced(self.shared.client.clone(), &redrive.namespace().unwrap_or_default());
-        let patch = serde_json::json!({
-            "apiVersion": "pelican.io/v1alpha1",
-            "kind": "DeadLetterRedrive",
-            "status": status,
-        });
-        api.patch_status(&redrive.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch))
-            .await?;
-        Ok(())
+        self.shared.apply_status(redrive, status).await
     }
 
     async fn publish(&self, redrive: &DeadLetterRedrive, type_: EventType, reason: &str, note: String) {
-        let event = Event { type_, reason: reason.into(), note: Some(note), action: "Redrive".into(), secondary: None };
-        if let Err(e) = self.shared.events.publish(&event, &redrive.object_ref(&())).await {
-            warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, reason, "could not publish event");
-        }
+        self.shared.publish(&redrive.object_ref(&()), "Redrive", type_, reason, note).await;
     }
 }
 
