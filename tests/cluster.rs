@@ -136,7 +136,8 @@ fn keys_in_different_slots_are_refused_before_any_write(flavor: Flavor) {
 
 fn a_node_down_is_redis_unavailable_then_heals(flavor: Flavor) {
     let mut cluster = Cluster::start(flavor);
-    let (ns, mut operator) = ready_policy("nodedown", &cluster_policy("p", &cluster, "{down}:s", "{down}:dlq", ""), "p");
+    let (ns, mut operator) =
+        ready_policy("nodedown", &cluster_policy("p", &cluster, "{down}:s", "{down}:dlq", ""), "p");
     cluster.owner("{down}:s").stop();
     let p = wait_for("Ready=False while the node is down", Duration::from_secs(60), || {
         let p = get_policy(&ns, "p");

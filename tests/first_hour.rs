@@ -74,7 +74,8 @@ fn only_policies_with_redis_work_on_deletion_carry_the_finalizer(flavor: Flavor)
 #[test]
 fn a_policy_whose_server_is_gone_lets_go_when_its_namespace_is_deleted() {
     let mut server = Server::start(Flavor::Redis);
-    let (ns, operator) = ready_policy("nsgone", &policy("p", &server.url(), "s", "g", "  deletionPolicy: Delete\n"), "p");
+    let (ns, operator) =
+        ready_policy("nsgone", &policy("p", &server.url(), "s", "g", "  deletionPolicy: Delete\n"), "p");
     server.stop();
     kubectl_ok(&["delete", "cgp", "p", "-n", &ns, "--wait=false"]);
     // The server may come back: the policy alone being deleted waits for it.

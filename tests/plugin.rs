@@ -138,7 +138,8 @@ fn kubectl_pelican_status_dlq_and_redrive() {
 #[test]
 fn redrive_twice_at_once_and_following_a_suspended_one() {
     let server = Server::start(Flavor::Redis);
-    let (ns, _operator) = ready_policy("plugin-redrive", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
+    let (ns, _operator) =
+        ready_policy("plugin-redrive", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
     let mut conn = server.conn();
     for n in 0..50 {
         let _: String = redis::cmd("XADD")
@@ -194,7 +195,8 @@ fn redrive_twice_at_once_and_following_a_suspended_one() {
 #[test]
 fn status_of_one_policy_shows_the_kubernetes_status_when_redis_is_down() {
     let mut server = Server::start(Flavor::Redis);
-    let (ns, _operator) = ready_policy("plugin-down", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
+    let (ns, _operator) =
+        ready_policy("plugin-down", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
     server.stop();
     let out = pelican_ok(&["status", "orders", "-n", &ns]);
     assert!(out.contains("Policy:") && out.contains("Conditions:"), "{out}");

@@ -124,7 +124,8 @@ fn redriven(entry: &RawEntry) -> bool {
 fn ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once(flavor: Flavor) {
     const COUNT: u64 = 10_000;
     let server = Server::start(flavor);
-    let (ns, mut operator) = ready_policy("redrive-ledger", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
+    let (ns, mut operator) =
+        ready_policy("redrive-ledger", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
     let mut conn = server.conn();
     dead_letters(&mut conn, "orders:dlq", "orders", COUNT, |_| "MaxDeliveriesExceeded");
 
@@ -250,7 +251,8 @@ fn poison_dead_lettered_fixed_redriven_and_processed(flavor: Flavor) {
 
 fn filters_move_exactly_the_matching_entries(flavor: Flavor) {
     let server = Server::start(flavor);
-    let (ns, _operator) = ready_policy("redrive-filter", &policy("billing", &server.url(), "billing", "workers", ""), "billing");
+    let (ns, _operator) =
+        ready_policy("redrive-filter", &policy("billing", &server.url(), "billing", "workers", ""), "billing");
     let mut conn = server.conn();
     // Even n: MaxDeliveriesExceeded; odd n: PayloadInvalid.
     dead_letters(&mut conn, "billing:dlq", "billing", 300, |n| {

@@ -178,7 +178,8 @@ fn a_redrive_follows_a_failover_and_finishes_on_the_new_primary() {
     const COUNT: u64 = 200;
     let mut sentinels = Sentinels::start(Flavor::Redis);
     sentinels.wait_settled(2);
-    let (ns, _operator) = ready_policy("sentinel-redrive", &sentinel_policy("jobs", &sentinels, MASTER_NAME, "", false), "jobs");
+    let (ns, _operator) =
+        ready_policy("sentinel-redrive", &sentinel_policy("jobs", &sentinels, MASTER_NAME, "", false), "jobs");
     let first = sentinels.primary_port();
     let mut conn = sentinels.server(first).conn();
     for n in 0..COUNT {

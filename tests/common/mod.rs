@@ -18,8 +18,12 @@ mod kubernetes;
 mod servers;
 mod streams;
 
+// Each test file uses a part of the harness.
+#[allow(unused_imports)]
 pub use kubernetes::*;
+#[allow(unused_imports)]
 pub use servers::*;
+#[allow(unused_imports)]
 pub use streams::*;
 
 /// Paths and addresses written by `scripts/testenv up` into `$PELICAN_TESTENV/env`.
