@@ -267,7 +267,9 @@ fn operator_killed_while_trimming_never_removes_an_entry_a_group_needs(flavor: F
                 let ids = read_new(&mut conn, STREAM, group, "c", batch);
                 delivered.extend(ids.iter().cloned());
                 held.push_back(ids);
-                if held.len() > lag {
+                if held.len() > lag && held.front().is_some_and(|b| b.is_empty()) {
+                    held.pop_front();
+                } else if held.len() > lag {
                     let batch = held.pop_front().unwrap();
                     let mut pipe = redis::pipe();
                     for id in &batch {
