@@ -468,4 +468,121 @@ mod tests {
         assert_eq!(true_ones(&failed), ["Failed", "Stalled"]);
         assert!(true_ones(&conditions(&[], RedrivePhase::Suspended, "Suspended", "", None, t0)).is_empty());
     }
+
+    /// Reconciles against a scripted API server: each request the reconcile sends is checked, and answered.
+    mod scripted {
+        use super::super::*;
+        use crate::api::{DeadLetterRedriveSpec, PolicyRef};
+        use crate::controller::Settings;
+        use crate::leader::Leadership;
+        use crate::telemetry::Readiness;
+        use http::{Method, Request, Response};
+        use kube::client::Body;
+        use tower_test::mock;
+
+        type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+        /// The redrive controller's context on a client whose every request goes to the returned handle.
+        fn context() -> (Arc<Redrives>, Handle) {
+            let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+            let client = kube::Client::new(service, "apps");
+            let settings = Settings {
+                namespace: None,
+                readiness: Readiness::default(),
+                label_selector: None,
+                concurrency: 1,
+                secret_namespaces: None,
+            };
+            let (shared, _policies) = Shared::new(client, None, Arc::default(), Leadership::always(), &settings);
+            let redrives = Redrives {
+                shared,
+                redrives: reflector::store().0,
+                sharded: false,
+                tasks: Mutex::default(),
+                streams: Mutex::default(),
+            };
+            (Arc::new(redrives), handle)
+        }
+
+        fn redrive(status: Option<DeadLetterRedriveStatus>, ttl: Option<i32>) -> Arc<DeadLetterRedrive> {
+            let spec = DeadLetterRedriveSpec {
+                policy_ref: PolicyRef { name: "orders".into() },
+                target: SOURCE_TARGET.into(),
+                filter: None,
+                max_messages: None,
+                rate_per_second: None,
+                dry_run: false,
+                suspend: false,
+                ttl_seconds_after_finished: ttl,
+            };
+            let mut redrive = DeadLetterRedrive::new("back", spec);
+            redrive.metadata.namespace = Some("apps".into());
+            redrive.metadata.uid = Some("uid-back".into());
+            redrive.metadata.generation = Some(1);
+            redrive.status = status;
+            Arc::new(redrive)
+        }
+
+        /// The next request: method, path and body, answered with `reply`.
+        async fn expect(handle: &mut Handle, reply: serde_json::Value) -> (Method, String, serde_json::Value) {
+            let (request, respond) = handle.next_request().await.expect("a request");
+            let (method, path) = (request.method().clone(), request.uri().path().to_string());
+            let bytes = request.into_body().collect_bytes().await.unwrap();
+            let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+            respond.send_response(Response::builder().body(Body::from(serde_json::to_vec(&reply).unwrap())).unwrap());
+            (method, path, body)
+        }
+
+        #[tokio::test]
+        async fn a_missing_policy_is_pending_with_the_reason_and_looked_at_again() {
+            let (ctx, mut handle) = context();
+            let object = redrive(None, None);
+            let reply = serde_json::to_value(object.as_ref()).unwrap();
+            let server = tokio::spawn(async move { expect(&mut handle, reply).await });
+            let action = reconcile(object, ctx).await.unwrap();
+            let (method, path, body) = server.await.unwrap();
+            assert_eq!(method, Method::PATCH);
+            assert_eq!(path, "/apis/pelican.io/v1alpha1/namespaces/apps/deadletterredrives/back/status");
+            assert_eq!(body["status"]["phase"], "Pending");
+            let reconciling =
+                body["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Reconciling");
+            let reconciling = reconciling.unwrap();
+            assert_eq!((&reconciling["status"], &reconciling["reason"]), (&"True".into(), &"PolicyNotFound".into()));
+            assert!(reconciling["message"].as_str().unwrap().contains("ConsumerGroupPolicy \"orders\" not found"));
+            assert_eq!(action, Action::requeue(WAIT_RECHECK));
+        }
+
+        #[tokio::test]
+        async fn a_finished_redrive_is_deleted_once_its_ttl_passed_and_only_this_object() {
+            let (ctx, mut handle) = context();
+            let done = Timestamp::now().as_second() - 120;
+            let status = DeadLetterRedriveStatus {
+                phase: RedrivePhase::Succeeded,
+                completion_time: Some(Timestamp::from_second(done).unwrap().to_string()),
+                ..DeadLetterRedriveStatus::default()
+            };
+            let reply = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Success"});
+            let server = tokio::spawn(async move { expect(&mut handle, reply).await });
+            let action = reconcile(redrive(Some(status), Some(60)), ctx).await.unwrap();
+            let (method, path, body) = server.await.unwrap();
+            assert_eq!(method, Method::DELETE);
+            assert_eq!(path, "/apis/pelican.io/v1alpha1/namespaces/apps/deadletterredrives/back");
+            assert_eq!(body["preconditions"]["uid"], "uid-back", "a new object of the same name is never deleted");
+            assert_eq!(action, Action::await_change());
+        }
+
+        #[tokio::test]
+        async fn a_finished_redrive_within_its_ttl_waits_without_a_request() {
+            let (ctx, mut handle) = context();
+            let status = DeadLetterRedriveStatus {
+                phase: RedrivePhase::Failed,
+                completion_time: Some(Timestamp::now().to_string()),
+                ..DeadLetterRedriveStatus::default()
+            };
+            let action = reconcile(redrive(Some(status), Some(600)), ctx.clone()).await.unwrap();
+            assert!(matches!(action, a if a != Action::await_change()), "it looks again when the TTL ends");
+            let request = tokio::time::timeout(Duration::from_millis(100), handle.next_request()).await;
+            assert!(request.is_err(), "no request to the API server");
+        }
+    }
 }
