@@ -255,6 +255,13 @@ impl PolicyTask {
                         return;
                     }
                     followed = None;
+                    if self.job.borrow().retention.is_none() {
+                        // No retention any more: what the last trim saw (who pinned the stream) is no longer true.
+                        self.update_state(|state| {
+                            state.trim = None;
+                            state.failures.remove(&JobKind::Retention);
+                        });
+                    }
                     // New settings take effect at once (a shorter interval, say).
                     due = Instant::now();
                     continue;
@@ -263,13 +270,6 @@ impl PolicyTask {
             let mut job = self.job.borrow_and_update().clone();
             if let Some(primary) = &followed {
                 (job.conn, job.pool, job.server) = (primary.conn.clone(), primary.pool.clone(), primary.server.clone());
-            }
-            if job.retention.is_none() {
-                // No retention any more: what the last trim saw (who pinned the stream) is no longer true.
-                if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
-                    state.trim = None;
-                    state.failures.remove(&JobKind::Retention);
-                }
             }
             if !self.leadership.may_write() {
                 due = Instant::now() + Duration::from_millis(500);
@@ -346,26 +346,28 @@ impl PolicyTask {
         Some(Followed { conn, pool, server: primary.server() })
     }
 
+    /// Changes what the controller shows of this policy's jobs; nothing once the task was stopped (its state is
+    /// gone with it and must not come back).
+    fn update_state(&self, change: impl FnOnce(&mut JobState)) {
+        if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
+            change(state);
+        }
+    }
+
     /// Records how a job's run ended, for the policy's status and `pelican_job_failures_total`.
     fn outcome<T>(&self, kind: JobKind, result: &crate::Result<T>) {
-        let mut states = self.states.lock().expect("runner states lock");
-        // Gone: the policy's task was stopped while this job ran.
-        let Some(state) = states.get_mut(&self.policy) else {
-            return;
-        };
-        let failures = &mut state.failures;
-        match result {
+        self.update_state(|state| match result {
             Ok(_) => {
-                failures.remove(&kind);
+                state.failures.remove(&kind);
             }
             Err(e) => {
                 let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
                 warn!(namespace, name, job = kind.name(), reason = e.reason(), error = %e, "job failed");
                 self.metrics.job_failed((namespace.into(), name.into()), kind.name(), e.reason());
                 let failure = JobFailure { reason: e.reason(), stalled: e.is_stalled(), message: e.to_string() };
-                failures.insert(kind, failure);
+                state.failures.insert(kind, failure);
             }
-        }
+        });
     }
 
     async fn pass(&self, job: &Job, cursor: &mut Option<String>) -> crate::Result<PassReport> {
@@ -386,9 +388,7 @@ impl PolicyTask {
             report.summary()
         );
         let now = Timestamp::now();
-        if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
-            state.last_pass = Some(now);
-        }
+        self.update_state(|state| state.last_pass = Some(now));
         Ok(report)
     }
 
@@ -400,9 +400,7 @@ impl PolicyTask {
             let pinned_by = trim.pinned_by.as_ref().map(ToString::to_string);
             info!(namespace, name, trimmed = trim.trimmed, pinned_by, "trimmed entries every group acknowledged");
         }
-        if let Some(state) = self.states.lock().expect("runner states lock").get_mut(&self.policy) {
-            state.trim = Some(trim);
-        }
+        self.update_state(|state| state.trim = Some(trim));
         Ok(())
     }
 
