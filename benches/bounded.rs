@@ -1,4 +1,4 @@
-//! Bounded streams (SPEC section 9), side by side in one run on the same server:
+//! Bounded streams, side by side in one run on the same server:
 //!
 //! 1. the bounded-publish script with one bounded group (a bound high enough never to refuse, so every call does the
 //!    full check) against plain `XADD` of the same entry: one client, one call at a time; then 16 clients, each

@@ -1,4 +1,4 @@
-//! The job runner (SPEC section 8, "Drain rate"), with the operator running as a process against the bed:
+//! The job runner, with the operator running as a process against the bed:
 //!
 //! 1. Drain: N idle entries (default 1,000,000) past the retry cap under one policy with the default `interval`
 //!    (1m) and `maxPerPass` (1000), from `kubectl apply` to the last one dead-lettered, next to the time the

@@ -1,5 +1,5 @@
-//! Dead-letter / requeue throughput (SPEC section 8), printed side by side in one run on the same server:
-//! Pelican's scripted pass, the naive loop of seed 001 (one XCLAIM of the idle ids per pass, then XPENDING + XADD +
+//! Dead-letter / requeue throughput, printed side by side in one run on the same server:
+//! Pelican's scripted pass, the naive loop a user writes by hand (one XCLAIM of the idle ids per pass, then XPENDING + XADD +
 //! XACK round trips per message), and `redis-benchmark` XADD as the server's ceiling. Then the cost of a pass that finds
 //! nothing idle on a small and on a huge PEL, which must be the same (bounded by maxPerPass).
 //!

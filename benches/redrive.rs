@@ -1,4 +1,4 @@
-//! Dead-letter redrive (SPEC section 10), side by side in one run on each server of the bed: Pelican's steps (one
+//! Dead-letter redrive, side by side in one run on each server of the bed: Pelican's steps (one
 //! XRANGE, then one script that moves a batch and records the progress) against what a competent engineer would
 //! write by hand: XRANGE a page, then one MULTI/EXEC pipeline of XADD + XDEL per entry (atomic per batch, but no
 //! record of progress, so a crash between the read and the EXEC is safe only because the batch is re-read).

@@ -1,5 +1,5 @@
-//! Status refresh cost against PEL size: the probe must cost the same with 1k and 200k pending entries
-//! (SPEC section 8). Prints one row per server and PEL size, next to a PING round trip on the same connection.
+//! Status refresh cost against PEL size: the probe must cost the same with 1k and 200k pending entries.
+//! Prints one row per server and PEL size, next to a PING round trip on the same connection.
 //!
 //!   scripts/testenv up && cargo bench --bench status_refresh [-- 1000 200000 1000000]
 

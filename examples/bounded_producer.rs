@@ -1,4 +1,4 @@
-//! A producer for a bounded stream (SPEC section 9, seed 002), built on Pelican's SDK: it publishes through the
+//! A producer for a bounded stream, built on Pelican's SDK: it publishes through the
 //! bounded-publish script and treats the two failure kinds differently.
 //!
 //!   cargo run --example bounded_producer -- redis://127.0.0.1:6379/0 orders 1000

@@ -1,4 +1,4 @@
-//! One error type for the operator. Each error knows the condition reason it shows (SPEC section 5), whether it
+//! One error type for the operator. Each error knows the condition reason it shows, whether it
 //! is terminal (Stalled: wait for a spec or Secret change) or transient (retry with backoff), and its metric label.
 
 use redis::{ErrorKind, RedisError};

@@ -1,4 +1,4 @@
-//! Pelican's Redis key names (SPEC section 4). Shared by the operator and the worker SDK.
+//! Pelican's Redis key names. Shared by the operator and the worker SDK.
 //!
 //! Every key names the stream and lives in the stream's hash slot: `{T}:pelican:<stream>:<group>:terminal` and
 //! `...:totals`, with `T` the stream's hash tag content, or the whole stream name when it has none.
@@ -38,7 +38,7 @@ pub fn totals_key(stream: &str, group: &str) -> String {
 }
 
 /// `{T}:pelican:<stream>:bounds`: group -> `backlog.maxLength`, kept by the operator, read by the bounded-publish
-/// script (SPEC section 9).
+/// script.
 pub fn bounds_key(stream: &str) -> String {
     format!("{{{}}}:pelican:{stream}:bounds", hash_tag(stream))
 }
@@ -49,7 +49,7 @@ pub fn rejected_key(stream: &str) -> String {
 }
 
 /// `{T}:pelican:<dead-letter stream>:redrive:<namespace>/<name>`: the progress of one `DeadLetterRedrive` (its uid,
-/// last id, counts, and when it finished), written by the same script as its moves (SPEC section 10). It stays
+/// last id, counts, and when it finished), written by the same script as its moves. It stays
 /// after the redrive finished, so that the same manifest applied again does not move anything twice.
 pub fn redrive_key(dead_letter: &str, namespace: &str, name: &str) -> String {
     format!("{{{}}}:pelican:{dead_letter}:redrive:{namespace}/{name}", hash_tag(dead_letter))
@@ -62,7 +62,7 @@ pub fn redrive_lock_key(dead_letter: &str) -> String {
 }
 
 /// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
-/// only to carry their counts over once (SPEC section 4).
+/// only to carry their counts over once.
 pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
     let tag = hash_tag(stream);
     [format!("{{{tag}}}:pelican:{group}:totals"), format!("{{{tag}}}:pelican:{group}:terminal")]

@@ -1,4 +1,4 @@
-//! Leader election on a `coordination.k8s.io/v1` Lease (SPEC section 7): with several replicas, only the leader
+//! Leader election on a `coordination.k8s.io/v1` Lease: with several replicas, only the leader
 //! runs the controller, so only it writes to Redis and to the API. A replica that loses the lease exits (its Pod is
 //! restarted as a standby), as controller-runtime's managers do; if the lease task itself dies, so does the process.
 //!

@@ -1,4 +1,4 @@
-//! Bounded streams and retention through the operator (SPEC section 9): `kubectl apply` / `patch`, a real API
+//! Bounded streams and retention through the operator: `kubectl apply` / `patch`, a real API
 //! server, real Redis 7.0 and Valkey 9.1, producers through the SDK, and an operator killed with SIGKILL while it
 //! trims.
 

@@ -1,4 +1,4 @@
-//! Bounded streams and retention (SPEC section 9) against real Redis 7.0 and Valkey 9.1, below the operator: the
+//! Bounded streams and retention against real Redis 7.0 and Valkey 9.1, below the operator: the
 //! bounded-publish script called the way any client calls it (EVALSHA with the documented KEYS / ARGV, and
 //! redis-cli), the SDK's `Producer`, and the retention trim. The operator-level scenarios (the bound kept from the
 //! policy, `Saturated`, Events, status) are in tests/backpressure.rs.

@@ -1,4 +1,4 @@
-//! One connection per distinct server + credentials, shared by all policies (SPEC section 5), counted on the
+//! One connection per distinct server + credentials, shared by all policies, counted on the
 //! servers with CLIENT LIST.
 
 #[macro_use]

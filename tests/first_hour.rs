@@ -1,4 +1,4 @@
-//! What a new user touches first (issue 15): one server however its URL is spelled, and finalizers only where
+//! What a new user touches first: one server however its URL is spelled, and finalizers only where
 //! deleting a policy has work to do in Redis.
 
 #[macro_use]

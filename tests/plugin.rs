@@ -1,4 +1,4 @@
-//! `kubectl pelican` (SPEC section 11), run through kubectl itself (its plugin mechanism finds `kubectl-pelican`
+//! `kubectl pelican`, run through kubectl itself (its plugin mechanism finds `kubectl-pelican`
 //! on the PATH), against the bed's API server and a real Redis, with dead letters made by the operator.
 
 #[macro_use]

@@ -1,4 +1,4 @@
-//! `DeadLetterRedrive` (SPEC section 10) through the operator: a real API server, real Redis 7.0 and Valkey 9.1,
+//! `DeadLetterRedrive` through the operator: a real API server, real Redis 7.0 and Valkey 9.1,
 //! an operator killed with SIGKILL at random instants, and a consumer that finally processes what was redriven.
 
 #[macro_use]
@@ -196,7 +196,7 @@ fn ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once(flavor: Fl
     assert_eq!(xrange(&mut conn, "orders:dlq").len(), 5, "the new dead letters wait for a new redrive");
 }
 
-/// The whole story of seed 001 and after: a poison message dead-lettered by the operator, the consumer fixed, the
+/// The whole story of the first field report and after: a poison message dead-lettered by the operator, the consumer fixed, the
 /// message redriven and processed, nothing left pending or dead.
 fn poison_dead_lettered_fixed_redriven_and_processed(flavor: Flavor) {
     let server = Server::start(flavor);

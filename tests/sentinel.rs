@@ -1,4 +1,4 @@
-//! `mode: Sentinel` (SPEC section 5) on a real primary, two replicas and three sentinels (Redis 7.0 and Valkey 9.1):
+//! `mode: Sentinel` on a real primary, two replicas and three sentinels (Redis 7.0 and Valkey 9.1):
 //! credentials for the sentinels and the data nodes, failovers followed, and a primary killed with SIGKILL while
 //! 20,000 messages are being dead-lettered.
 

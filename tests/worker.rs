@@ -1,4 +1,4 @@
-//! The worker SDK against real Redis 7.0 and Valkey 9.1: seed 000's dispatch contract, with the example "file
+//! The worker SDK against real Redis 7.0 and Valkey 9.1: the dispatch contract, with the example "file
 //! jobs" handler from examples/file_jobs.
 
 #[macro_use]

@@ -1,4 +1,4 @@
-//! An example worker built on Pelican's SDK, processing "file jobs" like seed 000.
+//! An example worker built on Pelican's SDK, processing "file jobs" like the field report it grew from.
 //!
 //!   cargo run --example file_jobs -- redis://127.0.0.1:6379/0 files converters worker-1
 //!

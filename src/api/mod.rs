@@ -1,4 +1,4 @@
-//! The `ConsumerGroupPolicy` resource (SPEC section 2): spec, status, admission rules and printer columns.
+//! The `ConsumerGroupPolicy` resource: spec, status, admission rules and printer columns.
 
 mod duration;
 mod redrive;
@@ -101,10 +101,10 @@ pub struct ConsumerGroupPolicySpec {
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
     /// A bound on what the group has not acknowledged yet, enforced on producers that publish through the
-    /// bounded-publish script (SPEC section 9).
+    /// bounded-publish script.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backlog: Option<BacklogSpec>,
-    /// Trimming of entries every group of the stream has acknowledged (SPEC section 9).
+    /// Trimming of entries every group of the stream has acknowledged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<RetentionSpec>,
     /// Pause the reclaim and dead-letter jobs; status keeps refreshing.

@@ -1,4 +1,4 @@
-//! The `DeadLetterRedrive` resource (SPEC section 10): a one-off move of dead letters back to where they came from,
+//! The `DeadLetterRedrive` resource: a one-off move of dead letters back to where they came from,
 //! as an object with phases (the way `Job` and Strimzi's `KafkaRebalance` model one-off work).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;

@@ -1,4 +1,4 @@
-//! The command line for people (SPEC section 11): `kubectl pelican status | dlq | redrive`, also `pelican status
+//! The command line for people: `kubectl pelican status | dlq | redrive`, also `pelican status
 //! | dlq | redrive`. It works from the user's kubeconfig and reads the policy's Secrets with the user's own
 //! permissions, so it can do exactly what the user could do with `kubectl` and `redis-cli`.
 

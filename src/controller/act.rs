@@ -94,8 +94,7 @@ pub async fn converge(
 
 /// Logs and publishes what a step of the plan announces.
 async fn announce(ctx: &Context, policy: &ConsumerGroupPolicy, said: plan::Announcement) {
-    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
-    info!(namespace, name, reason = said.reason, "{}", said.note);
+    info!(reason = said.reason, "{}", said.note);
     publish(ctx, policy, said.type_, said.reason, said.note).await;
 }
 

@@ -260,7 +260,7 @@ fn policies_using_secret(
         .collect()
 }
 
-#[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any()))]
+#[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), policy = policy.name_any()))]
 async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Result<Action> {
     let start = Instant::now();
     let result = reconcile_inner(policy, &ctx).await;

@@ -81,18 +81,17 @@ async fn announce_transition(
     if before.as_ref().map(|(s, r, _)| (s, r)) == Some((&status, &reason)) {
         return;
     }
-    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
     if status == "True" {
-        info!(namespace, name, reason, "{message}");
+        info!(reason, "{message}");
         publish(ctx, policy, EventType::Normal, "Ready", message).await;
         if policy.spec.redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
             let note =
                 "spec.redis.tls.insecureSkipVerify is true: the server's certificate is not verified".to_string();
-            warn!(namespace, name, "{note}");
+            warn!("{note}");
             publish(ctx, policy, EventType::Warning, "InsecureSkipVerify", note).await;
         }
     } else {
-        warn!(namespace, name, reason, "{message}");
+        warn!(reason, "{message}");
         publish(ctx, policy, EventType::Warning, &reason, message).await;
     }
 }
@@ -106,7 +105,6 @@ async fn announce_saturation(
 ) {
     let full =
         |s: &ConsumerGroupPolicyStatus| s.conditions.iter().any(|c| c.type_ == status::SATURATED && c.status == "True");
-    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
     let message = || {
         next.conditions
             .iter()
@@ -117,12 +115,12 @@ async fn announce_saturation(
     match (full(previous), full(next)) {
         (false, true) => {
             let note = message();
-            warn!(namespace, name, "{note}");
+            warn!("{note}");
             publish(ctx, policy, EventType::Warning, "BacklogFull", note).await;
         }
         (true, false) => {
             let note = message();
-            info!(namespace, name, "{note}");
+            info!("{note}");
             publish(ctx, policy, EventType::Normal, "BacklogCleared", note).await;
         }
         _ => {}
@@ -147,8 +145,7 @@ async fn announce_failover(
     let note = format!(
         "the sentinels now name {after} as the primary of {master:?} (was {before}): the jobs and the status follow it"
     );
-    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
-    warn!(namespace, name, "{note}");
+    warn!("{note}");
     publish(ctx, policy, EventType::Warning, "PrimaryChanged", note).await;
 }
 
@@ -171,7 +168,6 @@ async fn announce_requeue_copies(
          added to the stream again, so they get it a second time; use strategy Reassign, or a stream per group",
         policy.spec.stream
     );
-    let (namespace, name) = (policy.namespace().unwrap_or_default(), policy.name_any());
-    warn!(namespace, name, "{note}");
+    warn!("{note}");
     publish(ctx, policy, EventType::Warning, "RequeueCopies", note).await;
 }

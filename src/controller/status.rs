@@ -1,4 +1,4 @@
-//! Pure status building: "what Redis reports + what happened" -> the status to write (SPEC sections 2, 3 and 5).
+//! Pure status building: "what Redis reports + what happened" -> the status to write.
 //! No IO here, so every rule is a plain unit test.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -75,7 +75,7 @@ pub fn requeue_copies_to(spec: &ConsumerGroupPolicySpec, facts: &GroupFacts) -> 
     Some(others.join(","))
 }
 
-/// Whether `next` differs from what the API holds in a value a person acts on (SPEC section 8): counts,
+/// Whether `next` differs from what the API holds in a value a person acts on: counts,
 /// conditions, the oldest pending entry, the generation. The oldest entry's idle time and the time of the last
 /// pass change with every look and are written along with such a change, never on their own: each write would
 /// cost the API server a request per policy per interval for nothing a person acts on.
@@ -126,7 +126,7 @@ pub fn saturated(
     Some(condition(previous, Said { type_: SATURATED, status, reason, message }, generation, now))
 }
 
-/// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id (SPEC section 3).
+/// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id.
 pub fn oldest_pending_age_seconds(facts: &GroupFacts) -> Option<i64> {
     let millis = facts.oldest_pending.as_ref()?.id_millis()?;
     Some((facts.server_time_ms - millis).max(0) / 1000)

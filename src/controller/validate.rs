@@ -61,7 +61,7 @@ pub fn validate(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>
 }
 
 /// In a cluster the scripts touch the stream, the dead-letter stream and the counters at once, so every key any
-/// script touches must live in the stream's hash slot (SPEC sections 3 and 4).
+/// script touches must live in the stream's hash slot.
 pub fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
     let stream_slot = keys::slot(&spec.stream);
     if !keys::has_same_slot_keys(&spec.stream) {
@@ -87,7 +87,7 @@ pub fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
 }
 
 /// Why a policy cannot own what it claims: an older policy on the same server claims the same (stream, group), or
-/// a different pair whose counter keys have the same names (SPEC sections 3 and 4).
+/// a different pair whose counter keys have the same names.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Conflict {
     SameGroup { stream: String, group: String, owner: String },
@@ -111,7 +111,7 @@ impl std::fmt::Display for Conflict {
     }
 }
 
-/// The older of two policies claiming one group or one key name wins (SPEC section 3).
+/// The older of two policies claiming one group or one key name wins.
 ///
 /// Runs on every reconcile against every policy, so it allocates nothing for policies that cannot conflict: with
 /// 10,000 policies a reconcile every `interval` each, an allocating scan (and a sort by an allocated rank) kept the
@@ -170,7 +170,7 @@ fn same_counter_keys(a: &ConsumerGroupPolicySpec, b: &ConsumerGroupPolicySpec) -
 }
 
 /// The retention that applies to the policy's stream: the most conservative among the live policies of the same
-/// server and stream (SPEC section 9): `None` when any of them says `None`, else the longest `minAge`. With it,
+/// server and stream: `None` when any of them says `None`, else the longest `minAge`. With it,
 /// the policy that set it when that is not this one.
 pub fn effective_retention(
     policy: &ConsumerGroupPolicy,
@@ -202,7 +202,7 @@ pub fn effective_retention(
 
 /// Whether another policy on the same server has a stream of the same hash tag and the same group name: the 0.1
 /// counter keys (`{T}:pelican:<group>:...`) were shared by such policies, so their counts belong to no one of
-/// them alone and are not carried over (SPEC section 4).
+/// them alone and are not carried over.
 pub fn shares_legacy_counters(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>]) -> bool {
     // `{T}:pelican:<group>:...`: the same names exactly when the group and the hash tag are the same.
     others.iter().map(Arc::as_ref).any(|other| {

@@ -1,4 +1,4 @@
-//! The jobs Redis never runs by itself (SPEC sections 3 and 9): the reclaim / dead-letter pass, consumer expiry and
+//! The jobs Redis never runs by itself: the reclaim / dead-letter pass, consumer expiry and
 //! the trim of what every group acknowledged.
 
 pub mod redrive;

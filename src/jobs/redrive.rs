@@ -1,4 +1,4 @@
-//! Dead-letter redrive (SPEC section 10), the data-plane half: the snapshot of what to move, and steps that move a
+//! Dead-letter redrive, the data-plane half: the snapshot of what to move, and steps that move a
 //! batch and record the progress in one script (`scripts/redrive.lua`). The controller half (phases, status,
 //! one redrive per dead-letter stream) is in [`crate::redrive`].
 

@@ -1,5 +1,5 @@
-//! Consumer group administration (SPEC section 3, "Group lifecycle") and the O(1) status probe
-//! (SPEC section 3, "Status refresh").
+//! Consumer group administration and the O(1) status probe
+//!.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -39,7 +39,7 @@ impl ServerInfo {
         (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
     }
 
-    /// Redis >= 7.0 (XAUTOCLAIM JUSTID, XINFO lag) and Valkey >= 7.2 (SPEC section 5).
+    /// Redis >= 7.0 (XAUTOCLAIM JUSTID, XINFO lag) and Valkey >= 7.2.
     pub fn is_supported(&self) -> bool {
         match self.flavor {
             "valkey" => self.major_minor() >= (7, 2),
@@ -68,7 +68,7 @@ pub struct GroupSetup {
     pub server: ServerInfo,
     /// The group did not exist and was created now.
     pub created: bool,
-    /// Counter fields carried over from the 0.1 keys (SPEC section 4).
+    /// Counter fields carried over from the 0.1 keys.
     pub carried_over: u64,
 }
 
@@ -215,7 +215,7 @@ pub async fn destroy_group(conn: &mut Conn, server: &str, stream: &str, group: &
     Ok(destroyed == 1)
 }
 
-/// Sets the group's field of the stream's bounds hash to `backlog.maxLength` (SPEC section 9): `HSET` when the policy
+/// Sets the group's field of the stream's bounds hash to `backlog.maxLength`: `HSET` when the policy
 /// bounds the group, `HDEL` when it does not (any more). Producers see the change with their next publish.
 pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str, max: Option<i64>) -> Result<()> {
     let key = bounds_key(stream);

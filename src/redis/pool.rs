@@ -1,4 +1,4 @@
-//! One connection per distinct server + credentials, shared by every policy that uses them (SPEC section 5).
+//! One connection per distinct server + credentials, shared by every policy that uses them.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;

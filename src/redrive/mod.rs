@@ -1,4 +1,4 @@
-//! The `DeadLetterRedrive` controller (SPEC section 10), in the same operator as the policies and on their
+//! The `DeadLetterRedrive` controller, in the same operator as the policies and on their
 //! connections. A reconcile runs in phases:
 //!
 //! 1. finished? A `Succeeded` or `Failed` redrive never runs again; only its TTL is handled;
@@ -26,7 +26,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{Instrument, info, instrument, warn};
 
 use crate::api::{ConsumerGroupPolicy, DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase, SOURCE_TARGET};
 use crate::context::Shared;
@@ -130,6 +130,7 @@ pub async fn run(
         .await;
 }
 
+#[instrument(skip_all, fields(namespace = redrive.namespace().unwrap_or_default(), redrive = redrive.name_any()))]
 async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Result<Action> {
     let status = redrive.status.clone().unwrap_or_default();
     // 1. A finished redrive is terminal: an operator restart or the same manifest applied again changes nothing.
@@ -214,10 +215,14 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
     ctx.tasks.lock().expect("tasks lock").insert(uid.clone(), Running { rate: rate_tx, halt: halt_tx });
     let work = task::Work { conn, server: target.server(), plan, rate: rate_rx, halt: halt_rx };
     let task_ctx = ctx.clone();
-    tokio::spawn(async move {
-        task::run(task_ctx.clone(), redrive, work).await;
-        task_ctx.tasks.lock().expect("tasks lock").remove(&uid);
-    });
+    // The task's log lines carry the redrive's span (namespace and name), as the reconcile's do.
+    tokio::spawn(
+        async move {
+            task::run(task_ctx.clone(), redrive, work).await;
+            task_ctx.tasks.lock().expect("tasks lock").remove(&uid);
+        }
+        .in_current_span(),
+    );
     Ok(Action::requeue(WAIT_RECHECK))
 }
 
@@ -277,7 +282,7 @@ async fn expire(ctx: &Redrives, redrive: &DeadLetterRedrive, status: &DeadLetter
         ..DeleteParams::default()
     };
     match api.delete(&redrive.name_any(), &params).await {
-        Ok(_) => info!(namespace = redrive.namespace(), name = redrive.name_any(), ttl, "deleted after its TTL"),
+        Ok(_) => info!(ttl, "deleted after its TTL"),
         // Gone already, or replaced by a new object of the same name.
         Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
         Err(e) => return Err(e.into()),

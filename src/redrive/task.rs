@@ -43,7 +43,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                 // Failed).
                 let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
                 let note = e.to_string();
-                warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = e.reason(), "{note}");
+                warn!(reason = e.reason(), "{note}");
                 let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
                 return;
             }
@@ -52,7 +52,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                 // The server restarting, a failover, a password rotated, the API server unreachable: the record on
                 // the server is exact, so the next attempt, on the policy's current target, resumes after the last
                 // move.
-                warn!(namespace = redrive.namespace(), name = redrive.name_any(), reason = e.reason(), error = %e, "redrive step failed; retrying");
+                warn!(reason = e.reason(), error = %e, "redrive step failed; retrying");
                 let _ = retrying(&ctx, &redrive, &mut status, &e).await;
                 let halted = tokio::time::timeout(backoff, work.halt.changed()).await;
                 let halt = *work.halt.borrow();
@@ -64,7 +64,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                 match ctx.reconnect(&redrive).await {
                     Ok((conn, server)) => (work.conn, work.server) = (conn, server),
                     Err(e) => {
-                        warn!(namespace = redrive.namespace(), name = redrive.name_any(), error = %e, "cannot reach the policy's server; retrying")
+                        warn!(error = %e, "cannot reach the policy's server; retrying")
                     }
                 }
             }
@@ -173,7 +173,7 @@ async fn drive(
                     moves::Destination::Stream(s) => format!("{s:?}"),
                 }
             );
-            info!(namespace = redrive.namespace(), name = redrive.name_any(), "{note}");
+            info!("{note}");
             ctx.set_phase(redrive, status, RedrivePhase::Running, "Running", note.clone()).await?;
             ctx.publish(redrive, EventType::Normal, "Started", note).await;
             until
@@ -205,7 +205,7 @@ async fn drive(
         if step.finished {
             copy_progress(status, &progress);
             let note = summary(redrive, status);
-            info!(namespace = redrive.namespace(), name = redrive.name_any(), "{note}");
+            info!("{note}");
             return ctx.finish(redrive, status, RedrivePhase::Succeeded, "Complete", note).await;
         }
         if last_write.elapsed() >= STATUS_EVERY {

@@ -1,5 +1,5 @@
 //! The data plane: one task per policy that runs its reclaim / dead-letter passes and consumer expiry, started,
-//! updated and stopped by the controller (SPEC sections 3 and 8).
+//! updated and stopped by the controller.
 //!
 //! Why a pass did or did not run is decided here and only here:
 //! - **Schedule.** Every `interval`, one sweep of the group's PEL: passes of at most `maxPerPass` entries, each

@@ -1,4 +1,4 @@
-//! `/metrics` on one port, `/healthz` and `/readyz` on another (SPEC section 7).
+//! `/metrics` on one port, `/healthz` and `/readyz` on another.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

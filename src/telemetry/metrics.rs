@@ -1,4 +1,4 @@
-//! Prometheus metrics (SPEC section 7): controller-runtime-compatible reconcile metrics, and per-policy series
+//! Prometheus metrics: controller-runtime-compatible reconcile metrics, and per-policy series
 //! that mirror the status at scrape time, labelled with namespace, policy, stream and group.
 
 use std::collections::BTreeMap;

@@ -24,8 +24,9 @@ pub fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
-        // Every line about a policy carries its own `namespace` and `name` fields, so spans are left out of JSON.
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).with_span_list(false).init(),
+        // A line logged inside a reconcile or a redrive's task carries that span's `namespace` and `policy` /
+        // `redrive` under `span`, so the log sites do not repeat them.
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).with_span_list(false).init(),
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
     }
 }

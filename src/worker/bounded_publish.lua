@@ -1,4 +1,4 @@
--- Bounded publish (SPEC section 9): add an entry to a stream unless a bounded group's backlog is full.
+-- Bounded publish: add an entry to a stream unless a bounded group's backlog is full.
 --
 -- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:bounds    KEYS[3] {T}:pelican:<stream>:rejected
 -- ARGV    field1, value1, field2, value2, ...  (the entry, as for XADD)

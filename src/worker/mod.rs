@@ -1,4 +1,4 @@
-//! The worker SDK (SPEC section 6): the dispatch layer of an application consumer. It reads the consumer's own PEL
+//! The worker SDK: the dispatch layer of an application consumer. It reads the consumer's own PEL
 //! first, then new entries, hands each message to a handler with bounded concurrency, and is the only place that
 //! acknowledges:
 //!

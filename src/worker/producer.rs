@@ -1,4 +1,4 @@
-//! The producer side of a bounded stream (SPEC section 9): publish through the bounded-publish script and tell a
+//! The producer side of a bounded stream: publish through the bounded-publish script and tell a
 //! refusal (certainly not written, try again later) from an unknown outcome (may have been written).
 
 use std::fmt;

@@ -1,6 +1,6 @@
 use std::fmt;
 
-/// A terminal reason code: CamelCase, `^[A-Z][A-Za-z0-9]{0,62}$` (SPEC section 4).
+/// A terminal reason code: CamelCase, `^[A-Z][A-Za-z0-9]{0,62}$`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Reason(String);
 

@@ -1,4 +1,4 @@
--- End a message as terminal (SPEC section 4): acknowledge it and count its reason, once.
+-- End a message as terminal: acknowledge it and count its reason, once.
 --
 -- KEYS[1] source stream    KEYS[2] {T}:pelican:<stream>:<group>:terminal
 -- ARGV[1] group            ARGV[2] entry id    ARGV[3] reason code

@@ -1,4 +1,4 @@
--- Delete consumers idle at least ARGV[2] ms that own no pending entry (SPEC section 3, "Consumer expiry").
+-- Delete consumers idle at least ARGV[2] ms that own no pending entry.
 --
 -- KEYS[1] source stream    KEYS[2] totals hash
 -- ARGV[1] group            ARGV[2] expire after (ms)

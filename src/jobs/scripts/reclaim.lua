@@ -1,4 +1,4 @@
--- Reclaim / dead-letter one batch of PEL entries (SPEC section 3).
+-- Reclaim / dead-letter one batch of PEL entries.
 --
 -- KEYS[1] source stream    KEYS[2] dead-letter stream    KEYS[3] totals hash    KEYS[4] terminal hash
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries

@@ -1,4 +1,4 @@
--- Redrive one batch of dead letters (SPEC section 10) and record the progress, in one script.
+-- Redrive one batch of dead letters and record the progress, in one script.
 --
 -- KEYS[1] dead-letter stream    KEYS[2] the redrive's progress hash    KEYS[3] the stream's redrive lock
 -- KEYS[4..] target streams of this batch

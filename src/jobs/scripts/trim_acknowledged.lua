@@ -1,4 +1,4 @@
--- Retention `Acknowledged` (SPEC section 9): trim what every group of the stream has acknowledged and is old enough.
+-- Retention `Acknowledged`: trim what every group of the stream has acknowledged and is old enough.
 --
 -- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:<group>:totals (the counting policy's)
 -- ARGV[1] minAge in milliseconds

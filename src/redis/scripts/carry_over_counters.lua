@@ -1,4 +1,4 @@
--- Carry the counts of the 0.1 counter keys over to the keys that name the stream (SPEC section 4, "Changed in 0.2").
+-- Carry the counts of the 0.1 counter keys over to the keys that name the stream.
 --
 -- KEYS[1] legacy totals   {T}:pelican:<group>:totals      KEYS[2] totals   {T}:pelican:<stream>:<group>:totals
 -- KEYS[3] legacy terminal {T}:pelican:<group>:terminal    KEYS[4] terminal {T}:pelican:<stream>:<group>:terminal
