@@ -4,18 +4,11 @@
 #[macro_use]
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
 
 const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
-
-fn helm(args: &[&str]) -> (bool, String) {
-    let out =
-        Command::new(bed().var("PELICAN_HELM")).args(args).env("KUBECONFIG", bed().kubeconfig()).output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
-}
 
 fn render(release: &str, namespace: &str, sets: &[&str]) -> String {
     let mut args = vec!["template", release, CHART, "--namespace", namespace];

@@ -16,12 +16,6 @@ fn replica(ns: &str) -> Operator {
     Operator::start_with(ns, &["--leader-elect", "--leader-election-namespace", ns, "--log-format", "json"])
 }
 
-/// Whether the replica leads now, from its `pelican_leader` series (read at scrape time from the Lease state; a
-/// replica that lost the Lease shows 0 or is gone). A log line would stay after the Lease was lost.
-fn leads(operator: &Operator) -> bool {
-    operator.metrics().contains("pelican_leader{lease=\"pelican-leader\"} 1")
-}
-
 /// Whether the replica logged a line from the reconcile of policy `p` (its span names the policy).
 fn reconciled(operator: &Operator) -> bool {
     operator.logs().contains("\"policy\":\"p\"")
@@ -36,7 +30,7 @@ fn exactly_one_replica_leads_and_the_other_takes_over_when_it_dies() {
     wait_condition(&ns, "p", "Ready", "True", "Reconciled");
 
     let leader = wait_for("one replica to lead", Duration::from_secs(20), || {
-        match replicas.iter().map(leads).collect::<Vec<_>>()[..] {
+        match replicas.iter().map(|r| leads(&r.metrics())).collect::<Vec<_>>()[..] {
             [true, false] => Ok(0),
             [false, true] => Ok(1),
             ref other => Err(format!("{other:?}")),
@@ -44,7 +38,7 @@ fn exactly_one_replica_leads_and_the_other_takes_over_when_it_dies() {
     });
     let standby = 1 - leader;
     std::thread::sleep(Duration::from_secs(3));
-    assert!(!leads(&replicas[standby]), "two leaders at once");
+    assert!(!leads(&replicas[standby].metrics()), "two leaders at once");
     let standby_metrics = replicas[standby].metrics();
     assert!(standby_metrics.contains("pelican_leader{lease=\"pelican-leader\"} 0"), "{standby_metrics}");
     assert!(reconciled(&replicas[leader]));
@@ -57,7 +51,7 @@ fn exactly_one_replica_leads_and_the_other_takes_over_when_it_dies() {
     replicas[leader].kill9();
     let killed_at = Instant::now();
     wait_for("the standby to take over", Duration::from_secs(30), || {
-        if leads(&replicas[standby]) { Ok(()) } else { Err("still standing by".into()) }
+        if leads(&replicas[standby].metrics()) { Ok(()) } else { Err("still standing by".into()) }
     });
     let took = killed_at.elapsed();
     eprintln!("takeover after SIGKILL took {took:?}");
@@ -75,11 +69,11 @@ fn sigterm_releases_the_lease_and_a_standby_takes_over() {
     let ns = namespace("handover");
     let first = replica(&ns);
     wait_for("the first replica to lead", Duration::from_secs(20), || {
-        if leads(&first) { Ok(()) } else { Err(first.logs()) }
+        if leads(&first.metrics()) { Ok(()) } else { Err(first.logs()) }
     });
     let second = replica(&ns);
     std::thread::sleep(Duration::from_secs(2));
-    assert!(!leads(&second));
+    assert!(!leads(&second.metrics()));
     let holder = || {
         let lease = kubectl_ok(&["get", "lease", "pelican-leader", "-n", &ns, "-o", "json"]);
         let lease: serde_json::Value = serde_json::from_str(&lease).unwrap();
@@ -96,7 +90,7 @@ fn sigterm_releases_the_lease_and_a_standby_takes_over() {
         if now != first_identity { Ok(()) } else { Err(format!("still held by {now}")) }
     });
     wait_for("the second replica to lead", Duration::from_secs(20), || {
-        if leads(&second) { Ok(()) } else { Err("waiting".into()) }
+        if leads(&second.metrics()) { Ok(()) } else { Err("waiting".into()) }
     });
     let took = start.elapsed();
     eprintln!("handover after SIGTERM took {took:?}");
@@ -179,7 +173,7 @@ fn a_leader_cut_off_from_the_api_server_stops_its_passes_before_the_standby_lead
     let args = ["--namespace", &ns, "--leader-elect", "--leader-election-namespace", &ns, "--log-format", "json"];
     let mut first = Operator::launch(&args, isolated.to_str().unwrap());
     wait_for("the first replica to lead", Duration::from_secs(20), || {
-        if leads(&first) { Ok(()) } else { Err(first.logs()) }
+        if leads(&first.metrics()) { Ok(()) } else { Err(first.logs()) }
     });
     let second = replica(&ns);
     // Work that keeps passes busy: a consumer that takes every message and never acknowledges it.
@@ -205,7 +199,7 @@ fn a_leader_cut_off_from_the_api_server_stops_its_passes_before_the_standby_lead
     proxy.cut();
     let cut_at = Instant::now();
     wait_for("the second replica to lead", Duration::from_secs(40), || {
-        if leads(&second) { Ok(()) } else { Err("standing by".into()) }
+        if leads(&second.metrics()) { Ok(()) } else { Err("standing by".into()) }
     });
     eprintln!("the standby led {:?} after the cut", cut_at.elapsed());
     wait_for("passes on the second replica", Duration::from_secs(20), || {

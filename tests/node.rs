@@ -34,11 +34,14 @@ fn in_node(args: &[&str]) -> Output {
     Command::new("nsenter").args(["--target", &node_pid(), "--net", "--"]).args(args).output().unwrap()
 }
 
-fn helm(args: &[&str]) -> String {
-    let out =
-        Command::new(bed().var("PELICAN_HELM")).args(args).env("KUBECONFIG", bed().kubeconfig()).output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "helm {args:?} failed:\n{text}");
+/// helm, failing the test when it fails.
+fn helm_ok(args: &[&str]) -> String {
+    let (ok, text) = helm(args);
+    assert!(
+        ok,
+        "helm {args:?} failed:
+{text}"
+    );
     text
 }
 
@@ -52,10 +55,7 @@ struct Release {
 impl Drop for Release {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let _ = Command::new(bed().var("PELICAN_HELM"))
-                .args(["uninstall", &self.name, "-n", &self.namespace, "--wait", "--timeout=60s"])
-                .env("KUBECONFIG", bed().kubeconfig())
-                .output();
+            let _ = helm(&["uninstall", &self.name, "-n", &self.namespace, "--wait", "--timeout=60s"]);
         }
     }
 }
@@ -99,10 +99,6 @@ fn pods(namespace: &str, selector: &str) -> Vec<(String, String, bool)> {
 fn scrape(ip: &str) -> Option<String> {
     let out = in_node(&["curl", "-sf", "--max-time", "2", &format!("http://{ip}:8080/metrics")]);
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).to_string())
-}
-
-fn leads(metrics: &str) -> bool {
-    metrics.contains(&format!("pelican_leader{{lease=\"{LEASE}\"}} 1"))
 }
 
 /// The pods whose `/metrics` say they lead. Two seen at once are scraped again in the other order before they
@@ -189,7 +185,7 @@ fn the_chart_runs_as_pods_on_a_real_node() {
     let version = env!("CARGO_PKG_VERSION");
     let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
     let _uninstall = Release { name: release.clone(), namespace: system.clone() };
-    helm(&[
+    helm_ok(&[
         "install",
         &release,
         chart,
@@ -312,7 +308,7 @@ fn the_chart_runs_as_pods_on_a_real_node() {
         })
     };
     let start = Instant::now();
-    helm(&["upgrade", &release, chart, "-n", &system, "--reuse-values", "--set", "maxConcurrentReconciles=16"]);
+    helm_ok(&["upgrade", &release, chart, "-n", &system, "--reuse-values", "--set", "maxConcurrentReconciles=16"]);
     kubectl_ok(&["rollout", "status", &format!("deployment/{fullname}"), "-n", &system, "--timeout=180s"]);
     wait_for("a leader after the upgrade", Duration::from_secs(30), || match leaders(&system, &selector)[..] {
         [ref one] => Ok(one.clone()),
@@ -356,7 +352,7 @@ fn the_chart_runs_as_pods_on_a_real_node() {
     assert!(!skipped.is_empty(), "no CleanupSkipped for {apps}/orders in the operator's logs:\n{logs}");
     println!("{}", skipped[0]);
     let start = Instant::now();
-    helm(&["uninstall", &release, "-n", &system, "--wait", "--timeout=120s"]);
+    helm_ok(&["uninstall", &release, "-n", &system, "--wait", "--timeout=120s"]);
     kubectl_ok(&["delete", "namespace", &system, "--timeout=120s"]);
     println!("helm uninstall and namespace {system} deleted in {:.1}s", start.elapsed().as_secs_f64());
     for kind in ["clusterrole", "clusterrolebinding"] {

@@ -209,3 +209,16 @@ impl Operator {
         let _ = self.child.wait();
     }
 }
+
+/// Runs the bed's helm against the bed's API server: (success, stdout + stderr).
+pub fn helm(args: &[&str]) -> (bool, String) {
+    let out =
+        Command::new(bed().var("PELICAN_HELM")).args(args).env("KUBECONFIG", bed().kubeconfig()).output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Whether a replica's `/metrics` text says it holds the leader Lease `pelican-leader` now (read at scrape time
+/// from the Lease state; a replica that lost it shows 0 or is gone).
+pub fn leads(metrics: &str) -> bool {
+    metrics.contains("pelican_leader{lease=\"pelican-leader\"} 1")
+}
