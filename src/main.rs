@@ -114,7 +114,8 @@ async fn main() -> anyhow::Result<()> {
             };
             if !leader_elect {
                 metrics.watch_leadership("", Leadership::always());
-                let shared = Shared::new(client, instance, metrics, Leadership::always(), &settings);
+                let shared =
+                    Shared::new(client, instance, metrics, Leadership::always(), settings.secret_namespaces.clone());
                 run_controllers(shared, settings, shutdown).await;
                 http.await?;
                 tracing::info!("stopped");
@@ -139,7 +140,8 @@ async fn main() -> anyhow::Result<()> {
                     anyhow::bail!("the leader election task died before this replica led");
                 }
             }
-            let shared = Shared::new(client, instance, metrics, elector.leadership(), &settings);
+            let shared =
+                Shared::new(client, instance, metrics, elector.leadership(), settings.secret_namespaces.clone());
             let ended = elector.ended().shared();
             let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ()).shared();
             run_controllers(shared, settings, stop).await;

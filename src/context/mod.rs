@@ -8,6 +8,7 @@ mod resolve;
 
 pub use resolve::{SecretCache, secret_refs};
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ObjectReference;
@@ -46,13 +47,13 @@ pub struct Shared {
 
 impl Shared {
     /// The shared handles, and the writer of the policy store for the policy controller's reflector. Secrets are
-    /// read only in the settings' `secret_namespaces` when given (the operator's RBAC is namespaced then).
+    /// read only in `secret_namespaces` when given (the operator's RBAC is namespaced then).
     pub fn new(
         client: Client,
         instance: Option<String>,
         metrics: Arc<Metrics>,
         leadership: Leadership,
-        settings: &crate::controller::Settings,
+        secret_namespaces: Option<BTreeSet<String>>,
     ) -> (Arc<Shared>, Writer<ConsumerGroupPolicy>) {
         let (policies, writer) = reflector::store();
         let reporter = Reporter { controller: "pelican".into(), instance };
@@ -62,7 +63,7 @@ impl Shared {
             pools: Arc::default(),
             metrics,
             leadership,
-            secrets: SecretCache::new(settings.secret_namespaces.clone()),
+            secrets: SecretCache::new(secret_namespaces),
             policies,
         };
         (Arc::new(shared), writer)

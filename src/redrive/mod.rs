@@ -478,9 +478,7 @@ mod tests {
     mod scripted {
         use super::super::*;
         use crate::api::{DeadLetterRedriveSpec, PolicyRef};
-        use crate::controller::Settings;
         use crate::leader::Leadership;
-        use crate::telemetry::Readiness;
         use http::{Method, Request, Response};
         use kube::client::Body;
         use tower_test::mock;
@@ -491,14 +489,7 @@ mod tests {
         fn context() -> (Arc<Redrives>, Handle) {
             let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
             let client = kube::Client::new(service, "apps");
-            let settings = Settings {
-                namespace: None,
-                readiness: Readiness::default(),
-                label_selector: None,
-                concurrency: 1,
-                secret_namespaces: None,
-            };
-            let (shared, _policies) = Shared::new(client, None, Arc::default(), Leadership::always(), &settings);
+            let (shared, _policies) = Shared::new(client, None, Arc::default(), Leadership::always(), None);
             let redrives = Redrives {
                 shared,
                 redrives: reflector::store().0,
