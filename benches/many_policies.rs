@@ -96,6 +96,9 @@ fn main() {
     if sharded {
         return shards(count);
     }
+    if args.iter().any(|a| a == "server") {
+        return one_server(count);
+    }
     let servers = [Server::start(Flavor::Redis), Server::start(Flavor::Redis), Server::start(Flavor::Valkey)];
     // One full interval, so every policy is refreshed (and its pass run) once inside the window.
     let window = Duration::from_secs(65);
@@ -170,6 +173,54 @@ fn shards(count: usize) {
             count / 2,
             100.0 * (cpu_after - cpu_before) / window.as_secs_f64()
         );
+    }
+}
+
+/// The same policies on one server, inline and then through one `RedisServer` (in the policies' namespace, which a
+/// server without tenants admits), each with an operator of its own: time to all Ready, steady RSS and CPU,
+/// connections on the server.
+fn one_server(count: usize) {
+    let server = Server::start(Flavor::Redis);
+    let window = Duration::from_secs(65);
+    let mut rows = Vec::new();
+    for by_reference in [false, true] {
+        let ns = namespace(if by_reference { "by-ref" } else { "inline" });
+        let operator = Operator::start(&ns);
+        if by_reference {
+            let rs = format!(
+                "apiVersion: pelican.io/v1alpha1\nkind: RedisServer\nmetadata:\n  name: shared\nspec:\n  url: {}\n",
+                server.url()
+            );
+            assert!(kubectl_apply(&ns, &rs).0);
+        }
+        let start = Instant::now();
+        let manifests: Vec<String> = (0..count)
+            .map(|i| {
+                let manifest = policy(&format!("p{i}"), &server.url(), &format!("s{i}"), "g", "")
+                    .replace("    interval: 1s\n", "");
+                match by_reference {
+                    true => {
+                        manifest.replace(&format!("    url: {}\n", server.url()), "    serverRef: {name: shared}\n")
+                    }
+                    false => manifest,
+                }
+            })
+            .collect();
+        for chunk in manifests.chunks(500) {
+            let (ok, out) = kubectl_apply(&ns, &chunk.join("---\n"));
+            assert!(ok, "{out}");
+        }
+        wait_all_ready(&ns, count, Duration::from_secs(3600));
+        let all_ready = start.elapsed();
+        let (rss, cpu) = steady(&operator, window);
+        let label = if by_reference { "one RedisServer" } else { "inline URL" };
+        rows.push((label, all_ready.as_secs_f64(), rss, cpu, connections(&server)));
+        drop(operator);
+    }
+    println!("{count} policies on one server (redis 7.0), interval 1m");
+    println!("{:<18} {:>16} {:>10} {:>10} {:>13}", "", "all Ready (s)", "RSS (MiB)", "CPU (%)", "connections");
+    for (label, ready, rss, cpu, conns) in rows {
+        println!("{label:<18} {ready:>16.1} {rss:>10.1} {cpu:>10.2} {conns:>13}");
     }
 }
 

@@ -60,6 +60,7 @@ async fn pelican_redrive(conn: &mut Conn, server: &str) -> usize {
         to: None,
         max_messages: None,
         cluster: false,
+        keys: None,
     };
     let until = snapshot(conn, server, &plan).await.unwrap().until_id.unwrap();
     let mut progress = Progress::default();

@@ -69,6 +69,31 @@ pub enum Error {
     )]
     NotPrimary { server: String, master: String, role: String },
 
+    #[error(
+        "RedisServer {namespace}/{name} not found: create it, or fix spec.redis.serverRef (`kubectl get redisservers -A` lists the servers)"
+    )]
+    ServerNotFound { namespace: String, name: String },
+
+    #[error(
+        "RedisServer {server} does not admit namespace {namespace:?}: ask whoever runs the server to add it to spec.tenants (by name or by a namespaceSelector matching its labels)"
+    )]
+    ServerNotAllowed { server: String, namespace: String },
+
+    #[error(
+        "{field} {key:?} is not among the keys RedisServer {server} admits for namespace {namespace:?} ({patterns}): use a key that matches one of them, or ask whoever runs the server to add a pattern to spec.tenants"
+    )]
+    KeyNotAllowed { server: String, namespace: String, field: String, key: String, patterns: String },
+
+    #[error(
+        "this operator does not connect to inline servers (--inline-connections=deny, the chart's tenancy.inlineConnections): replace spec.redis.url and its Secrets with spec.redis.serverRef naming a RedisServer"
+    )]
+    InlineConnectionDenied,
+
+    #[error(
+        "you may not read the Secrets of RedisServer {server} (this needs `get` on secrets in namespace {namespace}): `kubectl pelican status` works without them, from the policy's status; `dlq` and `redrive` read the server with its credentials, so ask whoever runs the server, or create a DeadLetterRedrive object, which the operator runs"
+    )]
+    ServerSecretsForbidden { server: String, namespace: String },
+
     #[error("spec.startId {start_id:?}: {why}")]
     InvalidStartId { start_id: String, why: String },
 
@@ -108,6 +133,11 @@ impl Error {
             Error::RedisCommand { .. } => "RedisError",
             Error::DatabaseNotFound { .. } => "DatabaseNotFound",
             Error::InvalidStartId { .. } => "InvalidStartId",
+            Error::ServerNotFound { .. } => "ServerNotFound",
+            Error::ServerNotAllowed { .. } => "ServerNotAllowed",
+            Error::KeyNotAllowed { .. } => "KeyNotAllowed",
+            Error::InlineConnectionDenied => "InlineConnectionDenied",
+            Error::ServerSecretsForbidden { .. } => "Forbidden",
             Error::NotACluster { .. } => "NotACluster",
             Error::ClusterNode { .. } => "ClusterNode",
             Error::SentinelMasterUnknown { .. } => "SentinelMasterUnknown",
@@ -134,6 +164,10 @@ impl Error {
                 | Error::PermissionDenied { .. }
                 | Error::DatabaseNotFound { .. }
                 | Error::InvalidStartId { .. }
+                | Error::ServerNotFound { .. }
+                | Error::ServerNotAllowed { .. }
+                | Error::KeyNotAllowed { .. }
+                | Error::InlineConnectionDenied
                 | Error::NotACluster { .. }
                 | Error::ClusterNode { .. }
                 | Error::SentinelMasterUnknown { .. }
@@ -143,6 +177,12 @@ impl Error {
                 | Error::InvalidSpec(_)
                 | Error::CrossSlot(_)
         )
+    }
+
+    /// A tenancy refusal: the operator was not allowed to act on the server for this policy, so nothing of it is
+    /// there to clean up.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Error::ServerNotAllowed { .. } | Error::KeyNotAllowed { .. } | Error::InlineConnectionDenied)
     }
 
     /// Classifies a Redis client error by what the user should do about it: by its kind and the server's error

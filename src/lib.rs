@@ -27,7 +27,11 @@ pub mod redrive;
 #[cfg(feature = "operator")]
 pub mod runner;
 #[cfg(feature = "operator")]
+pub mod servers;
+#[cfg(feature = "operator")]
 pub mod telemetry;
+#[cfg(feature = "operator")]
+pub mod tenancy;
 
 #[cfg(feature = "operator")]
 pub use error::{Error, Result};

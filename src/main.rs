@@ -4,9 +4,8 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
-use kube::runtime::reflector::store::Writer;
-use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive};
-use pelican::context::Shared;
+use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive, RedisServer};
+use pelican::context::{InlineConnections, Shared, Writers};
 use pelican::leader::{Elector, Leadership};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
 
@@ -50,12 +49,16 @@ enum Command {
         /// its own --leader-election-lease.
         #[arg(long, env = "PELICAN_WATCH_LABEL_SELECTOR")]
         watch_label_selector: Option<String>,
+        /// `deny`: policies must name a RedisServer (`spec.redis.serverRef`); one that gives its server inline is
+        /// Stalled (InlineConnectionDenied) and nothing is written for it. `allow` (default): both.
+        #[arg(long, value_enum, default_value_t = InlineConnections::Allow, env = "PELICAN_INLINE_CONNECTIONS")]
+        inline_connections: InlineConnections,
         /// How many policies are reconciled at once (0: no bound).
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
     },
-    /// Print the CustomResourceDefinitions as YAML: both, or the one named (`consumergrouppolicies`,
-    /// `deadletterredrives`).
+    /// Print the CustomResourceDefinitions as YAML: all, or the one named (`consumergrouppolicies`,
+    /// `deadletterredrives`, `redisservers`).
     Crd { name: Option<String> },
     /// Print the version.
     Version,
@@ -70,7 +73,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Cli(command) => pelican::cli::run(command).await?,
         Command::Crd { name } => {
-            let crds = [ConsumerGroupPolicy::crd(), DeadLetterRedrive::crd()];
+            let crds = [ConsumerGroupPolicy::crd(), DeadLetterRedrive::crd(), RedisServer::crd()];
             let chosen: Vec<_> = crds
                 .iter()
                 .filter(|crd| name.as_deref().is_none_or(|n| crd.spec.names.plural == n))
@@ -78,7 +81,7 @@ async fn main() -> anyhow::Result<()> {
                 .collect::<Result<_, _>>()?;
             if chosen.is_empty() {
                 anyhow::bail!(
-                    "no CustomResourceDefinition named {name:?}: use consumergrouppolicies or deadletterredrives"
+                    "no CustomResourceDefinition named {name:?}: use consumergrouppolicies, deadletterredrives or redisservers"
                 );
             }
             print!("{}", chosen.join("---\n"));
@@ -94,6 +97,7 @@ async fn main() -> anyhow::Result<()> {
             leader_election_namespace,
             leader_election_lease,
             watch_label_selector,
+            inline_connections,
             max_concurrent_reconciles,
         } => {
             init_logging(log_format);
@@ -114,8 +118,8 @@ async fn main() -> anyhow::Result<()> {
             };
             if !leader_elect {
                 metrics.watch_leadership("", Leadership::always());
-                let shared =
-                    Shared::new(client, instance, metrics, Leadership::always(), settings.secret_namespaces.clone());
+                let secrets = settings.secret_namespaces.clone();
+                let shared = Shared::new(client, instance, metrics, Leadership::always(), secrets, inline_connections);
                 run_controllers(shared, settings, shutdown).await;
                 http.await?;
                 tracing::info!("stopped");
@@ -140,8 +144,8 @@ async fn main() -> anyhow::Result<()> {
                     anyhow::bail!("the leader election task died before this replica led");
                 }
             }
-            let shared =
-                Shared::new(client, instance, metrics, elector.leadership(), settings.secret_namespaces.clone());
+            let secrets = settings.secret_namespaces.clone();
+            let shared = Shared::new(client, instance, metrics, elector.leadership(), secrets, inline_connections);
             let ended = elector.ended().shared();
             let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ()).shared();
             run_controllers(shared, settings, stop).await;
@@ -160,16 +164,17 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The policy controller and the redrive controller side by side, on the same shared handles, until `stop`.
+/// The policy, redrive and server controllers side by side, on the same shared handles, until `stop`.
 async fn run_controllers(
-    (shared, policies): (Arc<Shared>, Writer<ConsumerGroupPolicy>),
+    (shared, writers): (Arc<Shared>, Writers),
     settings: pelican::controller::Settings,
     stop: impl Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
-    let (namespace, sharded) = (settings.namespace.clone(), settings.label_selector.is_some());
+    let (namespace, selector) = (settings.namespace.clone(), settings.label_selector.clone());
     futures::join!(
-        pelican::controller::run(shared.clone(), policies, settings, stop.clone()),
-        pelican::redrive::run(shared, namespace, sharded, stop),
+        pelican::controller::run(shared.clone(), writers, settings, stop.clone()),
+        pelican::redrive::run(shared.clone(), namespace.clone(), selector.is_some(), stop.clone()),
+        pelican::servers::run(shared, namespace, selector, stop),
     );
 }
 

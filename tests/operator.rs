@@ -99,14 +99,19 @@ fn apply_makes_the_group_and_get_shows_live_numbers(flavor: Flavor) {
         other => Err(format!("{other:?}")),
     });
     assert_eq!(Operator::http_get(operator.health_port, "/healthz").0, 200);
-    // JSON log lines, each about one policy with its namespace and name.
+    // JSON log lines, each about one policy with its namespace and name (the reconcile's span).
     let logs = operator.logs();
     let ready_line = logs
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("not a JSON log line ({e}): {l}")))
         .find(|l| l["message"].as_str().is_some_and(|m| m.contains("is ready")))
         .expect("a log line saying the policy is ready");
-    assert_eq!((ready_line["namespace"].as_str(), ready_line["name"].as_str()), (Some(ns.as_str()), Some("orders")));
+    let span = &ready_line["span"];
+    assert_eq!(
+        (span["namespace"].as_str(), span["policy"].as_str()),
+        (Some(ns.as_str()), Some("orders")),
+        "{ready_line}"
+    );
     assert_eq!(ready_line["level"], "INFO");
     let metrics = operator.metrics();
     let labels = format!(r#"namespace="{ns}",policy="orders",stream="orders",group="billing""#);

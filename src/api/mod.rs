@@ -2,9 +2,11 @@
 
 mod duration;
 mod redrive;
+mod server;
 
 pub use duration::parse_duration;
 pub use redrive::*;
+pub use server::*;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
@@ -51,6 +53,13 @@ pub const RECONCILED: &str = "Reconciled";
     printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     printcolumn(name = "Consumers", type_ = "integer", json_path = ".status.consumers", priority = "1"),
+    printcolumn(
+        name = "Server",
+        type_ = "string",
+        json_path = ".spec.redis.serverRef.name",
+        description = "the RedisServer the policy uses (empty for an inline connection)",
+        priority = "1"
+    ),
     printcolumn(name = "Backlog", type_ = "integer", json_path = ".status.backlog", priority = "1"),
     printcolumn(
         name = "Requeue-Copies-To",
@@ -112,6 +121,15 @@ pub struct ConsumerGroupPolicySpec {
     pub suspend: bool,
 }
 
+impl ConsumerGroupPolicy {
+    /// `(namespace, name)` of the `RedisServer` the policy names (its own namespace when the reference has none).
+    pub fn server_ref(&self) -> Option<(String, String)> {
+        let reference = self.spec.redis.server_ref.as_ref()?;
+        let namespace = reference.namespace.clone().or_else(|| self.metadata.namespace.clone()).unwrap_or_default();
+        Some((namespace, reference.name.clone()))
+    }
+}
+
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct BacklogSpec {
@@ -145,15 +163,25 @@ pub enum RetentionMode {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.mode != 'Cluster' || !self.url.matches('/0*[1-9][0-9]*$')").message("spec.redis.url selects a database other than 0, but a Redis Cluster has only database 0: remove the path or use /0"))]
+#[x_kube(validation = Rule::new("has(self.serverRef) || has(self.url)").message("spec.redis needs serverRef (the name of a RedisServer your platform team set up) or url (the server, inline)"))]
+#[x_kube(validation = Rule::new("!has(self.serverRef) || !(has(self.url) || has(self.usernameSecretRef) || has(self.passwordSecretRef) || has(self.tls) || has(self.sentinel) || self.mode != 'Standalone')").message("spec.redis.serverRef and the inline connection (url, mode, usernameSecretRef, passwordSecretRef, tls, sentinel) are exclusive: with serverRef the RedisServer holds them, so remove them from the policy"))]
+#[x_kube(validation = Rule::new("self.mode != 'Cluster' || !has(self.url) || !self.url.matches('/0*[1-9][0-9]*$')").message("spec.redis.url selects a database other than 0, but a Redis Cluster has only database 0: remove the path or use /0"))]
 #[x_kube(validation = Rule::new("self.mode == 'Sentinel' ? has(self.sentinel) : !has(self.sentinel)").message("spec.redis.sentinel goes with spec.redis.mode Sentinel: set both (the sentinel's address in url, the primary's name in sentinel.masterName) or neither"))]
-#[x_kube(validation = Rule::new("!has(self.tls) || self.url.startsWith('rediss://')").message("spec.redis.tls is set but spec.redis.url is redis://, which never uses TLS: use a rediss:// URL or remove spec.redis.tls"))]
+#[x_kube(validation = Rule::new("!has(self.tls) || (has(self.url) && self.url.startsWith('rediss://'))").message("spec.redis.tls is set but spec.redis.url is redis://, which never uses TLS: use a rediss:// URL or remove spec.redis.tls"))]
 pub struct RedisSpec {
+    /// A `RedisServer` to use instead of an inline connection: its URL, credentials and TLS, read by the operator
+    /// (the policy's namespace needs no access to its Secrets), if the server admits this namespace and the
+    /// policy's keys. Exclusive with the inline fields. May replace `url` (moving a policy to a server
+    /// reference); then immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.serverRef is immutable: create a new policy for another server"))]
+    pub server_ref: Option<ServerRef>,
     /// `redis://host:port/db` or `rediss://host:port/db`. Credentials go in Secrets, never in the URL. Immutable.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.url is immutable: create a new policy for another server"))]
     #[x_kube(validation = Rule::new("!self.matches('^rediss?://[^/]*@')").message("spec.redis.url must not contain credentials: put them in a Secret and use spec.redis.usernameSecretRef / passwordSecretRef"))]
     #[x_kube(validation = Rule::new("self.matches('^rediss?://[^/]*@') || self.matches('^rediss?://(\\\\[[0-9A-Fa-f:.]+\\\\]|[^\\\\s/:@?#\\\\[\\\\]]+)(:[0-9]{1,5})?(/[0-9]{0,9})?$')").message("spec.redis.url must be redis://host[:port][/database] or rediss://host[:port][/database]: a host name or address, an optional port, an optional database number (at most 9 digits), and nothing else (no query, no other path)"))]
     #[schemars(regex(pattern = r"^rediss?://[^\s]+$"), length(max = 2048))]
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub url: String,
     /// `Standalone` (default): one server, or the primary of a replicated setup. `Cluster`: `url` names any node of a
     /// Redis Cluster; the operator discovers the others and follows slot moves. `Sentinel`: `url` names a sentinel
@@ -198,6 +226,17 @@ pub struct SentinelSpec {
     /// The password the sentinels require (`requirepass` of the sentinels), from a Secret in the policy's namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
+}
+
+/// A `RedisServer` by name.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ServerRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Its namespace; the policy's own when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: Option<String>,
 }
 
 /// A key of a Secret in the policy's own namespace.

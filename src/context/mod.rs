@@ -6,16 +6,17 @@
 pub mod conditions;
 mod resolve;
 
-pub use resolve::{SecretCache, secret_refs};
+pub use resolve::{SecretCache, SecretName, secret_refs};
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference};
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::NamespaceResourceScope;
 use kube::runtime::events::{Event, EventType, Reporter};
-use kube::runtime::reflector::{self, Store, store::Writer};
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -23,11 +24,12 @@ use std::fmt::Debug;
 
 use tracing::warn;
 
-use crate::Result;
-use crate::api::ConsumerGroupPolicy;
+use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::leader::Leadership;
 use crate::redis::{Pools, Target};
 use crate::telemetry::{Events, Metrics};
+use crate::tenancy::{self, KeyRules};
+use crate::{Error, Result};
 
 /// Field manager of every status write; the operator owns nothing else of its objects but the policies' finalizer.
 pub const FIELD_MANAGER: &str = "pelican";
@@ -43,19 +45,51 @@ pub struct Shared {
     pub secrets: SecretCache,
     /// Every policy the policy controller watches, kept by its reflector.
     pub policies: Store<ConsumerGroupPolicy>,
+    /// Every `RedisServer` the operator may read, kept by the policy controller's reflector.
+    pub servers: Store<RedisServer>,
+    /// Namespace labels, for the servers' tenant selectors.
+    namespaces: NamespaceLabels,
+    pub inline: InlineConnections,
+}
+
+/// Whether policies may give their server inline (`spec.redis.url`) or only name a `RedisServer`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum InlineConnections {
+    /// Inline servers and server references (single-team clusters, and the way there).
+    #[default]
+    Allow,
+    /// Only server references: inline policies are Stalled `InlineConnectionDenied` and nothing is written.
+    Deny,
+}
+
+/// The reflector writers [`Shared::new`] hands to the controller that fills the stores.
+pub struct Writers {
+    pub policies: Writer<ConsumerGroupPolicy>,
+    pub servers: Writer<RedisServer>,
+}
+
+/// A policy's connection, resolved and admitted.
+pub struct Resolved {
+    pub target: Target,
+    /// `namespace/name` of the `RedisServer` it names (none for an inline connection).
+    pub server: Option<String>,
+    /// The keys the server admits for the policy's namespace (none for an inline connection: every key).
+    pub keys: Option<KeyRules>,
 }
 
 impl Shared {
-    /// The shared handles, and the writer of the policy store for the policy controller's reflector. Secrets are
-    /// read only in `secret_namespaces` when given (the operator's RBAC is namespaced then).
+    /// The shared handles, and the writers of the policy and server stores for the policy controller's reflectors.
+    /// Secrets are read only in `secret_namespaces` when given (the operator's RBAC is namespaced then).
     pub fn new(
         client: Client,
         instance: Option<String>,
         metrics: Arc<Metrics>,
         leadership: Leadership,
         secret_namespaces: Option<BTreeSet<String>>,
-    ) -> (Arc<Shared>, Writer<ConsumerGroupPolicy>) {
-        let (policies, writer) = reflector::store();
+        inline: InlineConnections,
+    ) -> (Arc<Shared>, Writers) {
+        let (policies, policy_writer) = reflector::store();
+        let (servers, server_writer) = reflector::store();
         let reporter = Reporter { controller: "pelican".into(), instance };
         let shared = Shared {
             events: Events::new(client.clone(), reporter),
@@ -65,13 +99,127 @@ impl Shared {
             leadership,
             secrets: SecretCache::new(secret_namespaces),
             policies,
+            servers,
+            namespaces: NamespaceLabels::default(),
+            inline,
         };
-        (Arc::new(shared), writer)
+        (Arc::new(shared), Writers { policies: policy_writer, servers: server_writer })
     }
 
-    /// The server and credentials a policy names, its Secrets read through the cache.
+    /// The server and credentials a policy names, its Secrets read through the cache, once the server admits the
+    /// policy's namespace and keys.
     pub async fn target(&self, policy: &ConsumerGroupPolicy) -> Result<Target> {
-        resolve::target(policy, &self.client, &self.secrets).await
+        Ok(self.resolve(policy).await?.target)
+    }
+
+    /// The policy's connection: inline (unless `--inline-connections=deny`), or the `RedisServer` it names, which
+    /// must admit the policy's namespace and its stream and dead-letter stream. Nothing may be written to the
+    /// server for a policy this refuses.
+    pub async fn resolve(&self, policy: &ConsumerGroupPolicy) -> Result<Resolved> {
+        let namespace = policy.namespace().unwrap_or_default();
+        let Some((server_namespace, name)) = policy.server_ref() else {
+            if self.inline == InlineConnections::Deny {
+                return Err(Error::InlineConnectionDenied);
+            }
+            let target = resolve::target(&policy.spec.redis, &namespace, &self.client, &self.secrets).await?;
+            return Ok(Resolved { target, server: None, keys: None });
+        };
+        let server = self
+            .servers
+            .get(&ObjectRef::new(&name).within(&server_namespace))
+            .ok_or_else(|| Error::ServerNotFound { namespace: server_namespace.clone(), name: name.clone() })?;
+        let labels = match tenancy::needs_labels(&server) {
+            true => self.namespaces.labels(&self.client, &namespace).await,
+            false => None,
+        };
+        let keys = tenancy::admit(&server, &namespace, labels.as_ref())?;
+        keys.check("spec.stream", &policy.spec.stream)?;
+        keys.check("spec.deadLetter.stream", &policy.spec.dead_letter.stream)?;
+        let connection = server.spec.connection();
+        let target = resolve::target(&connection, &server_namespace, &self.client, &self.secrets).await?;
+        Ok(Resolved { target, server: Some(tenancy::server_name(&server)), keys: Some(keys) })
+    }
+
+    /// Of `others`, the policies their servers admit (namespace and keys; nothing is read from a Secret): one that is
+    /// refused writes nothing, so it owns no group and no key name, however old it is. Otherwise a team could hold
+    /// another's group hostage with a policy that may not touch it.
+    pub async fn admitted(&self, others: Vec<Arc<ConsumerGroupPolicy>>) -> Vec<Arc<ConsumerGroupPolicy>> {
+        let mut kept = Vec::with_capacity(others.len());
+        for other in others {
+            let admitted = match other.server_ref() {
+                None => self.inline == InlineConnections::Allow,
+                Some((namespace, name)) => match self.servers.get(&ObjectRef::new(&name).within(&namespace)) {
+                    None => false,
+                    Some(server) => {
+                        let own = other.namespace().unwrap_or_default();
+                        let labels = match tenancy::needs_labels(&server) {
+                            true => self.namespaces.labels(&self.client, &own).await,
+                            false => None,
+                        };
+                        tenancy::admit(&server, &own, labels.as_ref()).is_ok_and(|keys| {
+                            keys.check("", &other.spec.stream).is_ok()
+                                && keys.check("", &other.spec.dead_letter.stream).is_ok()
+                        })
+                    }
+                },
+            };
+            if admitted {
+                kept.push(other);
+            }
+        }
+        kept
+    }
+
+    /// A `RedisServer`'s connection, its Secrets read (through the cache) in its own namespace.
+    pub async fn server_target(&self, server: &RedisServer) -> Result<Target> {
+        let namespace = server.namespace().unwrap_or_default();
+        resolve::target(&server.spec.connection(), &namespace, &self.client, &self.secrets).await
+    }
+
+    /// Every Secret a policy or a server of the stores uses, as (`namespace`, `name`).
+    pub fn referenced_secrets(&self) -> HashSet<SecretName> {
+        let policies = self.policies.state();
+        let inline = policies.iter().flat_map(|p| {
+            let namespace = p.namespace().unwrap_or_default();
+            secret_refs(&p.spec.redis).map(move |r| (namespace.clone(), r.name.clone())).collect::<Vec<_>>()
+        });
+        let servers = self.servers.state();
+        let referenced = servers.iter().flat_map(|s| {
+            let namespace = s.namespace().unwrap_or_default();
+            secret_refs(&s.spec.connection()).map(move |r| (namespace.clone(), r.name.clone())).collect::<Vec<_>>()
+        });
+        inline.chain(referenced).collect()
+    }
+}
+
+/// Namespace labels read on demand (one GET per namespace, kept [`NamespaceLabels::FRESH`]): only servers whose
+/// tenants select namespaces by label need them, and a namespace's labels change rarely.
+#[derive(Default)]
+struct NamespaceLabels(Mutex<HashMap<String, (Instant, Option<Labels>)>>);
+
+type Labels = BTreeMap<String, String>;
+
+impl NamespaceLabels {
+    const FRESH: Duration = Duration::from_secs(30);
+
+    /// The namespace's labels; `None` when it cannot be read (then no selector admits it).
+    async fn labels(&self, client: &Client, namespace: &str) -> Option<Labels> {
+        if let Some((at, labels)) = self.0.lock().expect("namespace labels lock").get(namespace)
+            && at.elapsed() < Self::FRESH
+        {
+            return labels.clone();
+        }
+        let labels = match Api::<Namespace>::all(client.clone()).get_opt(namespace).await {
+            Ok(found) => found.map(|ns| ns.metadata.labels.unwrap_or_default()),
+            Err(e) => {
+                warn!(namespace, error = %e, "cannot read the namespace's labels; no tenant selector admits it");
+                None
+            }
+        };
+        let mut cache = self.0.lock().expect("namespace labels lock");
+        cache.retain(|_, (at, _)| at.elapsed() < Self::FRESH);
+        cache.insert(namespace.to_string(), (Instant::now(), labels.clone()));
+        labels
     }
 }
 
@@ -99,9 +247,24 @@ impl Shared {
     }
 }
 
-/// The server and credentials of a policy, its Secrets read with `client`'s permissions (for `kubectl pelican`).
+/// The server and credentials of a policy, its Secrets (or its `RedisServer`'s) read with `client`'s permissions
+/// (for `kubectl pelican`). Reading a server's Secrets takes `get` on Secrets in the server's namespace, which a
+/// team usually lacks: that refusal says so, and what works without it.
 pub async fn read_target(policy: &ConsumerGroupPolicy, client: &Client) -> Result<Target> {
-    resolve::target(policy, client, &SecretCache::default()).await
+    let Some((namespace, name)) = policy.server_ref() else {
+        let namespace = policy.namespace().unwrap_or_default();
+        return resolve::target(&policy.spec.redis, &namespace, client, &SecretCache::default()).await;
+    };
+    let server = Api::<RedisServer>::namespaced(client.clone(), &namespace)
+        .get_opt(&name)
+        .await?
+        .ok_or_else(|| Error::ServerNotFound { namespace: namespace.clone(), name: name.clone() })?;
+    resolve::target(&server.spec.connection(), &namespace, client, &SecretCache::default()).await.map_err(|e| match e {
+        Error::Kube(kube::Error::Api(response)) if response.code == 403 => {
+            Error::ServerSecretsForbidden { server: format!("{namespace}/{name}"), namespace }
+        }
+        other => other,
+    })
 }
 
 /// `namespace/name`: how the runner and the logs name a policy.

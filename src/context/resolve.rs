@@ -9,15 +9,15 @@ use std::sync::{Arc, Mutex};
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
+use kube::Client;
 use kube::api::Api;
-use kube::{Client, ResourceExt};
 
-use crate::api::{ConsumerGroupPolicy, RedisMode, SecretKeyRef};
+use crate::api::{RedisMode, RedisSpec, SecretKeyRef};
 use crate::redis::{Credentials, Sentinel, Target, Tls};
 use crate::{Error, Result};
 
 /// `namespace/name` of a Secret.
-type SecretName = (String, String);
+pub type SecretName = (String, String);
 /// A Secret's data, or `None` when it does not exist.
 type SecretData = Option<Arc<BTreeMap<String, ByteString>>>;
 
@@ -48,15 +48,8 @@ impl SecretCache {
         entries.epoch += 1;
     }
 
-    /// Drops every Secret no policy references any more.
-    pub fn retain_referenced(&self, policies: &[Arc<ConsumerGroupPolicy>]) {
-        let referenced: HashSet<SecretName> = policies
-            .iter()
-            .flat_map(|p| {
-                let namespace = p.namespace().unwrap_or_default();
-                secret_refs(p).map(move |r| (namespace.clone(), r.name.clone()))
-            })
-            .collect();
+    /// Drops every Secret not in `referenced` (`namespace`, `name`): what no policy or server uses any more.
+    pub fn retain_referenced(&self, referenced: &HashSet<SecretName>) {
         self.entries.lock().expect("secret cache lock").values.retain(|key, _| referenced.contains(key));
     }
 
@@ -132,28 +125,26 @@ impl SecretCache {
     }
 }
 
-/// Every Secret a policy references.
-pub fn secret_refs(policy: &ConsumerGroupPolicy) -> impl Iterator<Item = &SecretKeyRef> {
-    let redis = &policy.spec.redis;
+/// Every Secret a connection references (a policy's inline one, or a server's).
+pub fn secret_refs(redis: &RedisSpec) -> impl Iterator<Item = &SecretKeyRef> {
     let tls = redis.tls.iter().flat_map(|t| [&t.ca_secret_ref, &t.cert_secret_ref, &t.key_secret_ref]);
     let sentinel = redis.sentinel.iter().flat_map(|s| [&s.username_secret_ref, &s.password_secret_ref]);
     [&redis.username_secret_ref, &redis.password_secret_ref].into_iter().chain(tls).chain(sentinel).flatten()
 }
 
-/// The server and credentials of a policy, read from Secrets in its own namespace.
-pub async fn target(policy: &ConsumerGroupPolicy, client: &Client, secrets: &SecretCache) -> Result<Target> {
-    let namespace = policy.namespace().unwrap_or_default();
-    let redis = &policy.spec.redis;
+/// The server and credentials of a connection, its Secrets read in `namespace` (the policy's own for an inline
+/// connection, the `RedisServer`'s for a referenced one).
+pub async fn target(redis: &RedisSpec, namespace: &str, client: &Client, secrets: &SecretCache) -> Result<Target> {
     let credentials = Credentials {
-        username: secrets.text(client, &namespace, redis.username_secret_ref.as_ref()).await?,
-        password: secrets.text(client, &namespace, redis.password_secret_ref.as_ref()).await?,
+        username: secrets.text(client, namespace, redis.username_secret_ref.as_ref()).await?,
+        password: secrets.text(client, namespace, redis.password_secret_ref.as_ref()).await?,
     };
     let tls = match &redis.tls {
         None => Tls::default(),
         Some(spec) => Tls {
-            ca: secrets.value(client, &namespace, spec.ca_secret_ref.as_ref()).await?,
-            client_cert: secrets.value(client, &namespace, spec.cert_secret_ref.as_ref()).await?,
-            client_key: secrets.value(client, &namespace, spec.key_secret_ref.as_ref()).await?,
+            ca: secrets.value(client, namespace, spec.ca_secret_ref.as_ref()).await?,
+            client_cert: secrets.value(client, namespace, spec.cert_secret_ref.as_ref()).await?,
+            client_key: secrets.value(client, namespace, spec.key_secret_ref.as_ref()).await?,
             insecure_skip_verify: spec.insecure_skip_verify,
         },
     };
@@ -161,8 +152,8 @@ pub async fn target(policy: &ConsumerGroupPolicy, client: &Client, secrets: &Sec
         Some(spec) if redis.mode == RedisMode::Sentinel => Some(Sentinel {
             master_name: spec.master_name.clone(),
             credentials: Credentials {
-                username: secrets.text(client, &namespace, spec.username_secret_ref.as_ref()).await?,
-                password: secrets.text(client, &namespace, spec.password_secret_ref.as_ref()).await?,
+                username: secrets.text(client, namespace, spec.username_secret_ref.as_ref()).await?,
+                password: secrets.text(client, namespace, spec.password_secret_ref.as_ref()).await?,
             },
         }),
         _ => None,

@@ -110,7 +110,7 @@ pub async fn cleanup(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Acti
     ctx.runner.stop(&policy_id(policy));
     let done = release_redis(policy, ctx).await;
     forget(ctx, &key);
-    ctx.shared.secrets.retain_referenced(&ctx.shared.policies.state());
+    ctx.shared.secrets.retain_referenced(&ctx.shared.referenced_secrets());
     done
 }
 
@@ -131,7 +131,8 @@ pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
 /// `Retain` leaves the rest of Redis untouched; `Delete` destroys the group (never the streams).
 async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let destroy = policy.spec.deletion_policy == DeletionPolicy::Delete;
-    if let Some(conflict) = validate::conflict(policy, &ctx.neighbours.of(policy, &ctx.shared.policies)) {
+    let others = ctx.shared.admitted(ctx.neighbours.of(policy, &ctx.shared.policies)).await;
+    if let Some(conflict) = validate::conflict(policy, &others) {
         // The group, and its bound, belong to the older policy.
         if destroy {
             let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);

@@ -29,13 +29,13 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::{ObjectRef, Store, store::Writer};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
 use kube::{Resource, ResourceExt};
 use tracing::{instrument, warn};
 
-use crate::api::ConsumerGroupPolicy;
-use crate::context::{self, Shared, policy_id};
+use crate::api::{ConsumerGroupPolicy, RedisServer};
+use crate::context::{self, Shared, Writers, policy_id};
 use crate::redis::PoolKey;
 use crate::runner::Runner;
 use crate::telemetry::Readiness;
@@ -97,10 +97,11 @@ impl Context {
     /// Per-policy state goes when the policy goes ([`act::forget`]); these are shared by policies, so they are
     /// swept instead.
     fn sweep(&self) {
-        let policies = self.shared.policies.state();
-        self.shared.secrets.retain_referenced(&policies);
-        let sentinels = policies.iter().filter(|p| p.spec.redis.sentinel.is_some()).map(|p| p.spec.redis.url.as_str());
-        self.shared.pools.retain_sentinels(sentinels);
+        self.shared.secrets.retain_referenced(&self.shared.referenced_secrets());
+        let (policies, servers) = (self.shared.policies.state(), self.shared.servers.state());
+        let inline = policies.iter().filter(|p| p.spec.redis.sentinel.is_some()).map(|p| p.spec.redis.url.as_str());
+        let referenced = servers.iter().filter(|s| s.spec.sentinel.is_some()).map(|s| s.spec.url.as_str());
+        self.shared.pools.retain_sentinels(inline.chain(referenced));
         self.runner.sweep();
         self.deleted.prune();
     }
@@ -139,10 +140,10 @@ fn id(namespace: &str, name: &str) -> String {
     format!("{namespace}/{name}")
 }
 
-/// Runs the controller until `shutdown` resolves; `writer` fills `shared.policies`.
+/// Runs the controller until `shutdown` resolves; `writers` fill `shared.policies` and `shared.servers`.
 pub async fn run(
     shared: Arc<Shared>,
-    writer: Writer<ConsumerGroupPolicy>,
+    writers: Writers,
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
@@ -203,7 +204,7 @@ pub async fn run(
                 act::forget(&watch_ctx, &gone);
             }
         })
-        .reflect(writer)
+        .reflect(writers.policies)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
     // Only Secret metadata is watched (`Api<PartialObjectMeta<_>>` asks the API server for PartialObjectMetadata,
@@ -226,13 +227,24 @@ pub async fn run(
             }
         }
     });
-    let mapper_ctx = ctx.clone();
+    // RedisServers: the store the reconciles resolve `serverRef` in, and a change of one (its URL, credentials,
+    // TLS or tenants) re-runs every policy that uses it.
+    let server_api: Api<RedisServer> = match &settings.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let servers = watcher(server_api, watcher::Config::default())
+        .default_backoff()
+        .modify(|server| server.managed_fields_mut().clear())
+        .reflect(writers.servers);
+    let (secret_ctx, server_ctx) = (ctx.clone(), ctx.clone());
     Controller::for_stream(changes, store.clone())
         .watches_stream(secret_changes, move |secret| {
             let (namespace, name) = (secret.namespace().unwrap_or_default(), secret.name_any());
-            mapper_ctx.shared.secrets.invalidate(&namespace, &name);
-            policies_using_secret(&store, &namespace, &name)
+            secret_ctx.shared.secrets.invalidate(&namespace, &name);
+            policies_using_secret(&secret_ctx.shared, &namespace, &name)
         })
+        .watches_stream(server_changes(servers), move |server| policies_using_server(&server_ctx.shared, &server))
         .with_config(controller::Config::default().concurrency(settings.concurrency))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -247,17 +259,66 @@ pub async fn run(
         .await;
 }
 
-fn policies_using_secret(
-    store: &Store<ConsumerGroupPolicy>,
-    namespace: &str,
-    name: &str,
-) -> Vec<ObjectRef<ConsumerGroupPolicy>> {
-    store
+/// The policies a Secret change concerns: those that reference it inline, and those whose `RedisServer` does.
+fn policies_using_secret(shared: &Shared, namespace: &str, name: &str) -> Vec<ObjectRef<ConsumerGroupPolicy>> {
+    let servers: Vec<(String, String)> = shared
+        .servers
         .state()
         .iter()
-        .filter(|p| p.namespace().as_deref() == Some(namespace) && context::secret_refs(p).any(|r| r.name == name))
+        .filter(|s| {
+            s.namespace().as_deref() == Some(namespace)
+                && context::secret_refs(&s.spec.connection()).any(|r| r.name == name)
+        })
+        .map(|s| (namespace.to_string(), s.name_any()))
+        .collect();
+    shared
+        .policies
+        .state()
+        .iter()
+        .filter(|p| match p.server_ref() {
+            Some(reference) => servers.contains(&reference),
+            None => {
+                p.namespace().as_deref() == Some(namespace)
+                    && context::secret_refs(&p.spec.redis).any(|r| r.name == name)
+            }
+        })
         .map(|p| ObjectRef::from_obj(p.as_ref()))
         .collect()
+}
+
+/// The policies that name a `RedisServer`.
+fn policies_using_server(shared: &Shared, server: &RedisServer) -> Vec<ObjectRef<ConsumerGroupPolicy>> {
+    let reference = Some((server.namespace().unwrap_or_default(), server.name_any()));
+    shared
+        .policies
+        .state()
+        .iter()
+        .filter(|p| p.server_ref() == reference)
+        .map(|p| ObjectRef::from_obj(p.as_ref()))
+        .collect()
+}
+
+/// Server objects as they change in what policies depend on: a new spec (generation) or deletion; their status
+/// writes are left out, or each would re-run every policy that uses the server.
+fn server_changes(
+    servers: impl futures::Stream<Item = watcher::Result<watcher::Event<RedisServer>>> + Send + 'static,
+) -> impl futures::Stream<Item = watcher::Result<RedisServer>> + Send + 'static {
+    let mut seen: HashMap<String, Option<i64>> = HashMap::new();
+    servers.filter_map(move |event| {
+        let changed = match event {
+            Ok(watcher::Event::Apply(server) | watcher::Event::InitApply(server)) => {
+                let uid = server.uid().unwrap_or_default();
+                (seen.insert(uid, server.metadata.generation) != Some(server.metadata.generation)).then_some(Ok(server))
+            }
+            Ok(watcher::Event::Delete(server)) => {
+                seen.remove(&server.uid().unwrap_or_default());
+                Some(Ok(server))
+            }
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+            Err(e) => Some(Err(e)),
+        };
+        futures::future::ready(changed)
+    })
 }
 
 #[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), policy = policy.name_any()))]
@@ -334,11 +395,11 @@ fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Contex
 /// The four phases, then the next look: after `interval` when the policy is Ready or Stalled (Redis can heal
 /// without any Kubernetes event: a key of the wrong type deleted, an ACL fixed), with backoff otherwise.
 async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
-    let others = ctx.neighbours.of(policy, &ctx.shared.policies);
+    let others = ctx.shared.admitted(ctx.neighbours.of(policy, &ctx.shared.policies)).await;
     let schedule = Schedule::from_spec(&policy.spec);
     let result = async {
         let target = ctx.shared.target(policy).await?;
-        let schedule = validate::validate(policy, &others)?;
+        let schedule = validate::validate(policy, &others, target.cluster)?;
         act::converge(policy, ctx, &target, &schedule, &others).await
     }
     .await;

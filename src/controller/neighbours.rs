@@ -25,7 +25,7 @@ enum Claim {
 }
 
 fn claims(policy: &ConsumerGroupPolicy) -> [Claim; 3] {
-    let (url, stream, group) = (&server_identity(&policy.spec.redis), &policy.spec.stream, &policy.spec.group);
+    let (url, stream, group) = (&server_identity(policy), &policy.spec.stream, &policy.spec.group);
     let [legacy_totals, _] = keys::legacy_keys(stream, group);
     [
         Claim::Stream(url.clone(), stream.clone()),

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RedisMode, RetentionMode, parse_duration};
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RetentionMode, parse_duration};
 use crate::jobs::PassSettings;
 use crate::keys;
-use crate::redis::canonical_url;
+use crate::redis::server_identity;
 use crate::{Error, Result};
 
 /// The spec's durations, parsed.
@@ -48,13 +48,14 @@ impl Schedule {
 }
 
 /// Everything that must hold before the policy may touch Redis: its schedule parses, no older policy owns its
-/// group or its key names, and in a cluster all its keys share the stream's slot.
-pub fn validate(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>]) -> Result<Schedule> {
+/// group or its key names, and on a Cluster (`cluster`, from the resolved connection) all its keys share the
+/// stream's slot.
+pub fn validate(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>], cluster: bool) -> Result<Schedule> {
     let schedule = Schedule::from_spec(&policy.spec)?;
     if let Some(conflict) = conflict(policy, others) {
         return Err(Error::ResourceConflict(conflict.to_string()));
     }
-    if policy.spec.redis.mode == RedisMode::Cluster {
+    if cluster {
         same_slot(&policy.spec)?;
     }
     Ok(schedule)
@@ -145,12 +146,11 @@ pub fn conflict(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolicy>
 
 /// Whether two policies name one server, however their URLs are spelled.
 fn same_server(a: &ConsumerGroupPolicy, b: &ConsumerGroupPolicy) -> bool {
-    fn master(p: &ConsumerGroupPolicy) -> Option<&str> {
-        p.spec.redis.sentinel.as_ref().map(|s| s.master_name.as_str())
-    }
-    master(a) == master(b)
-        && (a.spec.redis.url == b.spec.redis.url
-            || canonical_url(&a.spec.redis.url) == canonical_url(&b.spec.redis.url))
+    (a.spec.redis.url == b.spec.redis.url
+        && a.spec.redis.server_ref.is_none()
+        && b.spec.redis.server_ref.is_none()
+        && a.spec.redis.sentinel == b.spec.redis.sentinel)
+        || server_identity(a) == server_identity(b)
 }
 
 /// Who is older: creation time, then namespace and name.

@@ -11,6 +11,7 @@ use redis::streams::{StreamId, StreamRangeReply};
 use super::{BYTE_BUDGET, MAX_FIELDS};
 use crate::keys::slot;
 use crate::redis::Conn;
+use crate::tenancy::KeyRules;
 use crate::{Error, Result};
 
 static REDRIVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/redrive.lua")));
@@ -43,6 +44,9 @@ pub struct Plan {
     pub max_messages: Option<u64>,
     /// Keys of one script must share a slot on a Redis Cluster.
     pub cluster: bool,
+    /// The keys the policy's `RedisServer` admits for its namespace (none for an inline connection): every
+    /// destination must match them.
+    pub keys: Option<KeyRules>,
 }
 
 /// Where the entries go.
@@ -87,8 +91,16 @@ impl Plan {
         }
     }
 
-    /// A destination the script could not write to, as the error that fails the redrive.
+    /// A destination the script could not (or, by its server's tenancy, may not) write to, as the error that
+    /// fails the redrive.
     fn check_destination(&self, stream: &str) -> Result<()> {
+        if let Some(keys) = &self.keys {
+            let field = match self.target {
+                Destination::Stream(_) => "spec.target",
+                Destination::Source { .. } => "the pelican-source-stream of a dead letter",
+            };
+            keys.check(field, stream)?;
+        }
         if stream == self.dead_letter {
             return Err(Error::InvalidSpec(format!(
                 "the redrive's target is the dead-letter stream {stream:?} itself: set spec.target to another stream"
@@ -136,8 +148,9 @@ async fn page(
 /// Without a filter, and with nothing to check per entry, that is the stream's length: no scan.
 pub async fn snapshot(conn: &mut Conn, server: &str, plan: &Plan) -> Result<Snapshot> {
     let whole_stream = plan.reasons.is_empty() && plan.from.is_none() && plan.to.is_none();
-    // Each entry's source stream must share the dead-letter stream's slot on a Cluster: then read them all.
-    let per_entry_checks = matches!(plan.target, Destination::Source { .. }) && plan.cluster;
+    // Each entry's source stream must share the dead-letter stream's slot on a Cluster, and match the server's key
+    // patterns under tenancy: then read them all.
+    let per_entry_checks = matches!(plan.target, Destination::Source { .. }) && (plan.cluster || plan.keys.is_some());
     if whole_stream && !per_entry_checks {
         if let Destination::Stream(stream) = &plan.target {
             plan.check_destination(stream)?;

@@ -230,9 +230,15 @@ pub fn canonical_url(url: &str) -> String {
     format!("{}://{}:{port}/{database}", scheme.to_ascii_lowercase(), host.to_ascii_lowercase())
 }
 
-/// Which server a policy's spec names, however its URL is spelled: the canonical URL, and for `mode: Sentinel` the
-/// primary's name too (one sentinel watches many primaries).
-pub fn server_identity(redis: &crate::api::RedisSpec) -> String {
+/// Which server a policy names, however its URL is spelled: the `RedisServer` it references, or the canonical URL
+/// (and for `mode: Sentinel` the primary's name too: one sentinel watches many primaries). Policies on one
+/// `RedisServer` are neighbours by the reference; an inline URL and a reference to the same server are not
+/// compared.
+pub fn server_identity(policy: &crate::api::ConsumerGroupPolicy) -> String {
+    if let Some((namespace, name)) = policy.server_ref() {
+        return format!("RedisServer {namespace}/{name}");
+    }
+    let redis = &policy.spec.redis;
     match &redis.sentinel {
         Some(sentinel) => format!("{}#{}", canonical_url(&redis.url), sentinel.master_name),
         None => canonical_url(&redis.url),
@@ -307,6 +313,21 @@ impl Pools {
             }
         }
         Ok((primary, conn))
+    }
+
+    /// What answers at `target` (the primary, for a sentinel target), on a connection of its own that is closed
+    /// afterwards: the check of a `RedisServer` object, which is no user of the pooled connections.
+    pub async fn probe(&self, target: &Target) -> Result<super::ServerInfo> {
+        let primary = self.resolve(target).await?;
+        let server = primary.server();
+        let mut conn = if primary.cluster {
+            Conn::Cluster(primary.cluster_connection().await?)
+        } else {
+            Conn::Single(connect_single(&primary).await?)
+        };
+        let info: String =
+            redis::cmd("INFO").arg("server").query_async(&mut conn).await.map_err(|e| Error::from_redis(&server, e))?;
+        Ok(super::ServerInfo::parse(&info))
     }
 
     /// A multiplexed connection to `target` (a server, or a whole cluster), created on first use. It reconnects by

@@ -34,6 +34,7 @@ use crate::context::conditions::{Said, condition};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
 use crate::redis::{Conn, server_identity};
+use crate::tenancy::KeyRules;
 use crate::{Error, Result};
 
 /// How soon a redrive that waits (for its policy, or another redrive of its dead-letter stream) looks again.
@@ -168,15 +169,15 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         ctx.pending(&redrive, &status, "PolicyNotFound", note).await?;
         return Ok(Action::requeue(WAIT_RECHECK));
     };
-    let target = match ctx.shared.target(&policy).await {
-        Ok(target) => target,
+    let resolved = match ctx.shared.resolve(&policy).await {
+        Ok(resolved) => resolved,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
             return Ok(Action::requeue(BLOCKED_RECHECK));
         }
         Err(e) => return Err(e),
     };
-    let stream: StreamKey = (server_identity(&policy.spec.redis), policy.spec.dead_letter.stream.clone());
+    let stream: StreamKey = (server_identity(&policy), policy.spec.dead_letter.stream.clone());
     ctx.streams.lock().expect("streams lock").insert(uid.clone(), stream.clone());
     // 3. Decide.
     if redrive.spec.suspend {
@@ -201,7 +202,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         return Ok(Action::requeue(WAIT_RECHECK));
     }
     // 4. Act: connect and hand the work to a task.
-    let (conn, target) = match ctx.shared.pools.connect_primary(&target).await.map(|(t, c)| (c, t)) {
+    let (conn, target) = match ctx.shared.pools.connect_primary(&resolved.target).await.map(|(t, c)| (c, t)) {
         Ok(conn) => conn,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
@@ -209,7 +210,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         }
         Err(e) => return Err(e),
     };
-    let plan = plan(&redrive, &policy, target.cluster);
+    let plan = plan(&redrive, &policy, target.cluster, resolved.keys);
     let (rate_tx, rate_rx) = watch::channel(rate(&redrive));
     let (halt_tx, halt_rx) = watch::channel(None);
     ctx.tasks.lock().expect("tasks lock").insert(uid.clone(), Running { rate: rate_tx, halt: halt_tx });
@@ -235,7 +236,7 @@ fn rate(redrive: &DeadLetterRedrive) -> Option<u32> {
     redrive.spec.rate_per_second.map(|r| r.max(1) as u32)
 }
 
-fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool) -> Plan {
+fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool, keys: Option<KeyRules>) -> Plan {
     let dead_letter = policy.spec.dead_letter.stream.clone();
     let namespace = redrive.namespace().unwrap_or_default();
     let filter = redrive.spec.filter.clone().unwrap_or_default();
@@ -256,6 +257,7 @@ fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool
         to: filter.to,
         max_messages: redrive.spec.max_messages.map(|m| m.max(1) as u64),
         cluster,
+        keys,
     }
 }
 
@@ -489,7 +491,8 @@ mod tests {
         fn context() -> (Arc<Redrives>, Handle) {
             let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
             let client = kube::Client::new(service, "apps");
-            let (shared, _policies) = Shared::new(client, None, Arc::default(), Leadership::always(), None);
+            let (shared, _policies) =
+                Shared::new(client, None, Arc::default(), Leadership::always(), None, Default::default());
             let redrives = Redrives {
                 shared,
                 redrives: reflector::store().0,

@@ -79,7 +79,11 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
 fn ends_the_redrive(error: &Error) -> bool {
     matches!(
         error,
-        Error::InvalidSpec(_) | Error::CrossSlot(_) | Error::WrongKeyType(_) | Error::PermissionDenied { .. }
+        Error::InvalidSpec(_)
+            | Error::CrossSlot(_)
+            | Error::WrongKeyType(_)
+            | Error::PermissionDenied { .. }
+            | Error::KeyNotAllowed { .. }
     )
 }
 

@@ -69,6 +69,7 @@ impl Bed {
                 "--timeout=60s",
                 "crd/consumergrouppolicies.pelican.io",
                 "crd/deadletterredrives.pelican.io",
+                "crd/redisservers.pelican.io",
             ]);
         });
     }

@@ -1,0 +1,119 @@
+//! The `RedisServer` resource: one server (or Cluster, or Sentinel set), its credentials, and which namespaces may
+//! use it for which keys. Written by whoever runs the server; policies name it with `spec.redis.serverRef`.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use super::{RedisMode, RedisSpec, SecretKeyRef, SentinelSpec, TlsSpec};
+
+/// A Redis or Valkey server that policies in the admitted namespaces use by reference, without access to its
+/// credentials: the operator reads its Secrets, in this object's namespace.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "pelican.io",
+    version = "v1alpha1",
+    kind = "RedisServer",
+    namespaced,
+    shortname = "rsrv",
+    category = "pelican",
+    status = "RedisServerStatus",
+    doc = "A Redis or Valkey server, its credentials, and which namespaces may use it for which keys; ConsumerGroupPolicies name it with spec.redis.serverRef.",
+    printcolumn(name = "URL", type_ = "string", json_path = ".spec.url"),
+    printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode"),
+    printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
+    printcolumn(name = "Policies", type_ = "integer", json_path = ".status.policies"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.serverVersion", priority = "1"),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = "1"
+    )
+)]
+#[x_kube(validation = Rule::new("self.mode != 'Cluster' || !self.url.matches('/0*[1-9][0-9]*$')").message("spec.url selects a database other than 0, but a Redis Cluster has only database 0: remove the path or use /0"))]
+#[x_kube(validation = Rule::new("self.mode == 'Sentinel' ? has(self.sentinel) : !has(self.sentinel)").message("spec.sentinel goes with spec.mode Sentinel: set both (the sentinel's address in url, the primary's name in sentinel.masterName) or neither"))]
+#[x_kube(validation = Rule::new("!has(self.tls) || self.url.startsWith('rediss://')").message("spec.tls is set but spec.url is redis://, which never uses TLS: use a rediss:// URL or remove spec.tls"))]
+#[serde(rename_all = "camelCase")]
+pub struct RedisServerSpec {
+    /// `redis://host:port/db` or `rediss://host:port/db`. Credentials go in Secrets, never in the URL. May be
+    /// changed: every policy using the server follows within seconds.
+    #[x_kube(validation = Rule::new("!self.matches('^rediss?://[^/]*@')").message("spec.url must not contain credentials: put them in a Secret and use spec.usernameSecretRef / passwordSecretRef"))]
+    #[x_kube(validation = Rule::new("self.matches('^rediss?://(\\\\[[0-9A-Fa-f:.]+\\\\]|[^\\\\s/:@?#\\\\[\\\\]]+)(:[0-9]{1,5})?(/[0-9]{0,9})?$')").message("spec.url must be redis://host[:port][/database] or rediss://host[:port][/database]: a host name or address, an optional port, an optional database number (at most 9 digits), and nothing else (no query, no other path)"))]
+    #[schemars(regex(pattern = r"^rediss?://[^\s]+$"), length(max = 2048))]
+    pub url: String,
+    /// `Standalone` (default), `Cluster` (`url` names any node) or `Sentinel` (`url` names a sentinel, and
+    /// `sentinel.masterName` the primary).
+    #[serde(default)]
+    pub mode: RedisMode,
+    /// The sentinels' settings (`mode: Sentinel` only); their Secrets are in this object's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sentinel: Option<SentinelSpec>,
+    /// The ACL user name, from a Secret in this object's namespace (optional; `default` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_secret_ref: Option<SecretKeyRef>,
+    /// The password, from a Secret in this object's namespace (optional).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyRef>,
+    /// TLS settings for `rediss://` URLs, the Secrets in this object's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+    /// Which namespaces may use the server, and which keys each may touch. Empty: only this object's own
+    /// namespace, every key.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub tenants: Vec<Tenant>,
+}
+
+/// Namespaces (by name, by label, or both) and the keys their policies may touch.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("size(self.namespaces) > 0 || has(self.namespaceSelector)").message("a tenant needs namespaces, a namespaceSelector, or both"))]
+pub struct Tenant {
+    /// Namespaces admitted by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1024))]
+    pub namespaces: Vec<String>,
+    /// Namespaces admitted by their labels (`matchLabels`, `matchExpressions`); `{}` admits every namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+    /// Glob patterns (`*`, `?`, `[abc]`, as Redis ACL key patterns; `{` and `}` are plain characters) a key must
+    /// match: the policy's stream and dead-letter stream and a redrive's target. `${namespace}` stands for the
+    /// policy's namespace. Pelican's own keys follow from the stream and are not listed.
+    #[schemars(length(min = 1, max = 64))]
+    pub keys: Vec<String>,
+}
+
+/// What Pelican last saw of the server.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisServerStatus {
+    /// `Ready`: True when the server answers with the credentials of the spec.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `redis_version` (or `valkey_version`) from INFO server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_version: Option<String>,
+    /// How many ConsumerGroupPolicies name this server.
+    #[serde(default)]
+    pub policies: i64,
+}
+
+impl RedisServerSpec {
+    /// The connection as a policy would give it inline, for the resolution the two share.
+    pub fn connection(&self) -> RedisSpec {
+        RedisSpec {
+            url: self.url.clone(),
+            server_ref: None,
+            mode: self.mode,
+            sentinel: self.sentinel.clone(),
+            username_secret_ref: self.username_secret_ref.clone(),
+            password_secret_ref: self.password_secret_ref.clone(),
+            tls: self.tls.clone(),
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The `RedisServer` controller: each server object's status says whether the server answers with the object's
+//! credentials, what it runs, and how many policies use it. What the policies do with a server (admission, the
+//! connection, following its changes) is the policy controller's; this one only looks and reports.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use tracing::{instrument, warn};
+
+use crate::api::{READY, RECONCILED, RedisServer, RedisServerStatus};
+use crate::context::Shared;
+use crate::context::conditions::{Said, condition};
+use crate::{Error, Result, tenancy};
+
+/// How often a server is looked at again (its policies count, whether it still answers).
+const RECHECK: Duration = Duration::from_secs(30);
+/// How soon a replica that may not write (yet) looks again.
+const NOT_LEADING_RECHECK: Duration = Duration::from_secs(1);
+
+/// Runs the controller until `shutdown` resolves: servers of `namespace`, or of all namespaces. An operator that
+/// serves one shard (`label_selector`) writes the status of the servers with its shard's label only, and counts its
+/// own policies there: two shards writing one server's status would undo each other's counts. (Every shard
+/// resolves every server for its policies.)
+pub async fn run(
+    shared: Arc<Shared>,
+    namespace: Option<String>,
+    label_selector: Option<String>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let api: Api<RedisServer> = match &namespace {
+        Some(ns) => Api::namespaced(shared.client.clone(), ns),
+        None => Api::all(shared.client.clone()),
+    };
+    let mut config = watcher::Config::default();
+    if let Some(selector) = &label_selector {
+        config = config.labels(selector);
+    }
+    Controller::new(api, config)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, shared)
+        .for_each(|_| async {})
+        .await;
+}
+
+#[instrument(skip_all, fields(namespace = server.namespace().unwrap_or_default(), server = server.name_any()))]
+async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Action> {
+    if !shared.leadership.may_write() {
+        return Ok(Action::requeue(NOT_LEADING_RECHECK));
+    }
+    let previous = server.status.clone().unwrap_or_default();
+    let reference = Some((server.namespace().unwrap_or_default(), server.name_any()));
+    let policies = shared.policies.state().iter().filter(|p| p.server_ref() == reference).count() as i64;
+    let (said, version) = match check(&server, &shared).await {
+        Ok(info) => {
+            let note = format!("{info} answers with the credentials of the spec; {policies} policies use it");
+            (Said { type_: READY, status: "True", reason: RECONCILED, message: note }, Some(info.to_string()))
+        }
+        Err(e) => (
+            Said { type_: READY, status: "False", reason: e.reason(), message: e.to_string() },
+            previous.server_version.clone(),
+        ),
+    };
+    let next = RedisServerStatus {
+        conditions: vec![condition(&previous.conditions, said, server.meta().generation, Timestamp::now())],
+        observed_generation: server.meta().generation,
+        server_version: version,
+        policies,
+    };
+    if next != previous {
+        shared.apply_status(server.as_ref(), &next).await?;
+    }
+    Ok(Action::requeue(RECHECK))
+}
+
+/// The server's key patterns parse, its Secrets resolve, and it answers `INFO server` with them.
+async fn check(server: &RedisServer, shared: &Shared) -> Result<crate::redis::ServerInfo> {
+    let invalid = tenancy::invalid_patterns(server);
+    if !invalid.is_empty() {
+        return Err(Error::InvalidSpec(format!(
+            "spec.tenants[].keys {invalid:?} are not valid glob patterns (an unclosed '['?) and match no key: fix them"
+        )));
+    }
+    let target = shared.server_target(server).await?;
+    let info = shared.pools.probe(&target).await?;
+    if !info.is_supported() {
+        return Err(Error::UnsupportedServerVersion { server: target.server(), version: info.to_string() });
+    }
+    Ok(info)
+}
+
+fn error_policy(server: Arc<RedisServer>, error: &Error, _shared: Arc<Shared>) -> Action {
+    warn!(namespace = server.namespace(), server = server.name_any(), reason = error.reason(), error = %error, "server status failed; retrying");
+    Action::requeue(RECHECK)
+}
