@@ -67,6 +67,7 @@ fn main() {
             max_deliveries: 1,
             strategy: ReclaimStrategy::Requeue,
             dead_letter_max_len: None,
+            backoff: None,
         };
         let start = Instant::now();
         let report = jobs::reclaim_pass(&mut conn, "bench", &keys, &settings, &mut None, &|| true).await.unwrap();

@@ -37,8 +37,14 @@ async fn fill_pel(conn: &mut Conn, size: usize) {
 async fn pelican_pass(conn: &mut Conn, size: usize, strategy: ReclaimStrategy, max_deliveries: u32) -> f64 {
     fill_pel(conn, size).await;
     let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: DLQ };
-    let settings =
-        PassSettings { min_idle: IDLE, max_per_pass: size, max_deliveries, strategy, dead_letter_max_len: None };
+    let settings = PassSettings {
+        min_idle: IDLE,
+        max_per_pass: size,
+        max_deliveries,
+        strategy,
+        dead_letter_max_len: None,
+        backoff: None,
+    };
     let start = Instant::now();
     let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut None, &|| true).await.unwrap();
     let elapsed = start.elapsed();
@@ -119,6 +125,7 @@ async fn idle_scan(conn: &mut Conn, pel: usize) -> Duration {
         max_deliveries: 3,
         strategy: ReclaimStrategy::Requeue,
         dead_letter_max_len: None,
+        backoff: None,
     };
     let mut best = Duration::MAX;
     let mut cursor = None;

@@ -32,6 +32,12 @@ pub fn terminal_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:terminal", hash_tag(stream))
 }
 
+/// `{T}:pelican:<stream>:<group>:errors`: pending entry id -> why its last delivery failed (written by workers,
+/// carried to a requeued copy or into the dead letter by the operator's pass, removed when the entry leaves the PEL).
+pub fn errors_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:errors", hash_tag(stream))
+}
+
 /// `{T}:pelican:<stream>:<group>:totals`: the operator's own counters.
 pub fn totals_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))
@@ -70,6 +76,13 @@ pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
 
 /// The consumer name the operator's reclaim pass uses; kept out of counts and metrics.
 pub const OPERATOR_CONSUMER: &str = "pelican-operator";
+
+/// The field a requeued copy carries with the message's deliveries so far.
+pub const DELIVERIES_FIELD: &str = "pelican-deliveries";
+
+/// The most bytes of a message's last error kept (by the SDK when it records one, by the operator's pass when it
+/// carries one into a dead letter).
+pub const ERROR_TEXT_MAX: usize = 1024;
 
 #[cfg(test)]
 mod tests {

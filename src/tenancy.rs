@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use glob::{MatchOptions, Pattern};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::core::{Selector, SelectorExt};
 
@@ -53,14 +54,14 @@ pub fn admit(server: &RedisServer, namespace: &str, labels: Option<&BTreeMap<Str
             .tenants
             .iter()
             .filter(|t| {
-                t.namespaces.iter().any(|n| n == namespace)
+                t.namespaces.iter().any(|n| n.0 == namespace)
                     || t.namespace_selector.as_ref().is_some_and(|s| {
-                        let selector = Selector::try_from(s.clone());
+                        let selector = Selector::try_from(LabelSelector::from(s));
                         // A selector the API server accepted but that does not parse admits nobody.
                         labels.is_some_and(|labels| selector.is_ok_and(|s| s.matches(labels)))
                     })
             })
-            .flat_map(|t| t.keys.iter().map(|k| k.replace(NAMESPACE_VARIABLE, namespace)))
+            .flat_map(|t| t.keys.iter().map(|k| k.0.replace(NAMESPACE_VARIABLE, namespace)))
             .collect()
     };
     if patterns.is_empty() {
@@ -81,8 +82,8 @@ pub fn invalid_patterns(server: &RedisServer) -> Vec<String> {
         .tenants
         .iter()
         .flat_map(|t| &t.keys)
-        .filter(|k| Pattern::new(&k.replace(NAMESPACE_VARIABLE, "ns")).is_err())
-        .cloned()
+        .filter(|k| Pattern::new(&k.0.replace(NAMESPACE_VARIABLE, "ns")).is_err())
+        .map(|k| k.0.clone())
         .collect()
 }
 
@@ -106,8 +107,7 @@ impl KeyRules {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{RedisMode, RedisServerSpec, Tenant};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    use crate::api::{KeyPattern, NamespaceName, NamespaceSelector, RedisMode, RedisServerSpec, Tenant};
 
     fn server(tenants: Vec<Tenant>) -> RedisServer {
         let mut server = RedisServer::new(
@@ -128,9 +128,9 @@ mod tests {
 
     fn tenant(namespaces: &[&str], keys: &[&str]) -> Tenant {
         Tenant {
-            namespaces: namespaces.iter().map(|s| s.to_string()).collect(),
+            namespaces: namespaces.iter().map(|s| NamespaceName(s.to_string())).collect(),
             namespace_selector: None,
-            keys: keys.iter().map(|s| s.to_string()).collect(),
+            keys: keys.iter().map(|s| KeyPattern(s.to_string())).collect(),
         }
     }
 
@@ -162,7 +162,7 @@ mod tests {
     fn a_label_selector_admits_by_the_namespaces_labels_and_unknown_labels_admit_nothing() {
         let mut data = tenant(&[], &["data.*"]);
         data.namespace_selector =
-            Some(LabelSelector { match_labels: Some([("team".into(), "data".into())].into()), ..Default::default() });
+            Some(NamespaceSelector { match_labels: [("team".into(), "data".into())].into(), ..Default::default() });
         let s = server(vec![data, tenant(&["ops"], &["ops.*"])]);
         let labels: BTreeMap<String, String> = [("team".into(), "data".into())].into();
         assert!(admit(&s, "etl", Some(&labels)).unwrap().check("spec.stream", "data.raw").is_ok());

@@ -1,8 +1,9 @@
 //! `crds/` holds exactly what `pelican crd` prints for the current Rust types.
 
-const CRDS: [(&str, &str); 2] = [
+const CRDS: [(&str, &str); 3] = [
     ("consumergrouppolicies", "pelican.io_consumergrouppolicies.yaml"),
     ("deadletterredrives", "pelican.io_deadletterredrives.yaml"),
+    ("redisservers", "pelican.io_redisservers.yaml"),
 ];
 
 fn committed(file: &str) -> String {
@@ -19,15 +20,16 @@ fn committed_crds_match_the_rust_types() {
             "crds/{file} is stale: run `cargo run -- crd {name} > crds/{file}`"
         );
     }
-    // Without a name, both, as one multi-document stream.
+    // Without a name, all, as one multi-document stream.
     let all = std::process::Command::new(env!("CARGO_BIN_EXE_pelican")).arg("crd").output().unwrap();
-    assert_eq!(
-        String::from_utf8(all.stdout).unwrap(),
-        format!("{}---\n{}", committed(CRDS[0].1), committed(CRDS[1].1))
-    );
+    let committed_all: Vec<String> = CRDS.iter().map(|(_, file)| committed(file)).collect();
+    assert_eq!(String::from_utf8(all.stdout).unwrap(), committed_all.join("---\n"));
     let wrong = std::process::Command::new(env!("CARGO_BIN_EXE_pelican")).args(["crd", "policies"]).output().unwrap();
     assert!(!wrong.status.success());
-    assert!(String::from_utf8_lossy(&wrong.stderr).contains("use consumergrouppolicies or deadletterredrives"));
+    assert!(
+        String::from_utf8_lossy(&wrong.stderr)
+            .contains("use consumergrouppolicies, deadletterredrives or redisservers")
+    );
 }
 
 /// Every object and field of the schemas has a description, so `kubectl explain` never prints `<empty>` or

@@ -42,7 +42,14 @@ fn keys() -> GroupKeys<'static> {
 }
 
 fn settings(strategy: ReclaimStrategy, max_deliveries: u32) -> PassSettings {
-    PassSettings { min_idle: IDLE, max_per_pass: 1000, max_deliveries, strategy, dead_letter_max_len: None }
+    PassSettings {
+        min_idle: IDLE,
+        max_per_pass: 1000,
+        max_deliveries,
+        strategy,
+        dead_letter_max_len: None,
+        backoff: None,
+    }
 }
 
 async fn connect(server: &Server) -> Conn {

@@ -75,6 +75,7 @@ pub const RECONCILED: &str = "Reconciled";
         priority = "1"
     )
 )]
+#[x_kube(validation = Rule::new("!has(self.retry) || !has(self.retry.backoff) || duration(self.retry.backoff.max) >= duration(has(self.reclaim) && has(self.reclaim.minIdle) ? self.reclaim.minIdle : '5m')").message("spec.retry.backoff.max must be at least spec.reclaim.minIdle (the first retry's wait)").field_path(".retry.backoff.max"))]
 #[x_kube(validation = Rule::new("self.deadLetter.stream != self.stream").message("spec.deadLetter.stream must differ from spec.stream: dead-lettered entries would be read again by the group").field_path(".deadLetter.stream"))]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerGroupPolicySpec {
@@ -231,6 +232,7 @@ pub struct SentinelSpec {
 /// A `RedisServer` by name.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ServerRef {
+    /// Name of the `RedisServer`.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// Its namespace; the policy's own when absent.
@@ -307,6 +309,23 @@ pub struct RetrySpec {
     #[serde(default = "default_max_deliveries")]
     #[schemars(range(min = 1, max = 1000000))]
     pub max_deliveries: i32,
+    /// Retries spaced out: an entry delivered n times (requeued copies counting every delivery of the message) is
+    /// reclaimed once idle `min(max, minIdle * factor^(n-1))`. Absent: `minIdle` for every delivery. For `Requeue`
+    /// and `Reassign`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<BackoffSpec>,
+}
+
+/// Exponential spacing of retries.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct BackoffSpec {
+    /// How much longer each retry waits than the one before (1: no growth).
+    #[schemars(range(min = 1, max = 10))]
+    pub factor: i32,
+    /// The longest wait, at least `spec.reclaim.minIdle`.
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub max: String,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -370,7 +389,7 @@ impl Default for ReclaimSpec {
 
 impl Default for RetrySpec {
     fn default() -> Self {
-        Self { max_deliveries: default_max_deliveries() }
+        Self { max_deliveries: default_max_deliveries(), backoff: None }
     }
 }
 

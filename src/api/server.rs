@@ -1,8 +1,11 @@
 //! The `RedisServer` resource: one server (or Cluster, or Sentinel set), its credentials, and which namespaces may
 //! use it for which keys. Written by whoever runs the server; policies name it with `spec.redis.serverRef`.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, LabelSelectorRequirement};
 use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::{RedisMode, RedisSpec, SecretKeyRef, SentinelSpec, TlsSpec};
@@ -75,15 +78,73 @@ pub struct Tenant {
     /// Namespaces admitted by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 1024))]
-    pub namespaces: Vec<String>,
-    /// Namespaces admitted by their labels (`matchLabels`, `matchExpressions`); `{}` admits every namespace.
+    pub namespaces: Vec<NamespaceName>,
+    /// Namespaces admitted by their labels (`matchLabels`, `matchExpressions`, as a Deployment's selector); `{}`
+    /// admits every namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub namespace_selector: Option<LabelSelector>,
-    /// Glob patterns (`*`, `?`, `[abc]`, as Redis ACL key patterns; `{` and `}` are plain characters) a key must
-    /// match: the policy's stream and dead-letter stream and a redrive's target. `${namespace}` stands for the
-    /// policy's namespace. Pelican's own keys follow from the stream and are not listed.
+    pub namespace_selector: Option<NamespaceSelector>,
+    /// Glob patterns a key must match: the policy's stream and dead-letter stream and a redrive's target.
     #[schemars(length(min = 1, max = 64))]
-    pub keys: Vec<String>,
+    pub keys: Vec<KeyPattern>,
+}
+
+/// A namespace's name.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct NamespaceName(#[schemars(length(min = 1, max = 63))] pub String);
+
+/// A glob pattern over key names (`*`, `?`, `[abc]`, as Redis ACL key patterns; `{` and `}` are plain characters).
+/// `${namespace}` stands for the policy's namespace. Pelican's own keys follow from the stream and are not listed.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct KeyPattern(#[schemars(length(min = 1, max = 1024))] pub String);
+
+/// A label selector over namespaces: every `matchLabels` pair and every `matchExpressions` requirement must hold.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NamespaceSelector {
+    /// Labels the namespace must have, with these values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub match_labels: BTreeMap<String, String>,
+    /// Requirements on the namespace's labels.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub match_expressions: Vec<LabelRequirement>,
+}
+
+/// One requirement on a label: `In` / `NotIn` a set of values, `Exists`, `DoesNotExist`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct LabelRequirement {
+    /// The label's key.
+    pub key: String,
+    /// `In`, `NotIn`, `Exists` or `DoesNotExist`.
+    pub operator: String,
+    /// The values for `In` and `NotIn`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub values: Vec<LabelValue>,
+}
+
+/// A label's value.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct LabelValue(pub String);
+
+impl From<&NamespaceSelector> for LabelSelector {
+    fn from(selector: &NamespaceSelector) -> LabelSelector {
+        LabelSelector {
+            match_labels: Some(selector.match_labels.clone()),
+            match_expressions: Some(
+                selector
+                    .match_expressions
+                    .iter()
+                    .map(|r| LabelSelectorRequirement {
+                        key: r.key.clone(),
+                        operator: r.operator.clone(),
+                        values: Some(r.values.iter().map(|v| v.0.clone()).collect()),
+                    })
+                    .collect(),
+            ),
+        }
+    }
 }
 
 /// What Pelican last saw of the server.
@@ -93,6 +154,7 @@ pub struct RedisServerStatus {
     /// `Ready`: True when the server answers with the credentials of the spec.
     #[serde(default)]
     pub conditions: Vec<Condition>,
+    /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// `redis_version` (or `valkey_version`) from INFO server.

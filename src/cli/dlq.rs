@@ -13,6 +13,8 @@ use super::{Session, age, cell, id_millis, now_millis, print_table};
 const PAGE: usize = 1000;
 /// Characters of payload shown per entry in a table.
 const PREVIEW: usize = 60;
+/// Characters of the last error shown per entry in a table (the whole text in `-o json|yaml`).
+const LAST_ERROR: usize = 40;
 
 #[derive(Args, Debug)]
 pub struct DlqArgs {
@@ -63,6 +65,8 @@ struct Entry {
     deliveries: Option<String>,
     group: Option<String>,
     consumer: Option<String>,
+    /// Why the message's last delivery failed, as its worker recorded it (`pelican-last-error`).
+    last_error: Option<String>,
     age_seconds: Option<i64>,
     /// The application's fields (Pelican's `pelican-*` metadata left out); absent with `--no-payload`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -141,7 +145,7 @@ pub(super) async fn run(session: &Session, args: DlqArgs) -> anyhow::Result<()> 
         .collect();
     print_table(&["REASON", "SOURCE", "COUNT", "OLDEST", "NEWEST"], &rows)?;
     println!();
-    let mut header = vec!["ID", "REASON", "SOURCE", "DELIVERIES", "AGE"];
+    let mut header = vec!["ID", "REASON", "SOURCE", "DELIVERIES", "AGE", "LAST-ERROR"];
     if !args.no_payload {
         header.push("PAYLOAD");
     }
@@ -155,6 +159,7 @@ pub(super) async fn run(session: &Session, args: DlqArgs) -> anyhow::Result<()> 
                 cell(e.source.as_ref()),
                 cell(e.deliveries.as_ref()),
                 cell(e.age_seconds.map(age)),
+                e.last_error.as_deref().map_or_else(|| "-".to_string(), |t| one_line(t, LAST_ERROR)),
             ];
             if let Some(payload) = &e.payload {
                 row.push(preview(payload));
@@ -196,6 +201,7 @@ fn describe(entry: &StreamId, with_payload: bool) -> Entry {
         deliveries: text(entry, "pelican-deliveries"),
         group: text(entry, "pelican-group"),
         consumer: text(entry, "pelican-consumer"),
+        last_error: text(entry, "pelican-last-error"),
         // The dead-letter id is the time the entry was dead-lettered.
         age_seconds: id_millis(&entry.id).map(|ms| (now_millis() - ms) / 1000),
         payload,
@@ -204,19 +210,17 @@ fn describe(entry: &StreamId, with_payload: bool) -> Entry {
 
 /// `k=v k=v`, control characters escaped, cut at [`PREVIEW`] characters.
 fn preview(payload: &BTreeMap<String, String>) -> String {
-    let text: String = payload
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(" ")
+    let text = payload.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
+    one_line(&text, PREVIEW)
+}
+
+/// `text` on one line (control characters escaped), cut at `max` characters with an ellipsis.
+fn one_line(text: &str, max: usize) -> String {
+    let text: String = text
         .chars()
         .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
         .collect();
-    if text.chars().count() > PREVIEW {
-        format!("{}…", text.chars().take(PREVIEW - 1).collect::<String>())
-    } else {
-        text
-    }
+    if text.chars().count() > max { format!("{}…", text.chars().take(max - 1).collect::<String>()) } else { text }
 }
 
 #[cfg(test)]

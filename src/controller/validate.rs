@@ -7,7 +7,7 @@ use std::time::Duration;
 use kube::ResourceExt;
 
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RetentionMode, parse_duration};
-use crate::jobs::PassSettings;
+use crate::jobs::{Backoff, PassSettings};
 use crate::keys;
 use crate::redis::server_identity;
 use crate::{Error, Result};
@@ -35,6 +35,17 @@ impl Schedule {
                 max_deliveries: spec.retry.max_deliveries.max(1) as u32,
                 strategy: spec.reclaim.strategy,
                 dead_letter_max_len: spec.dead_letter.max_len.map(|n| n.max(1) as u64),
+                backoff: spec
+                    .retry
+                    .backoff
+                    .as_ref()
+                    .map(|b| -> Result<Backoff> {
+                        Ok(Backoff {
+                            factor: b.factor.clamp(1, 10) as u32,
+                            max: duration("spec.retry.backoff.max", &b.max)?,
+                        })
+                    })
+                    .transpose()?,
             },
             expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,
             retention: match &spec.retention {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::Script;
 
 use crate::api::ReclaimStrategy;
-use crate::keys::{OPERATOR_CONSUMER, terminal_key, totals_key};
+use crate::keys::{ERROR_TEXT_MAX, OPERATOR_CONSUMER, errors_key, terminal_key, totals_key};
 use crate::redis::{Conn, GroupKeys};
 use crate::{Error, Result};
 
@@ -39,6 +39,28 @@ pub struct PassSettings {
     pub max_deliveries: u32,
     pub strategy: ReclaimStrategy,
     pub dead_letter_max_len: Option<u64>,
+    /// `retry.backoff`: the idle threshold grows by `factor` per delivery, up to `max`.
+    pub backoff: Option<Backoff>,
+}
+
+/// Exponential spacing of retries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    pub factor: u32,
+    pub max: Duration,
+}
+
+impl PassSettings {
+    /// How long an entry delivered `deliveries` times must be idle before the pass takes it:
+    /// `min(max, minIdle * factor^(deliveries-1))`, or `minIdle` without backoff. The reclaim script computes the
+    /// same from the message's whole count (a requeued copy's earlier deliveries included).
+    pub fn threshold(&self, deliveries: i64) -> Duration {
+        let Some(backoff) = self.backoff else { return self.min_idle };
+        let exponent = deliveries.clamp(1, 64) as u32 - 1;
+        let growth = (backoff.factor as u128).saturating_pow(exponent);
+        let millis = (self.min_idle.as_millis()).saturating_mul(growth);
+        Duration::from_millis(millis.min(backoff.max.as_millis()) as u64).max(self.min_idle)
+    }
 }
 
 /// What one pass did, summed over its batches.
@@ -113,7 +135,6 @@ pub async fn reclaim_pass(
     cursor: &mut Option<String>,
     may_write: &(dyn Fn() -> bool + Sync),
 ) -> Result<PassReport> {
-    let min_idle_ms = settings.min_idle.as_millis() as i64;
     let mut report = PassReport::default();
     let mut batch = Vec::with_capacity(BATCH);
     while report.scanned < settings.max_per_pass {
@@ -131,8 +152,10 @@ pub async fn reclaim_pass(
         report.scanned += page.len();
         let reached_end = page.len() < want;
         *cursor = page.last().map(|(id, ..)| id.clone()).or(cursor.take());
-        for (id, _, idle_ms, _) in page {
-            if idle_ms >= min_idle_ms {
+        for (id, _, idle_ms, deliveries) in page {
+            // The entry's own count: a requeued copy's earlier deliveries are in its fields, which the script reads,
+            // so this is the lower bound of its threshold and the script has the last word.
+            if idle_ms >= settings.threshold(deliveries).as_millis() as i64 {
                 report.idle += 1;
                 batch.push(id);
                 if batch.len() == BATCH {
@@ -198,6 +221,7 @@ async fn reclaim_call(
         .key(keys.dead_letter)
         .key(totals_key(keys.stream, keys.group))
         .key(terminal_key(keys.stream, keys.group))
+        .key(errors_key(keys.stream, keys.group))
         .arg(keys.group)
         .arg(settings.min_idle.as_millis() as u64)
         .arg(settings.max_deliveries)
@@ -206,6 +230,9 @@ async fn reclaim_call(
         .arg(OPERATOR_CONSUMER)
         .arg(MAX_FIELDS)
         .arg(BYTE_BUDGET)
+        .arg(settings.backoff.map_or(1, |b| b.factor))
+        .arg(settings.backoff.map_or(0, |b| b.max.as_millis() as u64))
+        .arg(ERROR_TEXT_MAX)
         .arg(ids)
         .invoke_async(conn)
         .await

@@ -5,7 +5,10 @@
 //! - `Ok(Outcome::Done)` -> `XACK`;
 //! - `Ok(Outcome::Terminal(reason))` -> `XACK` and `HINCRBY {T}:pelican:<stream>:<group>:terminal <reason> 1` in one script,
 //!   counted only when the `XACK` removed the entry, plus one structured WARN line (never the payload);
-//! - `Err(_)` or a panic -> no ACK, one log line; the message stays pending for the operator's reclaim.
+//! - `Err(_)` or a panic -> no ACK, one log line, and the error's text (or the panic's) recorded as the entry's last
+//!   error: `HSET {T}:pelican:<stream>:<group>:errors <id> <text>` (at most 1 KiB); the message stays pending for the
+//!   operator's reclaim, which carries the text to the requeued copy or into the dead letter (`pelican-last-error`).
+//!   A later ACK or terminal ACK removes the field.
 //!
 //! Every `pel_check_interval` it looks at its own PEL again and reads what is there and not in flight: entries
 //! whose handler failed (the retry, which raises their delivery count, so the operator's cap is reached) and
@@ -36,7 +39,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{error, warn};
 
-use crate::keys::terminal_key;
+use crate::keys::{DELIVERIES_FIELD, ERROR_TEXT_MAX, errors_key, terminal_key};
 
 static TERMINAL_ACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("terminal_ack.lua")));
 
@@ -127,6 +130,8 @@ struct Counters {
     done: AtomicU64,
     terminal: AtomicU64,
     failed: AtomicU64,
+    /// Entries whose last error this worker recorded: their field goes with their ACK.
+    errors_recorded: Mutex<HashSet<String>>,
 }
 
 pub struct Worker {
@@ -328,12 +333,31 @@ pub async fn ack_terminal(
     let acked: i64 = TERMINAL_ACK
         .key(stream)
         .key(terminal_key(stream, group))
+        .key(errors_key(stream, group))
         .arg(group)
         .arg(id)
         .arg(reason.as_str())
         .invoke_async(conn)
         .await?;
     Ok(acked == 1)
+}
+
+/// Records why the handler failed, as the entry's last error (cut to [`ERROR_TEXT_MAX`] bytes at a character
+/// boundary). Best effort: a refusal (an ACL without `hset` on the errors key) is logged, and the message is retried
+/// all the same.
+async fn record_error(conn: &mut Connection, stream: &str, group: &str, id: &str, text: &str, counters: &Counters) {
+    let mut end = text.len().min(ERROR_TEXT_MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let written: RedisResult<i64> =
+        redis::cmd("HSET").arg(errors_key(stream, group)).arg(id).arg(&text[..end]).query_async(conn).await;
+    match written {
+        Ok(_) => {
+            counters.errors_recorded.lock().expect("errors lock").insert(id.to_string());
+        }
+        Err(e) => warn!(stream, group, entry_id = %id, error = %e, "could not record the message's last error"),
+    }
 }
 
 async fn drain(tasks: &mut JoinSet<()>) {
@@ -353,11 +377,27 @@ async fn dispatch<H, Fut>(
 {
     let id = message.id.clone();
     let (stream, group) = (config.stream.as_str(), config.group.as_str());
+    // A requeued copy carries the message's earlier deliveries, and its last error under the copy's id.
+    let retried = message.field(DELIVERIES_FIELD).is_some();
     let result = AssertUnwindSafe(handler(message)).catch_unwind().await;
     match result {
         Ok(Ok(Outcome::Done)) => {
-            let acked: RedisResult<i64> =
-                redis::cmd("XACK").arg(stream).arg(group).arg(&id).query_async(&mut conn).await;
+            // A message that failed before (here, or elsewhere before it was requeued) may have a last error.
+            let recorded = counters.errors_recorded.lock().expect("errors lock").remove(&id) || retried;
+            let acked: RedisResult<i64> = if recorded {
+                let mut pipe = redis::pipe();
+                pipe.cmd("XACK")
+                    .arg(stream)
+                    .arg(group)
+                    .arg(&id)
+                    .cmd("HDEL")
+                    .arg(errors_key(stream, group))
+                    .arg(&id)
+                    .ignore();
+                pipe.query_async::<(i64,)>(&mut conn).await.map(|(n,)| n)
+            } else {
+                redis::cmd("XACK").arg(stream).arg(group).arg(&id).query_async(&mut conn).await
+            };
             match acked {
                 Ok(_) => counters.done.fetch_add(1, Ordering::Relaxed),
                 Err(e) if certainly_not_written(&e) => {
@@ -372,6 +412,7 @@ async fn dispatch<H, Fut>(
         }
         Ok(Ok(Outcome::Terminal(reason))) => {
             warn!(stream, group, entry_id = %id, reason = %reason, will_ack = true, "message ended as terminal");
+            counters.errors_recorded.lock().expect("errors lock").remove(&id);
             match ack_terminal(&mut conn, stream, group, &id, &reason).await {
                 Ok(_) => counters.terminal.fetch_add(1, Ordering::Relaxed),
                 Err(e) if certainly_not_written(&e) => {
@@ -386,6 +427,7 @@ async fn dispatch<H, Fut>(
         }
         Ok(Err(e)) => {
             warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for retry");
+            record_error(&mut conn, stream, group, &id, &e.to_string(), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
         }
         Err(panic) => {
@@ -395,6 +437,7 @@ async fn dispatch<H, Fut>(
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("a panic");
             error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
+            record_error(&mut conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
         }
     }

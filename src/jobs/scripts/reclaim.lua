@@ -1,14 +1,23 @@
 -- Reclaim / dead-letter one batch of PEL entries.
 --
 -- KEYS[1] source stream    KEYS[2] dead-letter stream    KEYS[3] totals hash    KEYS[4] terminal hash
+-- KEYS[5] errors hash: entry id -> the text of its last failure, written by workers
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
 -- ARGV[8] byte budget: after copying this many bytes the script stops and leaves the remaining ids to the next call
--- ARGV[9..] entry ids found idle by the caller's scan
+-- ARGV[9] backoff factor   ARGV[10] backoff max (ms; 0: no backoff)   ARGV[11] most bytes of an error text kept
+-- ARGV[12..] entry ids found idle by the caller's scan
 --
 -- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, handled, deadLetterEvicted}:
--- `handled` ids from ARGV[9] on were looked at (at least one); the caller sends the rest again.
+-- `handled` ids from ARGV[12] on were looked at (at least one); the caller sends the rest again.
+--
+-- Backoff: an entry is taken once idle min(max, minIdle * factor^(n-1)), n counting every delivery of the message
+-- (a requeued copy's `pelican-deliveries` plus its own count); the caller's scan only knows the entry's own count,
+-- so it sends entries that may be due and the exact check is here. An entry not due is skipped, never waited for.
+-- The last error follows the message: to the requeued copy's new id, or into the dead letter as `pelican-last-error`
+-- (cut to ARGV[11] bytes); its field goes when the entry leaves the PEL here, and a few fields of entries no longer
+-- pending (ACKed by a client that left its field) are removed per call, so the hash shrinks back to the PEL.
 --
 -- Invariant: every id ends as exactly one of: untouched and still pending; requeued (one copy at the tail, the
 -- original acknowledged); claimed by a live consumer; dead-lettered (one entry, the original acknowledged); or
@@ -21,7 +30,7 @@
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
 -- when the new owner never re-reads its PEL.
 
-local src, dlq, totals, terminal = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local src, dlq, totals, terminal, errors = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local group = ARGV[1]
 local min_idle = tonumber(ARGV[2])
 local max_deliveries = tonumber(ARGV[3])
@@ -30,6 +39,7 @@ local dlq_maxlen = tonumber(ARGV[5])
 local operator = ARGV[6]
 local max_fields = tonumber(ARGV[7])
 local byte_budget = tonumber(ARGV[8])
+local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 
 local function expect_type(key, wanted)
   local t = redis.call('TYPE', key)['ok']
@@ -38,7 +48,7 @@ local function expect_type(key, wanted)
   end
 end
 local bad = expect_type(src, 'stream') or expect_type(dlq, 'stream')
-  or expect_type(totals, 'hash') or expect_type(terminal, 'hash')
+  or expect_type(totals, 'hash') or expect_type(terminal, 'hash') or expect_type(errors, 'hash')
 if bad then return bad end
 -- Raises NOGROUP before any write when the group is gone.
 redis.call('XPENDING', src, group)
@@ -80,9 +90,27 @@ local function least_loaded(except)
   return best
 end
 
+-- The idle time an entry delivered n times must reach before it is taken.
+local function threshold(n)
+  if max_wait == 0 then return min_idle end
+  local wait = min_idle
+  for _ = 2, n do
+    wait = wait * factor
+    if wait >= max_wait then return math.max(max_wait, min_idle) end
+  end
+  return wait
+end
+
+-- The entry's last error, taken out of the hash (the caller puts it where the message goes).
+local function take_error(id)
+  local text = redis.call('HGET', errors, id)
+  if text then redis.call('HDEL', errors, id) end
+  return text
+end
+
 -- Every move of the batch; the counters are written once, below.
 local function move_batch()
-for i = 9, #ARGV do
+for i = 12, #ARGV do
   if handled > 0 and copied >= byte_budget then break end
   handled = handled + 1
   local id = ARGV[i]
@@ -95,6 +123,7 @@ for i = 9, #ARGV do
     if entry == nil then
       -- Deleted or trimmed while pending: a stale reference, not a message.
       redis.call('XACK', src, group, id)
+      redis.call('HDEL', errors, id)
       payload_deleted = payload_deleted + 1
     else
       local fields = entry[2]
@@ -108,7 +137,10 @@ for i = 9, #ARGV do
       if n <= max_fields then
         for f = 1, n do copied = copied + #fields[f] end
       end
-      if n > max_fields then
+      if tonumber(pending[3]) < threshold(total) then
+        -- Backoff: not due yet.
+        skipped = skipped + 1
+      elseif n > max_fields then
         too_large = too_large + 1
       elseif total >= max_deliveries then
         local args = {dlq}
@@ -122,6 +154,10 @@ for i = 9, #ARGV do
           'pelican-group', group, 'pelican-consumer', owner, 'pelican-deliveries', string.format('%d', total),
           'pelican-reason', 'MaxDeliveriesExceeded', 'pelican-dead-lettered-at', now_ms}
         for _, v in ipairs(meta) do args[#args + 1] = v end
+        local last_error = redis.call('HGET', errors, id)
+        if last_error then
+          args[#args + 1] = 'pelican-last-error'; args[#args + 1] = string.sub(last_error, 1, error_max)
+        end
         if dlq_maxlen > 0 then
           -- MAXLEN may drop older dead letters to make room: count them, they vanish from the one place people
           -- look for them.
@@ -132,14 +168,17 @@ for i = 9, #ARGV do
           redis.call('XADD', unpack(args))
         end
         redis.call('XACK', src, group, id)
+        if last_error then redis.call('HDEL', errors, id) end
         dead_lettered = dead_lettered + 1
       elseif strategy == 'Requeue' then
         local args = {src, '*'}
         for f = 1, n do args[#args + 1] = fields[f] end
         args[#args + 1] = 'pelican-origin-id'; args[#args + 1] = origin
         args[#args + 1] = 'pelican-deliveries'; args[#args + 1] = string.format('%d', total)
-        redis.call('XADD', unpack(args))
+        local copy = redis.call('XADD', unpack(args))
         redis.call('XACK', src, group, id)
+        local last_error = take_error(id)
+        if last_error then redis.call('HSET', errors, copy, last_error) end
         requeued = requeued + 1
       elseif strategy == 'Reassign' then
         local target = least_loaded(owner)
@@ -161,9 +200,19 @@ end
 
 end
 
+-- Fields of entries that left the PEL without Pelican (a client ACKed and left its field): a few per call.
+local function prune_errors()
+  for _, id in ipairs(redis.call('HRANDFIELD', errors, 16)) do
+    -- A field that is no entry id at all (any client can write one) goes too.
+    local pending = redis.pcall('XPENDING', src, group, id, id, 1)
+    if pending.err or pending[1] == nil then redis.call('HDEL', errors, id) end
+  end
+end
+
 -- The counters move once per call, for everything moved, also when a command failed half way through the batch
 -- (an out-of-memory XADD, say): the moves before the failure stand, since scripts are not rolled back.
 local ok, failure = pcall(move_batch)
+if ok then ok, failure = pcall(prune_errors) end
 local function count(key, field, n)
   if n > 0 then redis.call('HINCRBY', key, field, n) end
 end
