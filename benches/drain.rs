@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use pelican::api::ReclaimStrategy;
-use pelican::jobs::{self, PassSettings};
+use pelican::jobs::{self, Cursor, PassSettings};
 use pelican::redis::{GroupKeys, Pools, Target};
 use support::{deliver_all, fill_stream};
 
@@ -70,7 +70,8 @@ fn main() {
             backoff: None,
         };
         let start = Instant::now();
-        let report = jobs::reclaim_pass(&mut conn, "bench", &keys, &settings, &mut None, &|| true).await.unwrap();
+        let report =
+            jobs::reclaim_pass(&mut conn, "bench", &keys, &settings, &mut Cursor::default(), &|| true).await.unwrap();
         assert_eq!(report.dead_lettered, 50_000);
         50_000.0 / start.elapsed().as_secs_f64()
     });

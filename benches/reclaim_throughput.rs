@@ -1,7 +1,8 @@
 //! Dead-letter / requeue throughput, printed side by side in one run on the same server:
 //! Pelican's scripted pass, the naive loop a user writes by hand (one XCLAIM of the idle ids per pass, then XPENDING + XADD +
 //! XACK round trips per message), and `redis-benchmark` XADD as the server's ceiling. Then the cost of a pass that finds
-//! nothing idle on a small and on a huge PEL, which must be the same (bounded by maxPerPass).
+//! nothing idle on a small and on a huge PEL, which must be the same (bounded by maxPerPass). Last, `retry.backoff`:
+//! a PEL of 100,000 entries of which 1 % are due, one pass without backoff and passes with it, on the same PEL.
 //!
 //!   scripts/testenv up && cargo bench --bench reclaim_throughput [-- <entries> <big-pel>]
 
@@ -9,7 +10,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use pelican::api::ReclaimStrategy;
-use pelican::jobs::{self, PassSettings};
+use pelican::jobs::{self, Backoff, Cursor, PassSettings};
 use pelican::redis::{Conn, GroupKeys, Pools, Target};
 use support::{bed_var, deliver_all, fill_stream};
 
@@ -46,7 +47,7 @@ async fn pelican_pass(conn: &mut Conn, size: usize, strategy: ReclaimStrategy, m
         backoff: None,
     };
     let start = Instant::now();
-    let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut None, &|| true).await.unwrap();
+    let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut Cursor::default(), &|| true).await.unwrap();
     let elapsed = start.elapsed();
     assert_eq!(report.moved() as usize, size, "{report:?}");
     size as f64 / elapsed.as_secs_f64()
@@ -128,15 +129,74 @@ async fn idle_scan(conn: &mut Conn, pel: usize) -> Duration {
         backoff: None,
     };
     let mut best = Duration::MAX;
-    let mut cursor = None;
+    let mut cursor = Cursor::default();
     for _ in 0..20 {
         let start = Instant::now();
         let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut cursor, &|| true).await.unwrap();
         best = best.min(start.elapsed());
         assert_eq!(report.scanned, 1000.min(pel));
-        cursor = None;
+        cursor = Cursor::default();
     }
     best
+}
+
+/// A PEL of `size` entries, 1 % due: originals delivered once and idle 3 s, and requeued copies (carrying two
+/// earlier deliveries, so delivered 3 times in all) delivered once and idle 1.2 s. Without backoff (`minIdle` 2 s)
+/// only the originals are due; with `minIdle` 1 s, factor 2 the copies' threshold is 4 s, so the same ones are due,
+/// but the scan (which sees a copy's own count, 1) cannot tell until the script has read the copy once.
+async fn backoff_pel(conn: &mut Conn, size: usize) {
+    let due = size / 100;
+    let _: () = redis::cmd("DEL")
+        .arg(DLQ)
+        .arg(pelican::keys::totals_key(STREAM, GROUP))
+        .arg(pelican::keys::errors_key(STREAM, GROUP))
+        .query_async(conn)
+        .await
+        .unwrap();
+    fill_stream(conn, STREAM, GROUP, due, 100).await;
+    deliver_all(conn, STREAM, GROUP, due).await;
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    let body = "x".repeat(100);
+    for start in (0..size - due).step_by(1000) {
+        let mut pipe = redis::pipe();
+        for n in start..(start + 1000).min(size - due) {
+            pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).arg("body").arg(&body);
+            pipe.arg("pelican-origin-id").arg("1-1").arg("pelican-deliveries").arg(2).ignore();
+        }
+        let _: () = pipe.query_async(conn).await.unwrap();
+    }
+    deliver_all(conn, STREAM, GROUP, size - due).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+}
+
+/// Milliseconds of passes over a [`backoff_pel`]: without backoff; with it, the first pass and the next.
+async fn backoff_passes(conn: &mut Conn, size: usize) -> (f64, f64, f64, u64, u64) {
+    let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: DLQ };
+    let plain = PassSettings {
+        min_idle: Duration::from_secs(2),
+        max_per_pass: size,
+        max_deliveries: 10,
+        strategy: ReclaimStrategy::Requeue,
+        dead_letter_max_len: None,
+        backoff: None,
+    };
+    let backoff = PassSettings {
+        min_idle: Duration::from_secs(1),
+        backoff: Some(Backoff { factor: 2, max: Duration::from_secs(60) }),
+        ..plain.clone()
+    };
+    let timed = async |conn: &mut Conn, settings: &PassSettings, cursor: &mut Cursor| {
+        let start = Instant::now();
+        let report = jobs::reclaim_pass(conn, "bench", &keys, settings, cursor, &|| true).await.unwrap();
+        (start.elapsed().as_secs_f64() * 1e3, report.requeued)
+    };
+    backoff_pel(conn, size).await;
+    let (without, moved_without) = timed(conn, &plain, &mut Cursor::default()).await;
+    backoff_pel(conn, size).await;
+    let mut cursor = Cursor::default();
+    let (first, moved_with) = timed(conn, &backoff, &mut cursor).await;
+    let (next, _) = timed(conn, &backoff, &mut cursor).await;
+    (without, first, next, moved_without, moved_with)
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -175,13 +235,20 @@ async fn main() {
         );
         let small = idle_scan(&mut conn, 1_000).await;
         let huge = idle_scan(&mut conn, big).await;
-        scans.push((server, small, huge));
+        let backoff = backoff_passes(&mut conn, 100_000).await;
+        scans.push((server, small, huge, backoff));
         let _: () = redis::cmd("DEL").arg(STREAM).arg(DLQ).arg("{bench}:rb").query_async(&mut conn).await.unwrap();
     }
     println!();
     println!("one pass with nothing idle, maxPerPass 1000 (best of 20), milliseconds");
     println!("{:<14} {:>12} {:>12}", "server", "PEL 1k", format!("PEL {}", big));
-    for (server, small, huge) in scans {
+    for (server, small, huge, _) in &scans {
         println!("{:<14} {:>12.2} {:>12.2}", server, small.as_secs_f64() * 1e3, huge.as_secs_f64() * 1e3);
+    }
+    println!();
+    println!("one pass over 100,000 pending entries, 1 % due (maxPerPass 100,000), milliseconds");
+    println!("{:<14} {:>16} {:>20} {:>20}", "server", "no backoff", "backoff, 1st pass", "backoff, next pass");
+    for (server, _, _, (without, first, next, moved_without, moved_with)) in &scans {
+        println!("{server:<14} {without:>16.1} {first:>20.1} {next:>20.1}   (moved {moved_without} / {moved_with})");
     }
 }

@@ -19,6 +19,7 @@ on_both_servers!(
     operator_killed_again_and_again_loses_and_duplicates_nothing,
     two_operators_at_once_lose_and_duplicate_nothing,
     server_restarted_mid_pass_loses_and_duplicates_nothing,
+    operator_killed_during_passes_with_backoff_loses_and_duplicates_nothing,
 );
 
 #[test]
@@ -232,12 +233,24 @@ fn account_under_chaos(
     server_args: &[&str],
     chaos: impl FnOnce(&mut ChaosBed),
 ) {
+    account_under_chaos_with(flavor, total, operators, server_args, "", chaos)
+}
+
+/// The same, with `extra` YAML under the policy's `spec:`.
+fn account_under_chaos_with(
+    flavor: Flavor,
+    total: u64,
+    operators: usize,
+    server_args: &[&str],
+    extra: &str,
+    chaos: impl FnOnce(&mut ChaosBed),
+) {
     let server = Server::start_with(flavor, server_args);
     let ns = namespace("chaos");
     let mut bed =
         ChaosBed { operators: (0..operators).map(|_| Operator::start(&ns)).collect(), server, namespace: ns.clone() };
     let ack_some = server_args.is_empty();
-    let manifest = jobs_policy("chaos", &bed.server, "{chaos}:in", "").replace("{chaos}:in:dlq", "{chaos}:dlq");
+    let manifest = jobs_policy("chaos", &bed.server, "{chaos}:in", extra).replace("{chaos}:in:dlq", "{chaos}:dlq");
     assert!(kubectl_apply(&ns, &manifest).0);
     wait_condition(&ns, "chaos", "Ready", "True", "Reconciled");
     produce(&mut bed.server.conn(), "{chaos}:in", total);
@@ -316,6 +329,20 @@ fn operator_killed_again_and_again_loses_and_duplicates_nothing(flavor: Flavor) 
     account_under_chaos(flavor, 30_000, 1, &[], |bed| {
         let mut rng = Lcg(Instant::now().elapsed().as_nanos() as u64 ^ 0x5eed);
         for _ in 0..20 {
+            thread::sleep(Duration::from_millis(rng.next_in(200, 1_500)));
+            bed.operators[0].kill9();
+            bed.operators[0] = Operator::start(&bed.namespace);
+        }
+    });
+}
+
+/// The same with `retry.backoff`: each message waits 1, 2 then 4 s before its next delivery or its dead letter, so
+/// the kills land in passes that skip entries not due yet.
+fn operator_killed_during_passes_with_backoff_loses_and_duplicates_nothing(flavor: Flavor) {
+    let extra = "  retry:\n    maxDeliveries: 3\n    backoff: {factor: 2, max: 4s}\n";
+    account_under_chaos_with(flavor, 10_000, 1, &[], extra, |bed| {
+        let mut rng = Lcg(Instant::now().elapsed().as_nanos() as u64 ^ 0xb0ff);
+        for _ in 0..12 {
             thread::sleep(Duration::from_millis(rng.next_in(200, 1_500)));
             bed.operators[0].kill9();
             bed.operators[0] = Operator::start(&bed.namespace);

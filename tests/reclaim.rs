@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use pelican::api::ReclaimStrategy;
-use pelican::jobs::{self, PassSettings};
+use pelican::jobs::{self, Cursor, PassSettings};
 use pelican::redis::{Conn, GroupKeys, Pools, Target};
 
 on_both_servers!(
@@ -82,7 +82,7 @@ fn plain(n: usize) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
 fn pass(server: &Server, settings: &PassSettings) -> jobs::PassReport {
     runtime().block_on(async {
         let mut conn = connect(server).await;
-        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut None, &|| true).await.unwrap()
+        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut Cursor::default(), &|| true).await.unwrap()
     })
 }
 
@@ -210,7 +210,9 @@ fn consumer_that_acks_or_rereads_between_scan_and_script_wins(flavor: Flavor) {
         .unwrap();
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids).await.unwrap()
+        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids, &mut Vec::new())
+            .await
+            .unwrap()
     });
     assert_eq!((report.requeued, report.skipped), (0, 3), "{report:?}");
 
@@ -218,7 +220,9 @@ fn consumer_that_acks_or_rereads_between_scan_and_script_wins(flavor: Flavor) {
     std::thread::sleep(IDLE * 2);
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids).await.unwrap()
+        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids, &mut Vec::new())
+            .await
+            .unwrap()
     });
     assert_eq!((report.requeued, report.skipped), (1, 2), "only the untouched idle entry moves: {report:?}");
     assert_eq!(xrange(&mut conn, STREAM).len(), 4);
@@ -250,9 +254,16 @@ fn dead_letter_key_of_another_type_writes_nothing(flavor: Flavor) {
     std::thread::sleep(IDLE * 2);
     let error = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_pass(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &mut None, &|| true)
-            .await
-            .unwrap_err()
+        jobs::reclaim_pass(
+            &mut c,
+            "test",
+            &keys(),
+            &settings(ReclaimStrategy::Requeue, 1),
+            &mut Cursor::default(),
+            &|| true,
+        )
+        .await
+        .unwrap_err()
     });
     assert_eq!(error.reason(), "WrongKeyType", "{error}");
     assert!(error.to_string().contains(DLQ), "{error}");
@@ -271,7 +282,9 @@ fn group_destroyed_mid_pass_writes_nothing(flavor: Flavor) {
     let _: i64 = redis::cmd("XGROUP").arg("DESTROY").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
     let error = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &ids).await.unwrap_err()
+        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &ids, &mut Vec::new())
+            .await
+            .unwrap_err()
     });
     assert!(error.to_string().contains("NOGROUP"), "{error}");
     assert_eq!(xrange(&mut conn, STREAM).len(), 5);
@@ -288,11 +301,17 @@ fn lost_script_cache_is_reloaded(flavor: Flavor) {
     runtime().block_on(async {
         let mut c = connect(&server).await;
         let s = settings(ReclaimStrategy::Requeue, 5);
-        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await.unwrap().requeued, 2);
+        assert_eq!(
+            jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut Cursor::default(), &|| true).await.unwrap().requeued,
+            2
+        );
         let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut c).await.unwrap();
         read_new(&mut conn, STREAM, GROUP, "c1", 2);
         tokio::time::sleep(IDLE * 2).await;
-        assert_eq!(jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await.unwrap().requeued, 2);
+        assert_eq!(
+            jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut Cursor::default(), &|| true).await.unwrap().requeued,
+            2
+        );
     });
 }
 
@@ -304,7 +323,7 @@ fn pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries(flavor: Fla
     let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Requeue, 3) };
     runtime().block_on(async {
         let mut c = connect(&server).await;
-        let mut cursor = None;
+        let mut cursor = Cursor::default();
         let (mut passes, mut scanned) = (0, 0);
         loop {
             let report = jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut cursor, &|| true).await.unwrap();
@@ -312,7 +331,7 @@ fn pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries(flavor: Fla
             scanned += report.scanned;
             assert!(report.scanned <= 1_000, "a pass looked at {} entries", report.scanned);
             assert_eq!(report.moved(), 0);
-            if cursor.is_none() {
+            if cursor.at_start() {
                 break;
             }
         }
@@ -333,7 +352,7 @@ fn reassign_gives_the_entry_to_the_least_loaded_live_consumer(flavor: Flavor) {
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
         let s = settings(ReclaimStrategy::Reassign, 3);
-        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await.unwrap()
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut Cursor::default(), &|| true).await.unwrap()
     });
     assert_eq!(report.reassigned, 1, "{report:?}");
     let owners: Vec<(String, i64)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.1, p.3)).collect();
@@ -489,7 +508,7 @@ fn a_large_max_len_is_sent_as_an_integer(flavor: Flavor) {
         PassSettings { dead_letter_max_len: Some(100_000_000_000_000_000), ..settings(ReclaimStrategy::Requeue, 1) };
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut None, &|| true).await
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut Cursor::default(), &|| true).await
     });
     assert_eq!(report.map(|r| r.dead_lettered).map_err(|e| e.to_string()), Ok(3));
 }
@@ -506,9 +525,16 @@ fn a_server_error_quoting_a_key_named_like_tls_is_not_a_tls_failure(flavor: Flav
     let keys = GroupKeys { dead_letter: "{jobs}:mtls-audit", ..keys() };
     let error = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_pass(&mut c, "test", &keys, &settings(ReclaimStrategy::Requeue, 1), &mut None, &|| true)
-            .await
-            .unwrap_err()
+        jobs::reclaim_pass(
+            &mut c,
+            "test",
+            &keys,
+            &settings(ReclaimStrategy::Requeue, 1),
+            &mut Cursor::default(),
+            &|| true,
+        )
+        .await
+        .unwrap_err()
     });
     assert_eq!(error.reason(), "WrongKeyType", "{error}");
 }

@@ -3,6 +3,7 @@
 
 pub mod redrive;
 
+use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -120,10 +121,30 @@ impl PassReport {
     }
 }
 
+/// Where a sweep of the PEL is, kept by the caller from one pass to the next.
+#[derive(Clone, Debug, Default)]
+pub struct Cursor {
+    /// The last entry id looked at; `None` at the start of a sweep.
+    pub position: Option<String>,
+    /// With backoff: the deliveries a requeued copy carries from before it was requeued, learned from the script
+    /// when it found the copy not due yet, so that later scans leave the copy alone until its own threshold (the
+    /// scan sees only the copy's own count). Bounded: cleared when it grows past [`Cursor::EARLIER_MAX`].
+    earlier: HashMap<String, i64>,
+}
+
+impl Cursor {
+    const EARLIER_MAX: usize = 100_000;
+
+    /// At the start of a sweep (the last pass reached the end of the PEL, or none ran yet).
+    pub fn at_start(&self) -> bool {
+        self.position.is_none()
+    }
+}
+
 /// One reclaim / dead-letter pass. Pages through the PEL from `cursor` (kept by the caller across passes) with
 /// plain extended XPENDING, never the IDLE filter, which scans the whole PEL on the server. At most
 /// `max_per_pass` entries are looked at, so a pass costs the same on a PEL of a thousand or a million entries.
-/// `cursor` becomes `None` when the scan reached the end of the PEL; the next pass starts over.
+/// `cursor.position` becomes `None` when the scan reached the end of the PEL; the next pass starts over.
 ///
 /// `may_write` is asked before every script call: when it says no (this replica lost its leadership), the pass
 /// stops there, with `interrupted` set and the cursor where it was.
@@ -132,14 +153,15 @@ pub async fn reclaim_pass(
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
-    cursor: &mut Option<String>,
+    cursor: &mut Cursor,
     may_write: &(dyn Fn() -> bool + Sync),
 ) -> Result<PassReport> {
     let mut report = PassReport::default();
+    let mut waiting = Vec::new();
     let mut batch = Vec::with_capacity(BATCH);
     while report.scanned < settings.max_per_pass {
         let want = (settings.max_per_pass - report.scanned).min(BATCH * 2);
-        let start = cursor.as_ref().map_or_else(|| "-".to_string(), |id| format!("({id}"));
+        let start = cursor.position.as_ref().map_or_else(|| "-".to_string(), |id| format!("({id}"));
         let page: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
             .arg(keys.stream)
             .arg(keys.group)
@@ -151,11 +173,12 @@ pub async fn reclaim_pass(
             .map_err(|e| Error::from_redis(server, e))?;
         report.scanned += page.len();
         let reached_end = page.len() < want;
-        *cursor = page.last().map(|(id, ..)| id.clone()).or(cursor.take());
+        cursor.position = page.last().map(|(id, ..)| id.clone()).or(cursor.position.take());
         for (id, _, idle_ms, deliveries) in page {
-            // The entry's own count: a requeued copy's earlier deliveries are in its fields, which the script reads,
-            // so this is the lower bound of its threshold and the script has the last word.
-            if idle_ms >= settings.threshold(deliveries).as_millis() as i64 {
+            // The entry's own count, plus what a requeued copy carries when an earlier pass learned it: a lower bound
+            // of its threshold, and the script (which reads the copy's fields) has the last word.
+            let earlier = cursor.earlier.get(&id).copied().unwrap_or(0);
+            if idle_ms >= settings.threshold(deliveries + earlier).as_millis() as i64 {
                 report.idle += 1;
                 batch.push(id);
                 if batch.len() == BATCH {
@@ -163,13 +186,13 @@ pub async fn reclaim_pass(
                         report.interrupted = true;
                         return Ok(report);
                     }
-                    report.merge(&reclaim_batch(conn, server, keys, settings, &batch).await?);
+                    report.merge(&reclaim_batch(conn, server, keys, settings, &batch, &mut waiting).await?);
                     batch.clear();
                 }
             }
         }
         if reached_end {
-            *cursor = None;
+            cursor.position = None;
             break;
         }
     }
@@ -178,24 +201,30 @@ pub async fn reclaim_pass(
             report.interrupted = true;
             return Ok(report);
         }
-        report.merge(&reclaim_batch(conn, server, keys, settings, &batch).await?);
+        report.merge(&reclaim_batch(conn, server, keys, settings, &batch, &mut waiting).await?);
     }
+    if cursor.earlier.len() + waiting.len() > Cursor::EARLIER_MAX {
+        cursor.earlier.clear();
+    }
+    cursor.earlier.extend(waiting);
     Ok(report)
 }
 
 /// Hands `ids` to the reclaim script, which re-checks each one on the server before it moves anything. The script
-/// stops at its byte budget; the ids it did not reach go in the next call.
+/// stops at its byte budget; the ids it did not reach go in the next call. Requeued copies it found not due yet
+/// are added to `waiting` with the deliveries they carry from before.
 pub async fn reclaim_batch(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
     ids: &[String],
+    waiting: &mut Vec<(String, i64)>,
 ) -> Result<PassReport> {
     let mut report = PassReport::default();
     let mut rest = ids;
     while !rest.is_empty() {
-        let (call, handled) = reclaim_call(conn, server, keys, settings, rest).await?;
+        let (call, handled) = reclaim_call(conn, server, keys, settings, rest, waiting).await?;
         report.merge(&call);
         rest = &rest[handled.clamp(1, rest.len())..];
     }
@@ -209,6 +238,7 @@ async fn reclaim_call(
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
     ids: &[String],
+    waiting: &mut Vec<(String, i64)>,
 ) -> Result<(PassReport, usize)> {
     let strategy = match settings.strategy {
         ReclaimStrategy::Requeue => "Requeue",
@@ -216,7 +246,7 @@ async fn reclaim_call(
         ReclaimStrategy::DeadLetterOnly => "DeadLetterOnly",
     };
     // invoke_async runs EVALSHA and loads the script again on NOSCRIPT (after a restart or failover).
-    let counts: Vec<u64> = RECLAIM
+    let reply: Vec<redis::Value> = RECLAIM
         .key(keys.stream)
         .key(keys.dead_letter)
         .key(totals_key(keys.stream, keys.group))
@@ -237,7 +267,17 @@ async fn reclaim_call(
         .invoke_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
-    let count = |i: usize| counts.get(i).copied().unwrap_or(0);
+    let number = |value: &redis::Value| match value {
+        redis::Value::Int(n) => *n,
+        _ => 0,
+    };
+    let count = |i: usize| reply.get(i).map_or(0, number) as u64;
+    // After the eight counts: (id, earlier deliveries) of each requeued copy not due yet.
+    for pair in reply.get(8..).unwrap_or_default().chunks_exact(2) {
+        if let redis::Value::BulkString(id) = &pair[0] {
+            waiting.push((String::from_utf8_lossy(id).into_owned(), number(&pair[1])));
+        }
+    }
     let report = PassReport {
         requeued: count(0),
         reassigned: count(1),
@@ -319,5 +359,33 @@ mod tests {
         assert_eq!(report.summary(), "dead-lettered 12, requeued 30");
         assert_eq!(report.moved(), 42);
         assert_eq!(PassReport::default().summary(), "");
+    }
+
+    fn settings(backoff: Option<Backoff>) -> PassSettings {
+        PassSettings {
+            min_idle: Duration::from_secs(1),
+            max_per_pass: 1000,
+            max_deliveries: 5,
+            strategy: ReclaimStrategy::Requeue,
+            dead_letter_max_len: None,
+            backoff,
+        }
+    }
+
+    #[test]
+    fn the_threshold_grows_by_the_factor_per_delivery_up_to_max() {
+        let s = settings(Some(Backoff { factor: 2, max: Duration::from_secs(8) }));
+        let waits: Vec<u64> = (1..=6).map(|n| s.threshold(n).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 8, 8]);
+        // A count the server cannot have (0) reads as the first delivery; a huge one does not overflow.
+        assert_eq!(s.threshold(0), Duration::from_secs(1));
+        assert_eq!(s.threshold(1_000_000), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn without_backoff_or_with_factor_one_every_wait_is_min_idle() {
+        assert_eq!(settings(None).threshold(7), Duration::from_secs(1));
+        let flat = settings(Some(Backoff { factor: 1, max: Duration::from_secs(60) }));
+        assert_eq!(flat.threshold(7), Duration::from_secs(1));
     }
 }

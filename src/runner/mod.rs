@@ -239,7 +239,7 @@ struct Followed {
 
 impl PolicyTask {
     async fn run(mut self) {
-        let mut cursor: Option<String> = None;
+        let mut cursor = jobs::Cursor::default();
         let mut next_sweep = Instant::now();
         let mut next_expiry = Instant::now();
         let mut failures: u32 = 0;
@@ -279,14 +279,14 @@ impl PolicyTask {
             // From the moment the pass was due (its interval elapsed, or the previous pass of its sweep ended) to
             // the moment it got a permit of its server.
             self.metrics.pass_started(due.elapsed());
-            let sweep_start = cursor.is_none();
+            let sweep_start = cursor.at_start();
             // Boxed: a sleeping task then holds only its small loop state, not the largest state of a pass (10,000
             // policies mean 10,000 sleeping tasks).
             let result = Box::pin(self.pass(&job, &mut cursor)).await;
             self.outcome(JobKind::Reclaim, &result);
             // A failed trim is reported on its own and retried after the next sweep; it takes nothing from the pass.
             if let (Ok(report), Some(min_age)) = (&result, job.retention)
-                && cursor.is_none()
+                && cursor.at_start()
                 && !report.interrupted
                 && self.leadership.may_write()
             {
@@ -302,7 +302,7 @@ impl PolicyTask {
                     }
                     sweep.merge(&report);
                     // Mid-sweep (the pass hit maxPerPass): go on at once, behind whoever waits for a permit.
-                    let mid_sweep = cursor.is_some() && !report.interrupted;
+                    let mid_sweep = !cursor.at_start() && !report.interrupted;
                     if !mid_sweep {
                         Box::pin(self.announce(&job, &std::mem::take(&mut sweep))).await;
                     }
@@ -370,7 +370,7 @@ impl PolicyTask {
         });
     }
 
-    async fn pass(&self, job: &Job, cursor: &mut Option<String>) -> crate::Result<PassReport> {
+    async fn pass(&self, job: &Job, cursor: &mut jobs::Cursor) -> crate::Result<PassReport> {
         let leadership = &self.leadership;
         let mut conn = job.conn.clone();
         let report =

@@ -9,8 +9,10 @@
 -- ARGV[9] backoff factor   ARGV[10] backoff max (ms; 0: no backoff)   ARGV[11] most bytes of an error text kept
 -- ARGV[12..] entry ids found idle by the caller's scan
 --
--- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, handled, deadLetterEvicted}:
--- `handled` ids from ARGV[12] on were looked at (at least one); the caller sends the rest again.
+-- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, handled, deadLetterEvicted,
+-- id, earlier, id, earlier, ...}: `handled` ids from ARGV[12] on were looked at (at least one); the caller sends
+-- the rest again. The pairs name the requeued copies found not due yet and the deliveries each carries from before
+-- it was requeued, so that the caller's scan can leave them alone until they are due.
 --
 -- Backoff: an entry is taken once idle min(max, minIdle * factor^(n-1)), n counting every delivery of the message
 -- (a requeued copy's `pelican-deliveries` plus its own count); the caller's scan only knows the entry's own count,
@@ -69,6 +71,7 @@ sanitize(terminal, {'MaxDeliveriesExceeded', 'PayloadDeleted'})
 
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large = 0, 0, 0, 0, 0, 0
 local handled, evicted, copied = 0, 0, 0
+local waiting = {}
 
 -- Live consumers and their PEL sizes, read once per batch, for Reassign.
 local live
@@ -140,6 +143,7 @@ for i = 12, #ARGV do
       if tonumber(pending[3]) < threshold(total) then
         -- Backoff: not due yet.
         skipped = skipped + 1
+        if earlier > 0 then waiting[#waiting + 1] = id; waiting[#waiting + 1] = earlier end
       elseif n > max_fields then
         too_large = too_large + 1
       elseif total >= max_deliveries then
@@ -226,4 +230,6 @@ count(totals, 'deadLetterEvicted', evicted)
 if not ok then
   return redis.error_reply(type(failure) == 'table' and failure.err or tostring(failure))
 end
-return {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, handled, evicted}
+local reply = {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, handled, evicted}
+for _, v in ipairs(waiting) do reply[#reply + 1] = v end
+return reply
