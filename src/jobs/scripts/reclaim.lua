@@ -104,8 +104,12 @@ local function threshold(n)
   return wait
 end
 
+-- Most streams have no errors hash (no worker records errors): then no entry costs a lookup.
+local has_errors = redis.call('EXISTS', errors) == 1
+
 -- The entry's last error, taken out of the hash (the caller puts it where the message goes).
 local function take_error(id)
+  if not has_errors then return nil end
   local text = redis.call('HGET', errors, id)
   if text then redis.call('HDEL', errors, id) end
   return text
@@ -158,7 +162,7 @@ for i = 12, #ARGV do
           'pelican-group', group, 'pelican-consumer', owner, 'pelican-deliveries', string.format('%d', total),
           'pelican-reason', 'MaxDeliveriesExceeded', 'pelican-dead-lettered-at', now_ms}
         for _, v in ipairs(meta) do args[#args + 1] = v end
-        local last_error = redis.call('HGET', errors, id)
+        local last_error = has_errors and redis.call('HGET', errors, id)
         if last_error then
           args[#args + 1] = 'pelican-last-error'; args[#args + 1] = string.sub(last_error, 1, error_max)
         end
@@ -206,6 +210,7 @@ end
 
 -- Fields of entries that left the PEL without Pelican (a client ACKed and left its field): a few per call.
 local function prune_errors()
+  if not has_errors then return end
   for _, id in ipairs(redis.call('HRANDFIELD', errors, 16)) do
     -- A field that is no entry id at all (any client can write one) goes too.
     local pending = redis.pcall('XPENDING', src, group, id, id, 1)
