@@ -116,18 +116,30 @@ impl Shared {
     /// must admit the policy's namespace and its stream and dead-letter stream. Nothing may be written to the
     /// server for a policy this refuses.
     pub async fn resolve(&self, policy: &ConsumerGroupPolicy) -> Result<Resolved> {
-        let namespace = policy.namespace().unwrap_or_default();
-        let Some((server_namespace, name)) = policy.server_ref() else {
-            if self.inline == InlineConnections::Deny {
-                return Err(Error::InlineConnectionDenied);
-            }
+        let Some((server, keys)) = self.admit(policy).await? else {
+            let namespace = policy.namespace().unwrap_or_default();
             let target = resolve::target(&policy.spec.redis, &namespace, &self.client, &self.secrets).await?;
             return Ok(Resolved { target, server: None, keys: None });
+        };
+        let target = self.server_target(&server).await?;
+        Ok(Resolved { target, server: Some(tenancy::server_name(&server)), keys: Some(keys) })
+    }
+
+    /// The tenancy checks of [`Shared::resolve`], which read no Secret: `None` for an inline policy that may connect
+    /// inline, else the server it names and the keys it admits for the policy's namespace (its stream and
+    /// dead-letter stream among them).
+    async fn admit(&self, policy: &ConsumerGroupPolicy) -> Result<Option<(Arc<RedisServer>, KeyRules)>> {
+        let Some((server_namespace, name)) = policy.server_ref() else {
+            return match self.inline {
+                InlineConnections::Allow => Ok(None),
+                InlineConnections::Deny => Err(Error::InlineConnectionDenied),
+            };
         };
         let server = self
             .servers
             .get(&ObjectRef::new(&name).within(&server_namespace))
             .ok_or_else(|| Error::ServerNotFound { namespace: server_namespace.clone(), name: name.clone() })?;
+        let namespace = policy.namespace().unwrap_or_default();
         let labels = match tenancy::needs_labels(&server) {
             true => self.namespaces.labels(&self.client, &namespace).await,
             false => None,
@@ -135,9 +147,7 @@ impl Shared {
         let keys = tenancy::admit(&server, &namespace, labels.as_ref())?;
         keys.check("spec.stream", &policy.spec.stream)?;
         keys.check("spec.deadLetter.stream", &policy.spec.dead_letter.stream)?;
-        let connection = server.spec.connection();
-        let target = resolve::target(&connection, &server_namespace, &self.client, &self.secrets).await?;
-        Ok(Resolved { target, server: Some(tenancy::server_name(&server)), keys: Some(keys) })
+        Ok(Some((server, keys)))
     }
 
     /// Of `others`, the policies their servers admit (namespace and keys; nothing is read from a Secret): one that is
@@ -146,24 +156,7 @@ impl Shared {
     pub async fn admitted(&self, others: Vec<Arc<ConsumerGroupPolicy>>) -> Vec<Arc<ConsumerGroupPolicy>> {
         let mut kept = Vec::with_capacity(others.len());
         for other in others {
-            let admitted = match other.server_ref() {
-                None => self.inline == InlineConnections::Allow,
-                Some((namespace, name)) => match self.servers.get(&ObjectRef::new(&name).within(&namespace)) {
-                    None => false,
-                    Some(server) => {
-                        let own = other.namespace().unwrap_or_default();
-                        let labels = match tenancy::needs_labels(&server) {
-                            true => self.namespaces.labels(&self.client, &own).await,
-                            false => None,
-                        };
-                        tenancy::admit(&server, &own, labels.as_ref()).is_ok_and(|keys| {
-                            keys.check("", &other.spec.stream).is_ok()
-                                && keys.check("", &other.spec.dead_letter.stream).is_ok()
-                        })
-                    }
-                },
-            };
-            if admitted {
+            if self.admit(&other).await.is_ok() {
                 kept.push(other);
             }
         }
