@@ -303,6 +303,9 @@ fn a_password_rotated_in_the_servers_secret_reaches_every_policy() {
     let after = kubectl_ok(&["get", "cgp", "-n", &team, "-o", "jsonpath={.items[*].metadata.generation}"]);
     assert_eq!(generations, after, "no policy was touched");
     assert!(after.split_whitespace().all(|g| g == "1"));
+    // A thousand policies whose server is about to stop would keep every operator watching all namespaces later in
+    // the same bed (the chart's, in tests/node.rs) busy failing to reach it.
+    kubectl_ok(&["delete", "namespace", &team, &platform, "--wait=false"]);
 }
 
 /// `examples/tenancy/`: the platform's server and two teams, applied as a user would (the namespaces and the
