@@ -342,6 +342,9 @@ pub async fn ack_terminal(
     Ok(acked == 1)
 }
 
+/// How many ids of failed messages a worker remembers, to remove their last error with their ACK.
+const ERRORS_REMEMBERED: usize = 10_000;
+
 /// Records why the handler failed, as the entry's last error (cut to [`ERROR_TEXT_MAX`] bytes at a character
 /// boundary). Best effort: a refusal (an ACL without `hset` on the errors key) is logged, and the message is retried
 /// all the same.
@@ -354,7 +357,14 @@ async fn record_error(conn: &mut Connection, stream: &str, group: &str, id: &str
         redis::cmd("HSET").arg(errors_key(stream, group)).arg(id).arg(&text[..end]).query_async(conn).await;
     match written {
         Ok(_) => {
-            counters.errors_recorded.lock().expect("errors lock").insert(id.to_string());
+            let mut recorded = counters.errors_recorded.lock().expect("errors lock");
+            // A message the operator requeues comes back under a new id, so its old id is never ACKed here: the
+            // set is bounded instead of growing with every requeued failure. A field whose ACK then skips the HDEL
+            // is removed by the operator's passes.
+            if recorded.len() >= ERRORS_REMEMBERED {
+                recorded.clear();
+            }
+            recorded.insert(id.to_string());
         }
         Err(e) => warn!(stream, group, entry_id = %id, error = %e, "could not record the message's last error"),
     }
