@@ -15,7 +15,7 @@ on_both_servers!(
     requeue_appends_one_copy_with_origin_and_acks_the_original,
     dead_letter_keeps_every_original_field_byte_exact_and_in_order,
     entry_with_thousands_of_fields_is_moved_and_a_larger_one_stays_pending,
-    consumer_that_acks_or_rereads_between_scan_and_script_wins,
+    consumer_that_acks_or_rereads_before_the_pass_wins,
     deleted_and_trimmed_payloads_are_dropped_as_payload_deleted,
     dead_letter_key_of_another_type_writes_nothing,
     group_destroyed_mid_pass_writes_nothing,
@@ -191,13 +191,13 @@ fn entry_with_thousands_of_fields_is_moved_and_a_larger_one_stays_pending(flavor
     assert_eq!(pending, [ids[1].clone()], "an entry too large to move stays pending, never half-moved");
 }
 
-fn consumer_that_acks_or_rereads_between_scan_and_script_wins(flavor: Flavor) {
+fn consumer_that_acks_or_rereads_before_the_pass_wins(flavor: Flavor) {
     let server = Server::start(flavor);
     let ids = seed(&server, &plain(3));
     let mut conn = server.conn();
     read_new(&mut conn, STREAM, GROUP, "slow", 10);
     std::thread::sleep(IDLE * 2);
-    // The scan saw all three idle. Then, before the script: one is acknowledged, one re-read by its consumer.
+    // All three are idle. Then, before the pass: one is acknowledged, the other two re-read by their consumer.
     let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids[0]).query(&mut conn).unwrap();
     let _: redis::Value = redis::cmd("XREADGROUP")
         .arg("GROUP")
@@ -208,23 +208,13 @@ fn consumer_that_acks_or_rereads_between_scan_and_script_wins(flavor: Flavor) {
         .arg(&ids[0])
         .query(&mut conn)
         .unwrap();
-    let report = runtime().block_on(async {
-        let mut c = connect(&server).await;
-        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids, &mut Vec::new())
-            .await
-            .unwrap()
-    });
-    assert_eq!((report.requeued, report.skipped), (0, 3), "{report:?}");
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 3));
+    assert_eq!((report.scanned, report.idle, report.requeued), (2, 0, 0), "{report:?}");
 
     let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids[1]).query(&mut conn).unwrap();
     std::thread::sleep(IDLE * 2);
-    let report = runtime().block_on(async {
-        let mut c = connect(&server).await;
-        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 3), &ids, &mut Vec::new())
-            .await
-            .unwrap()
-    });
-    assert_eq!((report.requeued, report.skipped), (1, 2), "only the untouched idle entry moves: {report:?}");
+    let report = pass(&server, &settings(ReclaimStrategy::Requeue, 3));
+    assert_eq!((report.scanned, report.requeued), (1, 1), "only the untouched idle entry moves: {report:?}");
     assert_eq!(xrange(&mut conn, STREAM).len(), 4);
 }
 
@@ -275,16 +265,15 @@ fn dead_letter_key_of_another_type_writes_nothing(flavor: Flavor) {
 
 fn group_destroyed_mid_pass_writes_nothing(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ids = seed(&server, &plain(5));
+    seed(&server, &plain(5));
     let mut conn = server.conn();
     read_new(&mut conn, STREAM, GROUP, "c1", 10);
     std::thread::sleep(IDLE * 2);
     let _: i64 = redis::cmd("XGROUP").arg("DESTROY").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
     let error = runtime().block_on(async {
         let mut c = connect(&server).await;
-        jobs::reclaim_batch(&mut c, "test", &keys(), &settings(ReclaimStrategy::Requeue, 1), &ids, &mut Vec::new())
-            .await
-            .unwrap_err()
+        let s = settings(ReclaimStrategy::Requeue, 1);
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut Cursor::default(), &|| true).await.unwrap_err()
     });
     assert!(error.to_string().contains("NOGROUP"), "{error}");
     assert_eq!(xrange(&mut conn, STREAM).len(), 5);

@@ -3,7 +3,8 @@
 
 pub mod redrive;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
+use std::ops::Bound::{Excluded, Unbounded};
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -19,12 +20,12 @@ static EXPIRE_CONSUMERS: LazyLock<Script> = LazyLock::new(|| Script::new(include
 static TRIM_ACKNOWLEDGED: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/trim_acknowledged.lua")));
 
-/// Ids handed to one script call: small enough to keep each call short on the server, large enough to amortise
-/// the round trip.
-pub const BATCH: usize = 128;
+/// PEL entries one script call looks at: small enough to keep each call short on the server (a few milliseconds
+/// when every one of them is moved), large enough to amortise the round trip.
+pub const SCAN: usize = 256;
 
-/// Bytes of entry data one script call may copy before it stops and leaves the rest of its ids to the next call:
-/// a script blocks the whole server, and 128 entries of 2 MB each would hold it for a quarter of a gigabyte.
+/// Bytes of entry data one script call may copy before it stops and leaves the rest of its page to the next call:
+/// a script blocks the whole server, and 256 entries of 2 MB each would hold it for half a gigabyte.
 /// About 4 ms of copying on this machine's servers; one entry larger than this still goes alone.
 pub const BYTE_BUDGET: usize = 4 << 20;
 
@@ -69,13 +70,14 @@ impl PassSettings {
 pub struct PassReport {
     /// PEL entries looked at by the scan.
     pub scanned: usize,
-    /// Of those, idle long enough to be handed to the script.
+    /// Of those, idle long enough to be taken by their own delivery count (backoff may still find a requeued copy
+    /// not due, from the deliveries it carries).
     pub idle: usize,
     pub requeued: u64,
     pub reassigned: u64,
     pub dead_lettered: u64,
     pub payload_deleted: u64,
-    /// Idle at scan time but touched by a consumer since, or left alone by the strategy.
+    /// Idle, but not due yet under backoff, or left alone by the strategy.
     pub skipped: u64,
     /// Too many fields to be moved by a script; left pending.
     pub too_large: u64,
@@ -126,10 +128,19 @@ impl PassReport {
 pub struct Cursor {
     /// The last entry id looked at; `None` at the start of a sweep.
     pub position: Option<String>,
-    /// With backoff: the deliveries a requeued copy carries from before it was requeued, learned from the script
-    /// when it found the copy not due yet, so that later scans leave the copy alone until its own threshold (the
-    /// scan sees only the copy's own count). Bounded: cleared when it grows past [`Cursor::EARLIER_MAX`].
-    earlier: HashMap<String, i64>,
+    /// With backoff: requeued copies found not due, by id, with the deliveries each carries from before it was
+    /// requeued (the scan sees only a copy's own count). Sent with the call whose page holds them, so the script
+    /// leaves them alone without reading them until they are due. Bounded: cleared when it grows past
+    /// [`Cursor::EARLIER_MAX`].
+    earlier: BTreeMap<StreamOrder, i64>,
+}
+
+/// An entry id as the stream orders it (`ms-seq`, numerically).
+type StreamOrder = (u64, u64);
+
+fn order(id: &str) -> StreamOrder {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
 }
 
 impl Cursor {
@@ -139,10 +150,42 @@ impl Cursor {
     pub fn at_start(&self) -> bool {
         self.position.is_none()
     }
+
+    /// The copies known to wait that the next page may hold: the first `limit` after the position.
+    fn known(&self, limit: usize) -> Vec<(String, i64)> {
+        let after = self.position.as_deref().map(order);
+        let range = match after {
+            Some(after) => self.earlier.range((Excluded(after), Unbounded)),
+            None => self.earlier.range(..),
+        };
+        range.take(limit).map(|((ms, seq), earlier)| (format!("{ms}-{seq}"), *earlier)).collect()
+    }
+
+    /// Moves past a call's page, given the copies it was sent (`known`): forgets those the call read, and those
+    /// its page should have held but did not (they left the PEL); learns the copies it found waiting.
+    fn advance(&mut self, known: &[(String, i64)], call: Call) {
+        let end = call.position.as_deref().map(order);
+        for ((id, _), fate) in known.iter().zip(call.known.bytes()) {
+            let id = order(id);
+            let covered = call.reached_end || end.is_some_and(|end| id <= end);
+            if fate == b't' || (fate == b'-' && covered) {
+                self.earlier.remove(&id);
+            }
+        }
+        if self.earlier.len() + call.waiting.len() > Cursor::EARLIER_MAX {
+            self.earlier.clear();
+        }
+        self.earlier.extend(call.waiting.iter().map(|(id, earlier)| (order(id), *earlier)));
+        if call.reached_end {
+            self.position = None;
+        } else if call.position.is_some() {
+            self.position = call.position;
+        }
+    }
 }
 
-/// One reclaim / dead-letter pass. Pages through the PEL from `cursor` (kept by the caller across passes) with
-/// plain extended XPENDING, never the IDLE filter, which scans the whole PEL on the server. At most
+/// One reclaim / dead-letter pass: script calls, each scanning the next page of the PEL from `cursor` (kept by the
+/// caller across passes) and handling what is idle in it, on the server, in the same atomic call. At most
 /// `max_per_pass` entries are looked at, so a pass costs the same on a PEL of a thousand or a million entries.
 /// `cursor.position` becomes `None` when the scan reached the end of the PEL; the next pass starts over.
 ///
@@ -157,89 +200,47 @@ pub async fn reclaim_pass(
     may_write: &(dyn Fn() -> bool + Sync),
 ) -> Result<PassReport> {
     let mut report = PassReport::default();
-    let mut waiting = Vec::new();
-    let mut batch = Vec::with_capacity(BATCH);
     while report.scanned < settings.max_per_pass {
-        let want = (settings.max_per_pass - report.scanned).min(BATCH * 2);
-        let start = cursor.position.as_ref().map_or_else(|| "-".to_string(), |id| format!("({id}"));
-        let page: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
-            .arg(keys.stream)
-            .arg(keys.group)
-            .arg(&start)
-            .arg("+")
-            .arg(want)
-            .query_async(conn)
-            .await
-            .map_err(|e| Error::from_redis(server, e))?;
-        report.scanned += page.len();
-        let reached_end = page.len() < want;
-        cursor.position = page.last().map(|(id, ..)| id.clone()).or(cursor.position.take());
-        for (id, _, idle_ms, deliveries) in page {
-            // The entry's own count, plus what a requeued copy carries when an earlier pass learned it: a lower bound
-            // of its threshold, and the script (which reads the copy's fields) has the last word.
-            let earlier = cursor.earlier.get(&id).copied().unwrap_or(0);
-            if idle_ms >= settings.threshold(deliveries + earlier).as_millis() as i64 {
-                report.idle += 1;
-                batch.push(id);
-                if batch.len() == BATCH {
-                    if !may_write() {
-                        report.interrupted = true;
-                        return Ok(report);
-                    }
-                    report.merge(&reclaim_batch(conn, server, keys, settings, &batch, &mut waiting).await?);
-                    batch.clear();
-                }
-            }
-        }
-        if reached_end {
-            cursor.position = None;
-            break;
-        }
-    }
-    if !batch.is_empty() {
         if !may_write() {
             report.interrupted = true;
             return Ok(report);
         }
-        report.merge(&reclaim_batch(conn, server, keys, settings, &batch, &mut waiting).await?);
-    }
-    if cursor.earlier.len() + waiting.len() > Cursor::EARLIER_MAX {
-        cursor.earlier.clear();
-    }
-    cursor.earlier.extend(waiting);
-    Ok(report)
-}
-
-/// Hands `ids` to the reclaim script, which re-checks each one on the server before it moves anything. The script
-/// stops at its byte budget; the ids it did not reach go in the next call. Requeued copies it found not due yet
-/// are added to `waiting` with the deliveries they carry from before.
-pub async fn reclaim_batch(
-    conn: &mut Conn,
-    server: &str,
-    keys: &GroupKeys<'_>,
-    settings: &PassSettings,
-    ids: &[String],
-    waiting: &mut Vec<(String, i64)>,
-) -> Result<PassReport> {
-    let mut report = PassReport::default();
-    let mut rest = ids;
-    while !rest.is_empty() {
-        let (call, handled) = reclaim_call(conn, server, keys, settings, rest, waiting).await?;
-        report.merge(&call);
-        rest = &rest[handled.clamp(1, rest.len())..];
+        let limit = (settings.max_per_pass - report.scanned).min(SCAN);
+        let known = cursor.known(limit);
+        let call = reclaim_call(conn, server, keys, settings, cursor.position.as_deref(), limit, &known).await?;
+        report.merge(&call.report);
+        let reached_end = call.reached_end;
+        cursor.advance(&known, call);
+        if reached_end {
+            break;
+        }
     }
     Ok(report)
 }
 
-/// One script call: what it did, and how many of `ids` it looked at.
+/// What one script call did, and where its scan stopped.
+struct Call {
+    report: PassReport,
+    /// The last PEL entry looked at; `None` when the call looked at none.
+    position: Option<String>,
+    reached_end: bool,
+    /// What became of each copy the call was sent: `w` still waits, `t` read, `-` not in the page looked at.
+    known: String,
+    /// Requeued copies read and found not due yet, with the deliveries each carries from before.
+    waiting: Vec<(String, i64)>,
+}
+
+/// One script call: the page of at most `limit` PEL entries after `after` (from the PEL's start when `None`), with
+/// the copies known to carry earlier deliveries.
 async fn reclaim_call(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
-    ids: &[String],
-    waiting: &mut Vec<(String, i64)>,
-) -> Result<(PassReport, usize)> {
+    after: Option<&str>,
+    limit: usize,
+    known: &[(String, i64)],
+) -> Result<Call> {
     let strategy = match settings.strategy {
         ReclaimStrategy::Requeue => "Requeue",
         ReclaimStrategy::Reassign => "Reassign",
@@ -263,21 +264,32 @@ async fn reclaim_call(
         .arg(settings.backoff.map_or(1, |b| b.factor))
         .arg(settings.backoff.map_or(0, |b| b.max.as_millis() as u64))
         .arg(ERROR_TEXT_MAX)
-        .arg(ids)
+        .arg(after.map_or_else(|| "-".to_string(), |id| format!("({id}")))
+        .arg(limit)
+        .arg(known)
         .invoke_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
     let number = |value: &redis::Value| match value {
-        redis::Value::Int(n) => *n,
+        redis::Value::Int(n) => (*n).max(0),
         _ => 0,
     };
     let count = |i: usize| reply.get(i).map_or(0, number) as u64;
-    // After the eight counts: (id, earlier deliveries) of each requeued copy not due yet.
-    for pair in reply.get(8..).unwrap_or_default().chunks_exact(2) {
-        if let redis::Value::BulkString(id) = &pair[0] {
-            waiting.push((String::from_utf8_lossy(id).into_owned(), number(&pair[1])));
-        }
-    }
+    let text = |i: usize| match reply.get(i) {
+        Some(redis::Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
+        _ => String::new(),
+    };
+    let position = Some(text(9)).filter(|id| !id.is_empty());
+    // After the twelve values: (id, earlier deliveries) of each requeued copy read and found not due yet.
+    let waiting = reply
+        .get(12..)
+        .unwrap_or_default()
+        .chunks_exact(2)
+        .filter_map(|pair| match &pair[0] {
+            redis::Value::BulkString(id) => Some((String::from_utf8_lossy(id).into_owned(), number(&pair[1]))),
+            _ => None,
+        })
+        .collect();
     let report = PassReport {
         requeued: count(0),
         reassigned: count(1),
@@ -285,10 +297,12 @@ async fn reclaim_call(
         payload_deleted: count(3),
         skipped: count(4),
         too_large: count(5),
+        scanned: count(6) as usize,
         dead_letter_evicted: count(7),
-        ..PassReport::default()
+        idle: count(8) as usize,
+        interrupted: false,
     };
-    Ok((report, count(6) as usize))
+    Ok(Call { report, position, reached_end: count(10) == 1, known: text(11), waiting })
 }
 
 /// Deletes consumers inactive for `expire_after` that own no pending entry; returns how many.
@@ -380,6 +394,50 @@ mod tests {
         // A count the server cannot have (0) reads as the first delivery; a huge one does not overflow.
         assert_eq!(s.threshold(0), Duration::from_secs(1));
         assert_eq!(s.threshold(1_000_000), Duration::from_secs(8));
+    }
+
+    fn call(position: Option<&str>, reached_end: bool, known: &str, waiting: &[(&str, i64)]) -> Call {
+        Call {
+            report: PassReport::default(),
+            position: position.map(String::from),
+            reached_end,
+            known: known.into(),
+            waiting: waiting.iter().map(|(id, n)| (id.to_string(), *n)).collect(),
+        }
+    }
+
+    fn ids(known: &[(String, i64)]) -> Vec<&str> {
+        known.iter().map(|(id, _)| id.as_str()).collect()
+    }
+
+    #[test]
+    fn the_cursor_sends_the_waiting_copies_after_its_position_in_stream_order() {
+        let mut cursor = Cursor::default();
+        // "10-0" sorts before "9-0" as text, after it as a stream id.
+        cursor.advance(&[], call(Some("20-0"), false, "", &[("9-0", 2), ("10-0", 3), ("10-1", 1)]));
+        assert_eq!(cursor.position.as_deref(), Some("20-0"));
+        assert!(cursor.known(10).is_empty(), "nothing known after 20-0");
+        cursor.position = None;
+        assert_eq!(cursor.known(2), [("9-0".to_string(), 2), ("10-0".to_string(), 3)]);
+        cursor.position = Some("9-0".into());
+        assert_eq!(ids(&cursor.known(10)), ["10-0", "10-1"]);
+    }
+
+    #[test]
+    fn a_page_keeps_the_copies_still_waiting_and_forgets_the_rest() {
+        let mut cursor = Cursor::default();
+        cursor.advance(&[], call(Some("9-0"), false, "", &[("2-0", 2), ("4-0", 2), ("7-0", 1)]));
+        // The next sweep's first page ends at 5-0: 2-0 was read (and moved), 4-0 still waits, 7-0 is past the page.
+        cursor.position = None;
+        let known = cursor.known(256);
+        assert_eq!(ids(&known), ["2-0", "4-0", "7-0"]);
+        cursor.advance(&known, call(Some("5-0"), false, "tw-", &[]));
+        assert_eq!(ids(&cursor.known(10)), ["7-0"], "after 5-0");
+        // The last page: 7-0 was not in it (a consumer acknowledged it), so it is forgotten; the sweep starts over.
+        let known = cursor.known(10);
+        cursor.advance(&known, call(None, true, "-", &[]));
+        assert!(cursor.at_start());
+        assert_eq!(ids(&cursor.known(10)), ["4-0"]);
     }
 
     #[test]

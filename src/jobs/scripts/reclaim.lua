@@ -1,22 +1,37 @@
--- Reclaim / dead-letter one batch of PEL entries.
+-- Reclaim / dead-letter: scan one page of a group's PEL and handle what is idle in it.
 --
 -- KEYS[1] source stream    KEYS[2] dead-letter stream    KEYS[3] totals hash    KEYS[4] terminal hash
 -- KEYS[5] errors hash: entry id -> the text of its last failure, written by workers
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
--- ARGV[8] byte budget: after copying this many bytes the script stops and leaves the remaining ids to the next call
+-- ARGV[8] byte budget: after copying this many bytes the script stops, and the next call goes on from there
 -- ARGV[9] backoff factor   ARGV[10] backoff max (ms; 0: no backoff)   ARGV[11] most bytes of an error text kept
--- ARGV[12..] entry ids found idle by the caller's scan
+-- ARGV[12] where the page starts: '-' (the PEL's first entry) or '(' followed by the last id already looked at
+-- ARGV[13] most PEL entries to look at
+-- ARGV[14..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
+--           calls found them (see Backoff)
 --
--- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, handled, deadLetterEvicted,
--- id, earlier, id, earlier, ...}: `handled` ids from ARGV[12] on were looked at (at least one); the caller sends
--- the rest again. The pairs name the requeued copies found not due yet and the deliveries each carries from before
--- it was requeued, so that the caller's scan can leave them alone until they are due.
+-- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, scanned, deadLetterEvicted, idle,
+-- position, reachedEnd, known, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
+-- including `position` (the next call starts after it; '' when none was), of which `idle` were idle long enough to
+-- be taken and `skipped` of those were left alone; `reachedEnd` is 1 when the page was the PEL's last. `known` has
+-- one character per pair of ARGV[14..]: 'w' the copy is in the page and still waits, 't' it was in the page and
+-- read (moved, or returned again below), '-' not in the part of the page looked at. The pairs name the requeued
+-- copies read and found not due, with the deliveries each carries from before.
+--
+-- The scan is plain extended XPENDING from the position, never the IDLE filter, which walks the whole PEL on the
+-- server: a call costs the same on a PEL of a thousand entries or a million. Entries are read a run at a time
+-- with one XRANGE from the first one needed, as many as the byte budget allows (one until the first entry tells
+-- their size): a drain's PEL is mostly consecutive entries, so one read serves many, and an id the run does not
+-- hold is read on its own. The originals the call moved are acknowledged with one XACK at the end.
 --
 -- Backoff: an entry is taken once idle min(max, minIdle * factor^(n-1)), n counting every delivery of the message
--- (a requeued copy's `pelican-deliveries` plus its own count); the caller's scan only knows the entry's own count,
--- so it sends entries that may be due and the exact check is here. An entry not due is skipped, never waited for.
+-- (a requeued copy's `pelican-deliveries` plus its own count). The scan knows the entry's own count, plus what
+-- the caller sends of a copy's earlier deliveries: a lower bound, and the exact check is made once the entry is
+-- read. A copy found not due is returned with its earlier deliveries, so that the caller sends them with the next
+-- sweep's call and the scan leaves the copy alone without reading it until it is due. An entry not due is
+-- skipped, never waited for.
 -- The last error follows the message: to the requeued copy's new id, or into the dead letter as `pelican-last-error`
 -- (cut to ARGV[11] bytes); its field goes when the entry leaves the PEL here, and a few fields of entries no longer
 -- pending (ACKed by a client that left its field) are removed per call, so the hash shrinks back to the PEL.
@@ -24,11 +39,12 @@
 -- Invariant: every id ends as exactly one of: untouched and still pending; requeued (one copy at the tail, the
 -- original acknowledged); claimed by a live consumer; dead-lettered (one entry, the original acknowledged); or
 -- dropped from the PEL because its payload is gone. Scripts are not rolled back on error, so every key type and the
--- group are checked before the first write, and each copy is written before the XACK that retires the original.
--- Pending state, idle time and delivery count are re-read here: a consumer that ACKed or re-read an entry since
--- the scan wins. Counting cannot fail after a move (counter fields that hold no integer are reset before the first
--- move, instead of making an HINCRBY raise an error half way through the batch). The byte budget keeps
--- one call short, so other clients of the server never see BUSY because of a batch of large entries.
+-- group are checked before the first write, every copy is written before the XACK that retires its original, and
+-- the XACK runs also when a command failed half way (an out-of-memory XADD): the copies made stand, their
+-- originals go. The pending state is read in the same atomic call that moves the entry, so a consumer that ACKed
+-- or re-read an entry before the call wins. Counting cannot fail after a move (counter fields that hold no integer
+-- are reset before the first move, instead of making an HINCRBY raise an error half way through the call). The
+-- byte budget keeps one call short, so other clients of the server never see BUSY because of large entries.
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
 -- when the new owner never re-reads its PEL.
 
@@ -42,6 +58,12 @@ local operator = ARGV[6]
 local max_fields = tonumber(ARGV[7])
 local byte_budget = tonumber(ARGV[8])
 local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local start, limit = ARGV[12], tonumber(ARGV[13])
+-- Copy id -> index of its pair (from ARGV[14]); what became of each, as the reply tells it.
+local known, fate = {}, {}
+for i = 14, #ARGV, 2 do known[ARGV[i]] = i end
+-- The most entries one XRANGE reads.
+local RUN = 64
 
 local function expect_type(key, wanted)
   local t = redis.call('TYPE', key)['ok']
@@ -53,7 +75,7 @@ local bad = expect_type(src, 'stream') or expect_type(dlq, 'stream')
   or expect_type(totals, 'hash') or expect_type(terminal, 'hash') or expect_type(errors, 'hash')
 if bad then return bad end
 -- Raises NOGROUP before any write when the group is gone.
-redis.call('XPENDING', src, group)
+local page = redis.call('XPENDING', src, group, start, '+', limit)
 
 local now = redis.call('TIME')
 local now_ms = string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
@@ -70,10 +92,13 @@ sanitize(totals, {'requeued', 'reassigned', 'deadLettered', 'payloadDeleted', 'd
 sanitize(terminal, {'MaxDeliveriesExceeded', 'PayloadDeleted'})
 
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large = 0, 0, 0, 0, 0, 0
-local handled, evicted, copied = 0, 0, 0
+local scanned, idle, evicted, copied = 0, 0, 0, 0
+-- The originals to acknowledge at the end: `src`, `group`, then ids.
+local acks = {src, group}
+-- Requeued copies not due: id, earlier deliveries, ...
 local waiting = {}
 
--- Live consumers and their PEL sizes, read once per batch, for Reassign.
+-- Live consumers and their PEL sizes, read once per call, for Reassign.
 local live
 local function least_loaded(except)
   if not live then
@@ -107,33 +132,51 @@ end
 -- Most streams have no errors hash (no worker records errors): then no entry costs a lookup.
 local has_errors = redis.call('EXISTS', errors) == 1
 
--- The entry's last error, taken out of the hash (the caller puts it where the message goes).
-local function take_error(id)
-  if not has_errors then return nil end
-  local text = redis.call('HGET', errors, id)
-  if text then redis.call('HDEL', errors, id) end
-  return text
+-- The entries read so far (id -> fields) from the last run, and what the reads told of their size.
+local run, read_bytes, read_entries = {}, 0, 0
+-- The fields of entry `id`, or nil when the stream no longer holds it. `last` is the page's last id: no run reads
+-- past it.
+local function fields_of(id, last)
+  local fields = run[id]
+  if fields then return fields end
+  -- As many entries as the rest of the budget holds at the size seen so far; one until a size was seen.
+  local count = 1
+  if read_entries > 0 then
+    local average = math.max(1, math.floor(read_bytes / read_entries))
+    count = math.max(1, math.min(RUN, math.floor((byte_budget - copied) / average)))
+  end
+  run = {}
+  for _, entry in ipairs(redis.call('XRANGE', src, id, last, 'COUNT', count)) do
+    local f = entry[2]
+    for i = 1, #f do read_bytes = read_bytes + #f[i] end
+    read_entries = read_entries + 1
+    run[entry[1]] = f
+  end
+  return run[id]
 end
 
--- Every move of the batch; the counters are written once, below.
-local function move_batch()
-for i = 12, #ARGV do
-  if handled > 0 and copied >= byte_budget then break end
-  handled = handled + 1
-  local id = ARGV[i]
-  local pending = redis.call('XPENDING', src, group, id, id, 1)[1]
-  if pending == nil or tonumber(pending[3]) < min_idle then
-    skipped = skipped + 1
+-- Every move of the call; the acknowledgements and the counters are written once, below.
+local position = ''
+local function move_page()
+for _, pending in ipairs(page) do
+  if idle > 0 and copied >= byte_budget then return end
+  local id, owner, idle_ms, deliveries = pending[1], pending[2], pending[3], pending[4]
+  scanned = scanned + 1
+  position = id
+  local copy = known[id]
+  local carried = copy and tonumber(ARGV[copy + 1]) or 0
+  if idle_ms < threshold(deliveries + carried) then
+    if copy then fate[copy] = 'w' end
   else
-    local owner, deliveries = pending[2], tonumber(pending[4])
-    local entry = redis.call('XRANGE', src, id, id)[1]
-    if entry == nil then
+    if copy then fate[copy] = 't' end
+    idle = idle + 1
+    local fields = fields_of(id, page[#page][1])
+    if fields == nil then
       -- Deleted or trimmed while pending: a stale reference, not a message.
-      redis.call('XACK', src, group, id)
-      redis.call('HDEL', errors, id)
+      acks[#acks + 1] = id
+      if has_errors then redis.call('HDEL', errors, id) end
       payload_deleted = payload_deleted + 1
     else
-      local fields = entry[2]
       local n = #fields
       -- A copy requeued earlier ends with Pelican's own two fields; the application's fields come before them.
       local origin, earlier = id, 0
@@ -144,7 +187,7 @@ for i = 12, #ARGV do
       if n <= max_fields then
         for f = 1, n do copied = copied + #fields[f] end
       end
-      if tonumber(pending[3]) < threshold(total) then
+      if idle_ms < threshold(total) then
         -- Backoff: not due yet.
         skipped = skipped + 1
         if earlier > 0 then waiting[#waiting + 1] = id; waiting[#waiting + 1] = earlier end
@@ -154,17 +197,23 @@ for i = 12, #ARGV do
         local args = {dlq}
         if dlq_maxlen > 0 then
           -- The text of ARGV[5], not the Lua number, which large values would turn into 1e+15.
-          args[#args + 1] = 'MAXLEN'; args[#args + 1] = '~'; args[#args + 1] = ARGV[5]
+          args[2] = 'MAXLEN'; args[3] = '~'; args[4] = ARGV[5]
         end
         args[#args + 1] = '*'
-        for f = 1, n do args[#args + 1] = fields[f] end
-        local meta = {'pelican-source-stream', src, 'pelican-source-id', id, 'pelican-origin-id', origin,
-          'pelican-group', group, 'pelican-consumer', owner, 'pelican-deliveries', string.format('%d', total),
-          'pelican-reason', 'MaxDeliveriesExceeded', 'pelican-dead-lettered-at', now_ms}
-        for _, v in ipairs(meta) do args[#args + 1] = v end
+        local a = #args
+        for f = 1, n do args[a + f] = fields[f] end
+        a = a + n
+        args[a + 1] = 'pelican-source-stream'; args[a + 2] = src
+        args[a + 3] = 'pelican-source-id'; args[a + 4] = id
+        args[a + 5] = 'pelican-origin-id'; args[a + 6] = origin
+        args[a + 7] = 'pelican-group'; args[a + 8] = group
+        args[a + 9] = 'pelican-consumer'; args[a + 10] = owner
+        args[a + 11] = 'pelican-deliveries'; args[a + 12] = string.format('%d', total)
+        args[a + 13] = 'pelican-reason'; args[a + 14] = 'MaxDeliveriesExceeded'
+        args[a + 15] = 'pelican-dead-lettered-at'; args[a + 16] = now_ms
         local last_error = has_errors and redis.call('HGET', errors, id)
         if last_error then
-          args[#args + 1] = 'pelican-last-error'; args[#args + 1] = string.sub(last_error, 1, error_max)
+          args[a + 17] = 'pelican-last-error'; args[a + 18] = string.sub(last_error, 1, error_max)
         end
         if dlq_maxlen > 0 then
           -- MAXLEN may drop older dead letters to make room: count them, they vanish from the one place people
@@ -175,18 +224,23 @@ for i = 12, #ARGV do
         else
           redis.call('XADD', unpack(args))
         end
-        redis.call('XACK', src, group, id)
+        acks[#acks + 1] = id
         if last_error then redis.call('HDEL', errors, id) end
         dead_lettered = dead_lettered + 1
       elseif strategy == 'Requeue' then
         local args = {src, '*'}
-        for f = 1, n do args[#args + 1] = fields[f] end
-        args[#args + 1] = 'pelican-origin-id'; args[#args + 1] = origin
-        args[#args + 1] = 'pelican-deliveries'; args[#args + 1] = string.format('%d', total)
+        for f = 1, n do args[f + 2] = fields[f] end
+        args[n + 3] = 'pelican-origin-id'; args[n + 4] = origin
+        args[n + 5] = 'pelican-deliveries'; args[n + 6] = string.format('%d', total)
         local copy = redis.call('XADD', unpack(args))
-        redis.call('XACK', src, group, id)
-        local last_error = take_error(id)
-        if last_error then redis.call('HSET', errors, copy, last_error) end
+        acks[#acks + 1] = id
+        if has_errors then
+          local last_error = redis.call('HGET', errors, id)
+          if last_error then
+            redis.call('HDEL', errors, id)
+            redis.call('HSET', errors, copy, last_error)
+          end
+        end
         requeued = requeued + 1
       elseif strategy == 'Reassign' then
         local target = least_loaded(owner)
@@ -205,7 +259,6 @@ for i = 12, #ARGV do
     end
   end
 end
-
 end
 
 -- Fields of entries that left the PEL without Pelican (a client ACKed and left its field): a few per call.
@@ -213,15 +266,17 @@ local function prune_errors()
   if not has_errors then return end
   for _, id in ipairs(redis.call('HRANDFIELD', errors, 16)) do
     -- A field that is no entry id at all (any client can write one) goes too.
-    local pending = redis.pcall('XPENDING', src, group, id, id, 1)
-    if pending.err or pending[1] == nil then redis.call('HDEL', errors, id) end
+    local entry = redis.pcall('XPENDING', src, group, id, id, 1)
+    if entry.err or entry[1] == nil then redis.call('HDEL', errors, id) end
   end
 end
 
--- The counters move once per call, for everything moved, also when a command failed half way through the batch
--- (an out-of-memory XADD, say): the moves before the failure stand, since scripts are not rolled back.
-local ok, failure = pcall(move_batch)
+-- The acknowledgements and the counters are written once per call, for everything moved, also when a command
+-- failed half way through (an out-of-memory XADD, say): the moves before the failure stand, since scripts are
+-- not rolled back.
+local ok, failure = pcall(move_page)
 if ok then ok, failure = pcall(prune_errors) end
+if #acks > 2 then redis.call('XACK', unpack(acks)) end
 local function count(key, field, n)
   if n > 0 then redis.call('HINCRBY', key, field, n) end
 end
@@ -235,6 +290,11 @@ count(totals, 'deadLetterEvicted', evicted)
 if not ok then
   return redis.error_reply(type(failure) == 'table' and failure.err or tostring(failure))
 end
-local reply = {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, handled, evicted}
+local reached_end = (scanned == #page and #page < limit) and 1 or 0
+local reply = {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, scanned, evicted, idle,
+  position, reached_end}
+local fates = {}
+for i = 14, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
+reply[12] = table.concat(fates)
 for _, v in ipairs(waiting) do reply[#reply + 1] = v end
 return reply
