@@ -1,19 +1,23 @@
 //! Bounded streams, side by side in one run on the same server:
 //!
 //! 1. the bounded-publish script with one bounded group (a bound high enough never to refuse, so every call does the
-//!    full check) against plain `XADD` of the same entry: one client, one call at a time; then 16 clients, each
-//!    pipelining 100 calls;
+//!    full check) against plain `XADD` of the same entry and a script that only runs the `XADD`: one client, one
+//!    call at a time (three rounds in turn, the median of each); then 16 clients with 100 entries in flight each,
+//!    pipelining 100 calls, and the batch script with batches of 100 (one call, one check);
 //! 2. the retention trim of 100,000 acknowledged entries from a 1,000,000-entry stream against a bare
 //!    `XTRIM MINID` of the same entries (what a person would run knowing the safe point).
 //!
 //!   scripts/testenv up && cargo bench --bench bounded [-- <publishes per client>]
+//!
+//! Ends with `SUMMARY bounded-1x1` (reference: plain XADD) and `SUMMARY bounded-16x100` (reference: XADD in a
+//! script; Pelican: the batch script) lines, Redis 7.0 first, then Valkey 9.1.
 
 use std::time::{Duration, Instant};
 
 use pelican::jobs;
 use pelican::keys::{bounds_key, rejected_key};
 use pelican::redis::{Conn, GroupKeys, Pools, Target};
-use pelican::worker::BOUNDED_PUBLISH;
+use pelican::worker::{BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH};
 use support::{bed_var, fill_stream};
 
 mod support;
@@ -31,12 +35,15 @@ enum Publish {
     Plain,
     ScriptedXadd,
     Bounded,
+    /// The batch script: every call carries the whole pipeline's entries.
+    Batch,
 }
 
 /// One publish added to a pipeline.
 fn add(pipe: &mut redis::Pipeline, how: Publish, n: usize) {
     let body = "x".repeat(100);
     match how {
+        Publish::Batch => unreachable!("a batch is one call: see add_batch"),
         Publish::Plain => {
             pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).arg("body").arg(body).ignore();
         }
@@ -50,6 +57,18 @@ fn add(pipe: &mut redis::Pipeline, how: Publish, n: usize) {
             pipe.arg(rejected_key(STREAM)).arg("n").arg(n).arg("body").arg(body).ignore();
         }
     }
+}
+
+/// One call of the batch script with the entries `ns`, as any client sends it: the count, then each entry's
+/// argument count and fields.
+fn add_batch(pipe: &mut redis::Pipeline, ns: std::ops::Range<usize>) {
+    let body = "x".repeat(100);
+    pipe.cmd("EVALSHA").arg(BOUNDED_PUBLISH_BATCH.get_hash()).arg(3).arg(STREAM).arg(bounds_key(STREAM));
+    pipe.arg(rejected_key(STREAM)).arg(ns.len());
+    for n in ns {
+        pipe.arg(4).arg("n").arg(n).arg("body").arg(&body);
+    }
+    pipe.ignore();
 }
 
 /// A fresh stream with one group, bounded far above what the run publishes; the script cached on the server.
@@ -72,6 +91,7 @@ async fn reset(conn: &mut Conn) {
         .unwrap();
     let _: () = redis::cmd("HSET").arg(bounds_key(STREAM)).arg(GROUP).arg(1u64 << 40).query_async(conn).await.unwrap();
     BOUNDED_PUBLISH.load_async(conn).await.unwrap();
+    BOUNDED_PUBLISH_BATCH.load_async(conn).await.unwrap();
     XADD_ONLY.load_async(conn).await.unwrap();
 }
 
@@ -90,8 +110,11 @@ async fn rate(url: &str, how: Publish, clients: usize, per_client: usize, depth:
     let tasks = conns.into_iter().map(|mut conn| async move {
         for first in (0..per_client).step_by(depth) {
             let mut pipe = redis::pipe();
-            for n in first..(first + depth).min(per_client) {
-                add(&mut pipe, how, n);
+            let ns = first..(first + depth).min(per_client);
+            if how == Publish::Batch {
+                add_batch(&mut pipe, ns);
+            } else {
+                ns.for_each(|n| add(&mut pipe, how, n));
             }
             let () = pipe.query_async(&mut conn).await.unwrap();
         }
@@ -122,31 +145,51 @@ async fn trim_time(conn: &mut Conn, size: usize, trim: usize, scripted: bool) ->
     (start.elapsed().as_secs_f64(), trimmed)
 }
 
+fn median(mut rates: Vec<f64>) -> f64 {
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
+/// One `SUMMARY` line, for scripts.
+fn summary(path: &str, pelican: f64, reference: f64) -> String {
+    format!("SUMMARY {path} pelican={pelican:.0}/s reference={reference:.0}/s ratio={:.2}", pelican / reference)
+}
+
 #[tokio::main]
 async fn main() {
     let per_client: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(20_000);
+    let (mut one_by_one, mut sixteen) = (Vec::new(), Vec::new());
     for var in ["PELICAN_REDIS_URL", "PELICAN_VALKEY_URL"] {
         let url = bed_var(var);
         let pools = Pools::default();
         let mut conn = pools.get(&Target::new(&url)).await.unwrap();
         let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
         let server = pelican::redis::ServerInfo::parse(&info);
-        println!("\n{server} at {url}: publishes/s, {per_client} per client, 100-byte body, one bounded group");
+        println!("\n{server} at {url}: publishes/s, 100-byte body, one bounded group");
         println!(
-            "{:<26} {:>12} {:>16} {:>12} {:>8}",
-            "clients x pipeline depth", "plain XADD", "XADD in a script", "bounded", "ratio"
+            "{:<34} {:>11} {:>17} {:>14} {:>11}",
+            "clients x entries in flight", "plain XADD", "XADD in a script", "bounded, 1/call", "bounded, batch"
         );
-        for (clients, depth) in [(1, 1), (16, 100)] {
-            let n = if clients == 1 { per_client / 4 } else { per_client };
-            let plain = rate(&url, Publish::Plain, clients, n, depth).await;
-            let scripted = rate(&url, Publish::ScriptedXadd, clients, n, depth).await;
-            let bounded = rate(&url, Publish::Bounded, clients, n, depth).await;
-            println!(
-                "{:<26} {plain:>12.0} {scripted:>16.0} {bounded:>12.0} {:>7.0}%",
-                format!("{clients} x {depth}"),
-                100.0 * bounded / plain
-            );
+        // One call at a time: round-trip bound, so the rounds take turns and each path reports its median.
+        let n = per_client / 4;
+        let (mut plain, mut scripted, mut bounded) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3 {
+            plain.push(rate(&url, Publish::Plain, 1, n, 1).await);
+            scripted.push(rate(&url, Publish::ScriptedXadd, 1, n, 1).await);
+            bounded.push(rate(&url, Publish::Bounded, 1, n, 1).await);
         }
+        let (plain, scripted, bounded) = (median(plain), median(scripted), median(bounded));
+        println!("{:<34} {plain:>11.0} {scripted:>17.0} {bounded:>14.0} {:>11}", "1 x 1 (median of 3)", "-");
+        one_by_one.push(summary("bounded-1x1", bounded, plain));
+        let plain = rate(&url, Publish::Plain, 16, per_client, 100).await;
+        let scripted = rate(&url, Publish::ScriptedXadd, 16, per_client, 100).await;
+        let bounded = rate(&url, Publish::Bounded, 16, per_client, 100).await;
+        let batch = rate(&url, Publish::Batch, 16, per_client, 100).await;
+        println!(
+            "{:<34} {plain:>11.0} {scripted:>17.0} {bounded:>14.0} {batch:>11.0}",
+            "16 x 100 (pipelined; batch of 100)"
+        );
+        sixteen.push(summary("bounded-16x100", batch, scripted));
         let (size, trim) = (1_000_000, 100_000);
         let (bare, bare_trimmed) = trim_time(&mut conn, size, trim, false).await;
         let (scripted, scripted_trimmed) = trim_time(&mut conn, size, trim, true).await;
@@ -155,5 +198,9 @@ async fn main() {
         println!("{:<34} {:>11.1} ms", "bare XTRIM MINID (safe point known)", bare * 1000.0);
         println!("{:<34} {:>11.1} ms", "retention script (finds it)", scripted * 1000.0);
         let _: () = redis::cmd("DEL").arg(STREAM).query_async(&mut conn).await.unwrap();
+    }
+    println!();
+    for line in one_by_one.iter().chain(&sixteen) {
+        println!("{line}");
     }
 }

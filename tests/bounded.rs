@@ -15,7 +15,7 @@ use common::*;
 use pelican::jobs;
 use pelican::keys::{bounds_key, rejected_key, totals_key};
 use pelican::redis::{GroupKeys, Pools, Target};
-use pelican::worker::{BOUNDED_PUBLISH_LUA, Producer, PublishError};
+use pelican::worker::{BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, Producer, PublishError, Published, Refusal};
 
 on_both_servers!(
     twelve_thousand_into_a_bound_of_ten_thousand_refuses_exactly_two_thousand,
@@ -24,6 +24,9 @@ on_both_servers!(
     the_documented_redis_cli_call_publishes_and_is_refused_when_full,
     the_sdk_producer_tells_a_refusal_from_an_unknown_outcome,
     a_lag_the_server_cannot_tell_counts_the_whole_stream,
+    a_batch_is_written_in_order_up_to_the_room_and_the_rest_refused,
+    eight_producers_of_batches_never_push_the_backlog_past_the_bound,
+    a_malformed_batch_writes_nothing_and_says_what_is_wrong,
     retention_stops_at_an_unmanaged_groups_pending_then_at_its_read_position,
     retention_never_trims_a_stream_without_groups,
     retention_keeps_entries_younger_than_min_age,
@@ -349,4 +352,132 @@ fn retention_keeps_entries_younger_than_min_age(flavor: Flavor) {
     let left: Vec<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
     assert_eq!(left, young);
     assert!(!left.contains(&old[4]));
+}
+
+/// A bound of 10: a batch of 4 goes in whole; of the next 8, the first 6 go in, in order, and 2 are refused and
+/// counted; with the bound full, a batch writes nothing.
+fn a_batch_is_written_in_order_up_to_the_room_and_the_rest_refused(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, 10);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let producer = runtime.block_on(Producer::connect(&client, STREAM)).unwrap();
+    let batch = |from: usize, count: usize| -> Vec<Vec<(String, String)>> {
+        (from..from + count).map(|n| vec![("n".to_string(), n.to_string()), ("body".into(), "x".into())]).collect()
+    };
+    let first = runtime.block_on(producer.publish_batch(&batch(0, 4))).unwrap();
+    assert_eq!((first.ids.len(), first.refused), (4, None));
+    let second = runtime.block_on(producer.publish_batch(&batch(4, 8))).unwrap();
+    assert_eq!(second.ids.len(), 6);
+    assert_eq!(second.refused, Some(Refusal { group: GROUP.into(), backlog: 4, max: 10 }));
+    let stream = xrange(&mut conn, STREAM);
+    let values: Vec<String> = stream.iter().map(|(_, f)| String::from_utf8_lossy(&f[0].1).into_owned()).collect();
+    assert_eq!(values, (0..10).map(|n| n.to_string()).collect::<Vec<_>>(), "the first 10, in order");
+    let ids: Vec<String> = stream.iter().map(|(id, _)| id.clone()).collect();
+    assert_eq!([first.ids, second.ids].concat(), ids, "the ids returned are the entries written");
+    assert_eq!(rejected(&mut conn, GROUP), Some(2));
+    let full: Published = runtime.block_on(producer.publish_batch(&batch(12, 3))).unwrap();
+    assert_eq!(full, Published { ids: vec![], refused: Some(Refusal { group: GROUP.into(), backlog: 10, max: 10 }) });
+    assert_eq!(rejected(&mut conn, GROUP), Some(5));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 10);
+    // A consumer handles 7: the next batch of 9 finds room for 7.
+    let read = read_new(&mut conn, STREAM, GROUP, "c1", 7);
+    ack_all(&mut conn, GROUP, &read);
+    let after = runtime.block_on(producer.publish_batch(&batch(15, 9))).unwrap();
+    assert_eq!((after.ids.len(), after.refused.map(|r| r.backlog)), (7, Some(3)));
+    assert_eq!(backlog(&mut conn, GROUP), 10);
+}
+
+/// As the eight single-entry producers above, with batches of 50: the backlog never passes the bound, and every
+/// entry is either in the stream or counted as refused.
+fn eight_producers_of_batches_never_push_the_backlog_past_the_bound(flavor: Flavor) {
+    const MAX: i64 = 2_000;
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, MAX as u64);
+    let done = Arc::new(AtomicBool::new(false));
+    let highest = Arc::new(AtomicU64::new(0));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let sampler = {
+        let (mut conn, done, highest) = (server.conn(), done.clone(), highest.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                highest.fetch_max(backlog(&mut conn, GROUP) as u64, Ordering::Relaxed);
+            }
+        })
+    };
+    let consumer = {
+        let (mut conn, done) = (server.conn(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let ids = read_new(&mut conn, STREAM, GROUP, "c1", 50);
+                ack_all(&mut conn, GROUP, &ids);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    let accepted: Vec<String> = runtime.block_on(async {
+        let producers = (0..8).map(|p| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let producer = Producer::connect(&client, STREAM).await.unwrap();
+                let mut accepted = Vec::new();
+                for round in 0..40 {
+                    let batch: Vec<[(&str, String); 1]> =
+                        (0..50).map(|i| [("n", format!("{p}-{round}-{i}"))]).collect();
+                    let published = producer.publish_batch(&batch).await.unwrap();
+                    accepted.extend(published.ids);
+                }
+                accepted
+            })
+        });
+        futures::future::join_all(producers).await.into_iter().flat_map(Result::unwrap).collect()
+    });
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    consumer.join().unwrap();
+    let highest = highest.load(Ordering::Relaxed) as i64;
+    println!(
+        "{flavor:?}: 16,000 offered in batches of 50, {} accepted, highest backlog seen {highest}",
+        accepted.len()
+    );
+    assert!(highest <= MAX, "backlog reached {highest}, bound {MAX}");
+    let refused = rejected(&mut conn, GROUP).unwrap_or(0);
+    assert_eq!(accepted.len() as i64 + refused, 16_000);
+    assert!(refused > 0, "the bound was never reached: the test proves nothing");
+    let in_stream: Vec<String> = xrange(&mut conn, STREAM).into_iter().map(|(id, _)| id).collect();
+    assert_eq!(in_stream.len(), accepted.len(), "every accepted entry, and nothing else, is in the stream");
+}
+
+/// Any client can call the batch script: a count that does not match the arguments, or an odd number of them, is an
+/// error that says which entry is wrong, and nothing is written.
+fn a_malformed_batch_writes_nothing_and_says_what_is_wrong(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    bound(&mut conn, GROUP, 100);
+    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(BOUNDED_PUBLISH_BATCH_LUA).query(&mut conn).unwrap();
+    let call = |conn: &mut redis::Connection, argv: &[&str]| -> String {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&sha).arg(3).arg(STREAM).arg(bounds_key(STREAM)).arg(rejected_key(STREAM)).arg(argv);
+        match cmd.query::<redis::Value>(conn) {
+            Err(e) => e.to_string(),
+            Ok(v) => format!("{v:?}"),
+        }
+    };
+    let odd = call(&mut conn, &["2", "2", "n", "1", "3", "n", "2", "x"]);
+    assert!(odd.contains("entry 2 needs an even number of arguments"), "{odd}");
+    let short = call(&mut conn, &["3", "2", "n", "1", "2", "n", "2"]);
+    assert!(short.contains("entry 3"), "{short}");
+    let extra = call(&mut conn, &["1", "2", "n", "1", "left", "over"]);
+    assert!(extra.contains("2 arguments after the last of 1 entries"), "{extra}");
+    let count = call(&mut conn, &["zero"]);
+    assert!(count.contains("number of entries first"), "{count}");
+    assert!(xrange(&mut conn, STREAM).is_empty(), "nothing written");
+    let good = call(&mut conn, &["2", "2", "n", "1", "4", "n", "2", "body", "b"]);
+    assert_eq!(xrange(&mut conn, STREAM).len(), 2, "{good}");
 }

@@ -21,7 +21,10 @@ mod producer;
 mod reason;
 
 pub use connection::{Connection, Source};
-pub use producer::{BOUNDED_PUBLISH, BOUNDED_PUBLISH_LUA, Producer, PublishError};
+pub use producer::{
+    BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH, BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, Producer, PublishError,
+    Published, Refusal,
+};
 pub use reason::{InvalidReason, Reason};
 
 use std::collections::HashSet;

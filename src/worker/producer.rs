@@ -15,6 +15,10 @@ use crate::keys::{bounds_key, rejected_key};
 pub static BOUNDED_PUBLISH: LazyLock<Script> = LazyLock::new(|| Script::new(BOUNDED_PUBLISH_LUA));
 /// Its source, for clients that load it themselves.
 pub const BOUNDED_PUBLISH_LUA: &str = include_str!("bounded_publish.lua");
+/// The batch form: many entries, one backlog check (`KEYS` as above, `ARGV = n, then per entry its argument count
+/// and its field/value pairs`); as many entries are added, in order, as the bound has room for.
+pub static BOUNDED_PUBLISH_BATCH: LazyLock<Script> = LazyLock::new(|| Script::new(BOUNDED_PUBLISH_BATCH_LUA));
+pub const BOUNDED_PUBLISH_BATCH_LUA: &str = include_str!("bounded_publish_batch.lua");
 
 /// Why a publish did not return an id.
 #[derive(Debug)]
@@ -48,6 +52,23 @@ impl fmt::Display for PublishError {
 }
 
 impl std::error::Error for PublishError {}
+
+/// What a batch publish wrote: the first `ids.len()` entries of the batch, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Published {
+    pub ids: Vec<String>,
+    /// Set when the bound had no room for the rest of the batch: those entries were certainly not written. Publish
+    /// them again later, first to last, with backoff, jitter and a cap.
+    pub refused: Option<Refusal>,
+}
+
+/// The bounded group with the least room when a batch was cut short.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub group: String,
+    pub backlog: u64,
+    pub max: u64,
+}
 
 impl PublishError {
     /// Refused or failed: the server certainly did not add the entry.
@@ -108,6 +129,42 @@ impl Producer {
             invocation.arg(field).arg(value);
         }
         invocation.invoke_async(&mut self.conn.clone()).await.map_err(PublishError::classify)
+    }
+
+    /// Adds entries in order, with one backlog check for all of them, as many as every bounded group has room for:
+    /// the first `ids.len()` were written; the rest, when `refused` is set, were not. An error concerns the whole
+    /// batch, as [`Producer::publish`]'s does one entry: `OutcomeUnknown` means any prefix of the batch (none, some
+    /// or all of it) may be in the stream.
+    pub async fn publish_batch<E, K, V>(&self, entries: &[E]) -> Result<Published, PublishError>
+    where
+        E: AsRef<[(K, V)]>,
+        K: ToRedisArgs,
+        V: ToRedisArgs,
+    {
+        if entries.is_empty() {
+            return Ok(Published { ids: Vec::new(), refused: None });
+        }
+        let mut invocation = BOUNDED_PUBLISH_BATCH.key(&self.stream);
+        invocation.key(&self.bounds).key(&self.rejected).arg(entries.len());
+        for entry in entries {
+            let fields = entry.as_ref();
+            invocation.arg(fields.len() * 2);
+            for (field, value) in fields {
+                invocation.arg(field).arg(value);
+            }
+        }
+        // The refusal's counts come as integers, read here as text like the group name.
+        let (ids, refusal): (Vec<String>, Vec<String>) =
+            invocation.invoke_async(&mut self.conn.clone()).await.map_err(PublishError::classify)?;
+        let refused = match refusal.as_slice() {
+            [group, backlog, max] => Some(Refusal {
+                group: group.clone(),
+                backlog: backlog.parse().unwrap_or_default(),
+                max: max.parse().unwrap_or_default(),
+            }),
+            _ => None,
+        };
+        Ok(Published { ids, refused })
     }
 
     pub fn stream(&self) -> &str {

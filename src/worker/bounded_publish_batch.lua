@@ -1,0 +1,79 @@
+-- Bounded publish of a batch: add entries to a stream, in order, as many as every bounded group's backlog has room
+-- for, with one backlog check for the whole batch.
+--
+-- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:bounds    KEYS[3] {T}:pelican:<stream>:rejected
+-- ARGV[1] how many entries, n
+-- ARGV[2..] each entry in turn: how many arguments it has (2 per field), then its field1, value1, field2, value2, ...
+--
+-- Reply: {ids, refusal}. `ids` are the ids of the entries added: the first k of the n, in order. `refusal` is empty
+-- when k = n; otherwise it is {group, backlog, max} of the group with the least room, the last n - k entries were
+-- not written, and n - k is counted under that group in KEYS[3]. Malformed arguments are an error reply, before
+-- anything is written.
+--
+-- The backlog is counted exactly as bounded_publish.lua counts it (lag plus pending; the whole stream as unread when
+-- the server cannot tell the lag; the length read only when it matters). The room of the batch is the least, over the
+-- bounded groups, of their bound minus their backlog.
+-- Invariant: after the call no bounded group's backlog exceeds its bound, and an entry is written only when every
+-- entry before it in the batch was. Every argument is checked before the first XADD, so a call that is refused for
+-- its arguments writes nothing.
+local n = tonumber(ARGV[1])
+if not n or n < 1 or n ~= math.floor(n) then
+  return redis.error_reply('ERR bounded publish batch needs the number of entries first, got ' .. tostring(ARGV[1]))
+end
+-- Where each entry's arguments start and end in ARGV.
+local first, last = {}, {}
+local at = 2
+for i = 1, n do
+  local count = tonumber(ARGV[at])
+  if not count or count < 2 or count % 2 ~= 0 or at + count > #ARGV then
+    return redis.error_reply('ERR bounded publish batch: entry ' .. i .. ' needs an even number of arguments ' ..
+      '(field value pairs) after its count, got ' .. tostring(ARGV[at]))
+  end
+  first[i], last[i] = at + 1, at + count
+  at = at + count + 1
+end
+if at ~= #ARGV + 1 then
+  return redis.error_reply('ERR bounded publish batch: ' .. (#ARGV + 1 - at) .. ' arguments after the last of ' .. n ..
+    ' entries')
+end
+
+local room, full = n, nil
+local bounds = redis.call('HGETALL', KEYS[2])
+if #bounds > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
+  local max_of = {}
+  for i = 1, #bounds, 2 do
+    max_of[bounds[i]] = tonumber(bounds[i + 1])
+  end
+  local length = nil
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local name, pending, lag
+    for j = 1, #info, 2 do
+      local field = info[j]
+      if field == 'name' then name = info[j + 1]
+      elseif field == 'pending' then pending = info[j + 1]
+      elseif field == 'lag' then lag = info[j + 1] end
+    end
+    local max = max_of[name]
+    if max then
+      if type(lag) ~= 'number' or lag + pending + n > max then
+        length = length or redis.call('XLEN', KEYS[1])
+        if type(lag) ~= 'number' or lag > length then lag = length end
+      end
+      local backlog = lag + pending
+      if max - backlog < room then
+        room = math.max(0, max - backlog)
+        full = {name, backlog, max}
+      end
+    end
+  end
+end
+
+local ids = {}
+for i = 1, room do
+  ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, first[i], last[i]))
+end
+if room < n then
+  redis.call('HINCRBY', KEYS[3], full[1], n - room)
+  return {ids, full}
+end
+return {ids, {}}
