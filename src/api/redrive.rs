@@ -153,7 +153,8 @@ pub struct DeadLetterRedriveStatus {
     /// to copy.
     #[serde(default)]
     pub skipped: i64,
-    /// Entries counted at the start that were gone when their turn came (deleted or evicted by someone else).
+    /// Entries counted at the start that were gone when their turn came (deleted or evicted by someone else);
+    /// counted when the redrive ends.
     #[serde(default)]
     pub missing: i64,
     /// The last dead-letter id looked at: a restarted operator resumes after it.

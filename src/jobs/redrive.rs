@@ -73,8 +73,10 @@ pub struct Progress {
     pub uid: Option<String>,
     pub last_id: Option<String>,
     pub moved: u64,
+    /// Left in place: outside the filter, or too large to copy.
     pub skipped: u64,
-    pub missing: u64,
+    /// Of those, too large to copy.
+    pub too_large: u64,
     /// Milliseconds since the epoch when the last step ended the redrive.
     pub finished_at: Option<u64>,
 }
@@ -234,7 +236,7 @@ pub async fn read_progress(conn: &mut Conn, server: &str, key: &str) -> Result<P
         last_id: fields.get("lastId").cloned(),
         moved: number("moved").unwrap_or(0),
         skipped: number("skipped").unwrap_or(0),
-        missing: number("missing").unwrap_or(0),
+        too_large: number("tooLarge").unwrap_or(0),
         finished_at: number("finishedAt"),
     })
 }
@@ -280,16 +282,21 @@ async fn lock(conn: &mut Conn, server: &str, plan: &Plan, op: &str, gone: &str) 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Step {
     pub moved: u64,
-    pub missing: u64,
     /// Left in place: outside the filter, or too large to copy.
     pub skipped: u64,
+    /// Of those, too large to copy.
+    pub too_large: u64,
+    /// The last id covered; `None` when the step covered none.
     pub last_id: Option<String>,
     /// This step ended the redrive: the range is exhausted or `maxMessages` reached.
     pub finished: bool,
 }
 
 /// Moves at most `budget` matching entries after `progress.last_id` (up to `until_id`) and records the progress,
-/// in one script call. A step that finds nothing left still records that the redrive finished.
+/// reading and moving on the server in one script call. `destinations` are the streams checked so far (the
+/// caller keeps them from one step to the next): a dead letter bound for another stream stops the call, and the
+/// stream is checked ([`Plan::check_destination`]) and added before the next call. A step that finds nothing left
+/// records that the redrive finished.
 pub async fn step(
     conn: &mut Conn,
     server: &str,
@@ -297,108 +304,90 @@ pub async fn step(
     until_id: &str,
     progress: &Progress,
     budget: u64,
+    destinations: &mut Vec<String>,
 ) -> Result<Step> {
-    let start = match (&progress.last_id, &plan.from) {
-        (Some(last), _) => format!("({last}"),
-        (None, Some(from)) => from.clone(),
-        (None, None) => "-".into(),
-    };
+    if destinations.is_empty()
+        && let Destination::Stream(stream) = &plan.target
+    {
+        plan.check_destination(stream)?;
+        destinations.push(stream.clone());
+    }
     let allowed = plan.max_messages.map_or(u64::MAX, |max| max.saturating_sub(progress.moved));
-    if allowed == 0 {
-        // `maxMessages` moved: record the end where the last step stopped.
-        let checkpoint = progress.last_id.clone().unwrap_or_else(|| until_id.to_string());
-        let done = call(conn, server, plan, &[], &[], &checkpoint, 0, true).await?;
-        return Ok(Step { last_id: Some(checkpoint), finished: true, ..done });
-    }
-    let budget = budget.clamp(1, allowed);
-    // Without a filter every entry read is moved: read just the batch.
-    let count = if plan.reasons.is_empty() { budget as usize } else { PAGE };
-    // Entries past the checkpoint (none when the last step covered `until_id` itself).
-    let entries = if progress.last_id.as_deref() == Some(until_id) {
-        Vec::new()
-    } else {
-        page(conn, server, &plan.dead_letter, &start, until_id, count).await?
-    };
-    // `left_before`: entries left in place since the previous id taken, sent with the next one so that a batch that
-    // fails half way records exactly what it covered.
-    let (mut ids, mut targets, mut left, mut left_before, mut bytes) =
-        (Vec::new(), Vec::<String>::new(), 0u64, 0u64, 0usize);
-    let mut last_id = progress.last_id.clone();
-    let mut stopped_early = false;
-    for entry in &entries {
-        if ids.len() as u64 >= budget {
-            stopped_early = true;
-            break;
+    // `maxMessages` moved: a call with no budget records the end where the last step stopped.
+    let mut budget = if allowed == 0 { 0 } else { budget.clamp(1, allowed) };
+    let mut done = Step { last_id: progress.last_id.clone(), ..Step::default() };
+    loop {
+        let start = match (&done.last_id, &plan.from) {
+            (Some(last), _) => format!("({last}"),
+            (None, Some(from)) => from.clone(),
+            (None, None) => "-".into(),
+        };
+        let call = call(conn, server, plan, destinations, &start, until_id, budget).await?;
+        done.moved += call.moved;
+        done.skipped += call.skipped;
+        done.too_large += call.too_large;
+        done.finished = call.finished;
+        if call.last_id.is_some() {
+            done.last_id = call.last_id;
         }
-        if plan.matches(entry) {
-            let size: usize = entry.map.iter().map(|(k, v)| k.len() + value_len(v)).sum();
-            if !ids.is_empty() && bytes + size > BYTE_BUDGET {
-                stopped_early = true;
-                break;
+        budget -= call.moved.min(budget);
+        match call.need {
+            Some(stream) if budget > 0 => {
+                plan.check_destination(&stream)?;
+                destinations.push(stream);
             }
-            bytes += size;
-            let destination = plan.destination(entry);
-            let index = match targets.iter().position(|t| *t == destination) {
-                Some(i) => i,
-                None => {
-                    // The snapshot checked every destination of the range; one added to the range since (only
-                    // XADD with an explicit id can do that) is checked here, once per step.
-                    plan.check_destination(&destination)?;
-                    targets.push(destination);
-                    targets.len() - 1
-                }
-            };
-            ids.push((entry.id.clone(), index + 4, std::mem::take(&mut left_before)));
-        } else {
-            left += 1;
-            left_before += 1;
+            _ => return Ok(done),
         }
-        last_id = Some(entry.id.clone());
-    }
-    // The range is done when this page was its last and every entry of it was taken or left. Reaching
-    // `maxMessages` is recorded by the next step, once the script said how many of these were really moved.
-    let finished = !stopped_early && entries.len() < count;
-    let checkpoint = last_id.unwrap_or_else(|| until_id.to_string());
-    let mut done = call(conn, server, plan, &targets, &ids, &checkpoint, left, finished).await?;
-    done.last_id = Some(checkpoint);
-    done.finished = finished;
-    Ok(done)
-}
-
-fn value_len(value: &redis::Value) -> usize {
-    match value {
-        redis::Value::BulkString(bytes) => bytes.len(),
-        _ => 0,
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One script call: what it did, and the destination it stopped before, if any.
+struct Call {
+    moved: u64,
+    skipped: u64,
+    too_large: u64,
+    last_id: Option<String>,
+    finished: bool,
+    need: Option<String>,
+}
+
 async fn call(
     conn: &mut Conn,
     server: &str,
     plan: &Plan,
-    targets: &[String],
-    ids: &[(String, usize, u64)],
-    last_id: &str,
-    left: u64,
-    finished: bool,
-) -> Result<Step> {
+    destinations: &[String],
+    start: &str,
+    until_id: &str,
+    budget: u64,
+) -> Result<Call> {
     let mut invocation = REDRIVE.key(&plan.dead_letter);
     invocation.key(&plan.progress_key).key(&plan.lock_key);
-    for target in targets {
-        invocation.key(target);
+    for destination in destinations {
+        invocation.key(destination);
     }
+    let (mode, fallback) = match &plan.target {
+        Destination::Stream(_) => ("stream", ""),
+        Destination::Source { fallback } => ("source", fallback.as_str()),
+    };
     invocation
         .arg(&plan.uid)
         .arg(&plan.name)
-        .arg(last_id)
-        .arg(left)
-        .arg(if finished { "1" } else { "0" })
-        .arg(MAX_FIELDS);
-    for (id, index, left_before) in ids {
-        invocation.arg(id).arg(*index).arg(*left_before);
-    }
-    let (moved, missing, too_large): (u64, u64, u64) =
+        .arg(start)
+        .arg(until_id)
+        .arg(budget)
+        .arg(MAX_FIELDS)
+        .arg(BYTE_BUDGET)
+        .arg(mode)
+        .arg(fallback)
+        .arg(&plan.reasons);
+    let (moved, too_large, left, finished, last_id, need): (u64, u64, u64, u8, String, String) =
         invocation.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
-    Ok(Step { moved, missing, skipped: left + too_large, ..Step::default() })
+    Ok(Call {
+        moved,
+        skipped: left + too_large,
+        too_large,
+        last_id: Some(last_id).filter(|id| !id.is_empty()),
+        finished: finished == 1,
+        need: Some(need).filter(|stream| !stream.is_empty()),
+    })
 }

@@ -188,6 +188,8 @@ async fn drive(
         ctx.set_phase(redrive, status, RedrivePhase::Running, "Running", note).await?;
     }
     let mut paced = Pace::new(*work.rate.borrow());
+    // The destination streams checked so far.
+    let mut destinations = Vec::new();
     let mut last_write = Instant::now();
     loop {
         let halt = *work.halt.borrow();
@@ -201,12 +203,13 @@ async fn drive(
         if work.rate.has_changed().unwrap_or(false) {
             paced = Pace::new(*work.rate.borrow_and_update());
         }
-        let step = moves::step(conn, server, plan, &until_id, &progress, paced.budget()).await?;
+        let step = moves::step(conn, server, plan, &until_id, &progress, paced.budget(), &mut destinations).await?;
         progress.moved += step.moved;
-        progress.missing += step.missing;
         progress.skipped += step.skipped;
+        progress.too_large += step.too_large;
         progress.last_id = step.last_id.clone();
         if step.finished {
+            progress.finished_at = Some(Timestamp::now().as_millisecond() as u64);
             copy_progress(status, &progress);
             let note = summary(redrive, status);
             info!("{note}");
@@ -217,7 +220,7 @@ async fn drive(
             ctx.write(redrive, status).await?;
             last_write = Instant::now();
         }
-        paced.wait(step.moved + step.missing).await;
+        paced.wait(step.moved).await;
     }
 }
 
@@ -242,8 +245,13 @@ async fn halted_status(
 fn copy_progress(status: &mut DeadLetterRedriveStatus, progress: &Progress) {
     status.moved = progress.moved as i64;
     status.skipped = progress.skipped as i64;
-    status.missing = progress.missing as i64;
     status.last_id = progress.last_id.clone();
+    // Counted once the range is done: entries of the snapshot neither moved nor left in place as too large were
+    // deleted or evicted by someone else before their turn.
+    if progress.finished_at.is_some() {
+        let accounted = (progress.moved + progress.too_large) as i64;
+        status.missing = status.to_move.map_or(0, |to_move| (to_move - accounted).max(0));
+    }
 }
 
 fn summary(redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> String {
