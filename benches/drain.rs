@@ -7,6 +7,8 @@
 //!    (`pelican_pass_delay_seconds` from /metrics), without and then with the big policy draining beside them.
 //!
 //!   scripts/testenv up && cargo bench --bench drain [-- <entries>]
+//!
+//! Ends with a `SUMMARY drain` line (reference: the rate one 50,000-entry pass predicts).
 
 #[path = "../tests/common/mod.rs"]
 #[allow(unused_macros)]
@@ -141,4 +143,10 @@ fn main() {
         let (_, p99) = quantile(before, after, 0.99);
         println!("{what:<44} {n:>8.0} {p50:>14} {p99:>14}");
     }
+    println!();
+    println!(
+        "SUMMARY drain pelican={:.0}/s reference={rate:.0}/s ratio={:.2}",
+        entries as f64 / drained.as_secs_f64(),
+        predicted / drained.as_secs_f64()
+    );
 }

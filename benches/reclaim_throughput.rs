@@ -5,6 +5,8 @@
 //! a PEL of 100,000 entries of which 1 % are due, one pass without backoff and passes with it, on the same PEL.
 //!
 //!   scripts/testenv up && cargo bench --bench reclaim_throughput [-- <entries> <big-pel>]
+//!
+//! Ends with one `SUMMARY dead-letter` line per server (reference: redis-benchmark XADD), Redis 7.0 first.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -215,6 +217,7 @@ async fn main() {
         "server", "dead-letter", "requeue", "naive loop", "vs naive", "redis-bench", "dl/ceil", "rq/ceil"
     );
     let mut scans = Vec::new();
+    let mut summaries = Vec::new();
     for var in ["PELICAN_REDIS_URL", "PELICAN_VALKEY_URL"] {
         let url = bed_var(var);
         let port = url.rsplit(':').next().unwrap().to_string();
@@ -236,6 +239,10 @@ async fn main() {
             100.0 * dead_letter / ceiling,
             100.0 * requeue / ceiling
         );
+        summaries.push(format!(
+            "SUMMARY dead-letter pelican={dead_letter:.0}/s reference={ceiling:.0}/s ratio={:.2}",
+            dead_letter / ceiling
+        ));
         let small = idle_scan(&mut conn, 1_000).await;
         let huge = idle_scan(&mut conn, big).await;
         let backoff = backoff_passes(&mut conn, 100_000).await;
@@ -255,5 +262,9 @@ async fn main() {
         println!(
             "{server:<14} {without:>16.1} {first:>20.1} {next:>20.1}   (moved {moved_without} / {moved_first} / {moved_next})"
         );
+    }
+    println!();
+    for line in summaries {
+        println!("{line}");
     }
 }
