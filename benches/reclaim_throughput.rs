@@ -1,4 +1,5 @@
-//! Dead-letter / requeue throughput, printed side by side in one run on the same server:
+//! Dead-letter / requeue throughput, printed side by side in one run on the same server (each the median of three
+//! rounds taken in turn):
 //! Pelican's scripted pass, the naive loop a user writes by hand (one XCLAIM of the idle ids per pass, then XPENDING + XADD +
 //! XACK round trips per message), and `redis-benchmark` XADD as the server's ceiling. Then the cost of a pass that finds
 //! nothing idle on a small and on a huge PEL, which must be the same (bounded by maxPerPass). Last, `retry.backoff`:
@@ -204,6 +205,11 @@ async fn backoff_passes(conn: &mut Conn, size: usize) -> (f64, f64, f64, u64, u6
     (without, first, next, moved_without, moved_first, moved_next)
 }
 
+fn median(mut rates: Vec<f64>) -> f64 {
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
@@ -211,7 +217,7 @@ async fn main() {
     let big = args.get(1).copied().unwrap_or(1_000_000);
     let naive_size = (size / 10).max(1000);
     let pools = Pools::default();
-    println!("reclaim throughput, entries per second ({size} entries a run; naive loop on {naive_size})");
+    println!("reclaim throughput, entries per second ({size} entries a run, naive loop on {naive_size}; median of 3)");
     println!(
         "{:<14} {:>12} {:>12} {:>12} {:>10} {:>14} {:>9} {:>9}",
         "server", "dead-letter", "requeue", "naive loop", "vs naive", "redis-bench", "dl/ceil", "rq/ceil"
@@ -224,9 +230,14 @@ async fn main() {
         let mut conn = pools.get(&Target::new(url)).await.unwrap();
         let info: String = redis::cmd("INFO").arg("server").query_async(&mut conn).await.unwrap();
         let server = pelican::redis::ServerInfo::parse(&info).to_string();
-        let dead_letter = pelican_pass(&mut conn, size, ReclaimStrategy::Requeue, 1).await;
-        let requeue = pelican_pass(&mut conn, size, ReclaimStrategy::Requeue, 1_000).await;
-        let naive = naive_loop(&mut conn, naive_size).await;
+        // Three rounds in turn, the median of each: one run of each is at the mercy of this machine's neighbours.
+        let (mut dead_letter, mut requeue, mut naive) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3 {
+            dead_letter.push(pelican_pass(&mut conn, size, ReclaimStrategy::Requeue, 1).await);
+            requeue.push(pelican_pass(&mut conn, size, ReclaimStrategy::Requeue, 1_000).await);
+            naive.push(naive_loop(&mut conn, naive_size).await);
+        }
+        let (dead_letter, requeue, naive) = (median(dead_letter), median(requeue), median(naive));
         let ceiling = redis_benchmark_xadd(&port);
         println!(
             "{:<14} {:>12.0} {:>12.0} {:>12.0} {:>9.1}x {:>14.0} {:>8.0}% {:>8.0}%",
