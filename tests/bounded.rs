@@ -141,6 +141,52 @@ fn pending_entries_of_a_crashed_consumer_still_count(flavor: Flavor) {
     assert_eq!((more.len(), refused.len()), (400, 100));
 }
 
+/// A consumer that reads and acknowledges 50 entries every 5 ms, and a sampler that records the highest backlog it
+/// sees, both running until `finish`.
+struct Traffic {
+    done: Arc<AtomicBool>,
+    highest: Arc<AtomicU64>,
+    sampler: std::thread::JoinHandle<()>,
+    consumer: std::thread::JoinHandle<usize>,
+}
+
+impl Traffic {
+    fn start(server: &Server) -> Traffic {
+        let done = Arc::new(AtomicBool::new(false));
+        let highest = Arc::new(AtomicU64::new(0));
+        let sampler = {
+            let (mut conn, done, highest) = (server.conn(), done.clone(), highest.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    highest.fetch_max(backlog(&mut conn, GROUP) as u64, Ordering::Relaxed);
+                }
+            })
+        };
+        let consumer = {
+            let (mut conn, done) = (server.conn(), done.clone());
+            std::thread::spawn(move || {
+                let mut handled = 0;
+                while !done.load(Ordering::Relaxed) {
+                    let ids = read_new(&mut conn, STREAM, GROUP, "c1", 50);
+                    ack_all(&mut conn, GROUP, &ids);
+                    handled += ids.len();
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                handled
+            })
+        };
+        Traffic { done, highest, sampler, consumer }
+    }
+
+    /// Stops both: (entries handled, highest backlog seen).
+    fn finish(self) -> (usize, i64) {
+        self.done.store(true, Ordering::Relaxed);
+        self.sampler.join().unwrap();
+        let handled = self.consumer.join().unwrap();
+        (handled, self.highest.load(Ordering::Relaxed) as i64)
+    }
+}
+
 /// 8 producers publish at once while a consumer reads and acknowledges; a sampler watches the backlog the whole
 /// time. It never exceeds the bound, and every accepted entry is in the stream.
 fn eight_producers_at_once_never_push_the_backlog_past_the_bound(flavor: Flavor) {
@@ -150,8 +196,6 @@ fn eight_producers_at_once_never_push_the_backlog_past_the_bound(flavor: Flavor)
     group_at_zero(&mut conn, GROUP);
     bound(&mut conn, GROUP, MAX as u64);
     let sha = load(&mut conn);
-    let done = Arc::new(AtomicBool::new(false));
-    let highest = Arc::new(AtomicU64::new(0));
     let start = Arc::new(Barrier::new(8));
     let producers: Vec<_> = (0..8u64)
         .map(|p| {
@@ -167,32 +211,9 @@ fn eight_producers_at_once_never_push_the_backlog_past_the_bound(flavor: Flavor)
             })
         })
         .collect();
-    let sampler = {
-        let (mut conn, done, highest) = (server.conn(), done.clone(), highest.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                highest.fetch_max(backlog(&mut conn, GROUP) as u64, Ordering::Relaxed);
-            }
-        })
-    };
-    let consumer = {
-        let (mut conn, done) = (server.conn(), done.clone());
-        std::thread::spawn(move || {
-            let mut handled = 0;
-            while !done.load(Ordering::Relaxed) {
-                let ids = read_new(&mut conn, STREAM, GROUP, "c1", 50);
-                ack_all(&mut conn, GROUP, &ids);
-                handled += ids.len();
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            handled
-        })
-    };
+    let traffic = Traffic::start(&server);
     let accepted: Vec<String> = producers.into_iter().flat_map(|p| p.join().unwrap()).collect();
-    done.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
-    let handled = consumer.join().unwrap();
-    let highest = highest.load(Ordering::Relaxed) as i64;
+    let (handled, highest) = traffic.finish();
     println!(
         "{flavor:?}: 16,000 offered, {} accepted, {handled} handled, highest backlog seen {highest}",
         accepted.len()
@@ -398,28 +419,9 @@ fn eight_producers_of_batches_never_push_the_backlog_past_the_bound(flavor: Flav
     let mut conn = server.conn();
     group_at_zero(&mut conn, GROUP);
     bound(&mut conn, GROUP, MAX as u64);
-    let done = Arc::new(AtomicBool::new(false));
-    let highest = Arc::new(AtomicU64::new(0));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let client = redis::Client::open(server.url()).unwrap();
-    let sampler = {
-        let (mut conn, done, highest) = (server.conn(), done.clone(), highest.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                highest.fetch_max(backlog(&mut conn, GROUP) as u64, Ordering::Relaxed);
-            }
-        })
-    };
-    let consumer = {
-        let (mut conn, done) = (server.conn(), done.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                let ids = read_new(&mut conn, STREAM, GROUP, "c1", 50);
-                ack_all(&mut conn, GROUP, &ids);
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        })
-    };
+    let traffic = Traffic::start(&server);
     let accepted: Vec<String> = runtime.block_on(async {
         let producers = (0..8).map(|p| {
             let client = client.clone();
@@ -437,10 +439,7 @@ fn eight_producers_of_batches_never_push_the_backlog_past_the_bound(flavor: Flav
         });
         futures::future::join_all(producers).await.into_iter().flat_map(Result::unwrap).collect()
     });
-    done.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
-    consumer.join().unwrap();
-    let highest = highest.load(Ordering::Relaxed) as i64;
+    let (_, highest) = traffic.finish();
     println!(
         "{flavor:?}: 16,000 offered in batches of 50, {} accepted, highest backlog seen {highest}",
         accepted.len()
