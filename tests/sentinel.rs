@@ -1,6 +1,6 @@
 //! `mode: Sentinel` on a real primary, two replicas and three sentinels (Redis 7.0 and Valkey 9.1):
 //! credentials for the sentinels and the data nodes, failovers followed, and a primary killed with SIGKILL while
-//! 20,000 messages are being dead-lettered.
+//! 100,000 messages are being dead-lettered.
 
 #[macro_use]
 mod common;
@@ -11,7 +11,7 @@ use common::*;
 
 on_both_servers!(
     a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_failover,
-    primary_killed_while_20000_messages_are_dead_lettered_loses_and_duplicates_nothing,
+    primary_killed_while_100000_messages_are_dead_lettered_loses_and_duplicates_nothing,
 );
 
 /// A policy in Sentinel mode; `auth` adds the Secret references of the data nodes and the sentinels.
@@ -84,12 +84,13 @@ fn a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_f
 /// primary replicates as one unit (a MULTI/EXEC of its effects), so a replica has all of a move or none of it;
 /// writes the old primary did not replicate in time are lost with it, and on the new primary every message is
 /// still there exactly once: dead-lettered (and acknowledged), pending again, or not delivered yet.
-fn primary_killed_while_20000_messages_are_dead_lettered_loses_and_duplicates_nothing(flavor: Flavor) {
-    const COUNT: usize = 20_000;
+fn primary_killed_while_100000_messages_are_dead_lettered_loses_and_duplicates_nothing(flavor: Flavor) {
+    // Enough for a few seconds of dead-lettering at the pass's speed (tens of thousands a second), so the kill lands
+    // in the middle of it.
+    const COUNT: usize = 100_000;
     let mut sentinels = Sentinels::start(flavor);
     let ns = namespace("sentinel-failover");
     let _operator = Operator::start(&ns);
-    // 2,000 entries a second: ten seconds of dead-lettering to kill the primary in.
     let extra = "  retry:\n    maxDeliveries: 1\n";
     let manifest = sentinel_policy("jobs", &sentinels, MASTER_NAME, extra, false)
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n    maxPerPass: 2000\n");
@@ -104,7 +105,7 @@ fn primary_killed_while_20000_messages_are_dead_lettered_loses_and_duplicates_no
         }
         let _: () = pipe.query(&mut conn).unwrap();
     }
-    // One consumer takes everything and dies: a PEL of 20,000 for the operator to dead-letter.
+    // One consumer takes everything and dies: a PEL of 100,000 for the operator to dead-letter.
     let mut taken = 0;
     while taken < COUNT {
         taken += read_new(&mut conn, "jobs", "workers", "crashed", COUNT).len();
