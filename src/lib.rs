@@ -27,6 +27,8 @@ pub mod redrive;
 #[cfg(feature = "operator")]
 pub mod runner;
 #[cfg(feature = "operator")]
+pub mod scaler;
+#[cfg(feature = "operator")]
 pub mod servers;
 #[cfg(feature = "operator")]
 pub mod telemetry;

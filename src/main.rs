@@ -53,6 +53,10 @@ enum Command {
         /// Stalled (InlineConnectionDenied) and nothing is written for it. `allow` (default): both.
         #[arg(long, value_enum, default_value_t = InlineConnections::Allow, env = "PELICAN_INLINE_CONNECTIONS")]
         inline_connections: InlineConnections,
+        /// Serve KEDA's external scaler (gRPC) here, e.g. `0.0.0.0:9090`, while this replica leads: ScaledObjects
+        /// scale a policy's consumers on its backlog, pending or lag. Off when not given.
+        #[arg(long, env = "PELICAN_EXTERNAL_SCALER_ADDR")]
+        external_scaler_addr: Option<SocketAddr>,
         /// How many policies are reconciled at once (0: no bound).
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
@@ -98,6 +102,7 @@ async fn main() -> anyhow::Result<()> {
             leader_election_lease,
             watch_label_selector,
             inline_connections,
+            external_scaler_addr,
             max_concurrent_reconciles,
         } => {
             init_logging(log_format);
@@ -120,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
                 metrics.watch_leadership("", Leadership::always());
                 let secrets = settings.secret_namespaces.clone();
                 let shared = Shared::new(client, instance, metrics, Leadership::always(), secrets, inline_connections);
-                run_controllers(shared, settings, shutdown).await;
+                run_controllers(shared, settings, external_scaler_addr, shutdown).await;
                 http.await?;
                 tracing::info!("stopped");
                 return Ok(());
@@ -148,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
             let shared = Shared::new(client, instance, metrics, elector.leadership(), secrets, inline_connections);
             let ended = elector.ended().shared();
             let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ()).shared();
-            run_controllers(shared, settings, stop).await;
+            run_controllers(shared, settings, external_scaler_addr, stop).await;
             if let Some(why) = ended.peek() {
                 // Another replica may be writing already: stop at once and let the Pod restart as a standby.
                 tracing::error!(?why, "leadership ended; exiting");
@@ -164,17 +169,25 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The policy, redrive and server controllers side by side, on the same shared handles, until `stop`.
+/// The policy, redrive and server controllers side by side, on the same shared handles, and KEDA's external
+/// scaler when asked for, until `stop`.
 async fn run_controllers(
     (shared, writers): (Arc<Shared>, Writers),
     settings: pelican::controller::Settings,
+    external_scaler: Option<SocketAddr>,
     stop: impl Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
     let (namespace, selector) = (settings.namespace.clone(), settings.label_selector.clone());
+    let scaler = async {
+        if let Some(addr) = external_scaler {
+            pelican::scaler::serve(addr, shared.clone(), stop.clone()).await;
+        }
+    };
     futures::join!(
         pelican::controller::run(shared.clone(), writers, settings, stop.clone()),
         pelican::redrive::run(shared.clone(), namespace.clone(), selector.is_some(), stop.clone()),
-        pelican::servers::run(shared, namespace, selector, stop),
+        pelican::servers::run(shared.clone(), namespace, selector, stop.clone()),
+        scaler,
     );
 }
 

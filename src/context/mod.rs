@@ -26,7 +26,7 @@ use tracing::warn;
 
 use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::leader::Leadership;
-use crate::redis::{Pools, Target};
+use crate::redis::{Pools, Readings, Target};
 use crate::telemetry::{Events, Metrics};
 use crate::tenancy::{self, KeyRules};
 use crate::{Error, Result};
@@ -50,6 +50,8 @@ pub struct Shared {
     /// Namespace labels, for the servers' tenant selectors.
     namespaces: NamespaceLabels,
     pub inline: InlineConnections,
+    /// The latest backlog of each policy KEDA asks about (the external scaler), kept fresh by reconciles too.
+    pub readings: Readings,
 }
 
 /// Whether policies may give their server inline (`spec.redis.url`) or only name a `RedisServer`.
@@ -102,6 +104,7 @@ impl Shared {
             servers,
             namespaces: NamespaceLabels::default(),
             inline,
+            readings: Readings::default(),
         };
         (Arc::new(shared), Writers { policies: policy_writer, servers: server_writer })
     }

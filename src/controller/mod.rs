@@ -116,6 +116,7 @@ impl Context {
             ("reconcile_failures", self.failures.lock().expect("failures lock").len()),
             ("connection_users", self.pool_users.lock().expect("pool users lock").len()),
             ("neighbour_index", self.neighbours.len()),
+            ("scaler_readings", self.shared.readings.len()),
         ];
         sizes.extend(self.runner.sizes());
         sizes

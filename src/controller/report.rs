@@ -12,6 +12,7 @@ use super::{Context, publish};
 use crate::Result;
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
 use crate::context::policy_id;
+use crate::redis::Backlog;
 use crate::telemetry::PolicySnapshot;
 
 /// Turns what the reconcile saw (or the error that stopped it) into status, Events and metrics.
@@ -22,6 +23,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     let (status, outcome, age) = match result {
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
+            ctx.shared.readings.record(&policy_id(policy), Backlog::of(&seen.facts));
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
             status.primary = seen.primary.clone();
             status.requeue_copies_to = status::requeue_copies_to(&policy.spec, &seen.facts);

@@ -7,7 +7,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::Error;
 use crate::api::{ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals};
 use crate::context::conditions::{Said, condition};
-use crate::redis::{GroupFacts, ServerInfo};
+use crate::redis::{Backlog, GroupFacts, ServerInfo};
 use crate::runner::{JobFailure, JobKind};
 
 pub use crate::api::{READY, RECONCILED, RECONCILING, SATURATED, STALLED};
@@ -32,6 +32,7 @@ pub fn observed(
     let oldest_millis = facts.oldest_pending.as_ref().and_then(|o| o.id_millis());
     // Redis 7.0 overstates the lag after a trim or XDEL; entries not yet delivered can never outnumber the stream.
     let lag = facts.lag.map(|lag| lag.min(facts.stream_length));
+    let backlog = Backlog::of(facts);
     ConsumerGroupPolicyStatus {
         server_version: Some(server.to_string()),
         stream_length: Some(facts.stream_length),
@@ -39,7 +40,7 @@ pub fn observed(
         pending: Some(facts.pending),
         // The bounded publish script's number: when the server cannot tell the lag, every entry of the stream
         // counts as unread (an upper bound), so status and producers never disagree about being full.
-        backlog: Some(lag.unwrap_or(facts.stream_length) + facts.pending),
+        backlog: Some(backlog.total()),
         oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
         oldest_pending_time: oldest_millis.and_then(format_millis),
         oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms / 1000),

@@ -1,9 +1,11 @@
 //! Everything that talks to Redis/Valkey: shared connections, group administration and the status probe.
 
+mod backlog;
 mod group;
 mod pool;
 mod reply;
 
+pub use backlog::{Backlog, Readings, probe_backlog};
 pub use group::{
     GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, probe_group, set_bound,
 };

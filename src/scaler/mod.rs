@@ -1,0 +1,347 @@
+//! KEDA's external scaler (`proto/externalscaler.proto`, served by `pelican run --external-scaler-addr`): a
+//! `ScaledObject` trigger of `type: external` or `external-push` names a policy of its own namespace, and KEDA
+//! scales the policy's consumers on the group's backlog as Pelican measures it.
+//!
+//! - **The numbers** are the status's: `backlog` (lag + pending, the lag's upper bound when the server cannot tell
+//!   it, so never 0 while unread entries exist), `pending` or `lag`. They come from one `XINFO GROUPS` + `XLEN`
+//!   round trip per policy per second at most, however many ScaledObjects ask and however often; a reconcile's own
+//!   probe counts as that reading.
+//! - **Only a Ready policy answers.** Anything else (no such policy in the ScaledObject's namespace, a policy not
+//!   Ready, the server unreachable) answers an error KEDA logs and shows on the ScaledObject, never a number that
+//!   would scale the consumers to zero.
+//! - **Which replica.** The server runs where the controller runs: on the leader (or the only replica), whose
+//!   reflector holds the policies and whose connections reach their servers. A standby does not listen.
+//! - **Push.** `StreamIsActive` reads every second while KEDA listens and sends a message whenever the answer
+//!   changes, so consumers at zero replicas start within a second of the first entry.
+
+pub mod proto {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("externalscaler");
+}
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use kube::runtime::reflector::ObjectRef;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::{debug, info, warn};
+
+use crate::api::{ConsumerGroupPolicy, READY};
+use crate::context::Shared;
+use crate::redis::{Backlog, probe_backlog};
+use proto::external_scaler_server::{ExternalScaler, ExternalScalerServer};
+use proto::{
+    GetMetricSpecResponse, GetMetricsRequest, GetMetricsResponse, IsActiveResponse, MetricSpec, MetricValue,
+    ScaledObjectRef,
+};
+
+/// How old a reading may be when KEDA asks: the most one policy costs its server, however many ask.
+pub const MAX_AGE: Duration = Duration::from_secs(1);
+/// `target` when the trigger gives none: entries per consumer replica.
+pub const DEFAULT_TARGET: f64 = 5.0;
+
+/// Which number of the group scales its consumers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Metric {
+    /// Lag + pending: everything the consumers have still to do.
+    Backlog,
+    /// Delivered and not acknowledged.
+    Pending,
+    /// Not yet delivered (the stream's length when the server cannot tell).
+    Lag,
+}
+
+impl Metric {
+    fn name(self) -> &'static str {
+        match self {
+            Metric::Backlog => "backlog",
+            Metric::Pending => "pending",
+            Metric::Lag => "lag",
+        }
+    }
+
+    pub fn of(self, backlog: &Backlog) -> i64 {
+        match self {
+            Metric::Backlog => backlog.total(),
+            Metric::Pending => backlog.pending,
+            Metric::Lag => backlog.lag_or_bound(),
+        }
+    }
+}
+
+/// A trigger's metadata, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trigger {
+    pub policy: String,
+    pub metric: Metric,
+    /// The metric's value per consumer replica the HPA aims at.
+    pub target: f64,
+    /// Active (scaled up from zero) while the metric is above this.
+    pub activation: f64,
+}
+
+impl Trigger {
+    /// The trigger's metadata, or what is wrong with it and how to fix it.
+    pub fn parse(metadata: &HashMap<String, String>) -> Result<Trigger, String> {
+        let policy = metadata.get("policy").map(|p| p.trim()).unwrap_or_default();
+        if policy.is_empty() {
+            return Err("metadata.policy is missing: name the ConsumerGroupPolicy of the consumers".into());
+        }
+        if policy.contains('/') {
+            return Err(format!(
+                "metadata.policy {policy:?} names a namespace: a ScaledObject reads the policies of its own \
+                 namespace only; give the policy's name alone"
+            ));
+        }
+        let metric = match metadata.get("metric").map(|m| m.trim()).unwrap_or("backlog") {
+            "backlog" => Metric::Backlog,
+            "pending" => Metric::Pending,
+            "lag" => Metric::Lag,
+            other => return Err(format!("metadata.metric {other:?} is not one of backlog, pending, lag")),
+        };
+        let number = |key: &str, default: f64, least: f64| -> Result<f64, String> {
+            match metadata.get(key) {
+                None => Ok(default),
+                Some(text) => match text.trim().parse::<f64>() {
+                    Ok(n) if n.is_finite() && n >= least => Ok(n),
+                    _ => Err(format!("metadata.{key} {text:?} is not a number of at least {least}")),
+                },
+            }
+        };
+        let target = number("target", DEFAULT_TARGET, f64::MIN_POSITIVE)
+            .map_err(|_| format!("metadata.target {:?} is not a number above 0", metadata["target"]))?;
+        let activation = number("activationTarget", 0.0, 0.0)?;
+        Ok(Trigger { policy: policy.to_string(), metric, target, activation })
+    }
+
+    /// The name KEDA gives the HPA (it prefixes the trigger's index).
+    pub fn metric_name(&self) -> String {
+        format!("pelican-{}-{}", self.metric.name(), self.policy)
+    }
+
+    pub fn active(&self, value: i64) -> bool {
+        value as f64 > self.activation
+    }
+}
+
+/// The service: the policies from the controller's reflector, their backlog from [`crate::redis::Readings`].
+#[derive(Clone)]
+pub struct Scaler {
+    shared: Arc<Shared>,
+}
+
+impl Scaler {
+    pub fn new(shared: Arc<Shared>) -> Scaler {
+        Scaler { shared }
+    }
+
+    /// The trigger and the Ready policy it names in the ScaledObject's namespace.
+    fn policy(&self, object: &ScaledObjectRef) -> Result<(Trigger, Arc<ConsumerGroupPolicy>), Status> {
+        let trigger = Trigger::parse(&object.scaler_metadata).map_err(Status::invalid_argument)?;
+        let namespace = &object.namespace;
+        let reference = ObjectRef::new(&trigger.policy).within(namespace);
+        let Some(policy) = self.shared.policies.get(&reference) else {
+            return Err(Status::not_found(format!(
+                "no ConsumerGroupPolicy {:?} in namespace {namespace:?} (ScaledObject {namespace}/{}): a \
+                 ScaledObject reads the policies of its own namespace only",
+                trigger.policy, object.name
+            )));
+        };
+        let ready = policy.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
+        match ready {
+            Some(c) if c.status == "True" => Ok((trigger, policy)),
+            Some(c) => Err(Status::failed_precondition(format!(
+                "ConsumerGroupPolicy {namespace}/{} is not Ready ({}: {}): no number until it is",
+                trigger.policy, c.reason, c.message
+            ))),
+            None => Err(Status::unavailable(format!(
+                "ConsumerGroupPolicy {namespace}/{} has not been reconciled yet: no number until it is Ready",
+                trigger.policy
+            ))),
+        }
+    }
+
+    /// The trigger and its metric's value, from a reading at most [`MAX_AGE`] old.
+    async fn value(&self, object: &ScaledObjectRef) -> Result<(Trigger, i64), Status> {
+        let (trigger, policy) = self.policy(object)?;
+        let id = format!("{}/{}", object.namespace, trigger.policy);
+        let probe = || async {
+            let unavailable = |e: crate::Error| Status::unavailable(format!("ConsumerGroupPolicy {id}: {e}"));
+            let target = self.shared.target(&policy).await.map_err(unavailable)?;
+            let (target, mut conn) = self.shared.pools.connect_primary(&target).await.map_err(unavailable)?;
+            let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+            match probe_backlog(&mut conn, &target.server(), stream, group).await.map_err(unavailable)? {
+                Some(backlog) => Ok(backlog),
+                None => Err(Status::failed_precondition(format!(
+                    "ConsumerGroupPolicy {id}: stream {stream:?} has no group {group:?} on the server (deleted behind \
+                     the operator's back?); the next reconcile creates it again"
+                ))),
+            }
+        };
+        let (_, backlog) = self.shared.readings.read(&id, MAX_AGE, probe).await?;
+        Ok((trigger.clone(), trigger.metric.of(&backlog)))
+    }
+}
+
+type ActiveStream = Pin<Box<dyn Stream<Item = Result<IsActiveResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalScaler for Scaler {
+    async fn is_active(&self, request: Request<ScaledObjectRef>) -> Result<Response<IsActiveResponse>, Status> {
+        let object = request.into_inner();
+        let (trigger, value) = answer(&object, self.value(&object).await)?;
+        Ok(Response::new(IsActiveResponse { result: trigger.active(value) }))
+    }
+
+    type StreamIsActiveStream = ActiveStream;
+
+    async fn stream_is_active(
+        &self,
+        request: Request<ScaledObjectRef>,
+    ) -> Result<Response<Self::StreamIsActiveStream>, Status> {
+        let object = request.into_inner();
+        // Refused at once when the trigger or the policy is wrong; after that, errors end the stream and KEDA
+        // opens it again.
+        self.policy(&object)?;
+        let (tx, rx) = mpsc::channel(1);
+        let scaler = self.clone();
+        tokio::spawn(async move {
+            let mut last = None;
+            loop {
+                let message = match answer(&object, scaler.value(&object).await) {
+                    Ok((trigger, value)) => Ok(trigger.active(value)),
+                    Err(status) => Err(status),
+                };
+                let failed = message.is_err();
+                if last != Some(message.as_ref().ok().copied()) {
+                    last = Some(message.as_ref().ok().copied());
+                    let sent = tokio::select! {
+                        sent = tx.send(message.map(|result| IsActiveResponse { result })) => sent.is_ok(),
+                        _ = tx.closed() => false,
+                    };
+                    if !sent || failed {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(MAX_AGE) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx)) as ActiveStream))
+    }
+
+    type StreamMetricSpecStream = Pin<Box<dyn Stream<Item = Result<GetMetricSpecResponse, Status>> + Send>>;
+
+    /// A trigger's target is in its metadata, which only changes with the ScaledObject: KEDA reads it again then,
+    /// so there is nothing to push (KEDA's proto: answering Unimplemented keeps the pull).
+    async fn stream_metric_spec(
+        &self,
+        _: Request<ScaledObjectRef>,
+    ) -> Result<Response<Self::StreamMetricSpecStream>, Status> {
+        Err(Status::unimplemented("the metric spec is the trigger's metadata: nothing to push"))
+    }
+
+    async fn get_metric_spec(
+        &self,
+        request: Request<ScaledObjectRef>,
+    ) -> Result<Response<GetMetricSpecResponse>, Status> {
+        let object = request.into_inner();
+        let trigger = Trigger::parse(&object.scaler_metadata).map_err(Status::invalid_argument)?;
+        Ok(Response::new(GetMetricSpecResponse {
+            metric_specs: vec![MetricSpec {
+                metric_name: trigger.metric_name(),
+                target_size: trigger.target.ceil() as i64,
+                target_size_float: trigger.target,
+            }],
+        }))
+    }
+
+    async fn get_metrics(&self, request: Request<GetMetricsRequest>) -> Result<Response<GetMetricsResponse>, Status> {
+        let request = request.into_inner();
+        let object = request.scaled_object_ref.unwrap_or_default();
+        let (_, value) = answer(&object, self.value(&object).await)?;
+        Ok(Response::new(GetMetricsResponse {
+            metric_values: vec![MetricValue {
+                metric_name: request.metric_name,
+                metric_value: value,
+                metric_value_float: value as f64,
+            }],
+        }))
+    }
+}
+
+/// Logs a refused answer (KEDA shows it too), once per ask.
+fn answer<T>(object: &ScaledObjectRef, result: Result<T, Status>) -> Result<T, Status> {
+    if let Err(status) = &result {
+        debug!(namespace = %object.namespace, scaled_object = %object.name, code = ?status.code(),
+            message = status.message(), "external scaler refused an answer");
+    }
+    result
+}
+
+/// Serves the external scaler on `addr` until `stop`.
+pub async fn serve(addr: SocketAddr, shared: Arc<Shared>, stop: impl Future<Output = ()> + Send + 'static) {
+    info!(%addr, "serving KEDA's external scaler");
+    let served = tonic::transport::Server::builder()
+        .add_service(ExternalScalerServer::new(Scaler::new(shared)))
+        .serve_with_shutdown(addr, stop)
+        .await;
+    if let Err(e) = served {
+        warn!(%addr, error = %e, "the external scaler stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn a_trigger_names_a_policy_and_defaults_the_rest() {
+        let trigger = Trigger::parse(&metadata(&[("policy", "orders")])).unwrap();
+        assert_eq!(
+            trigger,
+            Trigger { policy: "orders".into(), metric: Metric::Backlog, target: DEFAULT_TARGET, activation: 0.0 }
+        );
+        assert_eq!(trigger.metric_name(), "pelican-backlog-orders");
+        let trigger = Trigger::parse(&metadata(&[
+            ("policy", "orders"),
+            ("metric", "pending"),
+            ("target", "2.5"),
+            ("activationTarget", "10"),
+        ]))
+        .unwrap();
+        assert_eq!((trigger.metric, trigger.target), (Metric::Pending, 2.5));
+        assert!(!trigger.active(10) && trigger.active(11));
+    }
+
+    #[test]
+    fn bad_metadata_says_what_to_fix() {
+        let error = |pairs: &[(&str, &str)]| Trigger::parse(&metadata(pairs)).unwrap_err();
+        assert!(error(&[]).contains("metadata.policy is missing"));
+        assert!(error(&[("policy", "team-a/orders")]).contains("own namespace only"));
+        assert!(error(&[("policy", "orders"), ("metric", "depth")]).contains("not one of backlog, pending, lag"));
+        assert!(
+            error(&[("policy", "orders"), ("target", "0")]).contains("metadata.target \"0\" is not a number above 0")
+        );
+        assert!(error(&[("policy", "orders"), ("target", "many")]).contains("above 0"));
+        assert!(error(&[("policy", "orders"), ("activationTarget", "-1")]).contains("at least 0"));
+    }
+
+    #[test]
+    fn the_lag_metric_never_reads_zero_while_the_stream_holds_unread_entries() {
+        let unknown = Backlog { stream_length: 3, lag: None, pending: 0 };
+        assert_eq!((Metric::Lag.of(&unknown), Metric::Backlog.of(&unknown), Metric::Pending.of(&unknown)), (3, 3, 0));
+    }
+}

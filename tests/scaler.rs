@@ -1,0 +1,211 @@
+//! KEDA's external scaler API served by the operator (`--external-scaler-addr`), asked with a gRPC client the way
+//! KEDA asks it, against the real API server and real Redis 7.0 / Valkey 9.1: the numbers, the push, the refusals.
+
+#[macro_use]
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use pelican::scaler::proto::external_scaler_client::ExternalScalerClient;
+use pelican::scaler::proto::{GetMetricsRequest, ScaledObjectRef};
+use tonic::transport::Channel;
+
+on_both_servers!(
+    the_backlog_is_served_and_a_first_entry_is_pushed_within_a_second,
+    after_an_xdel_of_an_unread_entry_the_backlog_never_reads_zero_while_entries_wait,
+    another_namespace_and_a_policy_not_ready_get_errors_never_zero,
+);
+
+/// The operator watching a fresh namespace with the scaler on, and `manifest` applied there with `name` Ready.
+fn operator_with_scaler(prefix: &str, manifest: &str, name: &str) -> (String, Operator, String) {
+    let ns = namespace(prefix);
+    let port = free_port();
+    let operator = Operator::start_with(&ns, &[&format!("--external-scaler-addr=127.0.0.1:{port}")]);
+    let (applied, out) = kubectl_apply(&ns, manifest);
+    assert!(applied, "kubectl apply failed: {out}");
+    wait_condition(&ns, name, "Ready", "True", "Reconciled");
+    (ns, operator, format!("http://127.0.0.1:{port}"))
+}
+
+fn scaled_object(namespace: &str, metadata: &[(&str, &str)]) -> ScaledObjectRef {
+    let scaler_metadata: HashMap<String, String> =
+        metadata.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    ScaledObjectRef { name: "consumers".into(), namespace: namespace.into(), scaler_metadata }
+}
+
+async fn client(address: &str) -> ExternalScalerClient<Channel> {
+    let start = Instant::now();
+    loop {
+        match ExternalScalerClient::connect(address.to_string()).await {
+            Ok(client) => return client,
+            Err(e) if start.elapsed() > Duration::from_secs(10) => panic!("no external scaler at {address}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// The value GetMetrics answers for the trigger, or the error's code and message.
+async fn metric(
+    client: &mut ExternalScalerClient<Channel>,
+    object: &ScaledObjectRef,
+) -> Result<i64, (tonic::Code, String)> {
+    let request = GetMetricsRequest { scaled_object_ref: Some(object.clone()), metric_name: "s0-pelican".into() };
+    match client.get_metrics(request).await {
+        Ok(reply) => Ok(reply.into_inner().metric_values[0].metric_value),
+        Err(status) => Err((status.code(), status.message().to_string())),
+    }
+}
+
+fn xadd(conn: &mut redis::Connection, stream: &str, n: i64) -> String {
+    redis::cmd("XADD").arg(stream).arg("*").arg("n").arg(n).query(conn).unwrap()
+}
+
+fn read_one(conn: &mut redis::Connection, stream: &str, group: &str) -> Option<String> {
+    let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(group)
+        .arg("c1")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(">")
+        .query(conn)
+        .unwrap();
+    reply.keys.into_iter().flat_map(|k| k.ids).map(|e| e.id).next()
+}
+
+/// A ScaledObject's view while consumers work: `backlog` = lag + pending, `pending`, `lag`, as `kubectl get`
+/// shows them; `StreamIsActive` says false while the stream is idle, true within a second of the first entry,
+/// false again once it is handled.
+fn the_backlog_is_served_and_a_first_entry_is_pushed_within_a_second(flavor: Flavor) {
+    let server = Server::start(flavor);
+    // interval 1m: the scaler's own reading, not a reconcile's, must notice the entry.
+    let manifest = policy("orders", &server.url(), "orders", "billing", "").replace("interval: 1s", "interval: 1m");
+    let (ns, _operator, address) = operator_with_scaler("scaler", &manifest, "orders");
+    let mut conn = server.conn();
+    runtime().block_on(async {
+        let mut client = client(&address).await;
+        let backlog = scaled_object(&ns, &[("policy", "orders")]);
+        let spec = client.get_metric_spec(backlog.clone()).await.unwrap().into_inner();
+        assert_eq!(spec.metric_specs[0].metric_name, "pelican-backlog-orders");
+        assert_eq!(spec.metric_specs[0].target_size_float, 5.0, "the default target");
+
+        let mut pushes = client.stream_is_active(backlog.clone()).await.unwrap().into_inner();
+        let first = pushes.message().await.unwrap().unwrap();
+        assert!(!first.result, "an idle stream is not active");
+        assert!(!client.is_active(backlog.clone()).await.unwrap().into_inner().result);
+        // Let the idle reading age, as it would between a consumer's bursts.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let published = Instant::now();
+        xadd(&mut conn, "orders", 1);
+        let pushed = tokio::time::timeout(Duration::from_secs(5), pushes.message()).await.unwrap().unwrap().unwrap();
+        let after = published.elapsed();
+        println!("{flavor:?}: first entry after idle pushed active={} after {after:.2?}", pushed.result);
+        assert!(pushed.result);
+        assert!(after < Duration::from_millis(1300), "pushed after {after:?}, not within a second");
+
+        for n in 2..=3 {
+            xadd(&mut conn, "orders", n);
+        }
+        read_one(&mut conn, "orders", "billing").unwrap();
+        let pending = scaled_object(&ns, &[("policy", "orders"), ("metric", "pending")]);
+        let lag = scaled_object(&ns, &[("policy", "orders"), ("metric", "lag")]);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let seen =
+            (metric(&mut client, &backlog).await, metric(&mut client, &pending).await, metric(&mut client, &lag).await);
+        println!("{flavor:?}: 3 entries, 1 read: backlog, pending, lag = {seen:?}");
+        assert_eq!(seen, (Ok(3), Ok(1), Ok(2)));
+
+        // Handled: read and acknowledged, all of them.
+        let mut ids = vec![];
+        while let Some(id) = read_one(&mut conn, "orders", "billing") {
+            ids.push(id);
+        }
+        let pel = pel(&mut conn, "orders", "billing");
+        let all: Vec<String> = pel.into_iter().map(|(id, ..)| id).collect();
+        let _: i64 = redis::cmd("XACK").arg("orders").arg("billing").arg(&all).query(&mut conn).unwrap();
+        let idle = tokio::time::timeout(Duration::from_secs(5), pushes.message()).await.unwrap().unwrap().unwrap();
+        assert!(!idle.result, "all handled: inactive");
+        assert_eq!(metric(&mut client, &backlog).await, Ok(0));
+    });
+}
+
+/// KEDA's built-in scaler reads the server's lag, which is unknown once an unread entry is deleted (clients read
+/// it as 0): Pelican's backlog counts the stream instead, so a ScaledObject never sees 0 while entries wait, and
+/// sees 0 once they are all handled.
+fn after_an_xdel_of_an_unread_entry_the_backlog_never_reads_zero_while_entries_wait(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let manifest = policy("orders", &server.url(), "orders", "billing", "");
+    let (ns, _operator, address) = operator_with_scaler("scaler-xdel", &manifest, "orders");
+    let mut conn = server.conn();
+    let ids: Vec<String> = (1..=4).map(|n| xadd(&mut conn, "orders", n)).collect();
+    let _: i64 = redis::cmd("XDEL").arg("orders").arg(&ids[1]).query(&mut conn).unwrap();
+    let lag: Option<i64> = group_field(&xinfo_groups(&mut conn, "orders")[0], "lag");
+    assert_eq!(lag, None, "the server cannot tell the lag after an XDEL of an unread entry");
+    runtime().block_on(async {
+        let mut client = client(&address).await;
+        let backlog = scaled_object(&ns, &[("policy", "orders")]);
+        let lag = scaled_object(&ns, &[("policy", "orders"), ("metric", "lag")]);
+        let mut seen = vec![];
+        loop {
+            tokio::time::sleep(Duration::from_millis(1100)).await;
+            let (value, lag_value) =
+                (metric(&mut client, &backlog).await.unwrap(), metric(&mut client, &lag).await.unwrap());
+            let unread: Option<i64> = group_field(&xinfo_groups(&mut conn, "orders")[0], "lag");
+            seen.push((value, lag_value, unread));
+            let Some(id) = read_one(&mut conn, "orders", "billing") else { break };
+            assert!(value > 0 && lag_value > 0, "an unread entry ({id}) waits, yet the metric read 0: {seen:?}");
+            let _: i64 = redis::cmd("XACK").arg("orders").arg("billing").arg(&id).query(&mut conn).unwrap();
+        }
+        println!("{flavor:?}: (backlog, lag metric, server's lag) before each read: {seen:?}");
+        assert_eq!(seen.len(), 4, "three entries were left to read after the XDEL: {seen:?}");
+        assert_eq!(seen[0].0, 3, "the upper bound: every entry of the stream counts as unread");
+        assert_eq!(seen.last().unwrap().0, 0, "all handled: {seen:?}");
+    });
+}
+
+/// A ScaledObject names a policy of its own namespace only; a policy that is not Ready answers an error (KEDA
+/// logs it and keeps the replicas), never 0.
+fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor) {
+    let mut server = Server::start(flavor);
+    let manifest = policy("orders", &server.url(), "orders", "billing", "");
+    let (ns, _operator, address) = operator_with_scaler("scaler-refuse", &manifest, "orders");
+    let mut conn = server.conn();
+    xadd(&mut conn, "orders", 1);
+    runtime().block_on(async {
+        let mut client = client(&address).await;
+        assert_eq!(metric(&mut client, &scaled_object(&ns, &[("policy", "orders")])).await, Ok(1));
+
+        let elsewhere = scaled_object("team-b", &[("policy", "orders")]);
+        let (code, message) = metric(&mut client, &elsewhere).await.unwrap_err();
+        println!("{flavor:?}: from namespace team-b: {code:?}: {message}");
+        assert_eq!(code, tonic::Code::NotFound);
+        assert!(message.contains("own namespace only"), "{message}");
+        let (code, _) = client.is_active(elsewhere.clone()).await.map(|_| ()).map_err(|s| (s.code(), ())).unwrap_err();
+        assert_eq!(code, tonic::Code::NotFound);
+        let status = client.stream_is_active(elsewhere).await.map(|_| ()).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::NotFound);
+
+        let qualified = scaled_object("team-b", &[("policy", &format!("{ns}/orders"))]);
+        let (code, message) = metric(&mut client, &qualified).await.unwrap_err();
+        assert_eq!(code, tonic::Code::InvalidArgument, "{message}");
+
+        let wrong = scaled_object(&ns, &[("policy", "orders"), ("metric", "depth")]);
+        let (code, message) = metric(&mut client, &wrong).await.unwrap_err();
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        assert!(message.contains("not one of backlog, pending, lag"), "{message}");
+    });
+
+    server.stop();
+    wait_condition(&ns, "orders", "Ready", "False", "RedisUnavailable");
+    runtime().block_on(async {
+        let mut client = client(&address).await;
+        let (code, message) = metric(&mut client, &scaled_object(&ns, &[("policy", "orders")])).await.unwrap_err();
+        println!("{flavor:?}: server stopped: {code:?}: {message}");
+        assert_eq!(code, tonic::Code::FailedPrecondition);
+        assert!(message.contains("is not Ready (RedisUnavailable"), "{message}");
+    });
+}
