@@ -114,6 +114,10 @@ async fn main() -> anyhow::Result<()> {
             let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
             let http = tokio::spawn(http);
             tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, leader_elect, "starting pelican");
+            if external_scaler_addr.is_some() {
+                // A restarted leader's Pod keeps its labels: KEDA must not be sent here before this replica leads.
+                pelican::scaler::label_pod(&client, false).await;
+            }
             let settings = pelican::controller::Settings {
                 namespace,
                 readiness: readiness.clone(),

@@ -62,6 +62,37 @@ fn unknown_values_are_refused_by_the_schema() {
     assert!(!ok && out.contains("maxConcurrentReconciles"), "{out}");
 }
 
+/// `autoscaling.externalScaler.enabled`: the operator serves on the port, a Service selects the replica that serves
+/// (per shard when sharded), only KEDA's namespace may reach the port, and the operator may label its Pods; all of
+/// it accepted by the API server.
+#[test]
+fn the_external_scaler_gets_a_service_a_network_policy_and_the_right_to_label_its_pod() {
+    let ns = namespace("chart-scaler");
+    let sets = ["autoscaling.externalScaler.enabled=true", "autoscaling.externalScaler.kedaNamespace=autoscalers"];
+    let manifests = render("scaled", &ns, &sets);
+    assert!(manifests.contains("--external-scaler-addr=0.0.0.0:9090"), "{manifests}");
+    let out = kubectl(&["apply", "--dry-run=server", "-n", &ns, "-f", "-"], Some(&manifests));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for object in [
+        "service/scaled-pelican-scaler",
+        "networkpolicy.networking.k8s.io/scaled-pelican-scaler",
+        "role.rbac.authorization.k8s.io/scaled-pelican-scaler",
+    ] {
+        assert!(text.contains(object), "{object} missing from:\n{text}");
+    }
+    let service =
+        manifests.split("---").find(|m| m.contains("name: scaled-pelican-scaler\n") && m.contains("kind: Service\n"));
+    assert!(service.unwrap().contains("pelican.io/scaler: serving"), "the Service selects the serving replica");
+    assert!(manifests.contains("kubernetes.io/metadata.name: autoscalers"), "KEDA's namespace admitted");
+    let sharded = render("scaled", &ns, &["autoscaling.externalScaler.enabled=true", "sharding.shards={a}"]);
+    for service in ["name: scaled-pelican-scaler-a\n", "name: scaled-pelican-scaler-unlabelled\n"] {
+        assert!(sharded.contains(service), "{service} missing");
+    }
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "autoscaling.externalScaler.port=0"]);
+    assert!(!ok && out.contains("port"), "{out}");
+}
+
 #[test]
 fn reconcile_concurrency_reaches_the_operator() {
     let (ok, out) = helm(&["template", "x", CHART]);

@@ -10,7 +10,9 @@
 //!   Ready, the server unreachable) answers an error KEDA logs and shows on the ScaledObject, never a number that
 //!   would scale the consumers to zero.
 //! - **Which replica.** The server runs where the controller runs: on the leader (or the only replica), whose
-//!   reflector holds the policies and whose connections reach their servers. A standby does not listen.
+//!   reflector holds the policies and whose connections reach their servers. A standby does not listen. In a Pod,
+//!   the replica that serves labels itself [`SERVING_LABEL`] and the chart's Service selects that label, so KEDA
+//!   reaches the leader whatever the replica count; a replica takes the label off its Pod when it starts.
 //! - **Push.** `StreamIsActive` reads every second while KEDA listens and sends a message whenever the answer
 //!   changes, so consumers at zero replicas start within a second of the first entry.
 
@@ -287,13 +289,39 @@ fn answer<T>(object: &ScaledObjectRef, result: Result<T, Status>) -> Result<T, S
     result
 }
 
-/// Serves the external scaler on `addr` until `stop`.
+/// The label on the Pod of the replica that serves (value `serving`), which the chart's scaler Service selects.
+pub const SERVING_LABEL: &str = "pelican.io/scaler";
+
+/// Puts [`SERVING_LABEL`] on this replica's Pod or takes it off (`POD_NAME`, `POD_NAMESPACE`, as the chart sets
+/// them; nothing outside a Pod). A failure (no RBAC to patch Pods) is logged: KEDA then cannot find the leader.
+pub async fn label_pod(client: &kube::Client, serving: bool) {
+    let (Ok(name), Ok(namespace)) = (std::env::var("POD_NAME"), std::env::var("POD_NAMESPACE")) else {
+        return;
+    };
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> = kube::Api::namespaced(client.clone(), &namespace);
+    let value = serving.then_some("serving");
+    let patch = serde_json::json!({"metadata": {"labels": {SERVING_LABEL: value}}});
+    let params = kube::api::PatchParams::default();
+    if let Err(e) = pods.patch(&name, &params, &kube::api::Patch::Merge(&patch)).await {
+        warn!(pod = %format!("{namespace}/{name}"), serving, error = %e,
+            "could not label this Pod for the external scaler's Service (RBAC: patch pods in its namespace)");
+    }
+}
+
+/// Serves the external scaler on `addr` until `stop`, this replica's Pod labelled for the Service meanwhile.
 pub async fn serve(addr: SocketAddr, shared: Arc<Shared>, stop: impl Future<Output = ()> + Send + 'static) {
+    let listener = match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => listener,
+        Err(e) => return warn!(%addr, error = %e, "the external scaler cannot listen"),
+    };
     info!(%addr, "serving KEDA's external scaler");
+    let client = shared.client.clone();
+    label_pod(&client, true).await;
     let served = tonic::transport::Server::builder()
         .add_service(ExternalScalerServer::new(Scaler::new(shared)))
-        .serve_with_shutdown(addr, stop)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), stop)
         .await;
+    label_pod(&client, false).await;
     if let Err(e) = served {
         warn!(%addr, error = %e, "the external scaler stopped");
     }
