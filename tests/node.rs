@@ -11,7 +11,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,20 +18,6 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const LEASE: &str = "pelican-leader";
-
-/// The node's init process, from `$PELICAN_TESTENV/node/env`; its network namespace holds the pods' and the
-/// Services' addresses.
-fn node_pid() -> String {
-    let file = format!("{}/node/env", bed().var("PELICAN_TESTENV"));
-    let env = std::fs::read_to_string(&file)
-        .unwrap_or_else(|_| panic!("the node is not up ({file} missing): run `scripts/testenv node up`"));
-    env.lines().find_map(|l| l.strip_prefix("export PELICAN_NODE_PID=")).expect("PELICAN_NODE_PID").to_string()
-}
-
-/// Runs a command in the node's network namespace (where pod and Service addresses are reachable).
-fn in_node(args: &[&str]) -> Output {
-    Command::new("nsenter").args(["--target", &node_pid(), "--net", "--"]).args(args).output().unwrap()
-}
 
 /// helm, failing the test when it fails.
 fn helm_ok(args: &[&str]) -> String {

@@ -1,7 +1,7 @@
 //! The real test bed, as tests see it: the control plane started by `scripts/testenv up` ([`bed`]), and in
 //! [`kubernetes`] kubectl, namespaces, policies and the operator as a local process; in [`servers`] private
-//! Redis/Valkey servers, Clusters and sentinels per test; in [`streams`] what tests read back from them. A scenario
-//! usually starts with [`ready_policy`].
+//! Redis/Valkey servers, Clusters and sentinels per test; in [`node`] the bed's node, for tests that run pods; in
+//! [`streams`] what tests read back from them. A scenario usually starts with [`ready_policy`].
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -15,12 +15,15 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod kubernetes;
+mod node;
 mod servers;
 mod streams;
 
 // Each test file uses a part of the harness.
 #[allow(unused_imports)]
 pub use kubernetes::*;
+#[allow(unused_imports)]
+pub use node::*;
 #[allow(unused_imports)]
 pub use servers::*;
 #[allow(unused_imports)]
