@@ -1,7 +1,10 @@
-//! KEDA itself scaling consumers on what Pelican measures: KEDA's operator (built from its Go module by
-//! `scripts/testenv keda`, run as a local process against the bed's API server), a `ScaledObject` with an
+//! KEDA itself scaling consumers on what Pelican measures: KEDA's operator and metrics adapter (built from its Go
+//! module by `scripts/testenv keda`, run as local processes against the bed's API server), a `ScaledObject` with an
 //! `external-push` trigger naming a policy, and a Deployment of consumers (`scripts/image consumer`, the SDK's
-//! worker) on the bed's node, which reach the test's Redis through the node's address.
+//! worker) on the bed's node, which reach the test's Redis through the node's address. From 1 to N replicas the
+//! node's HPA controller reads the adapter through the API server's aggregation layer: an `APIService` whose
+//! Service is an `ExternalName` of `localhost`, where the adapter listens (the API server proxies to the name an
+//! ExternalName Service gives, while endpoints may not be loopback addresses), trusting the bed's front proxy.
 //!
 //! Needs the node and KEDA, so it is ignored in the main run; `scripts/test` runs it after the suite with
 //! `--ignored`, the node up, the consumer image imported and `eval "$(scripts/testenv keda)"` done.
@@ -13,12 +16,15 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// KEDA's operator as a local process watching one namespace, stopped when dropped.
+/// KEDA's operator and metrics adapter as local processes watching one namespace, the adapter registered as
+/// `v1beta1.external.metrics.k8s.io`; stopped and unregistered when dropped.
 struct Keda {
-    child: Child,
+    children: Vec<Child>,
     log: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
+
+const METRICS_API: &str = "v1beta1.external.metrics.k8s.io";
 
 impl Keda {
     fn start(namespace: &str) -> Keda {
@@ -29,9 +35,11 @@ impl Keda {
         assert!(out.status.success(), "KEDA's CRDs: {}", String::from_utf8_lossy(&out.stderr));
         wait_for("KEDA's CRDs established", Duration::from_secs(30), || {
             let path = "jsonpath={.status.conditions[?(@.type==\"Established\")].status}";
-            match kubectl_ok(&["get", "crd", "scaledobjects.keda.sh", "-o", path]).as_str() {
+            // Before the API server sets the first condition, the filter fails: not established yet either.
+            let out = kubectl(&["get", "crd", "scaledobjects.keda.sh", "-o", path], None);
+            match String::from_utf8_lossy(&out.stdout).trim() {
                 "True" => Ok(()),
-                other => Err(other.to_string()),
+                _ => Err(String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or_default().to_string()),
             }
         });
         let dir = tempfile::tempdir().unwrap();
@@ -41,21 +49,55 @@ impl Keda {
         }
         let log = dir.path().join("keda.log");
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(binary)
-            .arg(format!("--metrics-bind-address=127.0.0.1:{}", free_port()))
-            .arg(format!("--health-probe-bind-address=127.0.0.1:{}", free_port()))
-            .arg(format!("--metrics-service-bind-address=127.0.0.1:{}", free_port()))
-            .arg(format!("--cert-dir={}", dir.path().display()))
-            .arg(format!("--ca-dir={}", dir.path().display()))
-            .env("KUBECONFIG", bed().kubeconfig())
-            .env("WATCH_NAMESPACE", namespace)
-            .env("KEDA_CLUSTER_OBJECT_NAMESPACE", namespace)
-            .env("POD_NAMESPACE", namespace)
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .expect("start KEDA's operator");
-        Keda { child, log, _dir: dir }
+        let (metrics_service, adapter_port) = (free_port(), free_port());
+        let certs = dir.path().display().to_string();
+        let kubeconfig = bed().kubeconfig();
+        let start = |binary: &str, args: Vec<String>| {
+            Command::new(binary)
+                .args(args)
+                .env("KUBECONFIG", kubeconfig)
+                .env("WATCH_NAMESPACE", namespace)
+                .env("KEDA_CLUSTER_OBJECT_NAMESPACE", namespace)
+                .env("POD_NAMESPACE", namespace)
+                .stdout(file.try_clone().unwrap())
+                .stderr(file.try_clone().unwrap())
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {binary}: {e}"))
+        };
+        let operator = start(
+            &binary,
+            vec![
+                format!("--metrics-bind-address=127.0.0.1:{}", free_port()),
+                format!("--health-probe-bind-address=127.0.0.1:{}", free_port()),
+                format!("--metrics-service-bind-address=127.0.0.1:{metrics_service}"),
+                format!("--cert-dir={certs}"),
+                format!("--ca-dir={certs}"),
+            ],
+        );
+        let adapter = std::env::var("PELICAN_KEDA_ADAPTER")
+            .expect("PELICAN_KEDA_ADAPTER is not set: run `eval \"$(scripts/testenv keda)\"` first");
+        let adapter = start(
+            &adapter,
+            vec![
+                format!("--secure-port={adapter_port}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--cert-dir={certs}"),
+                format!("--tls-cert-file={certs}/tls.crt"),
+                format!("--tls-private-key-file={certs}/tls.key"),
+                format!("--port={}", free_port()),
+                format!("--metrics-service-address=127.0.0.1:{metrics_service}"),
+                "--metrics-service-grpc-authority=localhost".into(),
+                format!("--authentication-kubeconfig={kubeconfig}"),
+                format!("--authorization-kubeconfig={kubeconfig}"),
+                format!("--lister-kubeconfig={kubeconfig}"),
+            ],
+        );
+        let registration = format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: keda-metrics-apiserver\n  namespace: {namespace}\nspec:\n  type: ExternalName\n  externalName: localhost\n---\napiVersion: apiregistration.k8s.io/v1\nkind: APIService\nmetadata:\n  name: {METRICS_API}\nspec:\n  group: external.metrics.k8s.io\n  version: v1beta1\n  groupPriorityMinimum: 100\n  versionPriority: 100\n  insecureSkipTLSVerify: true\n  service: {{name: keda-metrics-apiserver, namespace: {namespace}, port: {adapter_port}}}\n"
+        );
+        let out = kubectl(&["apply", "-f", "-"], Some(&registration));
+        assert!(out.status.success(), "registering the adapter: {}", String::from_utf8_lossy(&out.stderr));
+        Keda { children: vec![operator, adapter], log, _dir: dir }
     }
 
     fn logs(&self) -> String {
@@ -71,8 +113,11 @@ impl Drop for Keda {
             let lines: Vec<&str> = logs.lines().collect();
             eprintln!("{}", lines[lines.len().saturating_sub(40)..].join("\n"));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = kubectl(&["delete", "apiservice", METRICS_API, "--ignore-not-found", "--wait=false"], None);
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -103,7 +148,7 @@ spec:
             - {{name: REDIS_URL, value: "redis://{NODE_IP}:{redis_port}/0"}}
             - {{name: STREAM, value: orders}}
             - {{name: GROUP, value: billing}}
-            - {{name: HANDLE_MS, value: "10"}}
+            - {{name: HANDLE_MS, value: "250"}}
           securityContext:
             allowPrivilegeEscalation: false
             readOnlyRootFilesystem: true
@@ -124,6 +169,10 @@ spec:
   maxReplicaCount: 4
   pollingInterval: 5
   cooldownPeriod: 10
+  advanced:
+    horizontalPodAutoscalerConfig:
+      behavior:
+        scaleUp: {{stabilizationWindowSeconds: 0, policies: [{{type: Pods, value: 4, periodSeconds: 5}}]}}
   triggers:
     - type: external-push
       metadata:
@@ -142,12 +191,13 @@ fn replicas(namespace: &str) -> (i64, i64) {
     (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0))
 }
 
-/// 0 replicas while the stream is idle; entries published -> KEDA scales the consumers to 1 within seconds
-/// (pushed by `StreamIsActive`, not waiting for the 5 s polling interval); they handle everything -> back to 0
-/// after the 10 s cooldown.
+/// 0 replicas while the stream is idle; 4,000 entries published -> KEDA scales the consumers to 1 within seconds
+/// (pushed by `StreamIsActive`, not waiting for the 5 s polling interval); the HPA reads the backlog (target 100 per
+/// replica) through KEDA's adapter -> 4 replicas (the maximum); they handle everything -> back to 0 after the 10 s
+/// cooldown.
 #[test]
 #[ignore = "needs the node and KEDA: scripts/test runs it after the suite"]
-fn keda_scales_consumers_from_zero_to_one_on_the_backlog_and_back_to_zero() {
+fn keda_scales_consumers_from_zero_to_one_to_four_on_the_backlog_and_back_to_zero() {
     let server = Server::start(Flavor::Redis);
     let _forward = NodeForward::to_loopback(server.port);
     let ns = namespace("keda");
@@ -180,7 +230,7 @@ fn keda_scales_consumers_from_zero_to_one_on_the_backlog_and_back_to_zero() {
 
     let mut conn = server.conn();
     let mut pipe = redis::pipe();
-    for n in 0..2_000 {
+    for n in 0..4_000 {
         pipe.cmd("XADD").arg("orders").arg("*").arg("n").arg(n).ignore();
     }
     pipe.query::<()>(&mut conn).unwrap();
@@ -195,8 +245,31 @@ fn keda_scales_consumers_from_zero_to_one_on_the_backlog_and_back_to_zero() {
         _ => Ok(()),
     });
     let running = published.elapsed();
-    println!("2,000 entries published: 1 replica after {scaled:.2?}, its pod Ready after {running:.2?}");
+    println!("4,000 entries published: 1 replica after {scaled:.2?}, its pod Ready after {running:.2?}");
     assert!(scaled < Duration::from_secs(5), "scaled after {scaled:?}: the push, not the 5 s poll, should do it");
+
+    // 1 -> N: the HPA KEDA made reads `GetMetrics` through the adapter and the aggregation layer.
+    let mut most = 0;
+    wait_for("the HPA to scale the consumers to 4", Duration::from_secs(90), || {
+        let (wanted, ready) = replicas(&ns);
+        most = most.max(ready);
+        match wanted {
+            4 => Ok(()),
+            _ => {
+                let path = "jsonpath={.status.conditions[?(@.type==\"ScalingActive\")].message}";
+                let hpa = kubectl(&["get", "hpa", "keda-hpa-consumers", "-n", &ns, "-o", path], None);
+                Err(format!("{wanted} replicas wanted, {ready} ready; HPA: {}", String::from_utf8_lossy(&hpa.stdout)))
+            }
+        }
+    });
+    let four = published.elapsed();
+    let backlog_then = {
+        let group = &xinfo_groups(&mut conn, "orders")[0];
+        group_field::<Option<i64>>(group, "lag").unwrap_or_default() + group_field::<i64>(group, "pending")
+    };
+    let path = "jsonpath={.status.currentMetrics[0].external.metric.name}={.status.currentMetrics[0].external.current.averageValue}";
+    let seen = kubectl_ok(&["get", "hpa", "keda-hpa-consumers", "-n", &ns, "-o", path]);
+    println!("4 replicas wanted after {four:.2?} (backlog then {backlog_then}; the HPA read {seen} per replica)");
 
     wait_for("the consumers to handle every entry", Duration::from_secs(120), || {
         let group = &xinfo_groups(&mut conn, "orders")[0];
@@ -214,10 +287,4 @@ fn keda_scales_consumers_from_zero_to_one_on_the_backlog_and_back_to_zero() {
     let zero = published.elapsed();
     println!("all handled after {handled:.2?}; 0 replicas after {zero:.2?} (cooldown 10 s)");
     assert!(zero - handled < Duration::from_secs(30), "back to 0 {:?} after the last entry", zero - handled);
-
-    // 1 -> N goes through the HPA KEDA made, which reads KEDA's metrics adapter through the API server's
-    // aggregation layer: say what the HPA saw.
-    let path = "jsonpath={.status.conditions[?(@.type==\"ScalingActive\")].message}";
-    let hpa = kubectl(&["get", "hpa", "keda-hpa-consumers", "-n", &ns, "-o", path], None);
-    println!("the HPA KEDA made: {}", String::from_utf8_lossy(&hpa.stdout));
 }
