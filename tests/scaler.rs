@@ -172,7 +172,7 @@ fn after_an_xdel_of_an_unread_entry_the_backlog_never_reads_zero_while_entries_w
 fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor) {
     let mut server = Server::start(flavor);
     let manifest = policy("orders", &server.url(), "orders", "billing", "");
-    let (ns, _operator, address) = operator_with_scaler("scaler-refuse", &manifest, "orders");
+    let (ns, operator, address) = operator_with_scaler("scaler-refuse", &manifest, "orders");
     let mut conn = server.conn();
     xadd(&mut conn, "orders", 1);
     runtime().block_on(async {
@@ -198,6 +198,20 @@ fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor
         assert_eq!(code, tonic::Code::InvalidArgument);
         assert!(message.contains("not one of backlog, pending, lag"), "{message}");
     });
+    // What was answered, as Prometheus sees it.
+    let metrics = operator.metrics();
+    for series in [
+        "pelican_scaler_answers_total{method=\"GetMetrics\",code=\"Ok\"} 1",
+        "pelican_scaler_answers_total{method=\"GetMetrics\",code=\"NotFound\"} 1",
+        "pelican_scaler_answers_total{method=\"IsActive\",code=\"NotFound\"} 1",
+        "pelican_scaler_answers_total{method=\"StreamIsActive\",code=\"NotFound\"} 1",
+        "pelican_scaler_answers_total{method=\"GetMetrics\",code=\"InvalidArgument\"} 2",
+    ] {
+        assert!(metrics.contains(series), "{series} missing from:\n{metrics}");
+    }
+    // Five answers with a number within about a second, on a policy whose reconciles (every second) read it too.
+    let reads = metrics.lines().find_map(|l| l.strip_prefix("pelican_scaler_backlog_reads_total ")).unwrap();
+    assert!(matches!(reads.parse::<u64>(), Ok(1..=2)), "{reads} backlog reads");
 
     server.stop();
     wait_condition(&ns, "orders", "Ready", "False", "RedisUnavailable");

@@ -174,6 +174,7 @@ impl Scaler {
         let (trigger, policy) = self.policy(object)?;
         let id = format!("{}/{}", object.namespace, trigger.policy);
         let probe = || async {
+            self.shared.metrics.scaler_read();
             let unavailable = |e: crate::Error| Status::unavailable(format!("ConsumerGroupPolicy {id}: {e}"));
             let target = self.shared.target(&policy).await.map_err(unavailable)?;
             let (target, mut conn) = self.shared.pools.connect_primary(&target).await.map_err(unavailable)?;
@@ -197,7 +198,7 @@ type ActiveStream = Pin<Box<dyn Stream<Item = Result<IsActiveResponse, Status>> 
 impl ExternalScaler for Scaler {
     async fn is_active(&self, request: Request<ScaledObjectRef>) -> Result<Response<IsActiveResponse>, Status> {
         let object = request.into_inner();
-        let (trigger, value) = answer(&object, self.value(&object).await)?;
+        let (trigger, value) = self.answer("IsActive", &object, self.value(&object).await)?;
         Ok(Response::new(IsActiveResponse { result: trigger.active(value) }))
     }
 
@@ -210,19 +211,18 @@ impl ExternalScaler for Scaler {
         let object = request.into_inner();
         // Refused at once when the trigger or the policy is wrong; after that, errors end the stream and KEDA
         // opens it again.
-        self.policy(&object)?;
+        self.answer("StreamIsActive", &object, self.policy(&object))?;
         let (tx, rx) = mpsc::channel(1);
         let scaler = self.clone();
         tokio::spawn(async move {
             let mut last = None;
             loop {
-                let message = match answer(&object, scaler.value(&object).await) {
-                    Ok((trigger, value)) => Ok(trigger.active(value)),
-                    Err(status) => Err(status),
-                };
+                let message = scaler.value(&object).await.map(|(trigger, value)| trigger.active(value));
                 let failed = message.is_err();
+                // A message goes out (and is counted) only when the answer changes.
                 if last != Some(message.as_ref().ok().copied()) {
                     last = Some(message.as_ref().ok().copied());
+                    let message = scaler.answer("StreamIsActive", &object, message);
                     let sent = tokio::select! {
                         sent = tx.send(message.map(|result| IsActiveResponse { result })) => sent.is_ok(),
                         _ = tx.closed() => false,
@@ -256,7 +256,8 @@ impl ExternalScaler for Scaler {
         request: Request<ScaledObjectRef>,
     ) -> Result<Response<GetMetricSpecResponse>, Status> {
         let object = request.into_inner();
-        let trigger = Trigger::parse(&object.scaler_metadata).map_err(Status::invalid_argument)?;
+        let parsed = Trigger::parse(&object.scaler_metadata).map_err(Status::invalid_argument);
+        let trigger = self.answer("GetMetricSpec", &object, parsed)?;
         Ok(Response::new(GetMetricSpecResponse {
             metric_specs: vec![MetricSpec {
                 metric_name: trigger.metric_name(),
@@ -269,7 +270,7 @@ impl ExternalScaler for Scaler {
     async fn get_metrics(&self, request: Request<GetMetricsRequest>) -> Result<Response<GetMetricsResponse>, Status> {
         let request = request.into_inner();
         let object = request.scaled_object_ref.unwrap_or_default();
-        let (_, value) = answer(&object, self.value(&object).await)?;
+        let (_, value) = self.answer("GetMetrics", &object, self.value(&object).await)?;
         Ok(Response::new(GetMetricsResponse {
             metric_values: vec![MetricValue {
                 metric_name: request.metric_name,
@@ -280,13 +281,22 @@ impl ExternalScaler for Scaler {
     }
 }
 
-/// Logs a refused answer (KEDA shows it too), once per ask.
-fn answer<T>(object: &ScaledObjectRef, result: Result<T, Status>) -> Result<T, Status> {
-    if let Err(status) = &result {
-        debug!(namespace = %object.namespace, scaled_object = %object.name, code = ?status.code(),
-            message = status.message(), "external scaler refused an answer");
+impl Scaler {
+    /// Counts an answer, and logs a refused one (KEDA shows it too).
+    fn answer<T>(
+        &self,
+        method: &'static str,
+        object: &ScaledObjectRef,
+        result: Result<T, Status>,
+    ) -> Result<T, Status> {
+        let code = result.as_ref().err().map_or(tonic::Code::Ok, Status::code);
+        self.shared.metrics.scaler_answered(method, &format!("{code:?}"));
+        if let Err(status) = &result {
+            debug!(namespace = %object.namespace, scaled_object = %object.name, method, code = ?code,
+                message = status.message(), "external scaler refused an answer");
+        }
+        result
     }
-    result
 }
 
 /// The label on the Pod of the replica that serves (value `serving`), which the chart's scaler Service selects.

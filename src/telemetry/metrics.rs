@@ -28,6 +28,8 @@ pub struct Metrics {
     reconcile_time: Family<Labels, Histogram>,
     pass_delay: Histogram,
     passes: Counter,
+    scaler_answers: Family<Labels, Counter>,
+    scaler_reads: Counter,
     policies: Arc<PolicySeries>,
     job_failures: Arc<JobFailureSeries>,
     leader: Arc<LeaderSeries>,
@@ -65,6 +67,18 @@ impl Default for Metrics {
         );
         let passes = Counter::default();
         registry.register("pelican_passes", "Reclaim / dead-letter passes run", passes.clone());
+        let scaler_answers = Family::<Labels, Counter>::default();
+        registry.register(
+            "pelican_scaler_answers",
+            "Answers of KEDA's external scaler, by method and gRPC code (OK, NotFound, FailedPrecondition, ...)",
+            scaler_answers.clone(),
+        );
+        let scaler_reads = Counter::default();
+        registry.register(
+            "pelican_scaler_backlog_reads",
+            "Backlog reads (XINFO GROUPS + XLEN) made to answer KEDA: at most one per policy per second",
+            scaler_reads.clone(),
+        );
         let policies = Arc::new(PolicySeries::default());
         registry.register_collector(Box::new(policies.clone()));
         let job_failures = Arc::new(JobFailureSeries::default());
@@ -80,6 +94,8 @@ impl Default for Metrics {
             reconcile_time,
             pass_delay,
             passes,
+            scaler_answers,
+            scaler_reads,
             policies,
             job_failures,
             leader,
@@ -107,6 +123,16 @@ impl Metrics {
     pub fn pass_started(&self, delay: Duration) {
         self.passes.inc();
         self.pass_delay.observe(delay.as_secs_f64());
+    }
+
+    /// Counts one answer of the external scaler.
+    pub fn scaler_answered(&self, method: &'static str, code: &str) {
+        self.scaler_answers.get_or_create(&vec![("method", method.into()), ("code", code.into())]).inc();
+    }
+
+    /// Counts one backlog read made for the external scaler.
+    pub fn scaler_read(&self) {
+        self.scaler_reads.inc();
     }
 
     /// Publishes a policy's status as its series.
