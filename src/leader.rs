@@ -43,7 +43,7 @@ impl Leadership {
         Leadership { valid_until: Arc::new(Mutex::new(Some(forever))) }
     }
 
-    fn none() -> Leadership {
+    pub(crate) fn none() -> Leadership {
         Leadership { valid_until: Arc::new(Mutex::new(None)) }
     }
 

@@ -5,6 +5,8 @@
 
 pub mod conditions;
 mod resolve;
+#[cfg(test)]
+pub(crate) mod scripted;
 
 pub use resolve::{SecretCache, SecretName, secret_refs};
 

@@ -429,3 +429,126 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
         Err(e) => Err(e),
     }
 }
+
+/// The reconcile's deletion paths against a scripted API server and a Redis that does not answer (a closed loopback
+/// port): what the operator asks the API server, in order, and what it leaves.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::scripted::{self, Handle, expect};
+    use crate::leader::Leadership;
+    use http::Method;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn context(leadership: Leadership) -> (Arc<Context>, Handle) {
+        let (client, handle) = scripted::client();
+        let (shared, _writers) = Shared::new(client, None, Arc::default(), leadership, None, Default::default());
+        let runner =
+            Runner::new(shared.leadership.clone(), shared.events.clone(), shared.metrics.clone(), shared.pools.clone());
+        let ctx = Context {
+            shared,
+            neighbours: Neighbours::default(),
+            runner,
+            failures: Mutex::default(),
+            pool_users: Mutex::default(),
+            deleted: Tombstones::default(),
+        };
+        (Arc::new(ctx), handle)
+    }
+
+    /// A policy being deleted, with the finalizer, whose server (nothing listens there) refuses connections;
+    /// `reached`: whether it ever reached its server (a server version in its status).
+    fn deleted_policy(reached: bool) -> Arc<ConsumerGroupPolicy> {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut policy: ConsumerGroupPolicy = serde_json::from_value(serde_json::json!({
+            "apiVersion": "pelican.io/v1alpha1",
+            "kind": "ConsumerGroupPolicy",
+            "metadata": {"name": "orders", "namespace": "apps", "uid": "uid-orders", "resourceVersion": "7",
+                         "finalizers": [FINALIZER]},
+            "spec": {"redis": {"url": format!("redis://127.0.0.1:{closed}/0")}, "stream": "orders",
+                     "group": "billing", "deadLetter": {"stream": "orders:dlq"}, "deletionPolicy": "Delete"},
+        }))
+        .unwrap();
+        policy.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+        policy.status = Some(crate::api::ConsumerGroupPolicyStatus {
+            server_version: reached.then(|| "redis 7.0.15".into()),
+            ..Default::default()
+        });
+        Arc::new(policy)
+    }
+
+    fn namespace(terminating: bool) -> serde_json::Value {
+        let mut ns = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "apps"}});
+        if terminating {
+            ns["metadata"]["deletionTimestamp"] = "2026-12-02T00:00:00Z".into();
+        }
+        ns
+    }
+
+    #[tokio::test]
+    async fn a_replica_that_may_not_write_asks_nothing_and_looks_again_in_a_second() {
+        let (ctx, mut handle) = context(Leadership::none());
+        let action = reconcile_inner(deleted_policy(true), &ctx).await.unwrap();
+        assert_eq!(action, Action::requeue(NOT_LEADING_RECHECK));
+        assert!(scripted::silent(&mut handle).await, "no request to the API server");
+    }
+
+    #[tokio::test]
+    async fn a_deleted_policy_whose_server_is_down_keeps_its_finalizer_and_retries() {
+        let (ctx, mut handle) = context(Leadership::always());
+        let api = tokio::spawn(async move {
+            let asked = expect(&mut handle, namespace(false)).await;
+            (asked, scripted::silent(&mut handle).await)
+        });
+        let error = reconcile_inner(deleted_policy(true), &ctx).await.unwrap_err();
+        let ((method, path, _), then_silent) = api.await.unwrap();
+        assert_eq!((method, path.as_str()), (Method::GET, "/api/v1/namespaces/apps"), "is the namespace going?");
+        assert!(then_silent, "no patch: the finalizer stays until the group is destroyed");
+        assert_eq!(error.reason(), "RedisUnavailable", "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_deleted_policy_in_a_terminating_namespace_lets_go_of_its_finalizer() {
+        let (ctx, mut handle) = context(Leadership::always());
+        let policy = deleted_policy(true);
+        let released = serde_json::to_value(policy.as_ref()).unwrap();
+        let api = tokio::spawn(async move {
+            let namespace = expect(&mut handle, namespace(true)).await;
+            let patch = expect(&mut handle, released).await;
+            (namespace, patch)
+        });
+        let action = reconcile_inner(policy, &ctx).await.unwrap();
+        let ((method, path, _), (patch, patched, body)) = api.await.unwrap();
+        assert_eq!((method, path.as_str()), (Method::GET, "/api/v1/namespaces/apps"));
+        assert_eq!(
+            (patch, patched.as_str()),
+            (Method::PATCH, "/apis/pelican.io/v1alpha1/namespaces/apps/consumergrouppolicies/orders")
+        );
+        assert!(
+            body.to_string().contains("\"op\":\"remove\"") && body.to_string().contains("/metadata/finalizers"),
+            "{body}"
+        );
+        assert_eq!(action, Action::await_change());
+    }
+
+    #[tokio::test]
+    async fn a_deleted_policy_that_never_reached_its_server_lets_go_at_once_and_says_what_it_left() {
+        let (ctx, mut handle) = context(Leadership::always());
+        let policy = deleted_policy(false);
+        let released = serde_json::to_value(policy.as_ref()).unwrap();
+        let api = tokio::spawn(async move {
+            let event = expect(&mut handle, serde_json::json!({})).await;
+            let patch = expect(&mut handle, released).await;
+            (event, patch)
+        });
+        reconcile_inner(policy, &ctx).await.unwrap();
+        let ((method, path, event), (patch, patched, _)) = api.await.unwrap();
+        assert_eq!((method, path.as_str()), (Method::POST, "/apis/events.k8s.io/v1/namespaces/apps/events"));
+        assert_eq!(event["reason"], "CleanupSkipped");
+        assert!(event["note"].as_str().unwrap().starts_with("group \"billing\" left in Redis:"), "{event}");
+        assert_eq!(
+            (patch, patched.as_str()),
+            (Method::PATCH, "/apis/pelican.io/v1alpha1/namespaces/apps/consumergrouppolicies/orders")
+        );
+    }
+}

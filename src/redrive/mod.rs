@@ -480,17 +480,13 @@ mod tests {
     mod scripted {
         use super::super::*;
         use crate::api::{DeadLetterRedriveSpec, PolicyRef};
+        use crate::context::scripted::{self, Handle, expect};
         use crate::leader::Leadership;
-        use http::{Method, Request, Response};
-        use kube::client::Body;
-        use tower_test::mock;
-
-        type Handle = mock::Handle<Request<Body>, Response<Body>>;
+        use http::Method;
 
         /// The redrive controller's context on a client whose every request goes to the returned handle.
         fn context() -> (Arc<Redrives>, Handle) {
-            let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
-            let client = kube::Client::new(service, "apps");
+            let (client, handle) = scripted::client();
             let (shared, _policies) =
                 Shared::new(client, None, Arc::default(), Leadership::always(), None, Default::default());
             let redrives = Redrives {
@@ -520,16 +516,6 @@ mod tests {
             redrive.metadata.generation = Some(1);
             redrive.status = status;
             Arc::new(redrive)
-        }
-
-        /// The next request: method, path and body, answered with `reply`.
-        async fn expect(handle: &mut Handle, reply: serde_json::Value) -> (Method, String, serde_json::Value) {
-            let (request, respond) = handle.next_request().await.expect("a request");
-            let (method, path) = (request.method().clone(), request.uri().path().to_string());
-            let bytes = request.into_body().collect_bytes().await.unwrap();
-            let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
-            respond.send_response(Response::builder().body(Body::from(serde_json::to_vec(&reply).unwrap())).unwrap());
-            (method, path, body)
         }
 
         #[tokio::test]
@@ -580,8 +566,7 @@ mod tests {
             };
             let action = reconcile(redrive(Some(status), Some(600)), ctx.clone()).await.unwrap();
             assert!(matches!(action, a if a != Action::await_change()), "it looks again when the TTL ends");
-            let request = tokio::time::timeout(Duration::from_millis(100), handle.next_request()).await;
-            assert!(request.is_err(), "no request to the API server");
+            assert!(scripted::silent(&mut handle).await, "no request to the API server");
         }
     }
 }
