@@ -184,6 +184,8 @@ fn the_chart_runs_as_pods_on_a_real_node() {
         "image.pullPolicy=Never",
         "--set",
         &format!("rbac.secretNamespaces={{{apps}}}"),
+        "--set",
+        "autoscaling.externalScaler.enabled=true",
         "--wait",
         "--timeout=180s",
     ]);
@@ -251,6 +253,39 @@ fn the_chart_runs_as_pods_on_a_real_node() {
     let standby = running.iter().find(|(name, _, _)| *name != leader).unwrap();
     assert!(scrape(&standby.1).unwrap().contains(&format!("pelican_leader{{lease=\"{LEASE}\"}} 0")));
     println!("leader {leader} ({leader_ip}); standby {} ({})", standby.0, standby.1);
+    // KEDA's external scaler: the leader labels its Pod, so the scaler Service sends KEDA there and only there.
+    let scaler = kubectl_ok(&["get", "services", "-n", &system, "-o", "name"]);
+    let scaler = scaler.lines().find_map(|s| s.strip_prefix("service/").filter(|s| s.ends_with("-scaler"))).unwrap();
+    let serving = |ip: &str| {
+        let ip = ip.to_string();
+        let system = system.clone();
+        let scaler = scaler.to_string();
+        move || {
+            let path = "jsonpath={.items[*].endpoints[*].addresses[*]}";
+            let label = format!("kubernetes.io/service-name={scaler}");
+            let out = kubectl_ok(&["get", "endpointslices", "-n", &system, "-l", &label, "-o", path]);
+            if out.split_whitespace().collect::<Vec<_>>() == [ip.as_str()] { Ok(()) } else { Err(out) }
+        }
+    };
+    wait_for("the scaler Service to select the leader only", Duration::from_secs(30), serving(&leader_ip));
+    let cluster_ip = kubectl_ok(&["get", "service", scaler, "-n", &system, "-o", "jsonpath={.spec.clusterIP}"]);
+    let answer = in_node(&[
+        "curl",
+        "-s",
+        "--max-time",
+        "2",
+        "--http2-prior-knowledge",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        &format!("http://{cluster_ip}:9090/externalscaler.ExternalScaler/IsActive"),
+    ]);
+    let code = String::from_utf8_lossy(&answer.stdout).to_string();
+    println!(
+        "the scaler Service {scaler} ({cluster_ip}:9090) selects the leader {leader_ip}; gRPC over it: HTTP {code}"
+    );
+    assert!(answer.status.success() && code == "200", "no gRPC answer through the Service: {answer:?}");
 
     // The leader pod deleted: the other one leads within the lease duration, and passes run again.
     let deleted = Instant::now();
@@ -262,6 +297,8 @@ fn the_chart_runs_as_pods_on_a_real_node() {
     let takeover = deleted.elapsed();
     println!("leader pod {leader} deleted: {successor} leads after {:.1}s", takeover.as_secs_f64());
     assert!(takeover < Duration::from_secs(15), "takeover took {takeover:?}, longer than the 15 s lease");
+    let successor_ip = pods(&system, &selector).into_iter().find(|(name, _, _)| *name == successor).unwrap().1;
+    wait_for("the scaler Service to follow the new leader", Duration::from_secs(30), serving(&successor_ip));
     redis_in_pod(&redis_ip, &["XADD", "orders", "*", "order", "1"]);
     redis_in_pod(&redis_ip, &["XREADGROUP", "GROUP", "billing", "w1", "COUNT", "1", "STREAMS", "orders", ">"]);
     // The new leader starts every reconcile of this cluster-wide operator at once, and the bed holds the policies
