@@ -219,12 +219,9 @@ fn collect_exprs(value: &Value, out: &mut Vec<String>) {
 fn the_dashboard_and_the_alerts_query_only_series_the_operator_exports() {
     // A live operator with a bounded policy that has passed, so every family has a sample.
     let server = Server::start(Flavor::Redis);
-    let ns = namespace("alerts");
-    let operator = Operator::start(&ns);
     let bounded =
         policy("p", &server.url(), "s", "g", "  backlog:\n    maxLength: 100\n  retention:\n    mode: Acknowledged\n");
-    assert!(kubectl_apply(&ns, &bounded).0);
-    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let (_ns, operator) = ready_policy("alerts", &bounded, "p");
     // One entry read and not acknowledged: the oldest-pending series exists only while something is pending.
     let mut conn = server.conn();
     let _: String = redis::cmd("XADD").arg("s").arg("*").arg("n").arg(1).query(&mut conn).unwrap();

@@ -26,11 +26,8 @@ const STREAM: &str = "{orders}:in";
 fn a_bound_whose_removal_failed_goes_with_the_policy_deleted_afterwards() {
     // Appended to every write and kept across the restart below.
     let mut server = Server::start_with(Flavor::Redis, &["--appendonly", "yes", "--appendfsync", "always"]);
-    let ns = namespace("bound-outlives");
-    let _operator = Operator::start(&ns);
     let manifest = policy("orders", &server.url(), STREAM, "billing", "  backlog:\n    maxLength: 10\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("bound-outlives", &manifest, "orders");
     wait_bound(&mut server.conn(), "billing", Some("10"));
 
     // The server goes away; the bound is removed from the spec (the reconcile cannot take it off the server),
@@ -103,11 +100,8 @@ fn wait_status(ns: &str, name: &str, what: &str, check: impl Fn(&serde_json::Val
 
 fn seed_002_the_bound_follows_the_policy_and_producers_see_refusals(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("seed002");
-    let operator = Operator::start(&ns);
     let manifest = policy("orders", &server.url(), STREAM, "billing", "  backlog:\n    maxLength: 10000\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("seed002", &manifest, "orders");
     let mut conn = server.conn();
     wait_bound(&mut conn, "billing", Some("10000"));
     let client = redis::Client::open(server.url()).unwrap();

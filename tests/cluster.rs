@@ -82,12 +82,9 @@ fn cluster_policy(name: &str, cluster: &Cluster, stream: &str, dead_letter: &str
 
 fn a_cluster_policy_is_ready_and_dead_letters_in_the_streams_slot(flavor: Flavor) {
     let cluster = Cluster::start(flavor);
-    let ns = namespace("cluster");
-    let _operator = Operator::start(&ns);
     let manifest =
         cluster_policy("orders", &cluster, "{orders}:events", "{orders}:dlq", "  retry:\n    maxDeliveries: 1\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("cluster", &manifest, "orders");
     let mut conn = cluster.conn();
     for n in 0..10 {
         let _: String = redis::cmd("XADD").arg("{orders}:events").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
@@ -311,11 +308,8 @@ fn bounded_publish_and_retention_work_in_the_streams_slot(flavor: Flavor) {
 /// in another slot fails with CrossSlot before anything moves.
 fn a_redrive_moves_within_the_slot_and_refuses_a_target_in_another(flavor: Flavor) {
     let cluster = Cluster::start(flavor);
-    let ns = namespace("cluster-redrive");
-    let _operator = Operator::start(&ns);
     let manifest = cluster_policy("orders", &cluster, "{orders}:events", "{orders}:dlq", "");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("cluster-redrive", &manifest, "orders");
     let mut conn = cluster.conn();
     for n in 0..20 {
         let _: String = redis::cmd("XADD")
@@ -362,13 +356,10 @@ fn a_redrive_moves_within_the_slot_and_refuses_a_target_in_another(flavor: Flavo
 fn the_streams_primary_killed_while_20000_messages_are_dead_lettered_its_replica_takes_over(flavor: Flavor) {
     const COUNT: usize = 20_000;
     let mut cluster = Cluster::start_with_replicas(flavor);
-    let ns = namespace("cluster-failover");
-    let _operator = Operator::start(&ns);
     let extra = "  retry:\n    maxDeliveries: 1\n";
     let manifest = cluster_policy("fo", &cluster, "{fo}:in", "{fo}:dlq", extra)
         .replace("    minIdle: 1s\n", "    minIdle: 1s\n    maxPerPass: 2000\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "fo", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("cluster-failover", &manifest, "fo");
     let mut conn = cluster.conn();
     for start in (0..COUNT).step_by(1000) {
         let mut pipe = redis::cluster::cluster_pipe();

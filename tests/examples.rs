@@ -103,11 +103,8 @@ fn cluster_example_gets_ready() {
 #[test]
 fn redrive_example_moves_the_notifications_dead_letters_back() {
     let open = Server::start(Flavor::Redis);
-    let ns = namespace("ex-redrive");
-    let _operator = Operator::start(&ns);
     let policy = example("notifications.yaml").replace("127.0.0.1:6379", &format!("127.0.0.1:{}", open.port));
-    assert!(kubectl_apply(&ns, &policy).0);
-    wait_condition(&ns, "notifications", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("ex-redrive", &policy, "notifications");
     let mut conn = open.conn();
     for (n, reason) in [(1, "MaxDeliveriesExceeded"), (2, "Other"), (3, "MaxDeliveriesExceeded")] {
         let _: String = redis::cmd("XADD")

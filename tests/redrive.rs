@@ -200,13 +200,10 @@ fn ten_thousand_dead_letters_redriven_through_kill9_each_exactly_once(flavor: Fl
 /// message redriven and processed, nothing left pending or dead.
 fn poison_dead_lettered_fixed_redriven_and_processed(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("redrive-loop");
-    let _operator = Operator::start(&ns);
     let extra = "  retry:\n    maxDeliveries: 2\n";
     let manifest = policy("mail", &server.url(), "mail", "workers", extra)
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "mail", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("redrive-loop", &manifest, "mail");
     let mut conn = server.conn();
     for n in 0..10 {
         let _: String = redis::cmd("XADD").arg("mail").arg("*").arg("n").arg(n).query(&mut conn).unwrap();

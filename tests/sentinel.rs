@@ -89,13 +89,10 @@ fn primary_killed_while_100000_messages_are_dead_lettered_loses_and_duplicates_n
     // in the middle of it.
     const COUNT: usize = 100_000;
     let mut sentinels = Sentinels::start(flavor);
-    let ns = namespace("sentinel-failover");
-    let _operator = Operator::start(&ns);
     let extra = "  retry:\n    maxDeliveries: 1\n";
     let manifest = sentinel_policy("jobs", &sentinels, MASTER_NAME, extra, false)
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n    maxPerPass: 2000\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
+    let (ns, _operator) = ready_policy("sentinel-failover", &manifest, "jobs");
     let first = sentinels.primary_port();
     let mut conn = sentinels.server(first).conn();
     for start in (0..COUNT).step_by(1000) {

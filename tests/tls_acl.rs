@@ -41,15 +41,12 @@ fn api_objects(ns: &str) -> String {
 #[test]
 fn tls_with_the_ca_from_a_secret_is_ready() {
     let server = Server::start_tls(Flavor::Redis, "server", false);
-    let ns = namespace("tls");
-    let operator = Operator::start(&ns);
     let manifests = format!(
         "{}---\n{}",
         secret("redis-tls", &[("ca.crt", &read(&tls_file("ca.crt")))]),
         policy_with("t", &server.tls_url(), CA_REF, "")
     );
-    assert!(kubectl_apply(&ns, &manifests).0);
-    wait_condition(&ns, "t", "Ready", "True", "Reconciled");
+    let (_ns, operator) = ready_policy("tls", &manifests, "t");
     let clients: String = redis::cmd("CLIENT").arg("LIST").query(&mut server.conn()).unwrap();
     let tls_port = format!("laddr=127.0.0.1:{} ", server.tls_port.unwrap());
     assert!(clients.lines().any(|c| c.contains(&tls_port)), "the operator is connected to the TLS port: {clients}");

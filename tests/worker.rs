@@ -296,12 +296,9 @@ fn own_pel_is_read_before_new_entries(flavor: Flavor) {
 
 fn terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons(flavor: Flavor) {
     let server = Server::start(flavor);
-    let ns = namespace("worker");
-    let operator = Operator::start(&ns);
     let manifest = policy("files", &server.url(), STREAM, GROUP, "  retry:\n    maxDeliveries: 1\n")
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
-    assert!(kubectl_apply(&ns, &manifest).0);
-    wait_condition(&ns, "files", "Ready", "True", "Reconciled");
+    let (ns, operator) = ready_policy("worker", &manifest, "files");
     let mut conn = server.conn();
     // Two messages a consumer took and never finished: the operator dead-letters them (maxDeliveries 1).
     for job in ["x", "y"] {
