@@ -111,6 +111,15 @@ impl Operator {
 
 impl Drop for Operator {
     fn drop(&mut self) {
+        // A failing test shows what the operator was doing last (its log goes with its temporary directory).
+        if std::thread::panicking() {
+            let logs = self.logs();
+            let lines: Vec<&str> = logs.lines().collect();
+            eprintln!(
+                "--- the operator's log, last 40 lines ---\n{}",
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            );
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

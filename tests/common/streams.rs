@@ -117,3 +117,18 @@ pub fn failover_ledger(conn: &mut impl redis::ConnectionLike, stream: &str, dlq:
     assert_eq!(dead_entries.len(), acknowledged, "no dead letter without its acknowledged message");
     (acknowledged, open)
 }
+
+/// Waits until the operator has moved at least `at_least` entries into `dead_letter`, looking every few
+/// milliseconds (a pass moves tens of thousands a second: `wait_for`'s 200 ms could miss the whole move on a busy
+/// machine), and returns how many it found; for tests that kill a server while a pass is under way.
+pub fn dead_lettering_under_way(conn: &mut impl redis::ConnectionLike, dead_letter: &str, at_least: usize) -> usize {
+    let start = std::time::Instant::now();
+    loop {
+        let len: usize = redis::cmd("XLEN").arg(dead_letter).query(conn).unwrap();
+        if len >= at_least {
+            return len;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "no dead-lettering within 60 s: {len} moved");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
