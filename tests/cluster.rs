@@ -21,7 +21,7 @@ on_both_servers!(
     a_stream_whose_counters_cannot_share_its_slot_is_cross_slot,
     bounded_publish_and_retention_work_in_the_streams_slot,
     a_redrive_moves_within_the_slot_and_refuses_a_target_in_another,
-    the_streams_primary_killed_while_20000_messages_are_dead_lettered_its_replica_takes_over,
+    the_streams_primary_killed_while_50000_messages_are_dead_lettered_its_replica_takes_over,
 );
 
 /// Tricky names: tags, empty tags, braces in odd places, a stray `}`.
@@ -350,16 +350,17 @@ fn a_redrive_moves_within_the_slot_and_refuses_a_target_in_another(flavor: Flavo
     assert_eq!((dead, back), (0, 20));
 }
 
-/// A Cluster with replicas: the primary serving the stream's slot is killed with SIGKILL while 20,000 messages are
+/// A Cluster with replicas: the primary serving the stream's slot is killed with SIGKILL while 50,000 messages are
 /// being dead-lettered; its replica takes over, the operator follows (MOVED), and on the new primary every message is
 /// exactly once dead-lettered, or still pending / not delivered (a move is one script, replicated as one unit).
-fn the_streams_primary_killed_while_20000_messages_are_dead_lettered_its_replica_takes_over(flavor: Flavor) {
-    const COUNT: usize = 20_000;
+fn the_streams_primary_killed_while_50000_messages_are_dead_lettered_its_replica_takes_over(flavor: Flavor) {
+    const COUNT: usize = 50_000;
     let mut cluster = Cluster::start_with_replicas(flavor);
     let extra = "  retry:\n    maxDeliveries: 1\n";
-    // `minIdle: 3s`: the crashed consumer's read of all of them is over before the pass may move the first.
+    // `minIdle: 5s`: the crashed consumer's read of all of them is over before the pass may move the first; 50,000
+    // take the pass about a second, so the kill lands while it moves them.
     let manifest = cluster_policy("fo", &cluster, "{fo}:in", "{fo}:dlq", extra)
-        .replace("    minIdle: 1s\n", "    minIdle: 3s\n    maxPerPass: 2000\n");
+        .replace("    minIdle: 1s\n", "    minIdle: 5s\n    maxPerPass: 2000\n");
     let (ns, _operator) = ready_policy("cluster-failover", &manifest, "fo");
     let mut conn = cluster.conn();
     for start in (0..COUNT).step_by(1000) {
