@@ -35,14 +35,22 @@ fn scaled_object(namespace: &str, metadata: &[(&str, &str)]) -> ScaledObjectRef 
     ScaledObjectRef { name: "consumers".into(), namespace: namespace.into(), scaler_metadata }
 }
 
-async fn client(address: &str) -> ExternalScalerClient<Channel> {
+/// A client of the scaler at `address`, once it answers for the policy `orders` of `namespace`: the operator's
+/// view of the policy follows the API server's by a watch event, so for a moment after `kubectl` shows it Ready the
+/// scaler still answers Unavailable (KEDA asks again).
+async fn client(address: &str, namespace: &str) -> ExternalScalerClient<Channel> {
     let start = Instant::now();
+    let orders = scaled_object(namespace, &[("policy", "orders")]);
     loop {
-        match ExternalScalerClient::connect(address.to_string()).await {
-            Ok(client) => return client,
-            Err(e) if start.elapsed() > Duration::from_secs(10) => panic!("no external scaler at {address}: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
+        let last = match ExternalScalerClient::connect(address.to_string()).await {
+            Ok(mut client) => match metric(&mut client, &orders).await {
+                Ok(_) => return client,
+                Err(refused) => format!("{refused:?}"),
+            },
+            Err(e) => e.to_string(),
+        };
+        assert!(start.elapsed() < Duration::from_secs(10), "no answer from the external scaler at {address}: {last}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -87,7 +95,7 @@ fn the_backlog_is_served_and_a_first_entry_is_pushed_within_a_second(flavor: Fla
     let (ns, _operator, address) = operator_with_scaler("scaler", &manifest, "orders");
     let mut conn = server.conn();
     runtime().block_on(async {
-        let mut client = client(&address).await;
+        let mut client = client(&address, &ns).await;
         let backlog = scaled_object(&ns, &[("policy", "orders")]);
         let spec = client.get_metric_spec(backlog.clone()).await.unwrap().into_inner();
         assert_eq!(spec.metric_specs[0].metric_name, "pelican-backlog-orders");
@@ -146,7 +154,7 @@ fn after_an_xdel_of_an_unread_entry_the_backlog_never_reads_zero_while_entries_w
     let lag: Option<i64> = group_field(&xinfo_groups(&mut conn, "orders")[0], "lag");
     assert_eq!(lag, None, "the server cannot tell the lag after an XDEL of an unread entry");
     runtime().block_on(async {
-        let mut client = client(&address).await;
+        let mut client = client(&address, &ns).await;
         let backlog = scaled_object(&ns, &[("policy", "orders")]);
         let lag = scaled_object(&ns, &[("policy", "orders"), ("metric", "lag")]);
         let mut seen = vec![];
@@ -176,7 +184,7 @@ fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor
     let mut conn = server.conn();
     xadd(&mut conn, "orders", 1);
     runtime().block_on(async {
-        let mut client = client(&address).await;
+        let mut client = client(&address, &ns).await;
         assert_eq!(metric(&mut client, &scaled_object(&ns, &[("policy", "orders")])).await, Ok(1));
 
         let elsewhere = scaled_object("team-b", &[("policy", "orders")]);
@@ -201,7 +209,7 @@ fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor
     // What was answered, as Prometheus sees it.
     let metrics = operator.metrics();
     for series in [
-        "pelican_scaler_answers_total{method=\"GetMetrics\",code=\"Ok\"} 1",
+        "pelican_scaler_answers_total{method=\"GetMetrics\",code=\"Ok\"} 2",
         "pelican_scaler_answers_total{method=\"GetMetrics\",code=\"NotFound\"} 1",
         "pelican_scaler_answers_total{method=\"IsActive\",code=\"NotFound\"} 1",
         "pelican_scaler_answers_total{method=\"StreamIsActive\",code=\"NotFound\"} 1",
@@ -209,7 +217,7 @@ fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor
     ] {
         assert!(metrics.contains(series), "{series} missing from:\n{metrics}");
     }
-    // One answer with a number, on a policy whose reconciles (every second) keep its reading fresh: one read, two
+    // Two answers with a number, on a policy whose reconciles (every second) keep its reading fresh: one read, two
     // if the answers spanned a second without a reconcile.
     let reads = metrics.lines().find_map(|l| l.strip_prefix("pelican_scaler_backlog_reads_total ")).unwrap();
     assert!(matches!(reads.parse::<u64>(), Ok(1..=2)), "{reads} backlog reads");
@@ -217,8 +225,18 @@ fn another_namespace_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor
     server.stop();
     wait_condition(&ns, "orders", "Ready", "False", "RedisUnavailable");
     runtime().block_on(async {
-        let mut client = client(&address).await;
-        let (code, message) = metric(&mut client, &scaled_object(&ns, &[("policy", "orders")])).await.unwrap_err();
+        let mut client = ExternalScalerClient::connect(address.clone()).await.unwrap();
+        // Until the operator's view of the policy has its new status, the server's refusal itself shows (Unavailable);
+        // never a number.
+        let start = Instant::now();
+        let (code, message) = loop {
+            let (code, message) = metric(&mut client, &scaled_object(&ns, &[("policy", "orders")])).await.unwrap_err();
+            if code == tonic::Code::FailedPrecondition || start.elapsed() > Duration::from_secs(5) {
+                break (code, message);
+            }
+            assert_eq!(code, tonic::Code::Unavailable, "{message}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
         println!("{flavor:?}: server stopped: {code:?}: {message}");
         assert_eq!(code, tonic::Code::FailedPrecondition);
         assert!(message.contains("is not Ready (RedisUnavailable"), "{message}");
