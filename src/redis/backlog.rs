@@ -117,6 +117,10 @@ impl Readings {
 
     fn slot(&self, policy: &str) -> Arc<Slot> {
         let mut slots = self.slots.lock().expect("readings lock");
+        if let Some(slot) = slots.get(policy) {
+            return slot.clone();
+        }
+        // Only a new policy pays for forgetting the old ones, not every ask.
         slots.retain(|_, slot| slot.asked.lock().expect("asked lock").is_none_or(|at| at.elapsed() < FORGET_AFTER));
         slots.entry(policy.to_string()).or_default().clone()
     }

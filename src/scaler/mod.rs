@@ -188,7 +188,8 @@ impl Scaler {
             }
         };
         let (_, backlog) = self.shared.readings.read(&id, MAX_AGE, probe).await?;
-        Ok((trigger.clone(), trigger.metric.of(&backlog)))
+        let value = trigger.metric.of(&backlog);
+        Ok((trigger, value))
     }
 }
 
