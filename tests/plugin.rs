@@ -12,15 +12,16 @@ use common::*;
 use serde_json::Value;
 
 /// `kubectl <args>` with the directory of the built `kubectl-pelican` first on the PATH.
-fn kubectl_plugin(args: &[&str]) -> Output {
+fn kubectl_plugin_command(args: &[&str]) -> Command {
     let plugin_dir = Path::new(env!("CARGO_BIN_EXE_kubectl-pelican")).parent().unwrap();
     let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
-    Command::new(bed().var("PELICAN_KUBECTL"))
-        .args(args)
-        .env("KUBECONFIG", bed().kubeconfig())
-        .env("PATH", path)
-        .output()
-        .expect("run kubectl")
+    let mut command = Command::new(bed().var("PELICAN_KUBECTL"));
+    command.args(args).env("KUBECONFIG", bed().kubeconfig()).env("PATH", path);
+    command
+}
+
+fn kubectl_plugin(args: &[&str]) -> Output {
+    kubectl_plugin_command(args).output().expect("run kubectl")
 }
 
 fn pelican_ok(args: &[&str]) -> String {
@@ -33,66 +34,84 @@ fn pelican_ok(args: &[&str]) -> String {
     text
 }
 
-#[test]
-fn kubectl_pelican_status_dlq_and_redrive() {
-    let server = Server::start(Flavor::Redis);
-    let ns = namespace("plugin");
-    let _operator = Operator::start(&ns);
-    // `orders` dead-letters after one delivery left idle for a second; `audit`, a second group on the same stream,
-    // keeps its pending entries.
-    let orders = policy("orders", &server.url(), "orders", "workers", "  retry:\n    maxDeliveries: 1\n")
-        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
-    let audit = policy("audit", &server.url(), "orders", "auditors", "")
-        .replace("    stream: \"orders:dlq\"", "    stream: \"orders:audit-dlq\"");
-    assert!(kubectl_apply(&ns, &format!("{orders}---\n{audit}")).0);
-    wait_condition(&ns, "orders", "Ready", "True", "Reconciled");
-    wait_condition(&ns, "audit", "Ready", "True", "Reconciled");
-    let mut conn = server.conn();
-    for n in 0..3 {
-        let _: String = redis::cmd("XADD")
-            .arg("orders")
-            .arg("*")
-            .arg("n")
-            .arg(n)
-            .arg("customer")
-            .arg("ada")
-            .query(&mut conn)
-            .unwrap();
-    }
-    assert_eq!(read_new(&mut conn, "orders", "workers", "worker-1", 10).len(), 3);
-    assert_eq!(read_new(&mut conn, "orders", "auditors", "auditor-1", 2).len(), 2);
-    wait_for("three dead letters", Duration::from_secs(30), || {
-        let n = xrange(&mut conn, "orders:dlq").len();
-        if n == 3 { Ok(()) } else { Err(format!("{n}")) }
-    });
+/// Two policies on one stream, their operator, and three dead letters: `orders` dead-letters after one delivery
+/// left idle for a second; `audit`, a second group on the same stream, keeps its two pending entries.
+struct DeadLettered {
+    server: Server,
+    ns: String,
+    _operator: Operator,
+}
 
-    // kubectl finds the plugin.
+impl DeadLettered {
+    fn start(prefix: &str) -> DeadLettered {
+        let server = Server::start(Flavor::Redis);
+        let orders = policy("orders", &server.url(), "orders", "workers", "  retry:\n    maxDeliveries: 1\n")
+            .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
+        let audit = policy("audit", &server.url(), "orders", "auditors", "")
+            .replace("    stream: \"orders:dlq\"", "    stream: \"orders:audit-dlq\"");
+        let (ns, operator) = ready_policy(prefix, &format!("{orders}---\n{audit}"), "orders");
+        wait_condition(&ns, "audit", "Ready", "True", "Reconciled");
+        let mut conn = server.conn();
+        for n in 0..3 {
+            let _: String = redis::cmd("XADD")
+                .arg("orders")
+                .arg("*")
+                .arg("n")
+                .arg(n)
+                .arg("customer")
+                .arg("ada")
+                .query(&mut conn)
+                .unwrap();
+        }
+        assert_eq!(read_new(&mut conn, "orders", "workers", "worker-1", 10).len(), 3);
+        assert_eq!(read_new(&mut conn, "orders", "auditors", "auditor-1", 2).len(), 2);
+        wait_for("three dead letters", Duration::from_secs(30), || {
+            let n = xrange(&mut conn, "orders:dlq").len();
+            if n == 3 { Ok(()) } else { Err(format!("{n}")) }
+        });
+        DeadLettered { server, ns, _operator: operator }
+    }
+}
+
+#[test]
+fn kubectl_finds_the_plugin_on_the_path() {
     let list = kubectl_plugin(&["plugin", "list"]);
     assert!(String::from_utf8_lossy(&list.stdout).contains("kubectl-pelican"), "{list:?}");
+}
 
-    // status: every policy of the namespace, then one with its oldest pending entries from the server.
+/// `status`: every policy of the namespace as a table, then one with its oldest pending entries from the server,
+/// in JSON and YAML too.
+#[test]
+fn status_lists_the_policies_and_one_with_its_oldest_pending_entries() {
+    let bed = DeadLettered::start("plugin-status");
+    let ns = &bed.ns;
     wait_for("the status to show the dead letters", Duration::from_secs(30), || {
-        let policy = get_policy(&ns, "orders");
+        let policy = get_policy(ns, "orders");
         if policy["status"]["totals"]["deadLettered"] == 3 { Ok(()) } else { Err(policy["status"].to_string()) }
     });
-    let table = pelican_ok(&["status", "-n", &ns]);
+    let table = pelican_ok(&["status", "-n", ns]);
     let rows = table_rows(&table);
     let row = rows.iter().find(|r| r["NAME"] == "orders").unwrap();
     assert_eq!((row["READY"].as_str(), row["DEAD-LETTERED"].as_str()), ("True", "3"), "{table}");
     let audit_row = rows.iter().find(|r| r["NAME"] == "audit").unwrap();
     assert_eq!(audit_row["PENDING"], "2", "{table}");
-    let one = pelican_ok(&["status", "audit", "-n", &ns, "--pending", "5"]);
+    let one = pelican_ok(&["status", "audit", "-n", ns, "--pending", "5"]);
     assert!(one.contains("Oldest pending entries:"), "{one}");
     assert_eq!(one.matches("auditor-1").count(), 2, "both pending entries, with their consumer: {one}");
-    let json: Value = serde_json::from_str(&pelican_ok(&["status", "audit", "-n", &ns, "-o", "json"])).unwrap();
+    let json: Value = serde_json::from_str(&pelican_ok(&["status", "audit", "-n", ns, "-o", "json"])).unwrap();
     assert_eq!(json["oldestPending"].as_array().unwrap().len(), 2);
     assert_eq!(json["oldestPending"][0]["consumer"], "auditor-1");
     assert_eq!(json["pending"], 2);
-    let yaml: Value = serde_yaml::from_str(&pelican_ok(&["status", "-n", &ns, "-o", "yaml"])).unwrap();
+    let yaml: Value = serde_yaml::from_str(&pelican_ok(&["status", "-n", ns, "-o", "yaml"])).unwrap();
     assert_eq!(yaml.as_array().unwrap().len(), 2);
+}
 
-    // dlq: grouped by reason and source, with a payload preview that can be turned off.
-    let dlq = pelican_ok(&["dlq", "orders", "-n", &ns]);
+/// `dlq`: dead letters grouped by reason and source, with a payload preview that can be turned off.
+#[test]
+fn dlq_groups_dead_letters_by_reason_and_source_and_hides_payloads_on_request() {
+    let bed = DeadLettered::start("plugin-dlq");
+    let ns = &bed.ns;
+    let dlq = pelican_ok(&["dlq", "orders", "-n", ns]);
     let groups = table_rows(dlq.split("\n\n").nth(1).unwrap());
     assert_eq!(groups.len(), 1, "{dlq}");
     assert_eq!(
@@ -100,20 +119,25 @@ fn kubectl_pelican_status_dlq_and_redrive() {
         ("MaxDeliveriesExceeded", "orders", "3")
     );
     assert!(dlq.contains("customer=ada n=0"), "{dlq}");
-    let private = pelican_ok(&["dlq", "orders", "-n", &ns, "--no-payload"]);
+    let private = pelican_ok(&["dlq", "orders", "-n", ns, "--no-payload"]);
     assert!(!private.contains("ada") && !private.contains("PAYLOAD"), "{private}");
     let json: Value =
-        serde_json::from_str(&pelican_ok(&["dlq", "orders", "-n", &ns, "-o", "json", "--no-payload"])).unwrap();
+        serde_json::from_str(&pelican_ok(&["dlq", "orders", "-n", ns, "-o", "json", "--no-payload"])).unwrap();
     assert_eq!(json["length"], 3);
     assert_eq!(json["entries"][0]["deliveries"], "1");
     assert!(json["entries"][0].get("payload").is_none());
+}
 
-    // redrive: creates the object and follows it to the end.
+/// `redrive`: creates the DeadLetterRedrive and follows it to the end.
+#[test]
+fn redrive_creates_the_object_and_follows_it_to_the_end() {
+    let bed = DeadLettered::start("plugin-redrive-one");
+    let ns = &bed.ns;
     let out = pelican_ok(&[
         "redrive",
         "orders",
         "-n",
-        &ns,
+        ns,
         "--reason",
         "MaxDeliveriesExceeded",
         "--rate",
@@ -123,10 +147,14 @@ fn kubectl_pelican_status_dlq_and_redrive() {
     ]);
     assert!(out.starts_with("deadletterredrive.pelican.io/fixed created"), "{out}");
     assert!(out.lines().last().unwrap().starts_with("Succeeded\tmoved 3 of 3"), "{out}");
-    assert!(xrange(&mut conn, "orders:dlq").is_empty());
-    println!("{}", kubectl_ok(&["get", "dlr", "-n", &ns, "-o", "wide"]));
+    assert!(xrange(&mut bed.server.conn(), "orders:dlq").is_empty());
+    println!("{}", kubectl_ok(&["get", "dlr", "-n", ns, "-o", "wide"]));
+}
 
-    // Mistakes say what is wrong and how to look.
+/// A mistake says what is wrong and how to look.
+#[test]
+fn a_policy_that_does_not_exist_is_named_with_how_to_list_them() {
+    let ns = namespace("plugin-missing");
     let missing = kubectl_plugin(&["pelican", "dlq", "nope", "-n", &ns]);
     assert!(!missing.status.success());
     let err = String::from_utf8_lossy(&missing.stderr);
@@ -162,15 +190,11 @@ fn redrive_twice_at_once_and_following_a_suspended_one() {
     assert_ne!(first, second);
 
     // Follow a third one (it waits behind the first), suspend it meanwhile: the command ends.
-    let plugin_dir = Path::new(env!("CARGO_BIN_EXE_kubectl-pelican")).parent().unwrap();
-    let path = format!("{}:{}", plugin_dir.display(), std::env::var("PATH").unwrap_or_default());
-    let mut follow = Command::new(bed().var("PELICAN_KUBECTL"))
-        .args(["pelican", "redrive", "orders", "-n", &ns, "--name", "third", "--rate", "1"])
-        .env("KUBECONFIG", bed().kubeconfig())
-        .env("PATH", path)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut follow =
+        kubectl_plugin_command(&["pelican", "redrive", "orders", "-n", &ns, "--name", "third", "--rate", "1"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
     std::thread::sleep(Duration::from_secs(3));
     kubectl_ok(&["patch", "dlr", "third", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"suspend":true}}"#]);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
