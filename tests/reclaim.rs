@@ -79,11 +79,23 @@ fn plain(n: usize) -> Vec<Vec<(Vec<u8>, Vec<u8>)>> {
     (0..n).map(|i| vec![(b"n".to_vec(), i.to_string().into_bytes())]).collect()
 }
 
-fn pass(server: &Server, settings: &PassSettings) -> jobs::PassReport {
+/// One dead-letter pass with a fresh cursor.
+fn try_pass(server: &Server, settings: &PassSettings) -> Result<jobs::PassReport, pelican::Error> {
     runtime().block_on(async {
         let mut conn = connect(server).await;
-        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut Cursor::default(), &|| true).await.unwrap()
+        jobs::reclaim_pass(&mut conn, "test", &keys(), settings, &mut Cursor::default(), &|| true).await
     })
+}
+
+fn pass(server: &Server, settings: &PassSettings) -> jobs::PassReport {
+    try_pass(server, settings).unwrap()
+}
+
+/// `consumer` reads up to `count` new entries and leaves them idle past `minIdle`.
+fn read_and_leave_idle(conn: &mut redis::Connection, consumer: &str, count: usize) -> Vec<String> {
+    let ids = read_new(conn, STREAM, GROUP, consumer, count);
+    std::thread::sleep(IDLE * 2);
+    ids
 }
 
 fn hget(conn: &mut redis::Connection, key: &str, field: &str) -> i64 {
@@ -94,8 +106,7 @@ fn requeue_appends_one_copy_with_origin_and_acks_the_original(flavor: Flavor) {
     let server = Server::start(flavor);
     let ids = seed(&server, &[vec![(b"a".to_vec(), b"1".to_vec()), (b"b".to_vec(), b"2".to_vec())]]);
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "crashed", 10);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "crashed", 10);
 
     let report = pass(&server, &settings(ReclaimStrategy::Requeue, 3));
     assert_eq!((report.requeued, report.dead_lettered), (1, 0));
@@ -139,8 +150,7 @@ fn dead_letter_keeps_every_original_field_byte_exact_and_in_order(flavor: Flavor
     ];
     let ids = seed(&server, std::slice::from_ref(&fields));
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "c1", 10);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "c1", 10);
 
     let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
     assert_eq!(report.dead_lettered, 1);
@@ -181,8 +191,7 @@ fn entry_with_thousands_of_fields_is_moved_and_a_larger_one_stays_pending(flavor
         |n: usize| (0..n).map(|i| (format!("f{i}").into_bytes(), format!("v{i}").into_bytes())).collect::<Vec<_>>();
     let ids = seed(&server, &[wide(3_000), wide(5_000)]);
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "c1", 10);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "c1", 10);
     let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
     assert_eq!((report.dead_lettered, report.too_large), (1, 1));
     let dead = xrange(&mut conn, DLQ);
@@ -195,8 +204,7 @@ fn consumer_that_acks_or_rereads_before_the_pass_wins(flavor: Flavor) {
     let server = Server::start(flavor);
     let ids = seed(&server, &plain(3));
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "slow", 10);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "slow", 10);
     // All three are idle. Then, before the pass: one is acknowledged, the other two re-read by their consumer.
     let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids[0]).query(&mut conn).unwrap();
     let _: redis::Value = redis::cmd("XREADGROUP")
@@ -242,19 +250,7 @@ fn dead_letter_key_of_another_type_writes_nothing(flavor: Flavor) {
     read_new(&mut conn, STREAM, GROUP, "c1", 10);
     let _: () = redis::cmd("SET").arg(DLQ).arg("taken").query(&mut conn).unwrap();
     std::thread::sleep(IDLE * 2);
-    let error = runtime().block_on(async {
-        let mut c = connect(&server).await;
-        jobs::reclaim_pass(
-            &mut c,
-            "test",
-            &keys(),
-            &settings(ReclaimStrategy::Requeue, 1),
-            &mut Cursor::default(),
-            &|| true,
-        )
-        .await
-        .unwrap_err()
-    });
+    let error = try_pass(&server, &settings(ReclaimStrategy::Requeue, 1)).unwrap_err();
     assert_eq!(error.reason(), "WrongKeyType", "{error}");
     assert!(error.to_string().contains(DLQ), "{error}");
     assert_eq!(pel(&mut conn, STREAM, GROUP).len(), 5);
@@ -267,14 +263,9 @@ fn group_destroyed_mid_pass_writes_nothing(flavor: Flavor) {
     let server = Server::start(flavor);
     seed(&server, &plain(5));
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "c1", 10);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "c1", 10);
     let _: i64 = redis::cmd("XGROUP").arg("DESTROY").arg(STREAM).arg(GROUP).query(&mut conn).unwrap();
-    let error = runtime().block_on(async {
-        let mut c = connect(&server).await;
-        let s = settings(ReclaimStrategy::Requeue, 1);
-        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut Cursor::default(), &|| true).await.unwrap_err()
-    });
+    let error = try_pass(&server, &settings(ReclaimStrategy::Requeue, 1)).unwrap_err();
     assert!(error.to_string().contains("NOGROUP"), "{error}");
     assert_eq!(xrange(&mut conn, STREAM).len(), 5);
     let dlq_type: String = redis::cmd("TYPE").arg(DLQ).query(&mut conn).unwrap();
@@ -285,8 +276,7 @@ fn lost_script_cache_is_reloaded(flavor: Flavor) {
     let server = Server::start(flavor);
     seed(&server, &plain(4));
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "c1", 2);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "c1", 2);
     runtime().block_on(async {
         let mut c = connect(&server).await;
         let s = settings(ReclaimStrategy::Requeue, 5);
@@ -333,8 +323,7 @@ fn reassign_gives_the_entry_to_the_least_loaded_live_consumer(flavor: Flavor) {
     let server = Server::start(flavor);
     seed(&server, &plain(4));
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "dead", 1);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "dead", 1);
     read_new(&mut conn, STREAM, GROUP, "busy", 2);
     // "idle" is a consumer that is alive (just polled) and owns nothing.
     read_new(&mut conn, STREAM, GROUP, "idle", 0);
@@ -416,8 +405,7 @@ fn a_batch_of_large_entries_never_makes_other_clients_wait_busy(flavor: Flavor) 
     let mut conn = server.conn();
     let big = vec![b'x'; 2 << 20];
     seed(&server, &(0..128).map(|_| vec![(b"blob".to_vec(), big.clone())]).collect::<Vec<_>>());
-    read_new(&mut conn, STREAM, GROUP, "crashed", 128);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "crashed", 128);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = {
         let (stop, mut probe) = (stop.clone(), server.conn());
@@ -455,8 +443,7 @@ fn a_counter_field_holding_no_integer_does_not_stop_the_pass(flavor: Flavor) {
     let terminal = pelican::keys::terminal_key(STREAM, GROUP);
     let _: () = redis::cmd("HSET").arg(&totals).arg("deadLettered").arg("not a number").query(&mut conn).unwrap();
     let _: () = redis::cmd("HSET").arg(&terminal).arg("MaxDeliveriesExceeded").arg("1.5").query(&mut conn).unwrap();
-    read_new(&mut conn, STREAM, GROUP, "c1", 300);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "c1", 300);
     let report = pass(&server, &settings(ReclaimStrategy::Requeue, 1));
     assert_eq!(report.dead_lettered, 300);
     assert!(pel(&mut conn, STREAM, GROUP).is_empty());
@@ -491,8 +478,7 @@ fn a_large_max_len_is_sent_as_an_integer(flavor: Flavor) {
     let server = Server::start(flavor);
     seed(&server, &plain(3));
     let mut conn = server.conn();
-    read_new(&mut conn, STREAM, GROUP, "c1", 3);
-    std::thread::sleep(IDLE * 2);
+    read_and_leave_idle(&mut conn, "c1", 3);
     let s =
         PassSettings { dead_letter_max_len: Some(100_000_000_000_000_000), ..settings(ReclaimStrategy::Requeue, 1) };
     let report = runtime().block_on(async {
