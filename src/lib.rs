@@ -37,3 +37,12 @@ pub mod tenancy;
 
 #[cfg(feature = "operator")]
 pub use error::{Error, Result};
+
+/// The Rust snippets of the book compile: `cargo test --doc` builds them as doctests.
+#[cfg(doctest)]
+mod book {
+    #[doc = include_str!("../docs/src/workers.md")]
+    mod workers {}
+    #[doc = include_str!("../docs/src/bounded-streams.md")]
+    mod bounded_streams {}
+}

@@ -228,7 +228,7 @@ fn eight_producers_at_once_never_push_the_backlog_past_the_bound(flavor: Flavor)
     assert!(accepted.iter().all(|id| in_stream.contains(id)), "an accepted entry is missing");
 }
 
-/// The README's redis-cli line, verbatim but for the port.
+/// The redis-cli line of docs/src/bounded-streams.md, verbatim but for the port.
 fn the_documented_redis_cli_call_publishes_and_is_refused_when_full(flavor: Flavor) {
     let server = Server::start(flavor);
     let mut conn = server.conn();

@@ -93,7 +93,7 @@ fn a_policy_whose_server_is_gone_lets_go_when_its_namespace_is_deleted() {
     );
 }
 
-/// README's move: Retain, delete, apply with the new URL. The group, its PEL and the counters carry on.
+/// The move docs/src/policy.md describes: Retain, delete, apply with the new URL. The group, its PEL and the counters carry on.
 fn the_documented_move_to_another_host_name_keeps_the_group_and_counters(flavor: Flavor) {
     let server = Server::start(flavor);
     let ns = namespace("move");

@@ -558,7 +558,7 @@ fn consumer_blocking_on_a_quiet_stream_is_not_expired(flavor: Flavor) {
             )
         }
         // Redis 7.0 refreshes `idle` only when a read delivers something: a poller on a quiet stream cannot be told
-        // from a dead consumer (the README says so). It owns nothing, so deleting it loses nothing, and its next
+        // from a dead consumer (docs/src/jobs.md says so). It owns nothing, so deleting it loses nothing, and its next
         // read that receives a message makes it again.
         Flavor::Redis => {
             assert_eq!((expired, names.len()), (2, 0));

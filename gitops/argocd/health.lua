@@ -1,5 +1,5 @@
 -- Argo CD health check for pelican.io/ConsumerGroupPolicy.
--- Install it under resource.customizations.health.pelican.io_ConsumerGroupPolicy in argocd-cm (see README).
+-- Install it under resource.customizations.health.pelican.io_ConsumerGroupPolicy in argocd-cm (see docs/src/gitops.md).
 --
 -- Ready=True (for the current generation) -> Healthy; Stalled=True -> Degraded;
 -- anything else (Reconciling, retrying, not yet observed) -> Progressing.

@@ -1,5 +1,5 @@
 -- Argo CD health check for pelican.io/DeadLetterRedrive.
--- Install it under resource.customizations.health.pelican.io_DeadLetterRedrive in argocd-cm (see README).
+-- Install it under resource.customizations.health.pelican.io_DeadLetterRedrive in argocd-cm (see docs/src/gitops.md).
 --
 -- Succeeded -> Healthy; Failed -> Degraded (with the reason); Suspended -> Suspended;
 -- Pending or Running (or not yet seen by the operator) -> Progressing, with what it waits for or how far it got.

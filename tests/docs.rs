@@ -1,0 +1,277 @@
+//! `docs/` against the code: every condition and Event reason the code writes is documented (and nothing
+//! documented is gone from the code), the generated reference pages (`pelican` commands from clap, the chart's
+//! `values.yaml`) are current, every environment variable the code reads is documented, and every relative link of
+//! the README, the chart's README and the book resolves. No bed needed.
+//!
+//! A stale generated page is rewritten by `PELICAN_WRITE_DOCS=1 cargo test --test docs` (then review the diff).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use regex::Regex;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The files below `dir` whose name ends with `ext`.
+fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut found = vec![];
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(files(&path, ext));
+        } else if path.to_string_lossy().ends_with(ext) {
+            found.push(path);
+        }
+    }
+    found.sort();
+    found
+}
+
+fn source() -> String {
+    files(&Path::new(ROOT).join("src"), ".rs").iter().map(|p| read(p)).collect::<Vec<_>>().join("\n")
+}
+
+/// The reasons the code writes: the errors' `reason()`, the Events published, the announcements of the plan, the
+/// redrive's phases, the `Saturated` condition's, and the condition constants.
+fn reasons_in_code() -> BTreeSet<String> {
+    let errors = read(&Path::new(ROOT).join("src/error.rs"));
+    let reason_fn = &errors[errors.find("pub fn reason(").expect("Error::reason in src/error.rs")..];
+    let mut found: BTreeSet<String> =
+        Regex::new(r#"=> "([A-Z]\w+)","#).unwrap().captures_iter(reason_fn).map(|c| c[1].to_string()).collect();
+    let code = source();
+    let patterns = [
+        // publish(.., EventType::X, "Reason", ..), and the pass's (type, reason) match arms
+        r#"EventType::\w+,\s*"([A-Z]\w+)""#,
+        // the plan's announcements
+        r#"Announcement \{ type_: EventType::\w+, reason: "(\w+)""#,
+        // a redrive's phase and reason; a redrive waiting
+        r#"RedrivePhase::\w+, "([A-Z]\w+)""#,
+        r#"\.pending\([^;]*?"([A-Z]\w+)""#,
+        // (status, reason, message) of Saturated
+        r#""(?:True|False|Unknown)",\s*"([A-Z]\w+)""#,
+    ];
+    for pattern in patterns {
+        for captures in Regex::new(pattern).unwrap().captures_iter(&code) {
+            found.insert(captures[1].to_string());
+        }
+    }
+    // The condition types and reasons named as constants (src/api/mod.rs).
+    let api = read(&Path::new(ROOT).join("src/api/mod.rs"));
+    for c in Regex::new(r#"pub const [A-Z_]+: &str = "([A-Z][a-z]\w+)""#).unwrap().captures_iter(&api) {
+        found.insert(c[1].to_string());
+    }
+    assert!(found.len() > 40, "the patterns found only {found:?}: did the code's shape change?");
+    found
+}
+
+#[test]
+fn every_reason_in_the_code_is_documented_and_every_documented_one_is_in_the_code() {
+    let page_path = Path::new(ROOT).join("docs/src/reference/conditions.md");
+    let page = read(&page_path);
+    let documented: BTreeSet<String> =
+        Regex::new(r"`([A-Z][A-Za-z]+)`").unwrap().captures_iter(&page).map(|c| c[1].to_string()).collect();
+    let code = reasons_in_code();
+    let missing: Vec<&String> = code.iter().filter(|r| !documented.contains(*r)).collect();
+    assert!(missing.is_empty(), "reasons the code writes that {} does not document: {missing:?}", page_path.display());
+    // The other way: a documented reason the code no longer has anywhere (as a string or a name).
+    let source = source();
+    let gone: Vec<&String> =
+        documented.iter().filter(|r| !Regex::new(&format!(r"\b{r}\b")).unwrap().is_match(&source)).collect();
+    assert!(gone.is_empty(), "{} documents what the code does not have: {gone:?}", page_path.display());
+}
+
+/// Compares a generated page with what it should hold now; rewrites it under `PELICAN_WRITE_DOCS=1`.
+fn generated(page: &str, expected: String) {
+    let path = Path::new(ROOT).join(page);
+    if std::env::var_os("PELICAN_WRITE_DOCS").is_some() {
+        std::fs::write(&path, &expected).unwrap();
+    }
+    let current = std::fs::read_to_string(&path).unwrap_or_default();
+    if current != expected {
+        let first = current.lines().zip(expected.lines()).position(|(a, b)| a != b);
+        panic!(
+            "{page} is stale (first difference at line {}): regenerate it with `PELICAN_WRITE_DOCS=1 cargo test --test \
+             docs` and document what changed",
+            first.map_or(current.lines().count().min(expected.lines().count()), |n| n) + 1
+        );
+    }
+}
+
+fn help(binary: &str, args: &[&str]) -> String {
+    let out = Command::new(binary).args(args).arg("--help").env_clear().output().unwrap();
+    assert!(out.status.success(), "{binary} {args:?} --help: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn the_command_reference_is_what_clap_prints() {
+    let pelican = env!("CARGO_BIN_EXE_pelican");
+    let mut page = String::from(
+        "# Commands, flags and environment variables\n\n<!-- Generated by `PELICAN_WRITE_DOCS=1 cargo test --test docs` \
+         from the binaries' --help; tests/docs.rs fails when it is stale. -->\n\n`pelican` is the operator's binary \
+         (the image runs `pelican run`); its `status`, `dlq` and `redrive` are also the `kubectl pelican` plugin \
+         (`kubectl-pelican`, the same commands). Every flag of `pelican run` can be set by the environment variable \
+         shown with it; the chart sets them from its values. Besides those, the operator reads `RUST_LOG` (a \
+         `tracing` filter that overrides the level, default `info`), `POD_NAME` (the Pod's name: the leader Lease's \
+         holder identity, and the Pod the KEDA scaler labels; `HOSTNAME` when unset) and `POD_NAMESPACE` (the \
+         Lease's namespace, and the scaler's Pod); the chart sets both from the downward API.\n",
+    );
+    for (title, binary, args) in [
+        ("pelican", pelican, &[][..]),
+        ("pelican run", pelican, &["run"][..]),
+        ("pelican crd", pelican, &["crd"][..]),
+        ("pelican version", pelican, &["version"][..]),
+        ("kubectl pelican", env!("CARGO_BIN_EXE_kubectl-pelican"), &[][..]),
+        ("kubectl pelican status", env!("CARGO_BIN_EXE_kubectl-pelican"), &["status"][..]),
+        ("kubectl pelican dlq", env!("CARGO_BIN_EXE_kubectl-pelican"), &["dlq"][..]),
+        ("kubectl pelican redrive", env!("CARGO_BIN_EXE_kubectl-pelican"), &["redrive"][..]),
+    ] {
+        page += &format!("\n## `{title}`\n\n```text\n{}```\n", help(binary, args));
+    }
+    generated("docs/src/reference/commands.md", page);
+}
+
+#[test]
+fn every_environment_variable_the_code_reads_is_documented() {
+    let code = source();
+    let docs: String = files(&Path::new(ROOT).join("docs/src"), ".md").iter().map(|p| read(p)).collect();
+    let mut read_vars = BTreeSet::new();
+    for pattern in [r#"env::var(?:_os)?\("([A-Z_]+)"\)"#, r#"env = "([A-Z_]+)""#] {
+        for c in Regex::new(pattern).unwrap().captures_iter(&code) {
+            read_vars.insert(c[1].to_string());
+        }
+    }
+    read_vars.insert("RUST_LOG".into());
+    let missing: Vec<&String> = read_vars.iter().filter(|v| !docs.contains(v.as_str())).collect();
+    assert!(missing.is_empty(), "environment variables the code reads that docs/src does not name: {missing:?}");
+}
+
+#[test]
+fn the_chart_values_reference_is_the_charts_values_yaml() {
+    let values = read(&Path::new(ROOT).join("charts/pelican/values.yaml"));
+    let page = format!(
+        "# Chart values\n\n<!-- Generated by `PELICAN_WRITE_DOCS=1 cargo test --test docs` from \
+         charts/pelican/values.yaml; tests/docs.rs fails when it is stale. -->\n\nEvery value of the chart \
+         `charts/pelican`, its default and what it does, as `values.yaml` has them (`values.schema.json` refuses \
+         values of the wrong type or shape at `helm install`). Set them with `--set key=value` or `-f my-values.yaml`.\
+         \n\n```yaml\n{values}```\n"
+    );
+    generated("docs/src/reference/chart-values.md", page);
+}
+
+#[test]
+fn every_relative_link_resolves() {
+    let root = Path::new(ROOT);
+    let mut pages = files(&root.join("docs/src"), ".md");
+    pages.extend([root.join("README.md"), root.join("charts/pelican/README.md"), root.join("CHANGELOG.md")]);
+    let link = Regex::new(r"\]\(([^)\s]+)\)").unwrap();
+    let mut broken = vec![];
+    for page in &pages {
+        let text = read(page);
+        let mut in_code = false;
+        for line in text.lines() {
+            if line.starts_with("```") {
+                in_code = !in_code;
+            }
+            if in_code {
+                continue;
+            }
+            for c in link.captures_iter(line) {
+                let target = &c[1];
+                if target.starts_with("http") || target.starts_with('#') || target.starts_with("mailto:") {
+                    continue;
+                }
+                let file = target.split('#').next().unwrap();
+                if !page.parent().unwrap().join(file).exists() {
+                    broken.push(format!("{}: {target}", page.strip_prefix(root).unwrap().display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "links to nothing:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn every_page_of_the_book_is_in_its_summary() {
+    let src = Path::new(ROOT).join("docs/src");
+    let summary = read(&src.join("SUMMARY.md"));
+    let orphans: Vec<String> = files(&src, ".md")
+        .iter()
+        .map(|p| p.strip_prefix(&src).unwrap().display().to_string())
+        .filter(|p| p != "SUMMARY.md" && !summary.contains(&format!("({p})")))
+        .collect();
+    assert!(orphans.is_empty(), "pages docs/src/SUMMARY.md does not list: {orphans:?}");
+}
+
+/// One table row per field of an OpenAPI schema, depth first: `path | type | default | description`.
+fn fields(schema: &serde_json::Value, path: &str, rows: &mut Vec<String>) {
+    let Some(properties) = schema["properties"].as_object() else { return };
+    let required: BTreeSet<&str> =
+        schema["required"].as_array().into_iter().flatten().filter_map(|r| r.as_str()).collect();
+    for (name, field) in properties {
+        let here = if path.is_empty() { name.clone() } else { format!("{path}.{name}") };
+        let mut type_ = field["type"].as_str().unwrap_or("object").to_string();
+        let items = &field["items"];
+        if type_ == "array" {
+            type_ = format!("[]{}", items["type"].as_str().unwrap_or("object"));
+        }
+        if let Some(values) = field["enum"].as_array() {
+            let values: Vec<String> = values.iter().map(|v| v.as_str().unwrap_or_default().to_string()).collect();
+            type_ = format!("{type_}: {}", values.join(" \\| "));
+        }
+        if required.contains(name.as_str()) {
+            type_ += ", required";
+        }
+        let default = match &field["default"] {
+            serde_json::Value::Null => String::new(),
+            value => format!("`{value}`"),
+        };
+        let description = field["description"].as_str().unwrap_or_default().replace('\n', " ").replace('|', "\\|");
+        rows.push(format!("| `{here}` | {type_} | {default} | {description} |"));
+        fields(field, &here, rows);
+        if items.is_object() {
+            fields(items, &format!("{here}[]"), rows);
+        }
+    }
+}
+
+#[test]
+fn the_api_reference_is_generated_from_the_crds() {
+    let mut page = String::from(
+        "# API reference\n\n<!-- Generated by `PELICAN_WRITE_DOCS=1 cargo test --test docs` from crds/; tests/docs.rs \
+         fails when it is stale. -->\n\nEvery field of the three resources of `pelican.io/v1alpha1`, from the CRDs \
+         the API server validates with (`kubectl explain cgp.spec --recursive` shows the same). The rules across \
+         fields (CEL) are listed after each table.\n",
+    );
+    for (kind, file) in [
+        ("ConsumerGroupPolicy", "pelican.io_consumergrouppolicies.yaml"),
+        ("DeadLetterRedrive", "pelican.io_deadletterredrives.yaml"),
+        ("RedisServer", "pelican.io_redisservers.yaml"),
+    ] {
+        let crd: serde_json::Value = serde_yaml::from_str(&read(&Path::new(ROOT).join("crds").join(file))).unwrap();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        page += &format!("\n## {kind}\n\n{}\n", schema["description"].as_str().unwrap_or_default());
+        for part in ["spec", "status"] {
+            let mut rows = vec![];
+            fields(&schema["properties"][part], "", &mut rows);
+            page += &format!("\n### `{part}`\n\n| field | type | default | description |\n| --- | --- | --- | --- |\n");
+            page += &rows.join("\n");
+            page += "\n";
+            let rules: Vec<String> = schema["properties"][part]["x-kubernetes-validations"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| r["message"].as_str().map(|m| format!("- {m}")))
+                .collect();
+            if !rules.is_empty() {
+                page += &format!("\nRules of `{part}` as a whole:\n\n{}\n", rules.join("\n"));
+            }
+        }
+    }
+    generated("docs/src/reference/api.md", page);
+}
