@@ -296,6 +296,20 @@ fn installed_pods_reconcile_a_policy_through_a_service_with_only_the_charts_rbac
     show(&["get", "cgp", "-n", apps, "-o", "wide"]);
     assert!(redis_in_pod(&installed.redis_ip, &["XINFO", "GROUPS", "orders"]).contains("billing"));
 
+    // The README's quick start, as a reader would follow it: its policy, as written but for the Service's address
+    // (the bed has no cluster DNS) and the namespace, with the Secret it names (tests/node/redis.yaml's), is Ready.
+    let readme = include_str!("../README.md");
+    let start = readme.find("```yaml\n").expect("the README's quick start has a YAML policy") + "```yaml\n".len();
+    let quick_start = readme[start..][..readme[start..].find("```").unwrap()]
+        .replace("name: orders, namespace: apps}", "name: quick-start}")
+        .replace("redis://redis.apps.svc:6379/0", &format!("redis://{}:6379/0", installed.redis_ip))
+        .replace("stream: orders\n", "stream: quick-start\n")
+        .replace("\"orders:dlq\"", "\"quick-start:dlq\"");
+    let (ok, out) = kubectl_apply(apps, &quick_start);
+    assert!(ok, "{out}\n{quick_start}");
+    wait_condition(apps, "quick-start", "Ready", "True", "Reconciled");
+    println!("the README's quick-start policy is Ready on the node");
+
     // /metrics from the pods: exactly one leads, and it reports the policy.
     let (leader, leader_ip) = installed.leader(None);
     let metrics = scrape(&leader_ip).unwrap();
