@@ -325,7 +325,9 @@ impl Cluster {
 }
 
 /// A primary, two replicas and three sentinels on loopback (`redis-server --sentinel` / `valkey-server --sentinel`),
-/// monitoring the primary as `mymaster` with a quorum of 2 and a 1-second down-after, so a failover takes seconds.
+/// monitoring the primary as `mymaster` with a quorum of 2 and a 5-second down-after (the low end of what
+/// deployments use), so a failover takes seconds. 1 second was too short on a busy machine: a primary starved of CPU
+/// while it answered a large read missed the sentinels' pings that long, and they failed over before a test's kill.
 pub struct Sentinels {
     pub servers: Vec<Server>,
     pub sentinels: Vec<(u16, Child, tempfile::TempDir)>,
@@ -405,7 +407,7 @@ impl Sentinels {
                 let (dir, sentinel_port) = (tempfile::tempdir().unwrap(), free_port());
                 let mut conf = format!(
                     "port {sentinel_port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER_NAME} 127.0.0.1 {port} 2\n\
-                     sentinel down-after-milliseconds {MASTER_NAME} 1000\nsentinel failover-timeout {MASTER_NAME} 5000\n",
+                     sentinel down-after-milliseconds {MASTER_NAME} 5000\nsentinel failover-timeout {MASTER_NAME} 5000\n",
                     dir.path().display()
                 );
                 if tls {
