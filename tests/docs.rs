@@ -6,10 +6,13 @@
 //! A stale generated page is rewritten by `PELICAN_WRITE_DOCS=1 cargo test --test docs` (then review the diff).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use regex::Regex;
+
+mod common;
+use common::files_below;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -17,33 +20,17 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The files below `dir` whose name ends with `ext`.
-fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
-    let mut found = vec![];
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            found.extend(files(&path, ext));
-        } else if path.to_string_lossy().ends_with(ext) {
-            found.push(path);
-        }
-    }
-    found.sort();
-    found
-}
-
 fn source() -> String {
-    files(&Path::new(ROOT).join("src"), ".rs").iter().map(|p| read(p)).collect::<Vec<_>>().join("\n")
+    files_below(&Path::new(ROOT).join("src"), ".rs").iter().map(|p| read(p)).collect::<Vec<_>>().join("\n")
 }
 
 /// The reasons the code writes: the errors' `reason()`, the Events published, the announcements of the plan, the
 /// redrive's phases, the `Saturated` condition's, and the condition constants.
-fn reasons_in_code() -> BTreeSet<String> {
+fn reasons_in_code(code: &str) -> BTreeSet<String> {
     let errors = read(&Path::new(ROOT).join("src/error.rs"));
     let reason_fn = &errors[errors.find("pub fn reason(").expect("Error::reason in src/error.rs")..];
     let mut found: BTreeSet<String> =
         Regex::new(r#"=> "([A-Z]\w+)","#).unwrap().captures_iter(reason_fn).map(|c| c[1].to_string()).collect();
-    let code = source();
     let patterns = [
         // publish(.., EventType::X, "Reason", ..), and the pass's (type, reason) match arms
         r#"EventType::\w+,\s*"([A-Z]\w+)""#,
@@ -56,7 +43,7 @@ fn reasons_in_code() -> BTreeSet<String> {
         r#""(?:True|False|Unknown)",\s*"([A-Z]\w+)""#,
     ];
     for pattern in patterns {
-        for captures in Regex::new(pattern).unwrap().captures_iter(&code) {
+        for captures in Regex::new(pattern).unwrap().captures_iter(code) {
             found.insert(captures[1].to_string());
         }
     }
@@ -75,11 +62,11 @@ fn every_reason_in_the_code_is_documented_and_every_documented_one_is_in_the_cod
     let page = read(&page_path);
     let documented: BTreeSet<String> =
         Regex::new(r"`([A-Z][A-Za-z]+)`").unwrap().captures_iter(&page).map(|c| c[1].to_string()).collect();
-    let code = reasons_in_code();
+    let source = source();
+    let code = reasons_in_code(&source);
     let missing: Vec<&String> = code.iter().filter(|r| !documented.contains(*r)).collect();
     assert!(missing.is_empty(), "reasons the code writes that {} does not document: {missing:?}", page_path.display());
     // The other way: a documented reason the code no longer has anywhere (as a string or a name).
-    let source = source();
     let gone: Vec<&String> =
         documented.iter().filter(|r| !Regex::new(&format!(r"\b{r}\b")).unwrap().is_match(&source)).collect();
     assert!(gone.is_empty(), "{} documents what the code does not have: {gone:?}", page_path.display());
@@ -139,7 +126,7 @@ fn the_command_reference_is_what_clap_prints() {
 #[test]
 fn every_environment_variable_the_code_reads_is_documented() {
     let code = source();
-    let docs: String = files(&Path::new(ROOT).join("docs/src"), ".md").iter().map(|p| read(p)).collect();
+    let docs: String = files_below(&Path::new(ROOT).join("docs/src"), ".md").iter().map(|p| read(p)).collect();
     let mut read_vars = BTreeSet::new();
     for pattern in [r#"env::var(?:_os)?\("([A-Z_]+)"\)"#, r#"env = "([A-Z_]+)""#] {
         for c in Regex::new(pattern).unwrap().captures_iter(&code) {
@@ -167,7 +154,7 @@ fn the_chart_values_reference_is_the_charts_values_yaml() {
 #[test]
 fn every_relative_link_resolves() {
     let root = Path::new(ROOT);
-    let mut pages = files(&root.join("docs/src"), ".md");
+    let mut pages = files_below(&root.join("docs/src"), ".md");
     pages.extend([root.join("README.md"), root.join("charts/pelican/README.md"), root.join("CHANGELOG.md")]);
     let link = Regex::new(r"\]\(([^)\s]+)\)").unwrap();
     let mut broken = vec![];
@@ -200,7 +187,7 @@ fn every_relative_link_resolves() {
 fn every_page_of_the_book_is_in_its_summary() {
     let src = Path::new(ROOT).join("docs/src");
     let summary = read(&src.join("SUMMARY.md"));
-    let orphans: Vec<String> = files(&src, ".md")
+    let orphans: Vec<String> = files_below(&src, ".md")
         .iter()
         .map(|p| p.strip_prefix(&src).unwrap().display().to_string())
         .filter(|p| p != "SUMMARY.md" && !summary.contains(&format!("({p})")))
@@ -297,8 +284,8 @@ fn the_scripts_reference_is_their_headers() {
          `kill -9`, failovers and concurrent callers. The scripts under `src/worker/` are the contracts for \
          producers and workers in any language: load them as they are.\n",
     );
-    let mut scripts = files(&root.join("src/jobs/scripts"), ".lua");
-    scripts.extend(files(&root.join("src/worker"), ".lua"));
+    let mut scripts = files_below(&root.join("src/jobs/scripts"), ".lua");
+    scripts.extend(files_below(&root.join("src/worker"), ".lua"));
     for script in scripts {
         let name = script.strip_prefix(root).unwrap().display().to_string();
         let header = lua_header(&script);

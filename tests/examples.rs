@@ -138,17 +138,7 @@ fn redrive_example_moves_the_notifications_dead_letters_back() {
 fn every_resource_in_the_documentation_is_admitted_by_the_crds() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut pages = vec![root.join("README.md"), root.join("charts/pelican/README.md")];
-    let mut dirs = vec![root.join("docs/src")];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(dir).unwrap().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|e| e == "md") {
-                pages.push(path);
-            }
-        }
-    }
+    pages.extend(files_below(&root.join("docs/src"), ".md"));
     let ns = namespace("docs");
     let inline_namespace = regex::Regex::new(r",\s*namespace:\s*[a-z0-9-]+").unwrap();
     let mut checked = 0;

@@ -94,21 +94,12 @@ fn pod_log(namespace: &str, pod: &str) -> String {
     let mut text = String::new();
     for entry in std::fs::read_dir(&dir).unwrap().flatten() {
         if entry.file_name().to_string_lossy().starts_with(&format!("{namespace}_{pod}_")) {
-            for file in walk(&entry.path()) {
+            for file in files_below(&entry.path(), "") {
                 text += &std::fs::read_to_string(file).unwrap_or_default();
             }
         }
     }
     text
-}
-
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut files = vec![];
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        if path.is_dir() { files.extend(walk(&path)) } else { files.push(path) }
-    }
-    files
 }
 
 fn show(args: &[&str]) {

@@ -29,6 +29,21 @@ pub use servers::*;
 #[allow(unused_imports)]
 pub use streams::*;
 
+/// The files below `dir` (every level) whose name ends with `suffix` (`""`: all), sorted.
+pub fn files_below(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+    let mut found = vec![];
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(files_below(&path, suffix));
+        } else if path.to_string_lossy().ends_with(suffix) {
+            found.push(path);
+        }
+    }
+    found.sort();
+    found
+}
+
 /// Paths and addresses written by `scripts/testenv up` into `$PELICAN_TESTENV/env`.
 pub struct Bed {
     vars: HashMap<String, String>,
