@@ -2,8 +2,9 @@
 //!
 //! 1. the bounded-publish script with one bounded group (a bound high enough never to refuse, so every call does the
 //!    full check) against plain `XADD` of the same entry and a script that only runs the `XADD`: one client, one
-//!    call at a time (three rounds in turn, the median of each); then 16 clients with 100 entries in flight each,
-//!    pipelining 100 calls, and the batch script with batches of 100 (one call, one check);
+//!    call at a time, the three taking turns every 20 calls (a round trip on a shared two-core machine drifts by a
+//!    third over seconds; turns this short give each path the same drift); then 16 clients with 100 entries in
+//!    flight each, pipelining 100 calls, and the batch script with batches of 100 (one call, one check);
 //! 2. the retention trim of 100,000 acknowledged entries from a 1,000,000-entry stream against a bare
 //!    `XTRIM MINID` of the same entries (what a person would run knowing the safe point).
 //!
@@ -95,6 +96,28 @@ async fn reset(conn: &mut Conn) {
     XADD_ONLY.load_async(conn).await.unwrap();
 }
 
+/// Publishes per second of each of `paths`, one call at a time on one connection, the paths taking turns every
+/// `turn` calls until each has made `per_path`.
+async fn one_at_a_time(url: &str, paths: &[Publish], per_path: usize, turn: usize) -> Vec<f64> {
+    let pools = Pools::default();
+    let mut conn = pools.get(&Target::new(url)).await.unwrap();
+    reset(&mut conn).await;
+    let mut conn = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let mut seconds = vec![0.0; paths.len()];
+    for first in (0..per_path).step_by(turn) {
+        for (path, &how) in paths.iter().enumerate() {
+            let start = Instant::now();
+            for n in first..(first + turn).min(per_path) {
+                let mut pipe = redis::pipe();
+                add(&mut pipe, how, n);
+                let () = pipe.query_async(&mut conn).await.unwrap();
+            }
+            seconds[path] += start.elapsed().as_secs_f64();
+        }
+    }
+    seconds.iter().map(|s| per_path as f64 / s).collect()
+}
+
 /// Publishes per second: `clients` connections, each sending `per_client` publishes in pipelines of `depth`.
 async fn rate(url: &str, how: Publish, clients: usize, per_client: usize, depth: usize) -> f64 {
     let pools = Pools::default();
@@ -145,11 +168,6 @@ async fn trim_time(conn: &mut Conn, size: usize, trim: usize, scripted: bool) ->
     (start.elapsed().as_secs_f64(), trimmed)
 }
 
-fn median(mut rates: Vec<f64>) -> f64 {
-    rates.sort_by(f64::total_cmp);
-    rates[rates.len() / 2]
-}
-
 /// One `SUMMARY` line, for scripts.
 fn summary(path: &str, pelican: f64, reference: f64) -> String {
     format!("SUMMARY {path} pelican={pelican:.0}/s reference={reference:.0}/s ratio={:.2}", pelican / reference)
@@ -170,16 +188,10 @@ async fn main() {
             "{:<34} {:>11} {:>17} {:>14} {:>11}",
             "clients x entries in flight", "plain XADD", "XADD in a script", "bounded, 1/call", "bounded, batch"
         );
-        // One call at a time: round-trip bound, so the rounds take turns and each path reports its median.
-        let n = per_client / 4;
-        let (mut plain, mut scripted, mut bounded) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..3 {
-            plain.push(rate(&url, Publish::Plain, 1, n, 1).await);
-            scripted.push(rate(&url, Publish::ScriptedXadd, 1, n, 1).await);
-            bounded.push(rate(&url, Publish::Bounded, 1, n, 1).await);
-        }
-        let (plain, scripted, bounded) = (median(plain), median(scripted), median(bounded));
-        println!("{:<34} {plain:>11.0} {scripted:>17.0} {bounded:>14.0} {:>11}", "1 x 1 (median of 3)", "-");
+        // One call at a time: bound by the round trip, so the paths take turns.
+        let paths = [Publish::Plain, Publish::ScriptedXadd, Publish::Bounded];
+        let [plain, scripted, bounded] = one_at_a_time(&url, &paths, per_client, 20).await[..] else { unreachable!() };
+        println!("{:<34} {plain:>11.0} {scripted:>17.0} {bounded:>14.0} {:>11}", "1 x 1 (turns of 20 calls)", "-");
         one_by_one.push(summary("bounded-1x1", bounded, plain));
         let plain = rate(&url, Publish::Plain, 16, per_client, 100).await;
         let scripted = rate(&url, Publish::ScriptedXadd, 16, per_client, 100).await;

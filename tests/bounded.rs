@@ -24,6 +24,7 @@ on_both_servers!(
     the_documented_redis_cli_call_publishes_and_is_refused_when_full,
     the_sdk_producer_tells_a_refusal_from_an_unknown_outcome,
     a_lag_the_server_cannot_tell_counts_the_whole_stream,
+    a_check_the_server_refuses_is_an_error_never_an_unbounded_publish,
     a_batch_is_written_in_order_up_to_the_room_and_the_rest_refused,
     eight_producers_of_batches_never_push_the_backlog_past_the_bound,
     a_malformed_batch_writes_nothing_and_says_what_is_wrong,
@@ -296,6 +297,40 @@ fn a_lag_the_server_cannot_tell_counts_the_whole_stream(flavor: Flavor) {
     let (more, refused) = publish_many(&mut conn, &sha, 8, 5);
     assert_eq!((more.len(), refused.len()), (3, 2));
     assert_eq!(refused[0], "PELICAN_BACKLOG_FULL billing 10 10");
+}
+
+/// The check reads the groups with `redis.pcall` so that a stream not created yet (no group to bound) is published
+/// to; any other error of that read is the reply. A producer whose ACL lacks XINFO gets the server's ACL error from
+/// both scripts and writes nothing: never an entry past a bound it could not check.
+fn a_check_the_server_refuses_is_an_error_never_an_unbounded_publish(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    bound(&mut conn, GROUP, 1);
+    // No stream yet: the bound names a group it does not have, so the entry is added (and the stream created).
+    let sha = load(&mut conn);
+    let (ids, refused) = publish_many(&mut conn, &sha, 0, 1);
+    assert_eq!((ids.len(), refused.len()), (1, 0), "{refused:?}");
+    group_at_zero(&mut conn, GROUP);
+    let _: () =
+        redis::cmd("ACL").arg(&["SETUSER", "no-xinfo", "on", ">pw", "~*", "+@all", "-xinfo"]).query(&mut conn).unwrap();
+    let mut producer = server.conn();
+    let _: () = redis::cmd("AUTH").arg("no-xinfo").arg("pw").query(&mut producer).unwrap();
+    let single: redis::RedisResult<String> = publish_cmd(&sha, 1).query(&mut producer);
+    let batch: redis::RedisResult<redis::Value> = redis::cmd("EVAL")
+        .arg(BOUNDED_PUBLISH_BATCH_LUA)
+        .arg(3)
+        .arg(STREAM)
+        .arg(bounds_key(STREAM))
+        .arg(rejected_key(STREAM))
+        .arg(&[1, 2])
+        .arg(&["n", "2"])
+        .query(&mut producer);
+    for (script, result) in [("single", single.map(|_| ())), ("batch", batch.map(|_| ()))] {
+        let error = result.expect_err(script);
+        let message = error.to_string();
+        assert!(message.contains("can't run") || message.contains("no permissions"), "{script}: {message}");
+    }
+    assert_eq!(xrange(&mut conn, STREAM).len(), 1, "nothing written past the check");
 }
 
 fn trim(server: &Server, min_age: Duration) -> jobs::Trim {

@@ -4,7 +4,8 @@
 -- ARGV    field1, value1, field2, value2, ...  (the entry, as for XADD)
 --
 -- Reply: the new entry id. Refusal: the error `PELICAN_BACKLOG_FULL <group> <backlog> <max>`, nothing written but
--- one count under <group> in KEYS[3].
+-- one count under <group> in KEYS[3]. Any other error (a key of another type, an ACL that does not allow XINFO) is
+-- the server's, with nothing written.
 --
 -- The bounds hash (field = group, value = maxLength) is kept by the operator from the policies. A group's backlog is
 -- what it has not acknowledged: entries not yet delivered to it (lag, at most the stream's length: Redis 7.0
@@ -19,32 +20,36 @@ if #ARGV == 0 or #ARGV % 2 ~= 0 then
   return redis.error_reply('ERR bounded publish needs field value pairs as arguments, got ' .. #ARGV .. ' arguments')
 end
 local bounds = redis.call('HGETALL', KEYS[2])
-if #bounds > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
-  local max_of = {}
-  for i = 1, #bounds, 2 do
-    max_of[bounds[i]] = tonumber(bounds[i + 1])
+if #bounds > 0 then
+  -- A stream that does not exist has no group to bound: its `no such key` is the one error let through (any other,
+  -- an ACL refusal or a key of another type, is the reply).
+  local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+  if groups.err then
+    if not string.find(groups.err, 'no such key', 1, true) then return groups end
+    groups = {}
   end
   local length = nil
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-    local name, pending, lag
-    for j = 1, #info, 2 do
-      local field = info[j]
-      if field == 'name' then name = info[j + 1]
-      elseif field == 'pending' then pending = info[j + 1]
-      elseif field == 'lag' then lag = info[j + 1] end
+  for _, info in ipairs(groups) do
+    -- name, consumers, pending, last-delivered-id, entries-read, lag: the layout of Redis 7.0 on and Valkey, read by
+    -- position (a search by field name costs more than the check of two names).
+    if info[5] ~= 'pending' or info[11] ~= 'lag' then
+      return redis.error_reply('ERR bounded publish needs XINFO GROUPS as Redis 7.0 or later replies it')
     end
-    local max = max_of[name]
-    if max then
-      -- The stream's length is read only when it matters: the lag is unknown, or the backlog looks full and the
-      -- lag may be overstated.
-      if type(lag) ~= 'number' or lag + pending >= max then
-        length = length or redis.call('XLEN', KEYS[1])
-        if type(lag) ~= 'number' or lag > length then lag = length end
-      end
-      local backlog = lag + pending
-      if backlog >= max then
-        redis.call('HINCRBY', KEYS[3], name, 1)
-        return redis.error_reply(string.format('PELICAN_BACKLOG_FULL %s %d %d', name, backlog, max))
+    local name, pending, lag = info[2], info[6], info[12]
+    for i = 1, #bounds, 2 do
+      if bounds[i] == name then
+        local max = tonumber(bounds[i + 1])
+        -- The stream's length is read only when it matters: the lag is unknown, or the backlog looks full and the
+        -- lag may be overstated.
+        if type(lag) ~= 'number' or lag + pending >= max then
+          length = length or redis.call('XLEN', KEYS[1])
+          if type(lag) ~= 'number' or lag > length then lag = length end
+        end
+        local backlog = lag + pending
+        if backlog >= max then
+          redis.call('HINCRBY', KEYS[3], name, 1)
+          return redis.error_reply(string.format('PELICAN_BACKLOG_FULL %s %d %d', name, backlog, max))
+        end
       end
     end
   end

@@ -8,10 +8,10 @@
 -- Reply: {ids, refusal}. `ids` are the ids of the entries added: the first k of the n, in order. `refusal` is empty
 -- when k = n; otherwise it is {group, backlog, max} of the group with the least room, the last n - k entries were
 -- not written, and n - k is counted under that group in KEYS[3]. Malformed arguments are an error reply, before
--- anything is written.
+-- anything is written; so is any error of the check (a key of another type, an ACL that does not allow XINFO).
 --
--- The backlog is counted exactly as bounded_publish.lua counts it (lag plus pending; the whole stream as unread when
--- the server cannot tell the lag; the length read only when it matters). The room of the batch is the least, over the
+-- The backlog is counted exactly as bounded_publish.lua counts it, with the same calls (lag plus pending; the whole
+-- stream as unread when the server cannot tell the lag; the length read only when it matters). The room of the batch is the least, over the
 -- bounded groups, of their bound minus their backlog.
 -- Invariant: after the call no bounded group's backlog exceeds its bound, and an entry is written only when every
 -- entry before it in the batch was. Every argument is checked before the first XADD, so a call that is refused for
@@ -39,30 +39,30 @@ end
 
 local room, full = n, nil
 local bounds = redis.call('HGETALL', KEYS[2])
-if #bounds > 0 and redis.call('EXISTS', KEYS[1]) == 1 then
-  local max_of = {}
-  for i = 1, #bounds, 2 do
-    max_of[bounds[i]] = tonumber(bounds[i + 1])
+if #bounds > 0 then
+  local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+  if groups.err then
+    if not string.find(groups.err, 'no such key', 1, true) then return groups end
+    groups = {}
   end
   local length = nil
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-    local name, pending, lag
-    for j = 1, #info, 2 do
-      local field = info[j]
-      if field == 'name' then name = info[j + 1]
-      elseif field == 'pending' then pending = info[j + 1]
-      elseif field == 'lag' then lag = info[j + 1] end
+  for _, info in ipairs(groups) do
+    if info[5] ~= 'pending' or info[11] ~= 'lag' then
+      return redis.error_reply('ERR bounded publish needs XINFO GROUPS as Redis 7.0 or later replies it')
     end
-    local max = max_of[name]
-    if max then
-      if type(lag) ~= 'number' or lag + pending + n > max then
-        length = length or redis.call('XLEN', KEYS[1])
-        if type(lag) ~= 'number' or lag > length then lag = length end
-      end
-      local backlog = lag + pending
-      if max - backlog < room then
-        room = math.max(0, max - backlog)
-        full = {name, backlog, max}
+    local name, pending, lag = info[2], info[6], info[12]
+    for i = 1, #bounds, 2 do
+      if bounds[i] == name then
+        local max = tonumber(bounds[i + 1])
+        if type(lag) ~= 'number' or lag + pending + n > max then
+          length = length or redis.call('XLEN', KEYS[1])
+          if type(lag) ~= 'number' or lag > length then lag = length end
+        end
+        local backlog = lag + pending
+        if max - backlog < room then
+          room = math.max(0, max - backlog)
+          full = {name, backlog, max}
+        end
       end
     end
   end
