@@ -1,10 +1,12 @@
 //! Bounded streams, side by side in one run on the same server:
 //!
 //! 1. the bounded-publish script with one bounded group (a bound high enough never to refuse, so every call does the
-//!    full check) against plain `XADD` of the same entry and a script that only runs the `XADD`: one client, one
-//!    call at a time, the three taking turns every 20 calls (a round trip on a shared two-core machine drifts by a
+//!    full check) against plain `XADD` of the same entry, a script that only runs the `XADD` and one that reads
+//!    `XINFO GROUPS` first (the least an exact bound costs: the lag is told by nothing else): one client, one
+//!    call at a time, the four taking turns every 20 calls (a round trip on a shared two-core machine drifts by a
 //!    third over seconds; turns this short give each path the same drift); then 16 clients with 100 entries in
-//!    flight each, pipelining 100 calls, and the batch script with batches of 100 (one call, one check);
+//!    flight each, pipelining 100 calls, and the batch script with batches of 100 (one call, one check), taking
+//!    turns every 2,000 entries per client;
 //! 2. the retention trim of 100,000 acknowledged entries from a 1,000,000-entry stream against a bare
 //!    `XTRIM MINID` of the same entries (what a person would run knowing the safe point).
 //!
@@ -30,11 +32,16 @@ const GROUP: &str = "billing";
 /// price of running Lua at all; the gap between this and the bounded script is the price of the check.
 static XADD_ONLY: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new("return redis.call('XADD', KEYS[1], '*', unpack(ARGV))"));
+/// The least an exact bound can cost: the one read that tells a group's lag, then the XADD, with no check between.
+static XINFO_XADD: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new("redis.call('XINFO', 'GROUPS', KEYS[1]) return redis.call('XADD', KEYS[1], '*', unpack(ARGV))")
+});
 
 #[derive(Clone, Copy, PartialEq)]
 enum Publish {
     Plain,
     ScriptedXadd,
+    XinfoXadd,
     Bounded,
     /// The batch script: every call carries the whole pipeline's entries.
     Batch,
@@ -48,8 +55,9 @@ fn add(pipe: &mut redis::Pipeline, how: Publish, n: usize) {
         Publish::Plain => {
             pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).arg("body").arg(body).ignore();
         }
-        Publish::ScriptedXadd => {
-            pipe.cmd("EVALSHA").arg(XADD_ONLY.get_hash()).arg(1).arg(STREAM).arg("n").arg(n).arg("body").arg(body);
+        Publish::ScriptedXadd | Publish::XinfoXadd => {
+            let hash = if how == Publish::XinfoXadd { XINFO_XADD.get_hash() } else { XADD_ONLY.get_hash() };
+            pipe.cmd("EVALSHA").arg(hash).arg(1).arg(STREAM).arg("n").arg(n).arg("body").arg(body);
             pipe.ignore();
         }
         Publish::Bounded => {
@@ -94,32 +102,21 @@ async fn reset(conn: &mut Conn) {
     BOUNDED_PUBLISH.load_async(conn).await.unwrap();
     BOUNDED_PUBLISH_BATCH.load_async(conn).await.unwrap();
     XADD_ONLY.load_async(conn).await.unwrap();
+    XINFO_XADD.load_async(conn).await.unwrap();
 }
 
-/// Publishes per second of each of `paths`, one call at a time on one connection, the paths taking turns every
-/// `turn` calls until each has made `per_path`.
-async fn one_at_a_time(url: &str, paths: &[Publish], per_path: usize, turn: usize) -> Vec<f64> {
-    let pools = Pools::default();
-    let mut conn = pools.get(&Target::new(url)).await.unwrap();
-    reset(&mut conn).await;
-    let mut conn = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let mut seconds = vec![0.0; paths.len()];
-    for first in (0..per_path).step_by(turn) {
-        for (path, &how) in paths.iter().enumerate() {
-            let start = Instant::now();
-            for n in first..(first + turn).min(per_path) {
-                let mut pipe = redis::pipe();
-                add(&mut pipe, how, n);
-                let () = pipe.query_async(&mut conn).await.unwrap();
-            }
-            seconds[path] += start.elapsed().as_secs_f64();
-        }
-    }
-    seconds.iter().map(|s| per_path as f64 / s).collect()
-}
-
-/// Publishes per second: `clients` connections, each sending `per_client` publishes in pipelines of `depth`.
-async fn rate(url: &str, how: Publish, clients: usize, per_client: usize, depth: usize) -> f64 {
+/// Publishes per second of each of `paths`: `clients` connections, each sending `per_client` publishes per path in
+/// pipelines of `depth` (one batch call of `depth` entries for [`Publish::Batch`]). The paths take turns every `turn`
+/// publishes per client: a round trip on a shared two-core machine drifts by a third over seconds, and turns this
+/// short give each path the same drift.
+async fn in_turns(
+    url: &str,
+    paths: &[Publish],
+    clients: usize,
+    per_client: usize,
+    depth: usize,
+    turn: usize,
+) -> Vec<f64> {
     let pools = Pools::default();
     let mut conn = pools.get(&Target::new(url)).await.unwrap();
     reset(&mut conn).await;
@@ -129,24 +126,30 @@ async fn rate(url: &str, how: Publish, clients: usize, per_client: usize, depth:
         let client = redis::Client::open(url).unwrap();
         conns.push(client.get_multiplexed_async_connection().await.unwrap());
     }
-    let start = Instant::now();
-    let tasks = conns.into_iter().map(|mut conn| async move {
-        for first in (0..per_client).step_by(depth) {
-            let mut pipe = redis::pipe();
-            let ns = first..(first + depth).min(per_client);
-            if how == Publish::Batch {
-                add_batch(&mut pipe, ns);
-            } else {
-                ns.for_each(|n| add(&mut pipe, how, n));
-            }
-            let () = pipe.query_async(&mut conn).await.unwrap();
+    let mut seconds = vec![0.0; paths.len()];
+    for first in (0..per_client).step_by(turn) {
+        let last = (first + turn).min(per_client);
+        for (path, &how) in paths.iter().enumerate() {
+            let start = Instant::now();
+            let tasks = conns.iter().cloned().map(|mut conn| async move {
+                for from in (first..last).step_by(depth) {
+                    let mut pipe = redis::pipe();
+                    let ns = from..(from + depth).min(last);
+                    if how == Publish::Batch {
+                        add_batch(&mut pipe, ns);
+                    } else {
+                        ns.for_each(|n| add(&mut pipe, how, n));
+                    }
+                    let () = pipe.query_async(&mut conn).await.unwrap();
+                }
+            });
+            futures::future::join_all(tasks).await;
+            seconds[path] += start.elapsed().as_secs_f64();
         }
-    });
-    futures::future::join_all(tasks).await;
-    let elapsed = start.elapsed().as_secs_f64();
+    }
     let published: usize = redis::cmd("XLEN").arg(STREAM).query_async(&mut conn).await.unwrap();
-    assert_eq!(published, clients * per_client, "every publish was accepted");
-    published as f64 / elapsed
+    assert_eq!(published, paths.len() * clients * per_client, "every publish was accepted");
+    seconds.iter().map(|s| (clients * per_client) as f64 / s).collect()
 }
 
 /// Seconds to trim the first `trim` of `size` entries, with the retention script or a bare XTRIM MINID.
@@ -185,21 +188,31 @@ async fn main() {
         let server = pelican::redis::ServerInfo::parse(&info);
         println!("\n{server} at {url}: publishes/s, 100-byte body, one bounded group");
         println!(
-            "{:<34} {:>11} {:>17} {:>14} {:>11}",
-            "clients x entries in flight", "plain XADD", "XADD in a script", "bounded, 1/call", "bounded, batch"
+            "{:<34} {:>11} {:>17} {:>20} {:>16} {:>15}",
+            "clients x entries in flight",
+            "plain XADD",
+            "XADD in a script",
+            "XINFO+XADD, script",
+            "bounded, 1/call",
+            "bounded, batch"
         );
         // One call at a time: bound by the round trip, so the paths take turns.
-        let paths = [Publish::Plain, Publish::ScriptedXadd, Publish::Bounded];
-        let [plain, scripted, bounded] = one_at_a_time(&url, &paths, per_client, 20).await[..] else { unreachable!() };
-        println!("{:<34} {plain:>11.0} {scripted:>17.0} {bounded:>14.0} {:>11}", "1 x 1 (turns of 20 calls)", "-");
-        one_by_one.push(summary("bounded-1x1", bounded, plain));
-        let plain = rate(&url, Publish::Plain, 16, per_client, 100).await;
-        let scripted = rate(&url, Publish::ScriptedXadd, 16, per_client, 100).await;
-        let bounded = rate(&url, Publish::Bounded, 16, per_client, 100).await;
-        let batch = rate(&url, Publish::Batch, 16, per_client, 100).await;
+        let paths = [Publish::Plain, Publish::ScriptedXadd, Publish::XinfoXadd, Publish::Bounded];
+        let [plain, scripted, xinfo, bounded] = in_turns(&url, &paths, 1, per_client, 1, 20).await[..] else {
+            unreachable!()
+        };
         println!(
-            "{:<34} {plain:>11.0} {scripted:>17.0} {bounded:>14.0} {batch:>11.0}",
-            "16 x 100 (pipelined; batch of 100)"
+            "{:<34} {plain:>11.0} {scripted:>17.0} {xinfo:>20.0} {bounded:>16.0} {:>15}",
+            "1 x 1 (turns of 20 calls)", "-"
+        );
+        one_by_one.push(summary("bounded-1x1", bounded, plain));
+        let paths = [Publish::Plain, Publish::ScriptedXadd, Publish::Bounded, Publish::Batch];
+        let [plain, scripted, bounded, batch] = in_turns(&url, &paths, 16, per_client, 100, 2_000).await[..] else {
+            unreachable!()
+        };
+        println!(
+            "{:<34} {plain:>11.0} {scripted:>17.0} {:>20} {bounded:>16.0} {batch:>15.0}",
+            "16 x 100 (pipelined; batch of 100)", "-"
         );
         sixteen.push(summary("bounded-16x100", batch, scripted));
         let (size, trim) = (1_000_000, 100_000);
