@@ -25,6 +25,7 @@ on_both_servers!(
     the_sdk_producer_tells_a_refusal_from_an_unknown_outcome,
     a_lag_the_server_cannot_tell_counts_the_whole_stream,
     a_check_the_server_refuses_is_an_error_never_an_unbounded_publish,
+    a_bound_that_is_no_number_bounds_nothing,
     a_batch_is_written_in_order_up_to_the_room_and_the_rest_refused,
     eight_producers_of_batches_never_push_the_backlog_past_the_bound,
     a_malformed_batch_writes_nothing_and_says_what_is_wrong,
@@ -331,6 +332,30 @@ fn a_check_the_server_refuses_is_an_error_never_an_unbounded_publish(flavor: Fla
         assert!(message.contains("can't run") || message.contains("no permissions"), "{script}: {message}");
     }
     assert_eq!(xrange(&mut conn, STREAM).len(), 1, "nothing written past the check");
+}
+
+/// Any client that may run the scripts may write the bounds hash (the operator puts the policy's value back at its
+/// next look): a value that is no number bounds nothing, in both scripts, rather than failing every publish.
+fn a_bound_that_is_no_number_bounds_nothing(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    let _: () = redis::cmd("HSET").arg(bounds_key(STREAM)).arg(GROUP).arg("many").query(&mut conn).unwrap();
+    let sha = load(&mut conn);
+    let (ids, refused) = publish_many(&mut conn, &sha, 0, 3);
+    assert_eq!((ids.len(), refused.len()), (3, 0), "{refused:?}");
+    let (batch_ids, refusal): (Vec<String>, Vec<String>) = redis::cmd("EVAL")
+        .arg(BOUNDED_PUBLISH_BATCH_LUA)
+        .arg(3)
+        .arg(STREAM)
+        .arg(bounds_key(STREAM))
+        .arg(rejected_key(STREAM))
+        .arg(&[1, 2])
+        .arg(&["n", "3"])
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!((batch_ids.len(), refusal.len()), (1, 0));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 4);
 }
 
 fn trim(server: &Server, min_age: Duration) -> jobs::Trim {

@@ -38,7 +38,8 @@ if #bounds > 0 then
     local name, pending, lag = info[2], info[6], info[12]
     for i = 1, #bounds, 2 do
       if bounds[i] == name then
-        local max = tonumber(bounds[i + 1])
+        -- A value that is no number bounds nothing (the operator puts the policy's back at its next look).
+        local max = tonumber(bounds[i + 1]) or math.huge
         -- The stream's length is read only when it matters: the lag is unknown, or the backlog looks full and the
         -- lag may be overstated.
         if type(lag) ~= 'number' or lag + pending >= max then

@@ -11,8 +11,8 @@
 -- anything is written; so is any error of the check (a key of another type, an ACL that does not allow XINFO).
 --
 -- The backlog is counted exactly as bounded_publish.lua counts it, with the same calls (lag plus pending; the whole
--- stream as unread when the server cannot tell the lag; the length read only when it matters). The room of the batch is the least, over the
--- bounded groups, of their bound minus their backlog.
+-- stream as unread when the server cannot tell the lag; the length read only when it matters). The room of the batch
+-- is the least, over the bounded groups, of their bound minus their backlog.
 -- Invariant: after the call no bounded group's backlog exceeds its bound, and an entry is written only when every
 -- entry before it in the batch was. Every argument is checked before the first XADD, so a call that is refused for
 -- its arguments writes nothing.
@@ -53,7 +53,8 @@ if #bounds > 0 then
     local name, pending, lag = info[2], info[6], info[12]
     for i = 1, #bounds, 2 do
       if bounds[i] == name then
-        local max = tonumber(bounds[i + 1])
+        -- A value that is no number bounds nothing (the operator puts the policy's back at its next look).
+        local max = tonumber(bounds[i + 1]) or math.huge
         if type(lag) ~= 'number' or lag + pending + n > max then
           length = length or redis.call('XLEN', KEYS[1])
           if type(lag) ~= 'number' or lag > length then lag = length end
