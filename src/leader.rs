@@ -199,3 +199,102 @@ async fn guard(
         tokio::time::sleep(LEASE_CHECK).await;
     }
 }
+
+/// The Lease a replica takes when none is named: `pelican-leader`, or for one shard (`--watch-label-selector`)
+/// `pelican-leader-<hash of the selector>`, so that shards never share one and two copies of one shard always do.
+pub fn default_lease_name(selector: Option<&str>) -> String {
+    match selector {
+        None => "pelican-leader".to_string(),
+        Some(selector) => {
+            // FNV-1a: stable across builds and platforms, unlike std's hasher.
+            let hash = selector
+                .bytes()
+                .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+            format!("pelican-leader-{:08x}", hash as u32)
+        }
+    }
+}
+
+/// This process's identity on the Lease: `<instance>-<pid>`, where the instance is the Pod's name, else the host's.
+pub fn identity(instance: Option<&str>) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string());
+    let instance = instance.map(str::to_string).or(host.ok()).unwrap_or_else(|| "pelican".into());
+    format!("{instance}-{}", std::process::id())
+}
+
+/// Another process holding a Lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub identity: String,
+    /// How long ago it last renewed the Lease.
+    pub renewed_ago: Duration,
+}
+
+/// The live holder of `namespace/name` other than `identity`: one that renewed within the Lease's duration. A holder
+/// that was a process of this same instance (same Pod or host) and is gone now (killed without releasing the Lease:
+/// a crash, `kill -9`) is no holder: its Lease is deleted so that this process takes it at once, not after it expires.
+pub async fn live_holder(client: &Client, namespace: &str, name: &str, identity: &str) -> kube::Result<Option<Holder>> {
+    let leases: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    let Some(lease) = leases.get_opt(name).await? else { return Ok(None) };
+    let spec = lease.spec.clone().unwrap_or_default();
+    let Some(holder) = spec.holder_identity.filter(|h| !h.is_empty() && h != identity) else { return Ok(None) };
+    let duration = Duration::from_secs(spec.lease_duration_seconds.map_or(LEASE_DURATION_SECONDS, |s| s.max(0) as u64));
+    let renewed_ago = spec.renew_time.map(|t| Timestamp::now().duration_since(t.0).unsigned_abs());
+    if renewed_ago.is_none_or(|ago| ago >= duration) {
+        return Ok(None);
+    }
+    if gone_from_this_instance(&holder, identity) {
+        let preconditions = kube::api::Preconditions { resource_version: lease.metadata.resource_version, uid: None };
+        let params = kube::api::DeleteParams { preconditions: Some(preconditions), ..Default::default() };
+        match leases.delete(name, &params).await {
+            Ok(_) => {
+                info!(%holder, "took the Lease of a process of this instance that is gone");
+                return Ok(None);
+            }
+            // Changed meanwhile: somebody renewed or took it; read it again next time.
+            Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(renewed_ago.map(|renewed_ago| Holder { identity: holder, renewed_ago }))
+}
+
+/// Whether `holder` is `<same instance>-<pid>` of a process that no longer runs here (or is a zombie).
+fn gone_from_this_instance(holder: &str, identity: &str) -> bool {
+    let (Some((instance, pid)), Some((own_instance, _))) = (holder.rsplit_once('-'), identity.rsplit_once('-')) else {
+        return false;
+    };
+    if instance != own_instance || pid.parse::<u32>().is_err() {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name in parentheses: Z (zombie) and X (dead) run no more.
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+        Err(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_get_their_own_lease_and_copies_of_one_share_it() {
+        assert_eq!(default_lease_name(None), "pelican-leader");
+        let a = default_lease_name(Some("sharding.pelican.io/key=a"));
+        assert_eq!(a, default_lease_name(Some("sharding.pelican.io/key=a")));
+        assert_ne!(a, default_lease_name(Some("sharding.pelican.io/key=b")));
+        assert_ne!(a, default_lease_name(Some("!sharding.pelican.io/key")));
+        assert!(a.starts_with("pelican-leader-") && a.len() == "pelican-leader-".len() + 8, "{a}");
+    }
+
+    #[test]
+    fn a_holder_of_another_instance_is_never_taken_for_gone() {
+        let own = format!("host-a-{}", std::process::id());
+        assert!(!gone_from_this_instance("host-b-999999999", &own));
+        assert!(!gone_from_this_instance("host-a", &own));
+        assert!(!gone_from_this_instance(&format!("host-a-{}", std::process::id()), &own));
+        // A pid no process has on this machine (above pid_max's ceiling of 2^22).
+        assert!(gone_from_this_instance("host-a-99999999", &own));
+    }
+}

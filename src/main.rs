@@ -1,12 +1,13 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
 use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive, RedisServer};
 use pelican::context::{InlineConnections, Shared, Writers};
-use pelican::leader::{Elector, Leadership};
+use pelican::leader::{Elector, Holder, LEASE_DURATION_SECONDS};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
 
 #[derive(Parser)]
@@ -35,15 +36,18 @@ enum Command {
         /// Where `/healthz` and `/readyz` are served.
         #[arg(long, default_value = "0.0.0.0:8081", env = "PELICAN_HEALTH_ADDR")]
         health_addr: SocketAddr,
-        /// Run the controller only while holding the leader Lease (for more than one replica).
+        /// Stand by while another replica holds the leader Lease, and take over when it goes (for more than one
+        /// replica). Without it the Lease is taken all the same, and a start that finds it held by a live process
+        /// exits with an error: two copies never reconcile the same policies.
         #[arg(long, env = "PELICAN_LEADER_ELECT")]
         leader_elect: bool,
-        /// Namespace of the leader Lease (default: the Pod's namespace, else `default`).
+        /// Namespace of the leader Lease (default: the Pod's namespace, else the watched namespace, else `default`).
         #[arg(long, env = "POD_NAMESPACE")]
         leader_election_namespace: Option<String>,
-        /// Name of the leader Lease.
-        #[arg(long, default_value = "pelican-leader", env = "PELICAN_LEADER_ELECTION_LEASE")]
-        leader_election_lease: String,
+        /// Name of the leader Lease (default: `pelican-leader`, and for a shard `pelican-leader-<hash of its
+        /// --watch-label-selector>`).
+        #[arg(long, env = "PELICAN_LEADER_ELECTION_LEASE")]
+        leader_election_lease: Option<String>,
         /// Reconcile only the policies matching this label selector: one shard, e.g.
         /// `sharding.pelican.io/key=shard1`, and `!sharding.pelican.io/key` for the unlabelled rest. Give each shard
         /// its own --leader-election-lease.
@@ -125,32 +129,41 @@ async fn main() -> anyhow::Result<()> {
                 concurrency: max_concurrent_reconciles,
                 secret_namespaces: (!secret_namespaces.is_empty()).then(|| secret_namespaces.into_iter().collect()),
             };
-            if !leader_elect {
-                metrics.watch_leadership("", Leadership::always());
-                let secrets = settings.secret_namespaces.clone();
-                let shared = Shared::new(client, instance, metrics, Leadership::always(), secrets, inline_connections);
-                run_controllers(shared, settings, external_scaler_addr, shutdown).await;
-                http.await?;
-                tracing::info!("stopped");
-                return Ok(());
+            let lease_namespace =
+                leader_election_namespace.or_else(|| settings.namespace.clone()).unwrap_or_else(|| "default".into());
+            let lease_name = leader_election_lease
+                .unwrap_or_else(|| pelican::leader::default_lease_name(settings.label_selector.as_deref()));
+            let identity = pelican::leader::identity(instance.as_deref());
+            let lease = format!("{lease_namespace}/{lease_name}");
+            let holder = pelican::leader::live_holder(&client, &lease_namespace, &lease_name, &identity).await;
+            let holder = holder.map_err(|e| anyhow::anyhow!("could not read the leader Lease {lease}: {e}"))?;
+            if let (false, Some(holder)) = (leader_elect, holder) {
+                anyhow::bail!("{}", already_running(&lease, &holder));
             }
-
-            let lease_namespace = leader_election_namespace.unwrap_or_else(|| "default".into());
-            let identity = format!("{}-{}", instance.as_deref().unwrap_or("pelican"), std::process::id());
-            let mut elector =
-                Elector::start(client.clone(), &lease_namespace, &leader_election_lease, &identity).await?;
-            metrics.watch_leadership(&leader_election_lease, elector.leadership());
-            // A standby is ready: readiness says the process works, not that it leads.
-            readiness.set_ready();
-            tracing::info!(lease = %format!("{lease_namespace}/{leader_election_lease}"), identity, "waiting for the leader lease");
+            let mut elector = Elector::start(client.clone(), &lease_namespace, &lease_name, &identity).await?;
+            metrics.watch_leadership(&lease_name, elector.leadership());
+            if leader_elect {
+                // A standby is ready: readiness says the process works, not that it leads.
+                readiness.set_ready();
+            }
+            tracing::info!(%lease, identity, "waiting for the leader lease");
+            // Without election, a start that does not get the Lease within its duration lost it to another copy
+            // started at the same moment.
+            let patience = Duration::from_secs(if leader_elect { u64::MAX / 4 } else { 2 * LEASE_DURATION_SECONDS });
             tokio::select! {
                 _ = shutdown.clone() => {
                     elector.release().await;
                     http.await?;
                     return Ok(());
                 }
-                acquired = elector.acquired() => if acquired.is_err() {
-                    anyhow::bail!("the leader election task died before this replica led");
+                acquired = tokio::time::timeout(patience, elector.acquired()) => match acquired {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => anyhow::bail!("the leader election task died before this replica led"),
+                    Err(_) => {
+                        let holder = pelican::leader::live_holder(&client, &lease_namespace, &lease_name, &identity).await;
+                        let holder = holder.ok().flatten().unwrap_or(Holder { identity: "another process".into(), renewed_ago: Duration::ZERO });
+                        anyhow::bail!("{}", already_running(&lease, &holder));
+                    }
                 }
             }
             let secrets = settings.secret_namespaces.clone();
@@ -171,6 +184,18 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Why a second copy does not start, and what to do instead.
+fn already_running(lease: &str, holder: &Holder) -> String {
+    format!(
+        "another Pelican ({}) holds the leader Lease {lease}, renewed {}s ago: it reconciles the policies this one \
+         would, and two copies would write status and Events twice and run every pass twice. Stop the other copy, or \
+         run every replica with --leader-elect (the chart's leaderElection.enabled) so that one leads and the others \
+         stand by; a shard needs its own --watch-label-selector (and Lease)",
+        holder.identity,
+        holder.renewed_ago.as_secs()
+    )
 }
 
 /// The policy, redrive and server controllers side by side, on the same shared handles, and KEDA's external

@@ -64,6 +64,42 @@ fn exactly_one_replica_leads_and_the_other_takes_over_when_it_dies() {
     });
 }
 
+/// Two copies started by mistake (no `--leader-elect`, same namespace): the second finds the Lease held by a live
+/// process, writes nothing and exits saying what runs and how to run several replicas; once the first is killed without
+/// releasing its Lease, a restart of this instance takes it at once instead of after it expires.
+#[test]
+fn a_second_copy_without_leader_election_exits_and_a_restart_takes_over_at_once() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("copies");
+    let mut first = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "")).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+
+    let mut second = Operator::start(&ns);
+    wait_for("the second copy to exit", Duration::from_secs(30), || {
+        if second.is_running() { Err(second.logs()) } else { Ok(()) }
+    });
+    let logs = second.logs();
+    assert!(logs.contains(&format!("holds the leader Lease {ns}/pelican-leader")), "{logs}");
+    assert!(logs.contains("--leader-elect"), "the error says how to run several replicas: {logs}");
+    assert!(!reconciled(&second), "the second copy must write nothing: {logs}");
+    assert!(first.is_running(), "{}", first.logs());
+    assert!(leads(&first.metrics()));
+
+    first.kill9();
+    let restarted = Operator::start(&ns);
+    wait_for("the restarted copy to lead", Duration::from_secs(30), || {
+        if leads(&restarted.metrics()) { Ok(()) } else { Err(restarted.logs()) }
+    });
+    let logs = restarted.logs();
+    assert!(logs.contains("took the Lease of a process of this instance that is gone"), "{logs}");
+    let _: String = redis::cmd("XADD").arg("s").arg("*").arg("k").arg("v").query(&mut server.conn()).unwrap();
+    wait_for("the restarted copy to refresh status", Duration::from_secs(15), || {
+        let p = get_policy(&ns, "p");
+        if p["status"]["streamLength"] == 1 { Ok(()) } else { Err(p["status"].to_string()) }
+    });
+}
+
 #[test]
 fn sigterm_releases_the_lease_and_a_standby_takes_over() {
     let ns = namespace("handover");

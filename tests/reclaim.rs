@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use common::*;
 use pelican::api::ReclaimStrategy;
-use pelican::jobs::{self, Cursor, PassSettings};
+use pelican::jobs::{self, Backoff, Cursor, PassSettings};
+use pelican::keys::errors_key;
 use pelican::redis::{Conn, GroupKeys, Pools, Target};
 
 on_both_servers!(
@@ -30,6 +31,8 @@ on_both_servers!(
     a_large_max_len_is_sent_as_an_integer,
     a_server_error_quoting_a_key_named_like_tls_is_not_a_tls_failure,
     consumer_blocking_on_a_quiet_stream_is_not_expired,
+    forged_delivery_counts_cost_one_short_call_and_are_dead_lettered,
+    a_requeued_copy_keeps_the_last_error_until_a_delivery_records_another,
 );
 
 const STREAM: &str = "{jobs}:in";
@@ -566,4 +569,83 @@ fn consumer_blocking_on_a_quiet_stream_is_not_expired(flavor: Flavor) {
             assert_eq!(read_new(&mut conn, STREAM, GROUP, "polling", 1).len(), 1);
         }
     }
+}
+
+/// Defect: the backoff threshold looped once per delivery, and the count is data clients control: a consumer's
+/// `XCLAIM ... RETRYCOUNT`, a producer's `pelican-deliveries`. With `factor: 1` a count of 80,000,000 held the server
+/// for seconds and `inf` for ever. Now each costs the same short call: a forged finite count reaches the cap, one that
+/// is no finite non-negative integer is dead-lettered as `InvalidDeliveryCount`; no call enters the slow log.
+fn forged_delivery_counts_cost_one_short_call_and_are_dead_lettered(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let forged = |n: &str, count: &str| {
+        vec![
+            (b"n".to_vec(), n.as_bytes().to_vec()),
+            (b"pelican-origin-id".to_vec(), b"1-0".to_vec()),
+            (b"pelican-deliveries".to_vec(), count.as_bytes().to_vec()),
+        ]
+    };
+    let entries = [plain(1), vec![forged("1", "50000000"), forged("2", "inf"), forged("3", "-1"), forged("4", "nan")]];
+    let ids = seed(&server, &entries.concat());
+    let mut conn = server.conn();
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(1_000_000).query(&mut conn).unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    read_new(&mut conn, STREAM, GROUP, "c", 10);
+    let _: Vec<String> = redis::cmd("XCLAIM")
+        .arg(STREAM)
+        .arg(GROUP)
+        .arg("c")
+        .arg(0)
+        .arg(&ids[0])
+        .arg("RETRYCOUNT")
+        .arg(80_000_000)
+        .arg("JUSTID")
+        .query(&mut conn)
+        .unwrap();
+    std::thread::sleep(IDLE * 2);
+    let backoff = Some(Backoff { factor: 1, max: Duration::from_secs(3600) });
+    let report = pass(&server, &PassSettings { backoff, ..settings(ReclaimStrategy::Requeue, 3) });
+    assert_eq!(report.dead_lettered, 5, "{report:?}");
+    let reasons: Vec<(String, String)> = xrange(&mut conn, DLQ)
+        .iter()
+        .map(|e| {
+            let text = |name| String::from_utf8_lossy(field(e, name).unwrap()).into_owned();
+            (text("pelican-reason"), text("pelican-deliveries"))
+        })
+        .collect();
+    let expected = [
+        ("MaxDeliveriesExceeded", "80000000"),
+        ("MaxDeliveriesExceeded", "50000001"),
+        ("InvalidDeliveryCount", "3"),
+        ("InvalidDeliveryCount", "3"),
+        ("InvalidDeliveryCount", "3"),
+    ];
+    assert_eq!(reasons, expected.map(|(r, n)| (r.to_string(), n.to_string())));
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:terminal", "InvalidDeliveryCount"), 3);
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:terminal", "MaxDeliveriesExceeded"), 2);
+    let slow: Vec<redis::Value> = redis::cmd("SLOWLOG").arg("GET").query(&mut conn).unwrap();
+    assert!(slow.is_empty(), "calls of a second or more: {slow:?}");
+}
+
+/// Defect: a requeue moved the last error to the copy's id, and the same call then pruned it (the copy is in no PEL
+/// until read), so a final delivery that recorded nothing was dead-lettered without the error of the one before.
+fn a_requeued_copy_keeps_the_last_error_until_a_delivery_records_another(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(1));
+    let mut conn = server.conn();
+    let errors = errors_key(STREAM, GROUP);
+    let first = read_new(&mut conn, STREAM, GROUP, "c", 1);
+    let _: i64 = redis::cmd("HSET").arg(&errors).arg(&first[0]).arg("first failure").query(&mut conn).unwrap();
+    std::thread::sleep(IDLE * 2);
+    assert_eq!(pass(&server, &settings(ReclaimStrategy::Requeue, 2)).requeued, 1);
+    // Passes before a consumer reads the copy leave its error alone.
+    assert_eq!(pass(&server, &settings(ReclaimStrategy::Requeue, 2)).moved(), 0);
+    // The second delivery crashes without recording anything.
+    let copy = read_new(&mut conn, STREAM, GROUP, "c", 1);
+    std::thread::sleep(IDLE * 2);
+    assert_eq!(pass(&server, &settings(ReclaimStrategy::Requeue, 2)).dead_lettered, 1);
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(field(&dead[0], "pelican-source-id"), Some(copy[0].as_bytes()));
+    assert_eq!(field(&dead[0], "pelican-last-error"), Some(&b"first failure"[..]));
+    let left: i64 = redis::cmd("HLEN").arg(&errors).query(&mut conn).unwrap();
+    assert_eq!(left, 0, "the field left with the dead letter");
 }

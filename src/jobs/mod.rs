@@ -52,19 +52,6 @@ pub struct Backoff {
     pub max: Duration,
 }
 
-impl PassSettings {
-    /// How long an entry delivered `deliveries` times must be idle before the pass takes it:
-    /// `min(max, minIdle * factor^(deliveries-1))`, or `minIdle` without backoff. The reclaim script computes the
-    /// same from the message's whole count (a requeued copy's earlier deliveries included).
-    pub fn threshold(&self, deliveries: i64) -> Duration {
-        let Some(backoff) = self.backoff else { return self.min_idle };
-        let exponent = deliveries.clamp(1, 64) as u32 - 1;
-        let growth = (backoff.factor as u128).saturating_pow(exponent);
-        let millis = (self.min_idle.as_millis()).saturating_mul(growth);
-        Duration::from_millis(millis.min(backoff.max.as_millis()) as u64).max(self.min_idle)
-    }
-}
-
 /// What one pass did, summed over its batches.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PassReport {
@@ -375,27 +362,6 @@ mod tests {
         assert_eq!(PassReport::default().summary(), "");
     }
 
-    fn settings(backoff: Option<Backoff>) -> PassSettings {
-        PassSettings {
-            min_idle: Duration::from_secs(1),
-            max_per_pass: 1000,
-            max_deliveries: 5,
-            strategy: ReclaimStrategy::Requeue,
-            dead_letter_max_len: None,
-            backoff,
-        }
-    }
-
-    #[test]
-    fn the_threshold_grows_by_the_factor_per_delivery_up_to_max() {
-        let s = settings(Some(Backoff { factor: 2, max: Duration::from_secs(8) }));
-        let waits: Vec<u64> = (1..=6).map(|n| s.threshold(n).as_secs()).collect();
-        assert_eq!(waits, [1, 2, 4, 8, 8, 8]);
-        // A count the server cannot have (0) reads as the first delivery; a huge one does not overflow.
-        assert_eq!(s.threshold(0), Duration::from_secs(1));
-        assert_eq!(s.threshold(1_000_000), Duration::from_secs(8));
-    }
-
     fn call(position: Option<&str>, reached_end: bool, known: &str, waiting: &[(&str, i64)]) -> Call {
         Call {
             report: PassReport::default(),
@@ -438,12 +404,5 @@ mod tests {
         cursor.advance(&known, call(None, true, "-", &[]));
         assert!(cursor.at_start());
         assert_eq!(ids(&cursor.known(10)), ["4-0"]);
-    }
-
-    #[test]
-    fn without_backoff_or_with_factor_one_every_wait_is_min_idle() {
-        assert_eq!(settings(None).threshold(7), Duration::from_secs(1));
-        let flat = settings(Some(Backoff { factor: 1, max: Duration::from_secs(60) }));
-        assert_eq!(flat.threshold(7), Duration::from_secs(1));
     }
 }

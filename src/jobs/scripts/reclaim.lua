@@ -31,7 +31,9 @@
 -- the caller sends of a copy's earlier deliveries: a lower bound, and the exact check is made once the entry is
 -- read. A copy found not due is returned with its earlier deliveries, so that the caller sends them with the next
 -- sweep's call and the scan leaves the copy alone without reading it until it is due. An entry not due is
--- skipped, never waited for.
+-- skipped, never waited for. The threshold is computed in closed form, so a forged count (`XCLAIM ... RETRYCOUNT`,
+-- a producer's own `pelican-deliveries`) costs what any count costs; a `pelican-deliveries` that is no finite
+-- non-negative integer is taken as the cap and dead-lettered with reason `InvalidDeliveryCount`.
 -- The last error follows the message: to the requeued copy's new id, or into the dead letter as `pelican-last-error`
 -- (cut to ARGV[11] bytes); its field goes when the entry leaves the PEL here, and a few fields of entries no longer
 -- pending (ACKed by a client that left its field) are removed per call, so the hash shrinks back to the PEL.
@@ -89,9 +91,9 @@ local function sanitize(key, fields)
   end
 end
 sanitize(totals, {'requeued', 'reassigned', 'deadLettered', 'payloadDeleted', 'deadLetterEvicted'})
-sanitize(terminal, {'MaxDeliveriesExceeded', 'PayloadDeleted'})
+sanitize(terminal, {'MaxDeliveriesExceeded', 'InvalidDeliveryCount', 'PayloadDeleted'})
 
-local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large = 0, 0, 0, 0, 0, 0
+local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, invalid_counts = 0, 0, 0, 0, 0, 0, 0
 local scanned, idle, evicted, copied = 0, 0, 0, 0
 -- The originals to acknowledge at the end: `src`, `group`, then ids.
 local acks = {src, group}
@@ -118,15 +120,24 @@ local function least_loaded(except)
   return best
 end
 
--- The idle time an entry delivered n times must reach before it is taken.
+-- The idle time an entry delivered n times must reach before it is taken: min(max, minIdle * factor^(n-1)), in
+-- closed form. n is data clients control (XCLAIM ... RETRYCOUNT, a producer's `pelican-deliveries`): a loop over it
+-- would hold the server for as long as the count is large, or forever.
 local function threshold(n)
-  if max_wait == 0 then return min_idle end
-  local wait = min_idle
-  for _ = 2, n do
-    wait = wait * factor
-    if wait >= max_wait then return math.max(max_wait, min_idle) end
-  end
+  if max_wait == 0 or n <= 1 or factor <= 1 then return min_idle end
+  local wait = min_idle * factor ^ (n - 1)
+  if wait ~= wait or wait >= max_wait then return math.max(max_wait, min_idle) end
   return wait
+end
+
+-- The largest delivery count taken as it is: above it a Lua number no longer holds every integer.
+local MAX_COUNT = 2 ^ 53
+-- A delivery count read from an entry's `pelican-deliveries` field: the number, or nil when it is no finite
+-- non-negative integer (`inf`, `nan`, `-1`, `1.5`, `1e300`, text).
+local function delivery_count(text)
+  local n = tonumber(text)
+  if n == nil or n ~= n or n < 0 or n >= MAX_COUNT or n ~= math.floor(n) then return nil end
+  return n
 end
 
 -- Most streams have no errors hash (no worker records errors): then no entry costs a lookup.
@@ -164,7 +175,7 @@ for _, pending in ipairs(page) do
   scanned = scanned + 1
   position = id
   local copy = known[id]
-  local carried = copy and tonumber(ARGV[copy + 1]) or 0
+  local carried = copy and delivery_count(ARGV[copy + 1]) or 0
   if idle_ms < threshold(deliveries + carried) then
     if copy then fate[copy] = 'w' end
   else
@@ -179,11 +190,15 @@ for _, pending in ipairs(page) do
     else
       local n = #fields
       -- A copy requeued earlier ends with Pelican's own two fields; the application's fields come before them.
-      local origin, earlier = id, 0
+      local origin, earlier, invalid = id, 0, false
       if n >= 4 and fields[n - 3] == 'pelican-origin-id' and fields[n - 1] == 'pelican-deliveries' then
-        origin, earlier, n = fields[n - 2], tonumber(fields[n]) or 0, n - 4
+        origin, earlier, n = fields[n - 2], delivery_count(fields[n]), n - 4
+        -- A count no retry ever wrote: the message has had its retries (the cap), and the dead letter says why.
+        invalid = earlier == nil
+        earlier = earlier or 0
       end
       local total = earlier + deliveries
+      if invalid or total >= MAX_COUNT then invalid, total = true, max_deliveries end
       if n <= max_fields then
         for f = 1, n do copied = copied + #fields[f] end
       end
@@ -209,7 +224,7 @@ for _, pending in ipairs(page) do
         args[a + 7] = 'pelican-group'; args[a + 8] = group
         args[a + 9] = 'pelican-consumer'; args[a + 10] = owner
         args[a + 11] = 'pelican-deliveries'; args[a + 12] = string.format('%d', total)
-        args[a + 13] = 'pelican-reason'; args[a + 14] = 'MaxDeliveriesExceeded'
+        args[a + 13] = 'pelican-reason'; args[a + 14] = invalid and 'InvalidDeliveryCount' or 'MaxDeliveriesExceeded'
         args[a + 15] = 'pelican-dead-lettered-at'; args[a + 16] = now_ms
         local last_error = has_errors and redis.call('HGET', errors, id)
         if last_error then
@@ -227,6 +242,7 @@ for _, pending in ipairs(page) do
         acks[#acks + 1] = id
         if last_error then redis.call('HDEL', errors, id) end
         dead_lettered = dead_lettered + 1
+        if invalid then invalid_counts = invalid_counts + 1 end
       elseif strategy == 'Requeue' then
         local args = {src, '*'}
         for f = 1, n do args[f + 2] = fields[f] end
@@ -261,13 +277,41 @@ for _, pending in ipairs(page) do
 end
 end
 
--- Fields of entries that left the PEL without Pelican (a client ACKed and left its field): a few per call.
+-- Whether stream id `a` comes after `b` (ids are `<ms>-<seq>`).
+local function after(a, b)
+  local a_ms, a_seq = string.match(a, '^(%d+)-(%d+)$')
+  local b_ms, b_seq = string.match(b, '^(%d+)-(%d+)$')
+  if not (a_ms and b_ms) then return false end
+  if #a_ms ~= #b_ms then return #a_ms > #b_ms end
+  if a_ms ~= b_ms then return a_ms > b_ms end
+  return tonumber(a_seq) > tonumber(b_seq)
+end
+
+-- The group's last-delivered-id: entries after it were never read by the group.
+local function last_delivered()
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', src)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then return info['last-delivered-id'] end
+  end
+  return '0-0'
+end
+
+-- Fields of entries that left the PEL without Pelican (a client ACKed and left its field): a few per call. A field
+-- whose entry is in the stream and not read yet stays: a requeued copy carries its original's last error until a
+-- consumer reads it, so a final delivery that records nothing still dead-letters with the error of the one before.
 local function prune_errors()
   if not has_errors then return end
+  local delivered
   for _, id in ipairs(redis.call('HRANDFIELD', errors, 16)) do
     -- A field that is no entry id at all (any client can write one) goes too.
     local entry = redis.pcall('XPENDING', src, group, id, id, 1)
-    if entry.err or entry[1] == nil then redis.call('HDEL', errors, id) end
+    local gone = entry.err ~= nil
+    if not gone and entry[1] == nil then
+      delivered = delivered or last_delivered()
+      gone = not after(id, delivered) or #redis.call('XRANGE', src, id, id) == 0
+    end
+    if gone then redis.call('HDEL', errors, id) end
   end
 end
 
@@ -282,7 +326,8 @@ local function count(key, field, n)
 end
 count(terminal, 'PayloadDeleted', payload_deleted)
 count(totals, 'payloadDeleted', payload_deleted)
-count(terminal, 'MaxDeliveriesExceeded', dead_lettered)
+count(terminal, 'MaxDeliveriesExceeded', dead_lettered - invalid_counts)
+count(terminal, 'InvalidDeliveryCount', invalid_counts)
 count(totals, 'deadLettered', dead_lettered)
 count(totals, 'requeued', requeued)
 count(totals, 'reassigned', reassigned)
