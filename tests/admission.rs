@@ -139,3 +139,25 @@ fn backlog_and_retention_are_checked_at_admission() {
     );
     assert!(kubectl_apply(&ns, &ok).0);
 }
+
+/// Defect: `filter.to: "99999999999999999999"` (beyond 64 bits) was admitted and every step of the redrive failed
+/// on the server, retried for good. Ids whose parts do not fit in 64 bits are refused at `kubectl apply`; the
+/// largest that fits is admitted.
+#[test]
+fn redrive_ids_beyond_64_bits_are_refused() {
+    let ns = namespace("adm");
+    let redrive = |filter: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: r\nspec:\n  policyRef:\n    \
+             name: p\n  dryRun: true\n  filter:\n{filter}"
+        )
+    };
+    for filter in ["    to: \"99999999999999999999\"\n", "    from: \"1-18446744073709551616\"\n"] {
+        let out = refused(&ns, &redrive(filter));
+        let field = if filter.contains("to:") { "spec.filter.to" } else { "spec.filter.from" };
+        assert!(out.contains(&format!("{field} must be a stream id")) && out.contains("64 bits"), "{out}");
+    }
+    let (ok, out) =
+        kubectl_apply(&ns, &redrive("    from: \"0-1\"\n    to: \"18446744073709551615-18446744073709551615\"\n"));
+    assert!(ok, "{out}");
+}

@@ -48,6 +48,35 @@ fn a_bound_whose_removal_failed_goes_with_the_policy_deleted_afterwards() {
     assert_eq!(bound_in_redis(&mut server.conn(), "billing"), None, "a bound outlived its policy");
 }
 
+/// Defect: a policy that lost a conflict (same stream and group as an older one) took the owner's bound off the
+/// server when its own `spec.backlog` was removed, leaving the owner's producers unbounded.
+#[test]
+fn removing_the_backlog_of_a_policy_that_lost_a_conflict_leaves_the_owners_bound() {
+    let server = Server::start(Flavor::Redis);
+    let owner = policy("owner", &server.url(), STREAM, "billing", "  backlog:\n    maxLength: 100\n");
+    let (ns, _operator) = ready_policy("bound-conflict", &owner, "owner");
+    wait_bound(&mut server.conn(), "billing", Some("100"));
+    let loser = policy("second", &server.url(), STREAM, "billing", "  backlog:\n    maxLength: 5\n");
+    assert!(kubectl_apply(&ns, &loser).0);
+    wait_condition(&ns, "second", "Stalled", "True", "ResourceConflict");
+    wait_for("the finalizer on the second policy", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "second");
+        if p["metadata"]["finalizers"] == serde_json::json!(["pelican.io/cleanup"]) {
+            Ok(())
+        } else {
+            Err(p.to_string())
+        }
+    });
+
+    patch_policy(&ns, "second", "json", r#"[{"op":"remove","path":"/spec/backlog"}]"#);
+    wait_for("the second policy to drop its finalizer", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "second");
+        if p["metadata"]["finalizers"].is_null() { Ok(()) } else { Err(p["metadata"].to_string()) }
+    });
+    assert_eq!(bound_in_redis(&mut server.conn(), "billing").as_deref(), Some("100"), "the owner's bound is gone");
+    wait_condition(&ns, "owner", "Ready", "True", "Reconciled");
+}
+
 /// Publishes `count` entries through the SDK, 100 at a time: (accepted ids, refusals).
 fn publish(
     runtime: &tokio::runtime::Runtime,

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 
 /// Entry ids as `XRANGE` takes them: `<milliseconds>` or `<milliseconds>-<sequence>`.
 const ENTRY_ID_PATTERN: &str = r"^[0-9]{1,20}(-[0-9]{1,20})?$";
+/// Each part of an id fits in 64 bits, as the server requires: 20 digits at most 18446744073709551615.
+const ENTRY_ID_RANGE: &str = "self.split('-').all(p, size(p) < 20 || p <= '18446744073709551615')";
 
 /// Moves the dead letters of one `ConsumerGroupPolicy` back to their source stream (or another stream), once.
 #[allow(clippy::duplicated_attributes)]
@@ -94,11 +96,13 @@ pub struct RedriveFilter {
     pub reasons: Vec<ReasonCode>,
     /// Only entries with this dead-letter id or a later one (inclusive, as `XRANGE`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = ENTRY_ID_PATTERN))]
+    #[schemars(regex(pattern = ENTRY_ID_PATTERN), length(max = 41))]
+    #[x_kube(validation = Rule::new(ENTRY_ID_RANGE).message("spec.filter.from must be a stream id `<ms>` or `<ms>-<seq>` whose parts are at most 18446744073709551615 (64 bits), e.g. 1764421200000-0"))]
     pub from: Option<String>,
     /// Only entries with this dead-letter id or an earlier one (inclusive, as `XRANGE`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = ENTRY_ID_PATTERN))]
+    #[schemars(regex(pattern = ENTRY_ID_PATTERN), length(max = 41))]
+    #[x_kube(validation = Rule::new(ENTRY_ID_RANGE).message("spec.filter.to must be a stream id `<ms>` or `<ms>-<seq>` whose parts are at most 18446744073709551615 (64 bits), e.g. 1764421200000-0"))]
     pub to: Option<String>,
 }
 

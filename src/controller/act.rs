@@ -131,8 +131,7 @@ pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
 /// `Retain` leaves the rest of Redis untouched; `Delete` destroys the group (never the streams).
 async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let destroy = policy.spec.deletion_policy == DeletionPolicy::Delete;
-    let others = ctx.shared.admitted(ctx.neighbours.of(policy, &ctx.shared.policies)).await;
-    if let Some(conflict) = validate::conflict(policy, &others) {
+    if let Some(conflict) = conflict(policy, ctx).await {
         // The group, and its bound, belong to the older policy.
         if destroy {
             let note = format!("group {:?} not destroyed: {conflict}", policy.spec.group);
@@ -169,7 +168,18 @@ async fn release_redis(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Ac
 /// Takes the group's backlog bound off the server, before the finalizer of a policy whose `spec.backlog` was
 /// removed goes.
 pub async fn release_bound(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<()> {
+    // A policy that lost a conflict never set the bound: it is the owner's, and stays.
+    if conflict(policy, ctx).await.is_some() {
+        return Ok(());
+    }
     release_on_server(policy, ctx, false).await
+}
+
+/// The conflict with an older policy on the same stream and group, when there is one: the group and its bound are
+/// that policy's.
+async fn conflict(policy: &ConsumerGroupPolicy, ctx: &Context) -> Option<validate::Conflict> {
+    let others = ctx.shared.admitted(ctx.neighbours.of(policy, &ctx.shared.policies)).await;
+    validate::conflict(policy, &others)
 }
 
 /// Whether the policy's namespace is being deleted (false when that cannot be read).

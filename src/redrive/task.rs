@@ -36,7 +36,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
     let mut status = redrive.status.clone().unwrap_or_default();
     let mut backoff = Duration::from_secs(1);
     loop {
-        match drive(&ctx, &redrive, &mut work, &mut status).await {
+        match drive(&ctx, &redrive, &mut work, &mut status).await.map_err(|e| range_refused(&redrive, e)) {
             Ok(()) => return,
             Err(e) if ends_the_redrive(&e) => {
                 // The next redrive of the stream may start at once (or, if this fails too, once it sees this one
@@ -85,6 +85,22 @@ fn ends_the_redrive(error: &Error) -> bool {
             | Error::PermissionDenied { .. }
             | Error::KeyNotAllowed { .. }
     )
+}
+
+/// A range the server refuses (an id admitted before the CRD checked its 64-bit parts) is the spec's fault, not
+/// the server's: retrying cannot fix it, so it ends the redrive naming the field.
+fn range_refused(redrive: &DeadLetterRedrive, error: Error) -> Error {
+    let Error::RedisCommand { source, .. } = &error else { return error };
+    if !source.to_string().contains("Invalid stream ID") {
+        return error;
+    }
+    let filter = redrive.spec.filter.clone().unwrap_or_default();
+    let given = [("spec.filter.from", filter.from), ("spec.filter.to", filter.to)];
+    let fields: Vec<String> = given.into_iter().filter_map(|(f, v)| Some(format!("{f} {:?}", v?))).collect();
+    Error::InvalidSpec(format!(
+        "the server refused the range {}: {source}; give ids whose parts fit in 64 bits, in a new DeadLetterRedrive",
+        fields.join(" and ")
+    ))
 }
 
 /// Shows why the redrive is not moving while it retries, written once per reason and message.
