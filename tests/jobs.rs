@@ -50,6 +50,34 @@ fn a_policy_deleted_while_its_reconcile_is_in_flight_runs_no_job_afterwards() {
     assert!(!metrics.contains(&format!("namespace=\"{ns}\",policy=\"q\"")), "series of a deleted policy:\n{metrics}");
 }
 
+/// Defect: reason codes are data any client writes (the terminal-ACK contract is plain `HINCRBY`); with tens of
+/// thousands of them every status write failed ("request is too large") and Ready and the numbers froze. Status and
+/// metrics list the 20 largest and `Other`, and the status keeps following the stream.
+#[test]
+fn thousands_of_terminal_reasons_show_as_twenty_and_other() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, operator) = ready_policy("reasons", &jobs_policy("r", &server, "r", ""), "r");
+    let mut conn = server.conn();
+    let mut hset = redis::cmd("HSET");
+    hset.arg(pelican::keys::terminal_key("r", "workers"));
+    for i in 0..50_000 {
+        hset.arg(format!("UpstreamRefusedTheRecordBecause{i:06}")).arg(1);
+    }
+    let _: i64 = hset.arg("RecordNotFound").arg(40).query(&mut conn).unwrap();
+    produce(&mut conn, "r", 7);
+    let policy = wait_for("the status to show the 7 entries", Duration::from_secs(30), || {
+        let p = get_policy(&ns, "r");
+        if p["status"]["streamLength"] == 7 { Ok(p) } else { Err(p["status"]["streamLength"].to_string()) }
+    });
+    let acks = policy["status"]["terminalAcks"].as_array().unwrap();
+    assert_eq!(acks.len(), 21, "{acks:?}");
+    assert!(acks.contains(&serde_json::json!({"reason": "RecordNotFound", "count": 40})), "{acks:?}");
+    assert!(acks.contains(&serde_json::json!({"reason": "Other", "count": 50_000 - 19})), "{acks:?}");
+    let metrics = operator.metrics();
+    let series = metrics.lines().filter(|l| l.starts_with("pelican_terminal_acks_total{")).count();
+    assert_eq!(series, 21, "{metrics}");
+}
+
 fn jobs_policy(name: &str, server: &Server, stream: &str, extra: &str) -> String {
     policy(name, &server.url(), stream, "workers", extra)
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n    maxPerPass: 100000\n")
@@ -248,7 +276,7 @@ fn account_under_chaos_with(
     let server = Server::start_with(flavor, server_args);
     let ns = namespace("chaos");
     let mut bed =
-        ChaosBed { operators: (0..operators).map(|_| Operator::start(&ns)).collect(), server, namespace: ns.clone() };
+        ChaosBed { operators: (0..operators).map(|i| chaos_operator(&ns, i)).collect(), server, namespace: ns.clone() };
     let ack_some = server_args.is_empty();
     let manifest = jobs_policy("chaos", &bed.server, "{chaos}:in", extra).replace("{chaos}:in:dlq", "{chaos}:dlq");
     assert!(kubectl_apply(&ns, &manifest).0);
@@ -319,6 +347,12 @@ fn account_under_chaos_with(
     assert_eq!(totals.get("deadLettered").copied(), Some(in_stream as u64), "the counter agrees with the stream");
 }
 
+/// Operator `i` of a chaos bed. Each has a Lease of its own: two writers at once on purpose (what a partition or a
+/// paused leader can make of leader election), to show the scripts keep the ledger whoever runs them.
+fn chaos_operator(namespace: &str, i: usize) -> Operator {
+    Operator::start_with(namespace, &["--leader-election-lease", &format!("chaos-{i}")])
+}
+
 struct ChaosBed {
     operators: Vec<Operator>,
     server: Server,
@@ -331,7 +365,7 @@ fn operator_killed_again_and_again_loses_and_duplicates_nothing(flavor: Flavor) 
         for _ in 0..20 {
             thread::sleep(Duration::from_millis(rng.next_in(200, 1_500)));
             bed.operators[0].kill9();
-            bed.operators[0] = Operator::start(&bed.namespace);
+            bed.operators[0] = chaos_operator(&bed.namespace, 0);
         }
     });
 }
@@ -345,7 +379,7 @@ fn operator_killed_during_passes_with_backoff_loses_and_duplicates_nothing(flavo
         for _ in 0..12 {
             thread::sleep(Duration::from_millis(rng.next_in(200, 1_500)));
             bed.operators[0].kill9();
-            bed.operators[0] = Operator::start(&bed.namespace);
+            bed.operators[0] = chaos_operator(&bed.namespace, 0);
         }
     });
 }
@@ -357,7 +391,7 @@ fn two_operators_at_once_lose_and_duplicate_nothing(flavor: Flavor) {
             thread::sleep(Duration::from_millis(rng.next_in(500, 2_000)));
             let victim = round % 2;
             bed.operators[victim].kill9();
-            bed.operators[victim] = Operator::start(&bed.namespace);
+            bed.operators[victim] = chaos_operator(&bed.namespace, victim);
         }
     });
 }

@@ -438,7 +438,8 @@ pub struct ConsumerGroupPolicyStatus {
     /// The operator's counters, kept in Redis so they survive restarts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub totals: Option<Totals>,
-    /// Messages consumers ended as terminal (acknowledged without success), by reason code.
+    /// Messages consumers ended as terminal (acknowledged without success), by reason code: the 20 largest counts,
+    /// and the rest summed as `Other`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["reason"]))]
     pub terminal_acks: Vec<TerminalAckCount>,

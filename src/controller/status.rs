@@ -56,13 +56,33 @@ pub fn observed(
             publish_rejected: facts.publish_rejected,
             trimmed: total("trimmed"),
         }),
-        terminal_acks: facts
-            .terminal
-            .iter()
-            .map(|(reason, count)| TerminalAckCount { reason: reason.clone(), count: *count })
-            .collect(),
+        terminal_acks: top_reasons(&facts.terminal),
         ..previous.clone()
     }
+}
+
+/// The most reason codes `status.terminalAcks` (and the metric's series) list; the rest are summed as `Other`.
+/// Reasons are data any client writes: without a cap, thousands of them make the status too large to write, and
+/// the policy's numbers and Ready freeze.
+pub const TERMINAL_REASONS_SHOWN: usize = 20;
+/// The reason the codes past [`TERMINAL_REASONS_SHOWN`] are counted under.
+pub const OTHER_REASONS: &str = "Other";
+
+/// The [`TERMINAL_REASONS_SHOWN`] largest counts (ties by name), and `Other` for the rest (with any `Other` the
+/// hash holds itself), sorted by reason.
+fn top_reasons(terminal: &std::collections::BTreeMap<String, i64>) -> Vec<TerminalAckCount> {
+    let mut counts: Vec<(&String, i64)> =
+        terminal.iter().filter(|(reason, _)| *reason != OTHER_REASONS).map(|(r, c)| (r, *c)).collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+    let rest = counts.split_off(counts.len().min(TERMINAL_REASONS_SHOWN));
+    let other = terminal.get(OTHER_REASONS).copied().unwrap_or(0) + rest.iter().map(|(_, c)| c).sum::<i64>();
+    let mut shown: Vec<TerminalAckCount> =
+        counts.into_iter().map(|(reason, count)| TerminalAckCount { reason: reason.clone(), count }).collect();
+    if other > 0 || terminal.contains_key(OTHER_REASONS) {
+        shown.push(TerminalAckCount { reason: OTHER_REASONS.into(), count: other });
+    }
+    shown.sort_by(|a, b| a.reason.cmp(&b.reason));
+    shown
 }
 
 /// With `strategy: Requeue`, the stream's other groups, sorted and comma-separated: each of them also reads every
@@ -255,6 +275,24 @@ mod tests {
         assert_eq!(status.totals.unwrap().dead_lettered, 1);
         assert_eq!(status.terminal_acks, vec![TerminalAckCount { reason: "RecordNotFound".into(), count: 40 }]);
         assert_eq!(oldest_pending_age_seconds(&facts()), Some(90));
+    }
+
+    #[test]
+    fn past_twenty_reasons_the_smallest_are_summed_as_other() {
+        let mut terminal: std::collections::BTreeMap<String, i64> =
+            (0..5000).map(|i| (format!("Reason{i:04}"), 1)).collect();
+        terminal.insert("RecordNotFound".into(), 900);
+        terminal.insert("Other".into(), 7);
+        let shown = top_reasons(&terminal);
+        assert_eq!(shown.len(), TERMINAL_REASONS_SHOWN + 1);
+        assert!(shown.contains(&TerminalAckCount { reason: "RecordNotFound".into(), count: 900 }));
+        // 19 of the 5,000 ones are shown (the first by name); the other 4,981 and the hash's own 7 are Other.
+        assert!(shown.contains(&TerminalAckCount { reason: "Other".into(), count: 4981 + 7 }), "{shown:?}");
+        assert!(shown.contains(&TerminalAckCount { reason: "Reason0018".into(), count: 1 }));
+        assert!(!shown.iter().any(|t| t.reason == "Reason0019"));
+        let few: std::collections::BTreeMap<String, i64> = [("A".to_string(), 1), ("B".to_string(), 2)].into();
+        let names: Vec<_> = top_reasons(&few).into_iter().map(|t| t.reason).collect();
+        assert_eq!(names, ["A", "B"], "no Other when nothing is left out");
     }
 
     #[test]
