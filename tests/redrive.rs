@@ -117,6 +117,59 @@ fn moves_before_a_failure_in_the_same_batch_are_recorded() {
     assert_eq!(counted, (&Value::from(10), &Value::from(0), &Value::from(0)), "{}", done["status"]);
 }
 
+/// Defect: with `filter.reasons` matching little, one script call read runs of 256 until it found its budget of
+/// matches or the range ended (600,000 non-matching dead letters: 2.3 s in one call, every other client waiting).
+/// Each call now stops after a bounded read: no call of the redrive enters the server's slow log.
+#[test]
+fn a_filter_that_matches_little_never_holds_the_server() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, _operator) =
+        ready_policy("redrive-sparse", &policy("sparse", &server.url(), "sparse", "workers", ""), "sparse");
+    let mut conn = server.conn();
+    let count = 200_000;
+    dead_letters(&mut conn, "sparse:dlq", "sparse", count, |n| {
+        if n == count - 1 { "PayloadInvalid" } else { "MaxDeliveriesExceeded" }
+    });
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(250_000).query(&mut conn).unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    assert!(kubectl_apply(&ns, &redrive("sparse", "sparse", "  filter:\n    reasons: [PayloadInvalid]\n")).0);
+    let done = wait_phase(&ns, "sparse", "Succeeded", Duration::from_secs(120));
+    assert_eq!(done["status"]["moved"], 1, "{}", done["status"]);
+    assert_eq!(ns_in(&mut conn, "sparse", redriven), HashMap::from([(count - 1, 1)]));
+    let slow: Vec<redis::Value> = redis::cmd("SLOWLOG").arg("GET").query(&mut conn).unwrap();
+    assert!(slow.is_empty(), "calls of 250 ms or more: {slow:?}");
+}
+
+/// Defect: a dead letter whose `pelican-source-stream` is not UTF-8 stalled a `Source` redrive for ever (a decode
+/// error, retried at the same entry). It ends `Failed`, naming the entry before it and what to do.
+#[test]
+fn a_source_stream_that_is_not_utf8_ends_the_redrive_naming_the_entry() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, _operator) =
+        ready_policy("redrive-bytes", &policy("bytes", &server.url(), "bytes", "workers", ""), "bytes");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "bytes:dlq", "bytes", 2, |_| "MaxDeliveriesExceeded");
+    let before = xrange(&mut conn, "bytes:dlq")[1].0.clone();
+    let _: String = redis::cmd("XADD")
+        .arg("bytes:dlq")
+        .arg("*")
+        .arg("n")
+        .arg(2)
+        .arg("pelican-source-stream")
+        .arg(&b"\xff\xfeorders"[..])
+        .arg("pelican-reason")
+        .arg("MaxDeliveriesExceeded")
+        .query(&mut conn)
+        .unwrap();
+    assert!(kubectl_apply(&ns, &redrive("bytes", "bytes", "")).0);
+    let failed = wait_phase(&ns, "bytes", "Failed", Duration::from_secs(30));
+    let conditions = failed["status"]["conditions"].as_array().unwrap();
+    let message = conditions.iter().find(|c| c["type"] == "Failed").unwrap()["message"].as_str().unwrap();
+    assert!(message.contains("not UTF-8") && message.contains("spec.target"), "{message}");
+    assert!(message.contains(&format!("after {before}")), "{message}");
+    assert_eq!(ns_in(&mut conn, "bytes", redriven).len(), 2, "the two entries before it moved");
+}
+
 fn redriven(entry: &RawEntry) -> bool {
     field(entry, "pelican-redriven-from").is_some()
 }

@@ -22,6 +22,8 @@ const PAGE: usize = 256;
 
 /// The field the reclaim script writes with the stream an entry was dead-lettered from.
 const SOURCE_FIELD: &str = "pelican-source-stream";
+/// The most destination streams a `Source` redrive keeps checked (and sends as KEYS with each call).
+const MAX_DESTINATIONS: usize = 64;
 const REASON_FIELD: &str = "pelican-reason";
 
 /// Everything a redrive's moves depend on; fixed for its whole life.
@@ -333,7 +335,22 @@ pub async fn step(
         budget -= call.moved.min(budget);
         match call.need {
             Some(stream) if budget > 0 => {
+                let stream = String::from_utf8(stream).map_err(|e| {
+                    let after =
+                        done.last_id.as_deref().map_or("at the start of the range".into(), |id| format!("after {id}"));
+                    Error::InvalidSpec(format!(
+                        "the dead letter {after} names a {SOURCE_FIELD} that is not UTF-8 ({:?}): no stream key \
+                         Pelican can check against the server's key patterns; delete or fix that entry, or redrive it \
+                         with spec.target.stream",
+                        String::from_utf8_lossy(e.as_bytes())
+                    ))
+                })?;
                 plan.check_destination(&stream)?;
+                // The checked streams are sent as KEYS with every call: keep the most recent ones only (one dropped
+                // is checked again when an entry needs it).
+                if destinations.len() >= MAX_DESTINATIONS {
+                    destinations.remove(0);
+                }
                 destinations.push(stream);
             }
             _ => return Ok(done),
@@ -348,7 +365,7 @@ struct Call {
     too_large: u64,
     last_id: Option<String>,
     finished: bool,
-    need: Option<String>,
+    need: Option<Vec<u8>>,
 }
 
 async fn call(
@@ -380,7 +397,7 @@ async fn call(
         .arg(mode)
         .arg(fallback)
         .arg(&plan.reasons);
-    let (moved, too_large, left, finished, last_id, need): (u64, u64, u64, u8, String, String) =
+    let (moved, too_large, left, finished, last_id, need): (u64, u64, u64, u8, String, Vec<u8>) =
         invocation.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
     Ok(Call {
         moved,

@@ -19,7 +19,9 @@
 -- are recorded, and the failure is returned as an error: the next call starts at the failing id again.
 --
 -- Entries are read a run at a time with one XRANGE: one entry first, then as many as the byte budget holds at the
--- size seen so far (at most the entries still to move, without a filter).
+-- size seen so far (at most the entries still to move, without a filter). Reading costs the server too: a call
+-- stops once it read READ_MAX entries or the byte budget's worth, whatever it moved, so a filter that matches little
+-- never holds the server; `lastId` says how far it got.
 --
 -- Invariant: every id ends either moved (one entry in its target: the application's fields, the `pelican-*`
 -- metadata stripped, then `pelican-redriven-from` <id> and `pelican-redrive` <name>; the dead letter deleted) or
@@ -32,6 +34,7 @@ local uid, name, start, until_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local budget, max_fields, byte_budget = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local to_source, fallback = ARGV[8] == 'source', ARGV[9]
 local RUN = 256
+local READ_MAX = 4096
 
 local function expect_type(key, wanted)
   local t = redis.call('TYPE', key)['ok']
@@ -111,7 +114,7 @@ end
 
 local function step()
   while moved < budget do
-    if copied >= byte_budget then return end
+    if copied >= byte_budget or read_entries >= READ_MAX or read_bytes >= byte_budget then return end
     -- One entry until a size was seen; then as many as the rest of the byte budget holds, at most RUN.
     local count = 1
     if read_entries > 0 then
