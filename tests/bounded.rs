@@ -29,6 +29,7 @@ on_both_servers!(
     a_batch_is_written_in_order_up_to_the_room_and_the_rest_refused,
     eight_producers_of_batches_never_push_the_backlog_past_the_bound,
     a_malformed_batch_writes_nothing_and_says_what_is_wrong,
+    a_batch_is_never_written_in_part_and_reported_not_written,
     retention_stops_at_an_unmanaged_groups_pending_then_at_its_read_position,
     retention_never_trims_a_stream_without_groups,
     retention_keeps_entries_younger_than_min_age,
@@ -356,6 +357,32 @@ fn a_bound_that_is_no_number_bounds_nothing(flavor: Flavor) {
         .unwrap();
     assert_eq!((batch_ids.len(), refusal.len()), (1, 0));
     assert_eq!(xrange(&mut conn, STREAM).len(), 4);
+}
+
+/// Defect: an entry of ~4,100 fields (past what Lua's unpack hands on) failed after the entries before it were
+/// added, and a bound of `2.5` made the refusal's count fail after `floor(room)` entries; both came back as `Failed`
+/// ("certainly not written"), so a retry duplicated the prefix. The first is refused before any write; the second
+/// bounds at 2.
+fn a_batch_is_never_written_in_part_and_reported_not_written(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let producer = runtime.block_on(Producer::connect(&redis::Client::open(server.url()).unwrap(), STREAM)).unwrap();
+    let wide: Vec<(String, String)> = (0..4100).map(|i| (format!("f{i}"), "v".to_string())).collect();
+    let batch = vec![vec![("n".to_string(), "0".to_string())], vec![("n".to_string(), "1".to_string())], wide];
+    let error = runtime.block_on(producer.publish_batch(&batch)).unwrap_err();
+    assert!(error.certainly_not_written(), "{error:?}");
+    assert!(error.to_string().contains("4100 fields"), "{error}");
+    assert_eq!(xrange(&mut conn, STREAM).len(), 0, "a batch reported not written wrote entries");
+
+    let _: () = redis::cmd("HSET").arg(bounds_key(STREAM)).arg(GROUP).arg("2.5").query(&mut conn).unwrap();
+    let five: Vec<Vec<(&str, u64)>> = (0..5).map(|n| vec![("n", n)]).collect();
+    let published = runtime.block_on(producer.publish_batch(&five)).unwrap();
+    assert_eq!(published.ids.len(), 2);
+    assert_eq!(published.refused, Some(Refusal { group: GROUP.into(), backlog: 0, max: 2 }));
+    assert_eq!(rejected(&mut conn, GROUP), Some(3));
+    assert_eq!(xrange(&mut conn, STREAM).len(), 2);
 }
 
 fn trim(server: &Server, min_age: Duration) -> jobs::Trim {

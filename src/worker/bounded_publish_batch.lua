@@ -8,7 +8,10 @@
 -- Reply: {ids, refusal}. `ids` are the ids of the entries added: the first k of the n, in order. `refusal` is empty
 -- when k = n; otherwise it is {group, backlog, max} of the group with the least room, the last n - k entries were
 -- not written, and n - k is counted under that group in KEYS[3]. Malformed arguments are an error reply, before
--- anything is written; so is any error of the check (a key of another type, an ACL that does not allow XINFO).
+-- anything is written; so is any error of the check (a key of another type, an ACL that does not allow XINFO), and
+-- an entry of more than 3,990 fields (what one Lua call can pass on). An error after the first XADD (the server out
+-- of memory, say) is an error reply with the code PELICAN_PARTIAL: the first entries may have been written, so the
+-- caller must treat the outcome as unknown.
 --
 -- The backlog is counted exactly as bounded_publish.lua counts it, with the same calls (lag plus pending; the whole
 -- stream as unread when the server cannot tell the lag; the length read only when it matters). The room of the batch
@@ -23,11 +26,17 @@ end
 -- Where each entry's arguments start and end in ARGV.
 local first, last = {}, {}
 local at = 2
+-- The most arguments unpack() hands to one call (Lua's C stack holds 8,000), less the XADD's own key and id.
+local MAX_ARGS = 7980
 for i = 1, n do
   local count = tonumber(ARGV[at])
   if not count or count < 2 or count % 2 ~= 0 or at + count > #ARGV then
     return redis.error_reply('ERR bounded publish batch: entry ' .. i .. ' needs an even number of arguments ' ..
       '(field value pairs) after its count, got ' .. tostring(ARGV[at]))
+  end
+  if count > MAX_ARGS then
+    return redis.error_reply('ERR bounded publish batch: entry ' .. i .. ' has ' .. (count / 2) .. ' fields, ' ..
+      'more than the ' .. (MAX_ARGS / 2) .. ' one script call can add: nothing was written')
   end
   first[i], last[i] = at + 1, at + count
   at = at + count + 1
@@ -53,8 +62,10 @@ if #bounds > 0 then
     local name, pending, lag = info[2], info[6], info[12]
     for i = 1, #bounds, 2 do
       if bounds[i] == name then
-        -- A value that is no number bounds nothing (the operator puts the policy's back at its next look).
-        local max = tonumber(bounds[i + 1]) or math.huge
+        -- A value that is no number bounds nothing (the operator puts the policy's back at its next look); one
+        -- with a fraction bounds at its whole part, as the single publish compares it.
+        local max = tonumber(bounds[i + 1])
+        if max == nil or max ~= max then max = math.huge elseif max < math.huge then max = math.floor(max) end
         if type(lag) ~= 'number' or lag + pending + n > max then
           length = length or redis.call('XLEN', KEYS[1])
           if type(lag) ~= 'number' or lag > length then lag = length end
@@ -70,8 +81,15 @@ if #bounds > 0 then
 end
 
 local ids = {}
-for i = 1, room do
-  ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, first[i], last[i]))
+local ok, failure = pcall(function()
+  for i = 1, room do
+    ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, first[i], last[i]))
+  end
+end)
+if not ok then
+  local text = type(failure) == 'table' and failure.err or tostring(failure)
+  if #ids == 0 then return redis.error_reply(text) end
+  return redis.error_reply('PELICAN_PARTIAL ' .. #ids .. ' of ' .. n .. ' entries written before: ' .. text)
 end
 if room < n then
   redis.call('HINCRBY', KEYS[3], full[1], n - room)

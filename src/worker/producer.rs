@@ -88,7 +88,12 @@ impl PublishError {
                 return PublishError::Refused { group: group.to_string(), backlog, max };
             }
         }
-        if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() {
+        // A batch that failed after its first entries were added.
+        if error.is_io_error()
+            || error.is_timeout()
+            || error.is_connection_dropped()
+            || error.code() == Some("PELICAN_PARTIAL")
+        {
             PublishError::OutcomeUnknown(error)
         } else if matches!(error.code(), Some("READONLY" | "LOADING" | "MASTERDOWN" | "BUSY" | "TRYAGAIN")) {
             PublishError::Unavailable(error)
