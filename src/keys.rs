@@ -74,6 +74,21 @@ pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
     [format!("{{{tag}}}:pelican:{group}:totals"), format!("{{{tag}}}:pelican:{group}:terminal")]
 }
 
+/// Every key Pelican keeps for one group of `stream` (counters, errors, bounds, refusals, and the 0.1 names it
+/// reads once): all in the stream's hash tag, `{T}:pelican:...`.
+pub fn group_keys(stream: &str, group: &str) -> Vec<String> {
+    let [legacy_totals, legacy_terminal] = legacy_keys(stream, group);
+    vec![
+        totals_key(stream, group),
+        terminal_key(stream, group),
+        errors_key(stream, group),
+        bounds_key(stream),
+        rejected_key(stream),
+        legacy_totals,
+        legacy_terminal,
+    ]
+}
+
 /// The consumer name the operator's reclaim pass uses; kept out of counts and metrics.
 pub const OPERATOR_CONSUMER: &str = "pelican-operator";
 

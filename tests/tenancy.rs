@@ -402,3 +402,138 @@ fn kubectl_pelican_says_which_permission_a_team_lacks_for_the_servers_secrets() 
     assert!(!dlq.contains("platform-pw"), "{dlq}");
     println!("$ kubectl pelican dlq orders (as {team}:dev)\n{dlq}");
 }
+
+/// Defect: key patterns were matched with the `glob` crate while the API documents Redis ACL semantics (`[^_]` was
+/// no negation, `\` no escape, `**` refused). The matcher now agrees with a real server's `ACL DRYRUN` on every pair
+/// of this table, on Redis and on Valkey.
+#[test]
+fn key_patterns_match_as_the_servers_acl_does() {
+    let patterns = [
+        "team-a:[^_]*",
+        "team-a:*",
+        r"a\*b",
+        "**",
+        "a**b",
+        "[a-c]x",
+        "[c-a]x",
+        r"[\]]",
+        "[abc",
+        "[^abc",
+        "?x",
+        "a?",
+        r"\",
+        r"x\",
+        "[a-]",
+        "[]a]",
+        "*:orders",
+        "{team}:*",
+        "team*",
+        "team-*",
+        "[!a]*",
+        r"a[\-]b",
+        "*a*b*c*",
+        "[",
+        "[^]",
+        r"[\",
+        "*?*",
+        "a[b-]",
+        "*[xyz]",
+    ];
+    let keys = [
+        "team-a:_internal",
+        "team-a:orders",
+        "a*b",
+        "axb",
+        "ab",
+        "bx",
+        "]",
+        "a",
+        "c",
+        "d",
+        "xx",
+        r"\",
+        r"x\",
+        "-",
+        "a-",
+        "team-b:orders",
+        "{team}:x",
+        "!x",
+        "a-b",
+        "aXbYc",
+        "team-a:",
+        "[",
+        "^",
+        "cx",
+        "dx",
+        "abc",
+        "a]",
+        "zz",
+        "ax",
+    ];
+    for flavor in [Flavor::Redis, Flavor::Valkey] {
+        let server = Server::start(flavor);
+        let mut conn = server.conn();
+        let mut disagree = Vec::new();
+        for pattern in patterns {
+            let _: () = redis::cmd("ACL")
+                .arg("SETUSER")
+                .arg("tenant")
+                .arg("reset")
+                .arg("on")
+                .arg("nopass")
+                .arg(format!("~{pattern}"))
+                .arg("+@all")
+                .query(&mut conn)
+                .unwrap();
+            for key in keys {
+                let reply: String =
+                    redis::cmd("ACL").arg("DRYRUN").arg("tenant").arg("GET").arg(key).query(&mut conn).unwrap();
+                let server_admits = reply == "OK";
+                if server_admits != pelican::tenancy::key_matches(pattern.as_bytes(), key.as_bytes()) {
+                    disagree.push(format!("{pattern:?} {key:?}: the server says {reply:?}"));
+                }
+            }
+        }
+        assert!(
+            disagree.is_empty(),
+            "{flavor:?}: {} of {} pairs differ:\n{}",
+            disagree.len(),
+            patterns.len() * keys.len(),
+            disagree.join("\n")
+        );
+    }
+}
+
+/// Defect: Pelican's own keys escaped the patterns. A tenant admitted to `a.*` could name stream `a.{team-b}`, whose
+/// counters, bounds and errors keys are `{team-b}:pelican:...`, team-b's key space. Such a policy is Stalled
+/// `KeyNotAllowed` naming the key, and nothing of it reaches Redis.
+#[test]
+fn a_stream_whose_hash_tag_is_another_teams_is_refused_for_pelicans_own_keys() {
+    let server = Server::start(Flavor::Redis);
+    let (platform, team) = (namespace("platform"), namespace("tagged"));
+    let label = team.clone();
+    let _operator = operator(&label, &[]);
+    let tenants = format!("  tenants:\n  - namespaces: [{team}]\n    keys: [\"a.*\"]\n");
+    assert!(
+        kubectl_apply(
+            &platform,
+            &server_manifest(&label, &server.url(), "", &tenants)
+                .replace("  passwordSecretRef: {name: shared-auth, key: password}\n", "")
+        )
+        .0
+    );
+    let stolen = tenant_policy("stolen", &label, &platform, "a.{team-b}", "g", "a.{team-b}:dlq", "");
+    assert!(kubectl_apply(&team, &stolen).0);
+    let refused = wait_condition(&team, "stolen", "Stalled", "True", "KeyNotAllowed");
+    let message = ready_message(&refused);
+    assert!(
+        message.contains("{team-b}:pelican:a.{team-b}:g:totals") && message.contains("hash tag {team-b}"),
+        "{message}"
+    );
+    let fine = tenant_policy("fine", &label, &platform, "a.orders", "g", "a.orders.dlq", "");
+    assert!(kubectl_apply(&team, &fine).0);
+    wait_condition(&team, "fine", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    let exists: i64 = redis::cmd("EXISTS").arg("a.{team-b}").query(&mut conn).unwrap();
+    assert_eq!(exists, 0, "nothing written for the refused policy");
+}

@@ -93,7 +93,8 @@ pub struct Tenant {
 #[serde(transparent)]
 pub struct NamespaceName(#[schemars(length(min = 1, max = 63))] pub String);
 
-/// A glob pattern over key names (`*`, `?`, `[abc]`, as Redis ACL key patterns; `{` and `}` are plain characters).
+/// A key pattern as Redis ACL key patterns are matched: `*`, `?`, `[abc]`, `[a-z]`, `[^...]`, `\\` escaping the next
+/// character; `{` and `}` are plain characters.
 /// `${namespace}` stands for the policy's namespace. Pelican's own keys follow from the stream and are not listed.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(transparent)]

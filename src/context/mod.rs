@@ -150,8 +150,11 @@ impl Shared {
             false => None,
         };
         let keys = tenancy::admit(&server, &namespace, labels.as_ref())?;
-        keys.check("spec.stream", &policy.spec.stream)?;
-        keys.check("spec.deadLetter.stream", &policy.spec.dead_letter.stream)?;
+        let (stream, dead_letter) = (&policy.spec.stream, &policy.spec.dead_letter.stream);
+        keys.check("spec.stream", stream)?;
+        keys.check("spec.deadLetter.stream", dead_letter)?;
+        keys.check_own("spec.stream", stream, &crate::keys::group_keys(stream, &policy.spec.group))?;
+        keys.check_own("spec.deadLetter.stream", dead_letter, &[crate::keys::redrive_lock_key(dead_letter)])?;
         Ok(Some((server, keys)))
     }
 

@@ -16,7 +16,7 @@ use tracing::{instrument, warn};
 use crate::api::{READY, RECONCILED, RedisServer, RedisServerStatus};
 use crate::context::Shared;
 use crate::context::conditions::{Said, condition};
-use crate::{Error, Result, tenancy};
+use crate::{Error, Result};
 
 /// How often a server is looked at again (its policies count, whether it still answers).
 const RECHECK: Duration = Duration::from_secs(30);
@@ -78,14 +78,8 @@ async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Acti
     Ok(Action::requeue(RECHECK))
 }
 
-/// The server's key patterns parse, its Secrets resolve, and it answers `INFO server` with them.
+/// The server's Secrets resolve, and it answers `INFO server` with them.
 async fn check(server: &RedisServer, shared: &Shared) -> Result<crate::redis::ServerInfo> {
-    let invalid = tenancy::invalid_patterns(server);
-    if !invalid.is_empty() {
-        return Err(Error::InvalidSpec(format!(
-            "spec.tenants[].keys {invalid:?} are not valid glob patterns (an unclosed '['?) and match no key: fix them"
-        )));
-    }
     let target = shared.server_target(server).await?;
     let info = shared.pools.probe(&target).await?;
     if !info.is_supported() {
