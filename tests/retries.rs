@@ -14,7 +14,90 @@ use pelican::worker::{Message, Outcome, Worker, WorkerConfig};
 on_both_servers!(
     retries_back_off_one_two_four_eight_seconds_then_dead_letter,
     the_dead_letter_carries_the_last_of_three_errors_recorded_by_the_sdk,
+    sdk_workers_with_default_settings_keep_the_cap_and_the_spacing_requeue,
+    sdk_workers_with_default_settings_keep_the_cap_and_the_spacing_reassign,
 );
+
+fn sdk_workers_with_default_settings_keep_the_cap_and_the_spacing_requeue(flavor: Flavor) {
+    sdk_workers_keep_the_cap_and_the_spacing(flavor, "Requeue", &["w1"]);
+}
+
+fn sdk_workers_with_default_settings_keep_the_cap_and_the_spacing_reassign(flavor: Flavor) {
+    sdk_workers_keep_the_cap_and_the_spacing(flavor, "Reassign", &["w1", "w2"]);
+}
+
+/// Defect: the SDK re-read its own PEL every `pel_check_interval` (30 s by default), each read a delivery that reset
+/// the entry's idle time, so with `minIdle` past 30 s a message that always failed was retried every 30 s for as
+/// long as the worker ran, never dead-lettered. The defaults scaled only in time (`minIdle: 45s`, the SDK's own
+/// `WorkerConfig::new`, `maxDeliveries: 3`): the handler sees the poison message 3 times, at least 45 s apart, then
+/// it is dead-lettered. A stream of other messages, handled fine, keeps the workers live (for `Reassign`).
+fn sdk_workers_keep_the_cap_and_the_spacing(flavor: Flavor, strategy: &str, consumers: &[&str]) {
+    let server = Server::start(flavor);
+    let extra = "  retry:\n    maxDeliveries: 3\n";
+    let manifest = policy("poison", &server.url(), "tasks", "workers", extra)
+        .replace("    interval: 1s\n", &format!("    interval: 5s\n    minIdle: 45s\n    strategy: {strategy}\n"));
+    let (_ns, _operator) = ready_policy("sdk-cap", &manifest, "poison");
+    let mut conn = server.conn();
+    let _: String = redis::cmd("XADD").arg("tasks").arg("*").arg("kind").arg("poison").query(&mut conn).unwrap();
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, Instant)>::new()));
+    let dead = runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+        let mut workers = Vec::new();
+        for consumer in consumers {
+            let worker = Worker::connect(&client, WorkerConfig::new("tasks", "workers", *consumer)).await.unwrap();
+            let (calls, stop) = (calls.clone(), stop.clone());
+            let handler = move |message: Message| {
+                let calls = calls.clone();
+                async move {
+                    if message.field_str("kind") != Some("poison") {
+                        return Ok(Outcome::Done);
+                    }
+                    calls.lock().unwrap().push((message.id.clone(), Instant::now()));
+                    Err("poison".into())
+                }
+            };
+            workers.push(tokio::spawn(worker.run(handler, async move { stop.notified().await })));
+        }
+        let mut filler = redis::Client::open(server.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let started = Instant::now();
+        let dead = loop {
+            let _: String = redis::cmd("XADD")
+                .arg("tasks")
+                .arg("*")
+                .arg("kind")
+                .arg("filler")
+                .query_async(&mut filler)
+                .await
+                .unwrap();
+            let dead: Vec<RawEntryOwned> =
+                redis::cmd("XRANGE").arg("tasks:dlq").arg("-").arg("+").query_async(&mut filler).await.unwrap();
+            if !dead.is_empty() || started.elapsed() > Duration::from_secs(300) {
+                break dead;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        // A while longer: no delivery after the dead letter.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        stop.notify_waiters();
+        for worker in workers {
+            worker.await.unwrap();
+        }
+        dead
+    });
+    let calls = calls.lock().unwrap().clone();
+    let gaps: Vec<f64> = calls.windows(2).map(|w| (w[1].1 - w[0].1).as_secs_f64()).collect();
+    println!("{flavor:?} {strategy}: {} deliveries, {gaps:.1?} s apart; {} dead letter(s)", calls.len(), dead.len());
+    assert_eq!(dead.len(), 1, "dead-lettered once within 300 s; deliveries {gaps:?}");
+    let deliveries = dead[0].1.iter().position(|v| v == "pelican-deliveries").map(|i| dead[0].1[i + 1].clone());
+    assert_eq!(deliveries.as_deref(), Some("3"), "{:?}", dead[0]);
+    assert_eq!(calls.len(), 3, "the handler saw the message {} times: {gaps:?}", calls.len());
+    // Due at 45 s idle; a delivery is a little after the server made it, so allow the reads' own latency.
+    assert!(gaps.iter().all(|g| *g >= 44.5), "deliveries {gaps:?} s apart, minIdle is 45s");
+}
+
+/// An XRANGE entry: id and its flat fields as text.
+type RawEntryOwned = (String, Vec<String>);
 
 /// With `minIdle: 1s, factor: 2, max: 8s, maxDeliveries: 5`, a consumer that reads `>` and never acknowledges
 /// sees the message's deliveries 1, 2, 4 and 8 s apart (each within one `interval` of that), then one dead letter

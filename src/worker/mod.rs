@@ -10,9 +10,12 @@
 //!   operator's reclaim, which carries the text to the requeued copy or into the dead letter (`pelican-last-error`).
 //!   A later ACK or terminal ACK removes the field.
 //!
-//! Every `pel_check_interval` it looks at its own PEL again and reads what is there and not in flight: entries
-//! whose handler failed (the retry, which raises their delivery count, so the operator's cap is reached) and
-//! entries the operator reassigned to it (`strategy: Reassign`).
+//! Every `pel_check_interval` it looks at its own PEL again for entries the operator handed to it (`strategy:
+//! Reassign`, whose `XCLAIM ... RETRYCOUNT` counted the delivery): it takes each with `XCLAIM ... JUSTID` (its idle
+//! time starts again, its count stays) and reads it with `XRANGE`. Entries whose handler failed here are never
+//! read again by the worker itself: they wait for the operator's pass, which retries them as the policy says
+//! (`minIdle`, `retry.backoff`, `maxDeliveries`), whatever this interval is. Re-reading them (each read a delivery
+//! that resets the idle time) would retry a failing message every interval, never dead-lettered.
 //!
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
@@ -27,7 +30,7 @@ pub use producer::{
 };
 pub use reason::{InvalidReason, Reason};
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -98,8 +101,8 @@ pub struct WorkerConfig {
     pub block: Duration,
     /// On shutdown, how long in-flight handlers may take before they are abandoned (not acknowledged).
     pub shutdown_grace: Duration,
-    /// How often the worker reads its own PEL again for entries not in flight: failed ones (their retry) and ones
-    /// the operator reassigned to it.
+    /// How often the worker looks at its own PEL for entries the operator reassigned to it. Entries that failed
+    /// here are left to the operator's retries, whatever this interval.
     pub pel_check_interval: Duration,
 }
 
@@ -135,6 +138,9 @@ struct Counters {
     failed: AtomicU64,
     /// Entries whose last error this worker recorded: their field goes with their ACK.
     errors_recorded: Mutex<HashSet<String>>,
+    /// Entries whose handler failed here and that stay pending, with when: the operator's pass retries them, never
+    /// this worker.
+    failed_here: Mutex<HashMap<String, Instant>>,
 }
 
 pub struct Worker {
@@ -188,7 +194,8 @@ impl Worker {
                 next_pel_check = Instant::now() + self.config.pel_check_interval;
             }
             let skip = in_flight.lock().expect("in-flight lock").clone();
-            let read = self.read(batch_permits.len(), &mut own_pel_cursor, pel_check_due.then_some(&skip));
+            let read =
+                self.read(batch_permits.len(), &mut own_pel_cursor, pel_check_due.then_some((&skip, &*counters)));
             let messages = tokio::select! {
                 _ = &mut shutdown => break,
                 read = read => match read {
@@ -239,15 +246,15 @@ impl Worker {
     }
 
     /// Up to `count` messages: from our own PEL while it has entries, then new ones (blocking up to `block`). With
-    /// `pel_check`, the entries of our PEL that are not in that set of in-flight ids instead.
+    /// `pel_check` (the ids in flight, and those that failed here), the entries the operator handed to us instead.
     async fn read(
         &mut self,
         count: usize,
         own_pel_cursor: &mut Option<String>,
-        pel_check: Option<&HashSet<String>>,
+        pel_check: Option<(&HashSet<String>, &Counters)>,
     ) -> RedisResult<Vec<Message>> {
-        if let Some(in_flight) = pel_check {
-            return self.read_own_pel(count, in_flight).await;
+        if let Some((in_flight, counters)) = pel_check {
+            return self.read_handed_over(count, in_flight, counters).await;
         }
         let config = &self.config;
         let mut cmd = redis::cmd("XREADGROUP");
@@ -264,35 +271,79 @@ impl Worker {
         Ok(messages(entries))
     }
 
-    /// Up to `count` entries of our own PEL that are not in flight, each read from our history with
-    /// `XREADGROUP ... STREAMS <stream> <the id just before it> COUNT 1`, so only the entries read count a delivery
-    /// (reading the whole PEL from `0` would raise the count of messages still being handled).
-    async fn read_own_pel(&mut self, count: usize, in_flight: &HashSet<String>) -> RedisResult<Vec<Message>> {
+    /// Up to `count` entries of our own PEL that are neither in flight nor failed here: the ones the operator handed
+    /// to us. Each is taken with `XCLAIM <id> JUSTID` (the idle time starts again, so the operator's pass does not
+    /// take it back while it is handled; the delivery count stays, the hand-over counted it) and read with `XRANGE`.
+    async fn read_handed_over(
+        &mut self,
+        count: usize,
+        in_flight: &HashSet<String>,
+        counters: &Counters,
+    ) -> RedisResult<Vec<Message>> {
         let config = &self.config;
+        let failed_here = counters.failed_here.lock().expect("failed lock").clone();
+        let asked = count + in_flight.len() + failed_here.len();
+        // Measured before the server measures idle times: an entry nobody touched since it failed here has been
+        // idle at least this long.
+        let asked_at = Instant::now();
         let pending: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
             .arg(&config.stream)
             .arg(&config.group)
             .arg("-")
             .arg("+")
-            .arg(count + in_flight.len())
+            .arg(asked)
             .arg(&config.consumer)
             .query_async(&mut self.writer)
             .await?;
-        let ids: Vec<String> =
-            pending.into_iter().map(|(id, ..)| id).filter(|id| !in_flight.contains(id)).take(count).collect();
+        if pending.len() < asked {
+            // The whole PEL: what failed here and is no longer in it (the operator requeued, reassigned or
+            // dead-lettered it) is forgotten, so the set stays as small as the PEL.
+            let listed: HashSet<&String> = pending.iter().map(|(id, ..)| id).collect();
+            counters.failed_here.lock().expect("failed lock").retain(|id, _| listed.contains(id));
+        }
+        // An entry that failed here and was handed back to us later (a hand-over resets its idle time) is a new
+        // delivery; one still idle since it failed here waits for the operator.
+        let handed_back = |id: &str, idle_ms: i64| {
+            failed_here.get(id).is_none_or(|failed| {
+                let since = asked_at.saturating_duration_since(*failed);
+                Duration::from_millis(idle_ms.max(0) as u64) + HAND_OVER_MARGIN <= since
+            })
+        };
+        let ids: Vec<String> = pending
+            .into_iter()
+            .filter(|(id, _, idle_ms, _)| !in_flight.contains(id) && handed_back(id, *idle_ms))
+            .map(|(id, ..)| id)
+            .take(count)
+            .collect();
+        {
+            let mut failed = counters.failed_here.lock().expect("failed lock");
+            ids.iter().for_each(|id| _ = failed.remove(id));
+        }
         if ids.is_empty() {
             return Ok(Vec::new());
         }
         let mut pipe = redis::pipe();
         for id in &ids {
-            pipe.cmd("XREADGROUP").arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(1);
-            pipe.arg("STREAMS").arg(&config.stream).arg(id_before(id));
+            pipe.cmd("XCLAIM")
+                .arg(&config.stream)
+                .arg(&config.group)
+                .arg(&config.consumer)
+                .arg(0)
+                .arg(id)
+                .arg("JUSTID");
+            pipe.ignore();
+            pipe.cmd("XRANGE").arg(&config.stream).arg(id).arg(id);
         }
-        let replies: Vec<Value> = pipe.query_async(&mut self.writer).await?;
-        let entries = replies.into_iter().flat_map(parse_entries).filter(|(id, _)| ids.contains(id)).collect();
+        let ranges: Vec<Vec<(String, Vec<Vec<u8>>)>> = pipe.query_async(&mut self.writer).await?;
+        // An entry deleted from the stream while pending has no payload to handle: the operator's pass drops it.
+        let entries = ranges.into_iter().flatten().map(|(id, flat)| (id, Some(pairs(flat)))).collect();
         Ok(messages(entries))
     }
 }
+
+/// How much shorter than the time since an entry failed here its idle time must be for it to count as handed back to
+/// this worker: the operator hands an entry over only once it was idle `minIdle` (at least a second).
+const HAND_OVER_MARGIN: Duration = Duration::from_secs(1);
 
 /// The reader (its response timeout covers a blocking read) and the writer.
 async fn connections(source: &Source, config: &WorkerConfig) -> RedisResult<(Connection, Connection)> {
@@ -308,16 +359,6 @@ fn messages(entries: Vec<RawEntry>) -> Vec<Message> {
 }
 
 /// The greatest stream id below `id` (`5-0` -> `4-18446744073709551615`), so a read after it starts at `id`.
-fn id_before(id: &str) -> String {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    let (ms, seq) = (ms.parse::<u64>().unwrap_or(0), seq.parse::<u64>().unwrap_or(0));
-    match (ms, seq) {
-        (_, 1..) => format!("{ms}-{}", seq - 1),
-        (1.., 0) => format!("{}-{}", ms - 1, u64::MAX),
-        (0, 0) => "0-0".to_string(),
-    }
-}
-
 /// Whether a failed acknowledgement certainly wrote nothing: the server answered with an error (the scripts check
 /// everything before their first write), as opposed to a connection that broke after the command was sent.
 fn certainly_not_written(e: &RedisError) -> bool {
@@ -439,7 +480,8 @@ async fn dispatch<H, Fut>(
             };
         }
         Ok(Err(e)) => {
-            warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for retry");
+            warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for the operator's retry");
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&mut conn, stream, group, &id, &e.to_string(), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
         }
@@ -450,6 +492,7 @@ async fn dispatch<H, Fut>(
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("a panic");
             error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&mut conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
         }
@@ -462,15 +505,12 @@ type RawEntry = (String, Option<Vec<(Vec<u8>, Vec<u8>)>>);
 fn parse_entries(reply: Value) -> Vec<RawEntry> {
     type Streams = Option<Vec<(String, Vec<(String, Option<Vec<Vec<u8>>>)>)>>;
     let streams: Streams = redis::from_redis_value(reply).unwrap_or_default();
-    streams
-        .into_iter()
-        .flatten()
-        .flat_map(|(_, entries)| entries)
-        .map(|(id, flat)| {
-            let fields = flat.map(|flat| flat.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect());
-            (id, fields)
-        })
-        .collect()
+    streams.into_iter().flatten().flat_map(|(_, entries)| entries).map(|(id, flat)| (id, flat.map(pairs))).collect()
+}
+
+/// `[field, value, ...]` -> pairs.
+fn pairs(flat: Vec<Vec<u8>>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    flat.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect()
 }
 
 #[cfg(test)]
@@ -481,13 +521,6 @@ mod tests {
     #[should_panic(expected = "must be CamelCase")]
     fn terminal_with_an_invalid_code_panics_with_the_rule() {
         Outcome::terminal("record not found");
-    }
-
-    #[test]
-    fn the_id_before_reads_from_the_id_itself() {
-        assert_eq!(id_before("5-3"), "5-2");
-        assert_eq!(id_before("5-0"), "4-18446744073709551615");
-        assert_eq!(id_before("0-0"), "0-0");
     }
 
     #[test]
