@@ -69,6 +69,11 @@ fn not_allowed(server: &RedisServer, namespace: &str) -> Error {
 }
 
 impl KeyRules {
+    /// The patterns, `${namespace}` substituted.
+    pub fn patterns(&self) -> &[String] {
+        &self.patterns
+    }
+
     /// `KeyNotAllowed` unless some pattern matches `key`; `field` names where the key comes from
     /// (`spec.stream`, ...).
     pub fn check(&self, field: &str, key: &str) -> Result<()> {

@@ -471,3 +471,39 @@ fn one_redrive_at_a_time_across_an_operator_restart() {
     assert_eq!(get_redrive(&ns, "z-first")["status"]["moved"], 300);
     assert_eq!(ns_in(&mut conn, "jobs", redriven), (0..300).map(|n| (n, 1)).collect());
 }
+
+/// Defect: `kubectl delete dlr x && kubectl apply -f x.yaml` (here `kubectl replace --force`) while it ran left the old task writing status by name
+/// onto the new object; the two deleted each other's progress record, `moved` undercounted and `missing`
+/// overcounted. The old task stops when its object goes (its status writes carry the uid, and the script checks the
+/// stream's lock), and the new object accounts exactly for what it moved.
+#[test]
+fn a_redrive_deleted_and_created_again_while_running_is_counted_once() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, _operator) =
+        ready_policy("redrive-again", &policy("again", &server.url(), "again", "workers", ""), "again");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "again:dlq", "again", 120, |_| "MaxDeliveriesExceeded");
+    let manifest = redrive("again", "again", "  ratePerSecond: 4\n");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    wait_for("the first object to move a few", Duration::from_secs(30), || {
+        let moved = get_redrive(&ns, "again")["status"]["moved"].as_i64().unwrap_or(0);
+        if moved >= 3 { Ok(()) } else { Err(format!("moved {moved}")) }
+    });
+    // Deleted and created again in one go, as `kubectl replace --force` does.
+    let out = kubectl(&["replace", "--force", "-n", &ns, "-f", "-"], Some(&manifest));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The new object never shows what the old task did: a retry on a record it no longer owns, or a wait for a
+    // redrive of its own name.
+    let done = wait_for("the new object to succeed", Duration::from_secs(90), || {
+        let object = get_redrive(&ns, "again");
+        let text = object["status"].to_string();
+        assert!(!text.contains("OWNED") && !text.contains("Waiting"), "the old task wrote onto the new object: {text}");
+        if object["status"]["phase"] == "Succeeded" { Ok(object) } else { Err(text) }
+    });
+    let status = &done["status"];
+    assert_eq!(status["missing"], 0, "{status}");
+    assert_eq!(status["moved"], status["toMove"], "{status}");
+    let moved_now = ns_in(&mut conn, "again", redriven);
+    assert_eq!(moved_now, (0..120).map(|n| (n, 1)).collect(), "every dead letter moved once");
+    assert!(xrange(&mut conn, "again:dlq").is_empty());
+}

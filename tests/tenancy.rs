@@ -537,3 +537,63 @@ fn a_stream_whose_hash_tag_is_another_teams_is_refused_for_pelicans_own_keys() {
     let exists: i64 = redis::cmd("EXISTS").arg("a.{team-b}").query(&mut conn).unwrap();
     assert_eq!(exists, 0, "nothing written for the refused policy");
 }
+
+/// Defect: a `RedisServer` change stalled the namespace's policies, but a running `DeadLetterRedrive` kept moving
+/// with the keys admitted when it started. Revoked mid-redrive (`ratePerSecond: 1`), it ends `Failed`
+/// `ServerNotAllowed` within seconds and moves nothing more.
+#[test]
+fn revoking_the_namespace_ends_its_running_redrive() {
+    let server = Server::start(Flavor::Redis);
+    let (platform, team) = (namespace("platform"), namespace("revoked"));
+    let label = team.clone();
+    let _operator = operator(&label, &[]);
+    let admit = |who: &str| {
+        let tenants = format!("  tenants:\n  - namespaces: [{who}]\n    keys: [\"*\"]\n");
+        let manifest = server_manifest(&label, &server.url(), "", &tenants)
+            .replace("  passwordSecretRef: {name: shared-auth, key: password}\n", "");
+        assert!(kubectl_apply(&platform, &manifest).0);
+    };
+    admit(&team);
+    assert!(kubectl_apply(&team, &tenant_policy("p", &label, &platform, "s", "g", "s:dlq", "")).0);
+    wait_condition(&team, "p", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    for n in 0..100 {
+        let _: String = redis::cmd("XADD")
+            .arg("s:dlq")
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("pelican-source-stream")
+            .arg("s")
+            .arg("pelican-reason")
+            .arg("MaxDeliveriesExceeded")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: r\nspec:\n  policyRef:\n    \
+                   name: p\n  ratePerSecond: 1\n";
+    assert!(kubectl_apply(&team, redrive).0);
+    let redrive_status = || -> Value {
+        serde_json::from_str::<Value>(&kubectl_ok(&["get", "dlr", "r", "-n", &team, "-o", "json"])).unwrap()["status"]
+            .clone()
+    };
+    wait_for("the redrive to move", Duration::from_secs(30), || {
+        let status = redrive_status();
+        if status["moved"].as_i64().unwrap_or(0) >= 2 { Ok(()) } else { Err(status.to_string()) }
+    });
+
+    admit("somebody-else");
+    let revoked_at = Instant::now();
+    let status = wait_for("the redrive to fail", Duration::from_secs(20), || {
+        let status = redrive_status();
+        if status["phase"] == "Failed" { Ok(status) } else { Err(status.to_string()) }
+    });
+    println!("redrive Failed {:?} after the revocation", revoked_at.elapsed());
+    let failed = status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap().clone();
+    assert_eq!(failed["reason"], "ServerNotAllowed", "{status}");
+    let moved = |conn: &mut redis::Connection| redis::cmd("XLEN").arg("s").query::<i64>(conn).unwrap();
+    let at_failure = moved(&mut conn);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(moved(&mut conn), at_failure, "entries moved after the redrive failed");
+    assert!(at_failure < 20, "{at_failure} moved at 1 per second: the redrive went on after the revocation");
+}

@@ -158,6 +158,12 @@ impl Shared {
         Ok(Some((server, keys)))
     }
 
+    /// The key rules the policy's server admits for it now (`None` for an inline policy), or the refusal: what a
+    /// running redrive checks again as the server or the namespace changes.
+    pub async fn admission(&self, policy: &ConsumerGroupPolicy) -> Result<Option<KeyRules>> {
+        Ok(self.admit(policy).await?.map(|(_, keys)| keys))
+    }
+
     /// Of `others`, the policies their servers admit (namespace and keys; nothing is read from a Secret): one that is
     /// refused writes nothing, so it owns no group and no key name, however old it is. Otherwise a team could hold
     /// another's group hostage with a policy that may not touch it.
@@ -233,6 +239,24 @@ impl Shared {
     {
         let api: Api<K> = Api::namespaced(self.client.clone(), &object.namespace().unwrap_or_default());
         let patch = serde_json::json!({"apiVersion": K::api_version(&()), "kind": K::kind(&()), "status": status});
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        api.patch_status(&object.name_any(), &params, &Patch::Apply(&patch)).await?;
+        Ok(())
+    }
+
+    /// [`Shared::apply_status`] with the object's uid in the patch: refused (409) when the object of that name is
+    /// another one now.
+    pub async fn apply_status_of_uid<K>(&self, object: &K, status: &impl Serialize) -> Result<()>
+    where
+        K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Clone + DeserializeOwned + Debug,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), &object.namespace().unwrap_or_default());
+        let patch = serde_json::json!({
+            "apiVersion": K::api_version(&()),
+            "kind": K::kind(&()),
+            "metadata": {"uid": object.uid()},
+            "status": status,
+        });
         let params = PatchParams::apply(FIELD_MANAGER).force();
         api.patch_status(&object.name_any(), &params, &Patch::Apply(&patch)).await?;
         Ok(())

@@ -417,8 +417,29 @@ impl Redrives {
         Ok(())
     }
 
+    /// Writes the status of this object only: the patch names its uid, so a task of a deleted redrive never writes
+    /// onto a new object of the same name (the API server refuses it with a conflict).
     async fn write(&self, redrive: &DeadLetterRedrive, status: &DeadLetterRedriveStatus) -> Result<()> {
-        self.shared.apply_status(redrive, status).await
+        self.shared.apply_status_of_uid(redrive, status).await
+    }
+
+    /// Whether this object still exists (as far as the watch has seen): not deleted, nor replaced by a new object of
+    /// the same name.
+    fn exists(&self, redrive: &DeadLetterRedrive) -> bool {
+        self.redrives.get(&ObjectRef::from_obj(redrive)).is_some_and(|now| now.uid() == redrive.uid())
+    }
+
+    /// Admits the redrive's policy again (its `RedisServer` or namespace may have changed since the task started):
+    /// the server's current key rules, or the refusal that ends the redrive.
+    async fn readmit(&self, redrive: &DeadLetterRedrive) -> Result<Option<KeyRules>> {
+        let namespace = redrive.namespace().unwrap_or_default();
+        let name = &redrive.spec.policy_ref.name;
+        let Some(policy) = self.shared.policies.get(&ObjectRef::new(name).within(&namespace)) else {
+            return Err(Error::InvalidSpec(format!(
+                "ConsumerGroupPolicy {name:?} not found in namespace {namespace:?}"
+            )));
+        };
+        self.shared.admission(&policy).await
     }
 
     async fn publish(&self, redrive: &DeadLetterRedrive, type_: EventType, reason: &str, note: String) {

@@ -14,6 +14,7 @@ use super::{Halt, Redrives};
 use crate::api::{DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase};
 use crate::jobs::redrive::{self as moves, Plan, Progress};
 use crate::redis::Conn;
+use crate::tenancy::KeyRules;
 use crate::{Error, Result};
 
 /// Moves per step without a rate limit: one script call of this many entries is a few milliseconds on the server.
@@ -47,7 +48,8 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                 let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
                 return;
             }
-            Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 => return,
+            // The object is gone, or is another object of the same name now (the uid in the status patch).
+            Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 || response.code == 409 => return,
             Err(e) => {
                 // The server restarting, a failover, a password rotated, the API server unreachable: the record on
                 // the server is exact, so the next attempt, on the policy's current target, resumes after the last
@@ -63,6 +65,14 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                 backoff = (backoff * 2).min(RETRY_MAX);
                 match ctx.reconnect(&redrive).await {
                     Ok((conn, server)) => (work.conn, work.server) = (conn, server),
+                    // The server no longer admits the namespace or its keys: retrying cannot fix that.
+                    Err(e) if ends_the_redrive(&e) => {
+                        let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
+                        let note = e.to_string();
+                        warn!(reason = e.reason(), "{note}");
+                        let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
+                        return;
+                    }
                     Err(e) => {
                         warn!(error = %e, "cannot reach the policy's server; retrying")
                     }
@@ -75,7 +85,8 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
 /// Failures that retrying cannot fix, which end the redrive `Failed`: the plan itself is wrong (a target that is
 /// the dead-letter stream, or in another Cluster slot; a key of another type) or the ACL user lacks a command.
 /// Credentials, TLS, a failover or a server that is down are the policy's concern: the redrive waits, retries on
-/// the policy's current target, and resumes once the policy's server answers.
+/// the policy's current target, and resumes once the policy's server answers. A server that no longer admits the
+/// namespace or its keys ends it too: the team lost the right to move those entries.
 fn ends_the_redrive(error: &Error) -> bool {
     matches!(
         error,
@@ -84,6 +95,8 @@ fn ends_the_redrive(error: &Error) -> bool {
             | Error::WrongKeyType(_)
             | Error::PermissionDenied { .. }
             | Error::KeyNotAllowed { .. }
+            | Error::ServerNotAllowed { .. }
+            | Error::InlineConnectionDenied
     )
 }
 
@@ -124,28 +137,27 @@ async fn drive(
     work: &mut Work,
     status: &mut DeadLetterRedriveStatus,
 ) -> Result<()> {
-    let (conn, server, plan) = (&mut work.conn, work.server.as_str(), &work.plan);
-    let mut progress = moves::read_progress(conn, server, &plan.progress_key).await?;
-    if let Some(owner) = progress.uid.clone()
-        && owner != plan.uid
-    {
-        if let Some(at) = progress.finished_at {
-            // The same manifest applied again after the object was deleted (by its TTL, or by hand): it ran.
-            copy_progress(status, &progress);
-            let note = format!(
-                "a DeadLetterRedrive named {:?} already finished on this dead-letter stream at {} (moved {}); it is \
-                 not run again: create one with a new name to redrive again",
-                redrive.name_any(),
-                format_millis(at),
-                progress.moved
-            );
-            return ctx.finish(redrive, status, RedrivePhase::Succeeded, "AlreadyFinished", note).await;
-        }
-        // An unfinished record of an object deleted mid-run: this object starts from its own snapshot.
-        moves::forget_progress(conn, server, &plan.progress_key).await?;
-        progress = Progress::default();
+    if !ctx.exists(redrive) {
+        return Ok(());
     }
-    if progress.finished_at.is_some() {
+    let (conn, server, plan) = (&mut work.conn, work.server.as_str(), &mut work.plan);
+    let mut progress = moves::read_progress(conn, server, &plan.progress_key).await?;
+    let others = progress.uid.clone().filter(|owner| *owner != plan.uid);
+    if others.is_some()
+        && let Some(at) = progress.finished_at
+    {
+        // The same manifest applied again after the object was deleted (by its TTL, or by hand): it ran.
+        copy_progress(status, &progress);
+        let note = format!(
+            "a DeadLetterRedrive named {:?} already finished on this dead-letter stream at {} (moved {}); it is not \
+             run again: create one with a new name to redrive again",
+            redrive.name_any(),
+            format_millis(at),
+            progress.moved
+        );
+        return ctx.finish(redrive, status, RedrivePhase::Succeeded, "AlreadyFinished", note).await;
+    }
+    if others.is_none() && progress.finished_at.is_some() {
         copy_progress(status, &progress);
         return ctx.finish(redrive, status, RedrivePhase::Succeeded, "Complete", summary(redrive, status)).await;
     }
@@ -164,6 +176,12 @@ async fn drive(
             );
             return ctx.pending(redrive, status, "Waiting", note).await;
         }
+    }
+    if others.is_some() {
+        // An unfinished record of an object deleted mid-run (of the same name): this object starts from its own
+        // snapshot. Forgotten only once this one holds the stream's lock, so the old task moves nothing after.
+        moves::forget_progress(conn, server, &plan.progress_key).await?;
+        progress = Progress::default();
     }
     let until_id = match status.until_id.clone() {
         Some(until) if status.to_move.is_some() => until,
@@ -213,7 +231,8 @@ async fn drive(
             copy_progress(status, &progress);
             return halted_status(ctx, redrive, status, Some(halt)).await;
         }
-        if !ctx.shared.leadership.may_write() {
+        // A deleted object's task stops (a new object of the same name runs its own).
+        if !ctx.shared.leadership.may_write() || !ctx.exists(redrive) {
             return Ok(());
         }
         if work.rate.has_changed().unwrap_or(false) {
@@ -232,6 +251,13 @@ async fn drive(
             return ctx.finish(redrive, status, RedrivePhase::Succeeded, "Complete", note).await;
         }
         if last_write.elapsed() >= STATUS_EVERY {
+            // Admitted again on the server's current rules: a revoked namespace or key ends the redrive here, and
+            // changed patterns apply to the destinations from the next step on.
+            let keys = ctx.readmit(redrive).await?;
+            if keys.as_ref().map(KeyRules::patterns) != plan.keys.as_ref().map(KeyRules::patterns) {
+                plan.keys = keys;
+                destinations.clear();
+            }
             copy_progress(status, &progress);
             ctx.write(redrive, status).await?;
             last_write = Instant::now();

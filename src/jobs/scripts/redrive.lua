@@ -27,8 +27,8 @@
 -- metadata stripped, then `pelican-redriven-from` <id> and `pelican-redrive` <name>; the dead letter deleted) or
 -- still in the dead-letter stream, never both and never neither, and the progress hash moves with the entries in
 -- the same call, also when the call fails half way, so a caller that dies at any instant resumes after exactly
--- what was done. Key types and the owner of the progress hash are checked before the first write; each copy is
--- written before the XDEL of its original.
+-- what was done. Key types, the owner of the progress hash and the holder of the stream's lock are checked before
+-- the first write; each copy is written before the XDEL of its original.
 local dlq, progress, lock = KEYS[1], KEYS[2], KEYS[3]
 local uid, name, start, until_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local budget, max_fields, byte_budget = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -53,6 +53,12 @@ end
 local owner = redis.call('HGET', progress, 'uid')
 if owner and owner ~= uid then
   return redis.error_reply('OWNED progress ' .. progress .. ' belongs to another redrive (uid ' .. owner .. ')')
+end
+-- The stream's lock names the one redrive that may move: a task of a deleted object whose name a new object took
+-- moves nothing once the new one holds the lock.
+local holder = redis.call('HGET', lock, 'uid')
+if holder and holder ~= uid then
+  return redis.error_reply('OWNED lock ' .. lock .. ' belongs to another redrive (uid ' .. holder .. ')')
 end
 local reasons = nil
 for i = 10, #ARGV do
