@@ -9,6 +9,7 @@ use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive, RedisServer};
 use pelican::context::{InlineConnections, Shared, Writers};
 use pelican::leader::{Elector, Holder, LEASE_DURATION_SECONDS};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
+use tonic::transport::ServerTlsConfig;
 
 #[derive(Parser)]
 #[command(name = "pelican", about = "Kubernetes operator for Redis and Valkey Streams consumer groups")]
@@ -61,6 +62,11 @@ enum Command {
         /// scale a policy's consumers on its backlog, pending or lag. Off when not given.
         #[arg(long, env = "PELICAN_EXTERNAL_SCALER_ADDR")]
         external_scaler_addr: Option<SocketAddr>,
+        /// Serve the external scaler with mutual TLS: a directory with `tls.crt`, `tls.key` and `ca.crt` (a
+        /// `kubernetes.io/tls` Secret with a CA, mounted); only clients with a certificate of that CA are answered
+        /// (KEDA: the trigger's `caCert`, `tlsClientCert`, `tlsClientKey`).
+        #[arg(long, requires = "external_scaler_addr", env = "PELICAN_EXTERNAL_SCALER_TLS_DIR")]
+        external_scaler_tls_dir: Option<std::path::PathBuf>,
         /// How many policies are reconciled at once (0: no bound).
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
@@ -107,9 +113,15 @@ async fn main() -> anyhow::Result<()> {
             watch_label_selector,
             inline_connections,
             external_scaler_addr,
+            external_scaler_tls_dir,
             max_concurrent_reconciles,
         } => {
             init_logging(log_format);
+            let scaler_tls = external_scaler_tls_dir
+                .map(|dir| pelican::scaler::mutual_tls(&dir))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--external-scaler-tls-dir: {e}"))?;
+            let external_scaler = external_scaler_addr.map(|addr| (addr, scaler_tls));
             let client = kube::Client::try_default().await?;
             let instance = std::env::var("POD_NAME").ok().or_else(|| std::env::var("HOSTNAME").ok());
             let (metrics, readiness) = (Arc::new(Metrics::default()), Readiness::default());
@@ -118,7 +130,7 @@ async fn main() -> anyhow::Result<()> {
             let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
             let http = tokio::spawn(http);
             tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, leader_elect, "starting pelican");
-            if external_scaler_addr.is_some() {
+            if external_scaler.is_some() {
                 // A restarted leader's Pod keeps its labels: KEDA must not be sent here before this replica leads.
                 pelican::scaler::label_pod(&client, false).await;
             }
@@ -170,7 +182,7 @@ async fn main() -> anyhow::Result<()> {
             let shared = Shared::new(client, instance, metrics, elector.leadership(), secrets, inline_connections);
             let ended = elector.ended().shared();
             let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ()).shared();
-            run_controllers(shared, settings, external_scaler_addr, stop).await;
+            run_controllers(shared, settings, external_scaler, stop).await;
             if let Some(why) = ended.peek() {
                 // Another replica may be writing already: stop at once and let the Pod restart as a standby.
                 tracing::error!(?why, "leadership ended; exiting");
@@ -203,13 +215,13 @@ fn already_running(lease: &str, holder: &Holder) -> String {
 async fn run_controllers(
     (shared, writers): (Arc<Shared>, Writers),
     settings: pelican::controller::Settings,
-    external_scaler: Option<SocketAddr>,
+    external_scaler: Option<(SocketAddr, Option<ServerTlsConfig>)>,
     stop: impl Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
     let (namespace, selector) = (settings.namespace.clone(), settings.label_selector.clone());
     let scaler = async {
-        if let Some(addr) = external_scaler {
-            pelican::scaler::serve(addr, shared.clone(), stop.clone()).await;
+        if let Some((addr, tls)) = external_scaler {
+            pelican::scaler::serve(addr, tls, shared.clone(), stop.clone()).await;
         }
     };
     futures::join!(

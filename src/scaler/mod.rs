@@ -31,6 +31,7 @@ use futures::Stream;
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
@@ -158,9 +159,12 @@ impl Scaler {
         let ready = policy.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == READY));
         match ready {
             Some(c) if c.status == "True" => Ok((trigger, policy)),
+            // The reason only: the condition's message may name servers and keys, and the caller is whoever reaches
+            // the port.
             Some(c) => Err(Status::failed_precondition(format!(
-                "ConsumerGroupPolicy {namespace}/{} is not Ready ({}: {}): no number until it is",
-                trigger.policy, c.reason, c.message
+                "ConsumerGroupPolicy {namespace}/{} is not Ready ({}): no number until it is; `kubectl describe cgp` \
+                 says why",
+                trigger.policy, c.reason
             ))),
             None => Err(Status::unavailable(format!(
                 "ConsumerGroupPolicy {namespace}/{} has not been reconciled yet: no number until it is Ready",
@@ -175,7 +179,10 @@ impl Scaler {
         let id = format!("{}/{}", object.namespace, trigger.policy);
         let probe = || async {
             self.shared.metrics.scaler_read();
-            let unavailable = |e: crate::Error| Status::unavailable(format!("ConsumerGroupPolicy {id}: {e}"));
+            let unavailable = |e: crate::Error| {
+                debug!(policy = %id, error = %e, "the external scaler could not read the backlog");
+                Status::unavailable(format!("ConsumerGroupPolicy {id}: its server cannot be read now ({})", e.reason()))
+            };
             let target = self.shared.target(&policy).await.map_err(unavailable)?;
             let (target, mut conn) = self.shared.pools.connect_primary(&target).await.map_err(unavailable)?;
             let (stream, group) = (&policy.spec.stream, &policy.spec.group);
@@ -320,15 +327,27 @@ pub async fn label_pod(client: &kube::Client, serving: bool) {
 }
 
 /// Serves the external scaler on `addr` until `stop`, this replica's Pod labelled for the Service meanwhile.
-pub async fn serve(addr: SocketAddr, shared: Arc<Shared>, stop: impl Future<Output = ()> + Send + 'static) {
+pub async fn serve(
+    addr: SocketAddr,
+    tls: Option<ServerTlsConfig>,
+    shared: Arc<Shared>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(listener) => listener,
         Err(e) => return warn!(%addr, error = %e, "the external scaler cannot listen"),
     };
-    info!(%addr, "serving KEDA's external scaler");
+    info!(%addr, mutual_tls = tls.is_some(), "serving KEDA's external scaler");
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = match server.tls_config(tls) {
+            Ok(server) => server,
+            Err(e) => return warn!(%addr, error = %e, "the external scaler's TLS settings are refused"),
+        };
+    }
     let client = shared.client.clone();
     label_pod(&client, true).await;
-    let served = tonic::transport::Server::builder()
+    let served = server
         .add_service(ExternalScalerServer::new(Scaler::new(shared)))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), stop)
         .await;
@@ -336,6 +355,18 @@ pub async fn serve(addr: SocketAddr, shared: Arc<Shared>, stop: impl Future<Outp
     if let Err(e) = served {
         warn!(%addr, error = %e, "the external scaler stopped");
     }
+}
+
+/// Mutual TLS for the scaler from a directory holding `tls.crt` and `tls.key` (the server's certificate and key)
+/// and `ca.crt` (the CA whose client certificates are answered), as a Secret of type `kubernetes.io/tls` with
+/// `ca.crt` mounts it (cert-manager writes one). Without it, anyone who reaches the port reads any namespace's
+/// numbers: the NetworkPolicy is then the boundary.
+pub fn mutual_tls(dir: &std::path::Path) -> Result<ServerTlsConfig, String> {
+    let read = |name: &str| {
+        std::fs::read(dir.join(name)).map_err(|e| format!("cannot read {}: {e}", dir.join(name).display()))
+    };
+    let identity = Identity::from_pem(read("tls.crt")?, read("tls.key")?);
+    Ok(ServerTlsConfig::new().identity(identity).client_ca_root(Certificate::from_pem(read("ca.crt")?)))
 }
 
 #[cfg(test)]
