@@ -30,6 +30,12 @@ fn server_manifest(label: &str, url: &str, password: &str, tenants: &str) -> Str
     )
 }
 
+/// [`server_manifest`] for a server without a password, admitting `namespace` to the keys `keys` (one pattern).
+fn open_server_manifest(label: &str, url: &str, namespace: &str, keys: &str) -> String {
+    let tenants = format!("  tenants:\n  - namespaces: [{namespace}]\n    keys: [\"{keys}\"]\n");
+    server_manifest(label, url, "", &tenants).replace("  passwordSecretRef: {name: shared-auth, key: password}\n", "")
+}
+
 /// A policy on the server `platform/shared`; `extra` is YAML under `spec:`.
 fn tenant_policy(name: &str, label: &str, platform: &str, stream: &str, group: &str, dlq: &str, extra: &str) -> String {
     format!(
@@ -513,15 +519,7 @@ fn a_stream_whose_hash_tag_is_another_teams_is_refused_for_pelicans_own_keys() {
     let (platform, team) = (namespace("platform"), namespace("tagged"));
     let label = team.clone();
     let _operator = operator(&label, &[]);
-    let tenants = format!("  tenants:\n  - namespaces: [{team}]\n    keys: [\"a.*\"]\n");
-    assert!(
-        kubectl_apply(
-            &platform,
-            &server_manifest(&label, &server.url(), "", &tenants)
-                .replace("  passwordSecretRef: {name: shared-auth, key: password}\n", "")
-        )
-        .0
-    );
+    assert!(kubectl_apply(&platform, &open_server_manifest(&label, &server.url(), &team, "a.*")).0);
     let stolen = tenant_policy("stolen", &label, &platform, "a.{team-b}", "g", "a.{team-b}:dlq", "");
     assert!(kubectl_apply(&team, &stolen).0);
     let refused = wait_condition(&team, "stolen", "Stalled", "True", "KeyNotAllowed");
@@ -547,12 +545,7 @@ fn revoking_the_namespace_ends_its_running_redrive() {
     let (platform, team) = (namespace("platform"), namespace("revoked"));
     let label = team.clone();
     let _operator = operator(&label, &[]);
-    let admit = |who: &str| {
-        let tenants = format!("  tenants:\n  - namespaces: [{who}]\n    keys: [\"*\"]\n");
-        let manifest = server_manifest(&label, &server.url(), "", &tenants)
-            .replace("  passwordSecretRef: {name: shared-auth, key: password}\n", "");
-        assert!(kubectl_apply(&platform, &manifest).0);
-    };
+    let admit = |who: &str| assert!(kubectl_apply(&platform, &open_server_manifest(&label, &server.url(), who, "*")).0);
     admit(&team);
     assert!(kubectl_apply(&team, &tenant_policy("p", &label, &platform, "s", "g", "s:dlq", "")).0);
     wait_condition(&team, "p", "Ready", "True", "Reconciled");

@@ -39,15 +39,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
     loop {
         match drive(&ctx, &redrive, &mut work, &mut status).await.map_err(|e| range_refused(&redrive, e)) {
             Ok(()) => return,
-            Err(e) if ends_the_redrive(&e) => {
-                // The next redrive of the stream may start at once (or, if this fails too, once it sees this one
-                // Failed).
-                let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
-                let note = e.to_string();
-                warn!(reason = e.reason(), "{note}");
-                let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
-                return;
-            }
+            Err(e) if ends_the_redrive(&e) => return fail(&ctx, &redrive, &mut work, &mut status, e).await,
             // The object is gone, or is another object of the same name now (the uid in the status patch).
             Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 || response.code == 409 => return,
             Err(e) => {
@@ -66,13 +58,7 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
                 match ctx.reconnect(&redrive).await {
                     Ok((conn, server)) => (work.conn, work.server) = (conn, server),
                     // The server no longer admits the namespace or its keys: retrying cannot fix that.
-                    Err(e) if ends_the_redrive(&e) => {
-                        let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
-                        let note = e.to_string();
-                        warn!(reason = e.reason(), "{note}");
-                        let _ = ctx.finish(&redrive, &mut status, RedrivePhase::Failed, e.reason(), note).await;
-                        return;
-                    }
+                    Err(e) if ends_the_redrive(&e) => return fail(&ctx, &redrive, &mut work, &mut status, e).await,
                     Err(e) => {
                         warn!(error = %e, "cannot reach the policy's server; retrying")
                     }
@@ -80,6 +66,21 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
             }
         }
     }
+}
+
+/// Ends the redrive `Failed` with `error`, releasing the stream so that the next redrive of it may start at once (or,
+/// if this fails too, once it sees this one Failed).
+async fn fail(
+    ctx: &Redrives,
+    redrive: &DeadLetterRedrive,
+    work: &mut Work,
+    status: &mut DeadLetterRedriveStatus,
+    error: Error,
+) {
+    let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
+    let note = error.to_string();
+    warn!(reason = error.reason(), "{note}");
+    let _ = ctx.finish(redrive, status, RedrivePhase::Failed, error.reason(), note).await;
 }
 
 /// Failures that retrying cannot fix, which end the redrive `Failed`: the plan itself is wrong (a target that is
