@@ -280,3 +280,17 @@ fn the_notes_point_the_first_policy_at_a_server_the_pod_can_reach() {
     let applied = kubectl(&["apply", "--dry-run=server", "-n", &ns, "-f", "-"], Some(&manifest));
     assert!(applied.status.success(), "{manifest}\n{}", String::from_utf8_lossy(&applied.stderr));
 }
+
+/// Without leader election the operator still takes its Lease (a second copy exits instead of writing beside the
+/// first), so the chart still grants Leases and names the Lease.
+#[test]
+fn without_leader_election_the_lease_is_still_granted_and_named() {
+    let manifests = render("solo", "pelican-system", &["leaderElection.enabled=false"]);
+    assert!(!manifests.contains("- --leader-elect\n"), "{manifests}");
+    assert!(manifests.contains("- --leader-election-lease=pelican-leader\n"), "{manifests}");
+    let role = manifests
+        .split("\n---")
+        .find(|m| m.contains("name: solo-pelican-leader-election") && m.contains("kind: Role\n"));
+    let role = role.expect("the Lease Role");
+    assert!(role.contains("resources: [\"leases\"]") && role.contains("\"delete\""), "{role}");
+}
