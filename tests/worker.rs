@@ -29,7 +29,6 @@ on_both_servers!(
     terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons,
     entries_reassigned_to_a_running_worker_are_handled,
     a_failed_message_is_left_pending_for_the_operator_not_read_again,
-    past_256_reasons_a_new_reason_is_counted_as_other,
     a_counter_field_holding_no_integer_still_counts_the_terminal_ack,
 );
 
@@ -415,29 +414,6 @@ fn a_failed_message_is_left_pending_for_the_operator_not_read_again(flavor: Flav
 
 /// Defect: a count field holding no integer made the terminal script fail after its XACK, and the SDK logged
 /// "stays pending" for a message that was acknowledged. Counting cannot fail now, and the entry is counted.
-/// Reasons are data: a hash that counts 256 reasons already counts a new one under `Other`, and a known one as itself.
-fn past_256_reasons_a_new_reason_is_counted_as_other(flavor: Flavor) {
-    let server = Server::start(flavor);
-    setup(&server, &["job-1", "job-2"]);
-    let mut conn = server.conn();
-    let key = pelican::keys::terminal_key(STREAM, GROUP);
-    let mut hset = redis::cmd("HSET");
-    hset.arg(&key);
-    for i in 0..256 {
-        hset.arg(format!("Reason{i}")).arg(1);
-    }
-    let _: i64 = hset.query(&mut conn).unwrap();
-    let handler = |m: Message| {
-        let known = m.field_str("job_id") == Some("job-1");
-        ready(Ok(Outcome::terminal(if known { "Reason7" } else { "BrandNew" })))
-    };
-    let (stats, logs, ()) = run_worker(&server, config(), async move { (handler, ()) }, Duration::from_millis(1000));
-    assert_eq!(stats.terminal, 2, "{logs}");
-    assert_eq!(terminal_count(&mut conn, "Reason7"), 2);
-    assert_eq!(terminal_count(&mut conn, "BrandNew"), 0);
-    assert_eq!(terminal_count(&mut conn, "Other"), 1);
-}
-
 fn a_counter_field_holding_no_integer_still_counts_the_terminal_ack(flavor: Flavor) {
     let server = Server::start(flavor);
     setup(&server, &["job-1"]);

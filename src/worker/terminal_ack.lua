@@ -5,8 +5,6 @@
 -- ARGV[1] group            ARGV[2] entry id    ARGV[3] reason code
 --
 -- Returns 1 when this call acknowledged the entry (and counted it), 0 when it was no longer pending.
--- A reason new to a hash that already counts 256 reasons is counted under `Other`: reasons are data, and the hash (read
--- whole by every status refresh) stays small however many distinct codes consumers send.
 -- Invariant: the counter moves only with the XACK that removed the entry, so a repeated ACK never counts twice.
 -- Everything that can fail is checked before the XACK: an error reply means nothing was written and the entry is
 -- still pending. A count field that holds no integer (any client can write one) starts again at 1.
@@ -22,16 +20,11 @@ if KEYS[3] then
 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   if KEYS[3] then redis.call('HDEL', KEYS[3], ARGV[2]) end
-  local reason = ARGV[3]
-  local v = redis.call('HGET', KEYS[2], reason)
-  if not v and redis.call('HLEN', KEYS[2]) >= 256 then
-    reason = 'Other'
-    v = redis.call('HGET', KEYS[2], reason)
-  end
+  local v = redis.call('HGET', KEYS[2], ARGV[3])
   if v and (not string.match(v, '^-?%d+$') or #v > 17) then
-    redis.call('HSET', KEYS[2], reason, 1)
+    redis.call('HSET', KEYS[2], ARGV[3], 1)
   else
-    redis.call('HINCRBY', KEYS[2], reason, 1)
+    redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
   end
   return 1
 end
