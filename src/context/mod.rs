@@ -237,11 +237,8 @@ impl Shared {
     where
         K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Clone + DeserializeOwned + Debug,
     {
-        let api: Api<K> = Api::namespaced(self.client.clone(), &object.namespace().unwrap_or_default());
         let patch = serde_json::json!({"apiVersion": K::api_version(&()), "kind": K::kind(&()), "status": status});
-        let params = PatchParams::apply(FIELD_MANAGER).force();
-        api.patch_status(&object.name_any(), &params, &Patch::Apply(&patch)).await?;
-        Ok(())
+        self.patch_status(object, patch).await
     }
 
     /// [`Shared::apply_status`] with the object's uid in the patch: refused (409) when the object of that name is
@@ -250,13 +247,16 @@ impl Shared {
     where
         K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Clone + DeserializeOwned + Debug,
     {
+        let metadata = serde_json::json!({"uid": object.uid()});
+        let patch = serde_json::json!({"apiVersion": K::api_version(&()), "kind": K::kind(&()), "metadata": metadata, "status": status});
+        self.patch_status(object, patch).await
+    }
+
+    async fn patch_status<K>(&self, object: &K, patch: serde_json::Value) -> Result<()>
+    where
+        K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Clone + DeserializeOwned + Debug,
+    {
         let api: Api<K> = Api::namespaced(self.client.clone(), &object.namespace().unwrap_or_default());
-        let patch = serde_json::json!({
-            "apiVersion": K::api_version(&()),
-            "kind": K::kind(&()),
-            "metadata": {"uid": object.uid()},
-            "status": status,
-        });
         let params = PatchParams::apply(FIELD_MANAGER).force();
         api.patch_status(&object.name_any(), &params, &Patch::Apply(&patch)).await?;
         Ok(())

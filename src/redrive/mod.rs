@@ -297,13 +297,7 @@ impl Redrives {
     /// for a task whose step failed: a failover, a rotated password or a fixed Secret is followed, as the policy's
     /// own jobs follow it.
     async fn reconnect(&self, redrive: &DeadLetterRedrive) -> Result<(Conn, String)> {
-        let namespace = redrive.namespace().unwrap_or_default();
-        let name = &redrive.spec.policy_ref.name;
-        let Some(policy) = self.shared.policies.get(&ObjectRef::new(name).within(&namespace)) else {
-            return Err(Error::InvalidSpec(format!(
-                "ConsumerGroupPolicy {name:?} not found in namespace {namespace:?}"
-            )));
-        };
+        let policy = self.policy_of(redrive)?;
         let target = self.shared.target(&policy).await?;
         let (target, conn) = self.shared.pools.connect_primary(&target).await?;
         Ok((conn, target.server()))
@@ -429,16 +423,19 @@ impl Redrives {
         self.redrives.get(&ObjectRef::from_obj(redrive)).is_some_and(|now| now.uid() == redrive.uid())
     }
 
+    /// The redrive's policy, as the policy controller's store holds it now.
+    fn policy_of(&self, redrive: &DeadLetterRedrive) -> Result<Arc<ConsumerGroupPolicy>> {
+        let namespace = redrive.namespace().unwrap_or_default();
+        let name = &redrive.spec.policy_ref.name;
+        self.shared.policies.get(&ObjectRef::new(name).within(&namespace)).ok_or_else(|| {
+            Error::InvalidSpec(format!("ConsumerGroupPolicy {name:?} not found in namespace {namespace:?}"))
+        })
+    }
+
     /// Admits the redrive's policy again (its `RedisServer` or namespace may have changed since the task started):
     /// the server's current key rules, or the refusal that ends the redrive.
     async fn readmit(&self, redrive: &DeadLetterRedrive) -> Result<Option<KeyRules>> {
-        let namespace = redrive.namespace().unwrap_or_default();
-        let name = &redrive.spec.policy_ref.name;
-        let Some(policy) = self.shared.policies.get(&ObjectRef::new(name).within(&namespace)) else {
-            return Err(Error::InvalidSpec(format!(
-                "ConsumerGroupPolicy {name:?} not found in namespace {namespace:?}"
-            )));
-        };
+        let policy = self.policy_of(redrive)?;
         self.shared.admission(&policy).await
     }
 
