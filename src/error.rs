@@ -115,6 +115,17 @@ pub enum Error {
     #[error("Kubernetes API error: {0}")]
     Kube(#[source] kube::Error),
 
+    #[error(
+        "the reconcile did not finish within {}s (a server or the API server did not answer in time); it is retried, and pelican_reconcile_running_seconds names the policies whose reconciles run long",
+        .0.as_secs()
+    )]
+    ReconcileTimedOut(std::time::Duration),
+
+    /// Not a failure: the reconcile could not go on without holding its slot (its server's first probe is under
+    /// way, or the share of slots for failing policies is taken) and looks again shortly. Never shown in status.
+    #[error("deferred: {0}")]
+    Deferred(String),
+
     #[error("finalizer error: {0}")]
     Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
 }
@@ -149,6 +160,8 @@ impl Error {
             Error::CrossSlot(_) => "CrossSlot",
             Error::Kube(_) => "KubernetesApiError",
             Error::Finalizer(_) => "FinalizerError",
+            Error::Deferred(_) => "Deferred",
+            Error::ReconcileTimedOut(_) => "ReconcileTimeout",
         }
     }
 

@@ -139,14 +139,19 @@ impl Elector {
                 }
             };
             let expired = async {
-                // Until the guard has read the Lease once, there is nothing to expire.
-                while !leadership.may_write() {
+                // The guard reads the Lease within a second of the acquisition; when it cannot (the API server went
+                // away right then), this replica never may write, and waiting for a first read would leave it up
+                // leading nothing. So: writable within the lease's duration, and then for as long as it leads.
+                let acquired = Instant::now();
+                let mut was_writable = false;
+                loop {
+                    if leadership.may_write() {
+                        was_writable = true;
+                    } else if was_writable || acquired.elapsed() > Duration::from_secs(LEASE_DURATION_SECONDS) {
+                        return Ended::NotRenewed;
+                    }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                while leadership.may_write() {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Ended::NotRenewed
             };
             tokio::select! {
                 why = lost => why,

@@ -125,6 +125,7 @@ async fn main() -> anyhow::Result<()> {
             let client = kube::Client::try_default().await?;
             let instance = std::env::var("POD_NAME").ok().or_else(|| std::env::var("HOSTNAME").ok());
             let (metrics, readiness) = (Arc::new(Metrics::default()), Readiness::default());
+            let health = readiness.clone();
             // One shutdown signal for the controller, the HTTP endpoints and the election.
             let shutdown = shutdown_signal().shared();
             let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
@@ -180,16 +181,18 @@ async fn main() -> anyhow::Result<()> {
             }
             let secrets = settings.secret_namespaces.clone();
             let shared = Shared::new(client, instance, metrics, elector.leadership(), secrets, inline_connections);
-            let ended = elector.ended().shared();
-            let stop = futures::future::select(shutdown.clone(), ended.clone()).map(|_| ()).shared();
-            run_controllers(shared, settings, external_scaler, stop).await;
-            if let Some(why) = ended.peek() {
-                // Another replica may be writing already: stop at once and let the Pod restart as a standby.
-                tracing::error!(?why, "leadership ended; exiting");
-                std::process::exit(1);
+            let ended = elector.ended();
+            tokio::select! {
+                () = run_controllers(shared, settings, external_scaler, shutdown.clone()) => {}
+                why = ended => {
+                    // Another replica may be writing already: exit now, without waiting for the controllers to
+                    // finish what is in flight (with the API server away, a status write waits for it), and let
+                    // the Pod restart as a standby. `/healthz` fails from here on, should the exit itself stall.
+                    health.set_ended();
+                    tracing::error!(?why, "leadership ended; exiting");
+                    std::process::exit(1);
+                }
             }
-            // Every receiver of the lease state must be gone for the lease task to release it.
-            drop(ended);
             elector.release().await;
             http.await?;
             tracing::info!("stopped");

@@ -3,6 +3,7 @@
 //! the bound. On deletion, apply the `deletionPolicy`.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::Api;
@@ -46,7 +47,7 @@ pub async fn converge(
     // Sentinel mode: the primary the sentinel names now. A failover gives a new target, so a new connection for
     // the probe and the runner, and the old one is closed by `assign`.
     let original = target;
-    let (target, mut conn) = ctx.shared.pools.connect_primary(target).await?;
+    let (target, mut conn) = ctx.shared.pools.reach_primary(target).await?;
     let target = &target;
     let primary = policy.spec.redis.sentinel.as_ref().map(|_| target.server());
     ctx.shared.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
@@ -182,21 +183,35 @@ async fn conflict(policy: &ConsumerGroupPolicy, ctx: &Context) -> Option<validat
     validate::conflict(policy, &others)
 }
 
-/// Whether the policy's namespace is being deleted (false when that cannot be read).
+/// Whether the policy's namespace is being deleted (false when that cannot be read). Read once for all of the
+/// namespace's policies every [`TERMINATING_KEPT`]: a namespace deleted with a thousand policies in it asks once.
 async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> bool {
     let Some(namespace) = policy.namespace() else { return false };
-    match Api::<Namespace>::all(ctx.shared.client.clone()).get_opt(&namespace).await {
+    let known = ctx.terminating.lock().expect("terminating lock").get(&namespace).copied();
+    if let Some((terminating, at)) = known
+        && at.elapsed() < TERMINATING_KEPT
+    {
+        return terminating;
+    }
+    let terminating = match Api::<Namespace>::all(ctx.shared.client.clone()).get_opt(&namespace).await {
         Ok(Some(ns)) => ns.metadata.deletion_timestamp.is_some(),
         Ok(None) => true,
-        Err(_) => false,
-    }
+        Err(_) => return false,
+    };
+    let mut known = ctx.terminating.lock().expect("terminating lock");
+    known.retain(|_, (_, at)| at.elapsed() < TERMINATING_KEPT);
+    known.insert(namespace, (terminating, Instant::now()));
+    terminating
 }
+
+/// How long what was read of a namespace's deletion is used.
+const TERMINATING_KEPT: Duration = Duration::from_secs(5);
 
 /// Removes the bound (also when the spec no longer sets one: the finalizer stays until a reconcile took it off),
 /// then destroys the group when `destroy`.
 async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool) -> Result<()> {
     let target = ctx.shared.target(policy).await?;
-    let (target, mut conn) = ctx.shared.pools.connect_primary(&target).await?;
+    let (target, mut conn) = ctx.shared.pools.reach_primary(&target).await?;
     let server = target.server();
     redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
     if !destroy {

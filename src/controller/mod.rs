@@ -32,7 +32,7 @@ use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
 use kube::{Resource, ResourceExt};
-use tracing::{instrument, warn};
+use tracing::{debug, instrument, warn};
 
 use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::context::{self, Shared, Writers, policy_id};
@@ -48,6 +48,14 @@ pub const FINALIZER: &str = "pelican.io/cleanup";
 const STALLED_RECHECK: Duration = Duration::from_secs(60);
 /// How soon a replica that may not write (yet) looks at a policy again.
 const NOT_LEADING_RECHECK: Duration = Duration::from_secs(1);
+/// The longest a reconcile may run; one that hangs longer (a call that never returns) is cut off and retried.
+const RECONCILE_LIMIT: Duration = Duration::from_secs(30);
+/// How many reconciles of failing policies (status and Events to write, a deletion to finish) run at once, of
+/// `--max-concurrent-reconciles`: thousands of policies on servers that are gone or in namespaces being deleted
+/// leave the other slots to the policies whose servers answer.
+const FAILURE_LANE: usize = 4;
+/// How soon a deferred reconcile looks again (plus up to as much again at random, so deferred ones spread out).
+const DEFERRED_RECHECK: Duration = Duration::from_millis(500);
 
 /// What the reconciles of policies share: the handles every controller has, and the policy controller's own state.
 pub struct Context {
@@ -61,6 +69,10 @@ pub struct Context {
     /// Policies (by uid) the watch saw deleted, so a reconcile that was in flight then does not start their jobs
     /// again when it finishes.
     deleted: Tombstones,
+    /// Permits for reconciles of failing policies ([`FAILURE_LANE`]).
+    failure_lane: tokio::sync::Semaphore,
+    /// Whether a namespace is being deleted, as read in the last seconds (one read for all of its policies).
+    terminating: Mutex<HashMap<String, (bool, Instant)>>,
 }
 
 /// The uids of recently deleted policies. A reconcile lasts seconds (a slow server), so a uid is kept
@@ -93,6 +105,11 @@ impl Tombstones {
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 impl Context {
+    /// A permit of the failing policies' lane, or [`Error::Deferred`] when all are taken.
+    fn failure_permit(&self) -> Result<tokio::sync::SemaphorePermit<'_>> {
+        self.failure_lane.try_acquire().map_err(|_| Error::Deferred("the failing policies' reconciles are busy".into()))
+    }
+
     /// Forgets what no policy uses any more: cached Secret values, sentinel connections, a server's pass permits.
     /// Per-policy state goes when the policy goes ([`act::forget`]); these are shared by policies, so they are
     /// swept instead.
@@ -116,6 +133,8 @@ impl Context {
             ("reconcile_failures", self.failures.lock().expect("failures lock").len()),
             ("connection_users", self.pool_users.lock().expect("pool users lock").len()),
             ("neighbour_index", self.neighbours.len()),
+            ("server_reachability", self.shared.pools.reach.len()),
+            ("terminating_namespaces", self.terminating.lock().expect("terminating lock").len()),
             ("scaler_readings", self.shared.readings.len()),
         ];
         sizes.extend(self.runner.sizes());
@@ -135,6 +154,13 @@ pub struct Settings {
     pub concurrency: u16,
     /// Watch Secrets only in these namespaces (the operator's RBAC); all watched namespaces when `None`.
     pub secret_namespaces: Option<BTreeSet<String>>,
+}
+
+/// Up to `max`, at random: spreads out retries that would otherwise come due together.
+fn jitter(max: Duration) -> Duration {
+    use std::hash::BuildHasher;
+    let random = std::collections::hash_map::RandomState::new().hash_one(Instant::now());
+    max.mul_f64((random % 1000) as f64 / 1000.0)
 }
 
 fn id(namespace: &str, name: &str) -> String {
@@ -172,6 +198,8 @@ pub async fn run(
         failures: Mutex::default(),
         pool_users: Mutex::default(),
         deleted: Tombstones::default(),
+        failure_lane: tokio::sync::Semaphore::new(FAILURE_LANE),
+        terminating: Mutex::default(),
     });
     let sweep_ctx = Arc::downgrade(&ctx);
     tokio::spawn(async move {
@@ -325,8 +353,15 @@ fn server_changes(
 #[instrument(skip_all, fields(namespace = policy.namespace().unwrap_or_default(), policy = policy.name_any()))]
 async fn reconcile(policy: Arc<ConsumerGroupPolicy>, ctx: Arc<Context>) -> Result<Action> {
     let start = Instant::now();
-    let result = reconcile_inner(policy, &ctx).await;
-    ctx.shared.metrics.reconciled(start.elapsed(), result.as_ref().err().map(Error::reason));
+    let _running = ctx.shared.metrics.reconcile_started((policy.namespace().unwrap_or_default(), policy.name_any()));
+    let result = match tokio::time::timeout(RECONCILE_LIMIT, reconcile_inner(policy, &ctx)).await {
+        Ok(result) => result,
+        Err(_) => Err(Error::ReconcileTimedOut(RECONCILE_LIMIT)),
+    };
+    match &result {
+        Err(Error::Deferred(_)) => {}
+        _ => ctx.shared.metrics.reconciled(start.elapsed(), result.as_ref().err().map(Error::reason)),
+    }
     result
 }
 
@@ -354,6 +389,11 @@ async fn reconcile_inner(policy: Arc<ConsumerGroupPolicy>, ctx: &Arc<Context>) -
         }
         return Ok(action);
     }
+    // A deletion writes (the finalizer, an Event) whatever its server says: it takes a failing policy's permit.
+    let _permit = match policy.metadata.deletion_timestamp {
+        Some(_) => Some(ctx.failure_permit()?),
+        None => None,
+    };
     let action = finalizer(&api, FINALIZER, policy, |event| async {
         match event {
             Finalizer::Apply(policy) => apply(&policy, ctx).await,
@@ -384,8 +424,19 @@ async fn publish(ctx: &Context, policy: &ConsumerGroupPolicy, type_: EventType, 
     ctx.shared.publish(&policy.object_ref(&()), "Reconcile", type_, reason, note).await;
 }
 
-/// Retries with exponential backoff per policy (1s, 2s, 4s ... 60s), reset by the next success.
+/// Retries with exponential backoff per policy (1s, 2s, 4s ... 60s), reset by the next success. A deferred
+/// reconcile looks again within a second; one whose server is known down, when the server's next probe is due.
 fn error_policy(policy: Arc<ConsumerGroupPolicy>, error: &Error, ctx: Arc<Context>) -> Action {
+    let retry_at = match error {
+        Error::Deferred(_) => return Action::requeue(DEFERRED_RECHECK + jitter(DEFERRED_RECHECK)),
+        Error::RedisUnavailable { server, .. } => ctx.shared.pools.reach.retry_at(server),
+        _ => None,
+    };
+    if let Some(at) = retry_at {
+        // Known down: the probe logged it once for all of its policies.
+        debug!(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any(), %error, "server down");
+        return Action::requeue(at.saturating_duration_since(Instant::now()) + jitter(DEFERRED_RECHECK));
+    }
     let mut failures = ctx.failures.lock().expect("failures lock");
     let count = failures.entry(ObjectRef::from_obj(policy.as_ref())).or_insert(0);
     *count = (*count + 1).min(7);
@@ -401,9 +452,22 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let result = async {
         let target = ctx.shared.target(policy).await?;
         let schedule = validate::validate(policy, &others, target.cluster)?;
-        act::converge(policy, ctx, &target, &schedule, &others).await
+        let seen = act::converge(policy, ctx, &target, &schedule, &others).await;
+        if let Err(e) = &seen {
+            // A command that found the server gone: its other policies wait for one probe.
+            ctx.shared.pools.saw(&target, e);
+        }
+        seen
     }
     .await;
+    if let Err(Error::Deferred(_)) = result {
+        return result.map(|_| Action::await_change());
+    }
+    // Writing a failure (status, an Event) waits for a failing policy's permit, unless nothing would change.
+    let _permit = match &result {
+        Err(e) if !report::unchanged_failure(policy, e) => Some(ctx.failure_permit()?),
+        _ => None,
+    };
     // A Stalled policy's jobs stop until it heals; a transient error (a server restarting) leaves the runner to
     // retry with its own backoff.
     if let Err(e) = &result
@@ -452,6 +516,8 @@ mod tests {
             failures: Mutex::default(),
             pool_users: Mutex::default(),
             deleted: Tombstones::default(),
+            failure_lane: tokio::sync::Semaphore::new(FAILURE_LANE),
+            terminating: Mutex::default(),
         };
         (Arc::new(ctx), handle)
     }

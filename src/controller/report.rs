@@ -66,6 +66,15 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     Ok(())
 }
 
+/// Whether reporting `error` would change nothing: the Ready condition already says it, for this generation.
+pub fn unchanged_failure(policy: &ConsumerGroupPolicy, error: &crate::Error) -> bool {
+    let Some(status) = &policy.status else { return false };
+    status.observed_generation == policy.metadata.generation
+        && status.conditions.iter().any(|c| {
+            c.type_ == READY && c.status == "False" && c.reason == error.reason() && c.message == error.to_string()
+        })
+}
+
 /// One Event per change of the Ready reason, never one per retry.
 async fn announce_transition(
     policy: &ConsumerGroupPolicy,

@@ -2,6 +2,7 @@
 
 mod backlog;
 mod group;
+mod health;
 mod pool;
 mod reply;
 

@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -11,6 +11,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Client, ClientTlsConfig, ConnectionAddr, IntoConnectionInfo, TlsCertificates, TlsMode};
 
+use super::health::{Admission, PROBE_WAIT, Reachability, Seen};
 use crate::{Error, Result};
 
 /// Username and password read from Secrets. `Debug` never prints the password.
@@ -249,6 +250,21 @@ pub fn server_identity(policy: &crate::api::ConsumerGroupPolicy) -> String {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The longest a probe of a server may take (connecting, with the client's retries, then a PING).
+const PROBE_LIMIT: Duration = Duration::from_secs(15);
+
+/// A server that did not answer within `limit`, as the probe's error.
+fn no_answer(server: &str, limit: Duration) -> (String, redis::RedisError) {
+    let detail = format!("no answer within {}s", limit.as_secs());
+    (server.to_string(), redis::RedisError::from((redis::ErrorKind::Io, "server not answering", detail)))
+}
+
+impl From<(String, redis::RedisError)> for Error {
+    fn from((server, source): (String, redis::RedisError)) -> Error {
+        Error::RedisUnavailable { server, source }
+    }
+}
+
 /// URL, username and a hash of the password, TLS material and mode.
 pub type PoolKey = (String, Option<String>, u64);
 
@@ -257,6 +273,8 @@ pub struct Pools {
     connections: Mutex<HashMap<PoolKey, Conn>>,
     /// Connections to sentinels: few, and kept apart from the data connections that `assign` closes.
     sentinels: Mutex<HashMap<PoolKey, Conn>>,
+    /// Which servers answered last time, for [`Pools::reach_primary`].
+    pub reach: Reachability,
 }
 
 impl Pools {
@@ -313,6 +331,79 @@ impl Pools {
             }
         }
         Ok((primary, conn))
+    }
+
+    /// [`Pools::connect_primary`] for a reconcile, which many policies of one server may run at once: when the
+    /// server is known down, the error the last probe saw, at once; when nobody knows, after one probe for all of
+    /// them (run on its own task; [`Error::Deferred`] when it takes longer than [`PROBE_WAIT`]). A server that
+    /// cannot be reached on the way (connection or command) is recorded as down.
+    pub async fn reach_primary(self: &Arc<Self>, target: &Target) -> Result<(Target, Conn)> {
+        let key = target.server();
+        let probe = match self.reach.admit(&key) {
+            Admission::Go => None,
+            Admission::Down { server, error, .. } => return Err(Error::RedisUnavailable { server, source: error }),
+            Admission::Wait(probe) => Some(probe),
+            Admission::Probe(send) => {
+                let (pools, probed, probe) = (self.clone(), target.clone(), send.subscribe());
+                tokio::spawn(async move {
+                    let outcome = match tokio::time::timeout(PROBE_LIMIT, pools.ping_primary(&probed)).await {
+                        Ok(outcome) => outcome,
+                        Err(_) => Err(no_answer(&probed.server(), PROBE_LIMIT)),
+                    };
+                    let _ = send.send(Some(pools.reach.record(&probed.server(), outcome)));
+                });
+                Some(probe)
+            }
+        };
+        if let Some(mut probe) = probe {
+            match tokio::time::timeout(PROBE_WAIT, probe.wait_for(Option::is_some)).await {
+                Ok(Ok(seen)) => {
+                    if let Some(Seen::Down { server, error, .. }) = seen.clone() {
+                        return Err(Error::RedisUnavailable { server, source: error });
+                    }
+                }
+                _ => return Err(Error::Deferred(format!("the first probe of {key} is under way"))),
+            }
+        }
+        let connected = self.connect_primary(target).await;
+        if let Err(e) = &connected {
+            self.saw(target, e);
+        }
+        connected
+    }
+
+    /// Records a server as down after `error`, when it says so (a refused, dropped or timed-out connection).
+    pub fn saw(&self, target: &Target, error: &Error) {
+        if let Error::RedisUnavailable { server, source } = error {
+            self.reach.record(&target.server(), Err((server.clone(), source.clone())));
+        }
+    }
+
+    /// A probe: the primary connected (or its connection reused) and a PING answered in time. Errors other than
+    /// the server's being unreachable (credentials, TLS) say it answers: the reconcile reports them itself.
+    async fn ping_primary(&self, target: &Target) -> std::result::Result<(), (String, redis::RedisError)> {
+        let ping = async {
+            // A refused connection is an answer at once, where the client would retry it for seconds.
+            if matches!(target.url.split_once("://"), Some(("redis" | "rediss", _))) {
+                let server = target.server();
+                let connected = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&server)).await;
+                match connected {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return Err(Error::RedisUnavailable { server, source: e.into() }),
+                    Err(_) => return Err(no_answer(&server, CONNECT_TIMEOUT).into()),
+                }
+            }
+            let (primary, mut conn) = self.connect_primary(target).await?;
+            let ping = tokio::time::timeout(CONNECT_TIMEOUT, redis::cmd("PING").query_async::<()>(&mut conn)).await;
+            match ping {
+                Ok(answer) => answer.map_err(|e| Error::from_redis(&primary.server(), e)),
+                Err(_) => Err(no_answer(&primary.server(), CONNECT_TIMEOUT).into()),
+            }
+        };
+        match ping.await {
+            Err(Error::RedisUnavailable { server, source }) => Err((server, source)),
+            _ => Ok(()),
+        }
     }
 
     /// What answers at `target` (the primary, for a sentinel target), on a connection of its own that is closed

@@ -13,17 +13,26 @@ use tokio::net::TcpListener;
 
 use super::metrics::Metrics;
 
-/// Set once the controller's caches have synced. Independent of leadership: a standby replica is ready.
+/// Ready once the controller's caches have synced (independent of leadership: a standby replica is ready);
+/// alive until leadership ends, when the process exits (a liveness probe restarts it should the exit stall).
 #[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness {
+    ready: Arc<AtomicBool>,
+    ended: Arc<AtomicBool>,
+}
 
 impl Readiness {
     pub fn set_ready(&self) {
-        self.0.store(true, Ordering::Relaxed);
+        self.ready.store(true, Ordering::Relaxed);
     }
 
     pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// This replica led and no longer does: `/healthz` fails from now on.
+    pub fn set_ended(&self) {
+        self.ended.store(true, Ordering::Relaxed);
     }
 }
 
@@ -38,8 +47,7 @@ pub async fn serve(
     let metrics_listener = TcpListener::bind(metrics_addr).await?;
     let health_listener = TcpListener::bind(health_addr).await?;
     let metrics_app = Router::new().route("/metrics", get(render)).with_state(metrics);
-    let health_app =
-        Router::new().route("/healthz", get(|| async { "ok" })).route("/readyz", get(ready)).with_state(readiness);
+    let health_app = Router::new().route("/healthz", get(alive)).route("/readyz", get(ready)).with_state(readiness);
     let (stop, stopped) = tokio::sync::watch::channel(());
     tokio::spawn(async move {
         shutdown.await;
@@ -64,4 +72,12 @@ async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
 
 async fn ready(State(readiness): State<Readiness>) -> impl IntoResponse {
     if readiness.is_ready() { (StatusCode::OK, "ok") } else { (StatusCode::SERVICE_UNAVAILABLE, "caches not synced") }
+}
+
+async fn alive(State(readiness): State<Readiness>) -> impl IntoResponse {
+    if readiness.ended.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, "leadership ended: this process is exiting")
+    } else {
+        (StatusCode::OK, "ok")
+    }
 }

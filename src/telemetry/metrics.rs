@@ -1,9 +1,9 @@
 //! Prometheus metrics: controller-runtime-compatible reconcile metrics, and per-policy series
 //! that mirror the status at scrape time, labelled with namespace, policy, stream and group.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -34,6 +34,7 @@ pub struct Metrics {
     job_failures: Arc<JobFailureSeries>,
     leader: Arc<LeaderSeries>,
     state: Arc<StateSeries>,
+    in_flight: Arc<InFlightSeries>,
 }
 
 impl Default for Metrics {
@@ -87,6 +88,8 @@ impl Default for Metrics {
         registry.register_collector(Box::new(leader.clone()));
         let state = Arc::new(StateSeries::default());
         registry.register_collector(Box::new(state.clone()));
+        let in_flight = Arc::new(InFlightSeries::default());
+        registry.register_collector(Box::new(in_flight.clone()));
         Metrics {
             registry,
             reconcile_total,
@@ -100,6 +103,7 @@ impl Default for Metrics {
             job_failures,
             leader,
             state,
+            in_flight,
         }
     }
 }
@@ -117,6 +121,12 @@ impl Metrics {
                 .inc();
         }
         self.reconcile_time.get_or_create(&controller).observe(took.as_secs_f64());
+    }
+
+    /// Marks a policy's reconcile as running until the guard is dropped, for `pelican_reconciles_in_flight`.
+    pub fn reconcile_started(&self, key: PolicyKey) -> InFlight {
+        self.in_flight.0.lock().expect("metrics lock").insert(key.clone(), Instant::now());
+        InFlight { series: self.in_flight.clone(), key }
     }
 
     /// Records the start of a pass that was due `delay` ago.
@@ -348,6 +358,65 @@ impl Collector for JobFailureSeries {
                 ("reason", reason.to_string()),
             ];
             ConstCounter::new(*count).encode(metric.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// A reconcile in flight; dropping it ends it.
+pub struct InFlight {
+    series: Arc<InFlightSeries>,
+    key: PolicyKey,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.series.0.lock().expect("metrics lock").remove(&self.key);
+    }
+}
+
+/// `pelican_reconciles_in_flight{age}` and the slowest of them by policy: a reconcile that hangs shows here while it
+/// hangs, not only in the duration histogram once it ends.
+#[derive(Debug, Default)]
+struct InFlightSeries(Mutex<HashMap<PolicyKey, Instant>>);
+
+impl InFlightSeries {
+    const AGES: [(&'static str, Duration); 4] = [
+        ("<1s", Duration::from_secs(1)),
+        ("1s-10s", Duration::from_secs(10)),
+        ("10s-30s", Duration::from_secs(30)),
+        (">30s", Duration::MAX),
+    ];
+    /// How many of the longest-running reconciles are named.
+    const SLOWEST: usize = 5;
+}
+
+impl Collector for InFlightSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let running = self.0.lock().expect("metrics lock");
+        let mut ages: Vec<(Duration, &PolicyKey)> = running.iter().map(|(key, at)| (at.elapsed(), key)).collect();
+        let mut metric = encoder.encode_descriptor(
+            "pelican_reconciles_in_flight",
+            "Reconciles running now, by how long they have been running",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        let mut below = Duration::ZERO;
+        for (label, limit) in Self::AGES {
+            let count = ages.iter().filter(|(age, _)| *age >= below && *age < limit).count();
+            ConstGauge::new(count as i64).encode(metric.encode_family(&vec![("age", label.to_string())])?)?;
+            below = limit;
+        }
+        ages.sort_by_key(|(age, _)| std::cmp::Reverse(*age));
+        let mut metric = encoder.encode_descriptor(
+            "pelican_reconcile_running_seconds",
+            "How long the longest-running reconciles (at most five) have been running, by policy",
+            None,
+            ConstGauge::new(0f64).metric_type(),
+        )?;
+        for (age, (namespace, policy)) in ages.into_iter().take(Self::SLOWEST) {
+            let labels: Labels = vec![("namespace", namespace.clone()), ("policy", policy.clone())];
+            ConstGauge::new(age.as_secs_f64()).encode(metric.encode_family(&labels)?)?;
         }
         Ok(())
     }
