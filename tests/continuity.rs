@@ -427,3 +427,101 @@ fn after_the_api_server_stalls_the_operator_exits_and_its_restart_resumes_passes
     assert!(resumed <= Duration::from_secs(30), "passes resumed {resumed:?} after the API server's return");
     drop(second);
 }
+
+/// Sends a signal to a test server's process (`STOP`, `CONT`).
+fn signal(server: &Server, name: &str) {
+    let pid = server.child.as_ref().unwrap().id().to_string();
+    assert!(std::process::Command::new("kill").args([&format!("-{name}"), &pid]).status().unwrap().success());
+}
+
+/// A Redis SIGSTOPped for 40 s: another server's policy keeps its dead-lettering latency throughout; the stopped
+/// server's own policies say Ready False `RedisUnavailable` within 30 s and are Ready again within 30 s of SIGCONT.
+#[test]
+fn a_stopped_server_costs_its_own_policies_only() {
+    let run = run_id();
+    let other = Healthy::create(&run, 1);
+    let stopped = Server::start(Flavor::Redis);
+    let own = namespace("stopped");
+    let policies = (0..5).map(|i| manifest(&run, &format!("st-{i}"), &stopped.url(), &format!("s{i}"), json!({})));
+    runtime().block_on(create(&own, policies.collect()));
+    let _operator = operator(&run);
+    wait_all_ready(&own, 5, Duration::from_secs(60));
+    other.dead_lettered(Instant::now(), Duration::from_secs(60));
+
+    // On the other server: a message every 200 ms that a consumer takes and never acknowledges, and a watcher that
+    // notes when each one shows up in the dead-letter stream.
+    let stop = Arc::new(AtomicBool::new(false));
+    let produced = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<String, Instant>::new()));
+    let producer = {
+        let (stop, produced, mut conn) = (stop.clone(), produced.clone(), other.server.conn());
+        std::thread::spawn(move || {
+            let mut n = 1;
+            while !stop.load(Ordering::Relaxed) {
+                let _: String = redis::cmd("XADD").arg("s0").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
+                produced.lock().unwrap().insert(n.to_string(), Instant::now());
+                read_new(&mut conn, "s0", "g", "w", 100);
+                n += 1;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    };
+    let watcher = {
+        let (stop, mut conn) = (stop.clone(), other.server.conn());
+        std::thread::spawn(move || {
+            let (mut seen, mut after) = (std::collections::HashMap::<String, Instant>::new(), "-".to_string());
+            while !stop.load(Ordering::Relaxed) {
+                let entries: Vec<(String, Vec<Vec<u8>>)> =
+                    redis::cmd("XRANGE").arg("s0:dlq").arg(&after).arg("+").query(&mut conn).unwrap();
+                for (id, flat) in entries {
+                    if let Some(pair) = flat.chunks(2).find(|p| p[0] == b"n") {
+                        seen.entry(String::from_utf8_lossy(&pair[1]).into_owned()).or_insert_with(Instant::now);
+                    }
+                    after = format!("({id}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            seen
+        })
+    };
+    std::thread::sleep(Duration::from_secs(10));
+    signal(&stopped, "STOP");
+    let stopped_at = Instant::now();
+    let path = "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].reason}";
+    let unavailable = wait_for("the stopped server's policies to say so", Duration::from_secs(60), || {
+        let reasons = kubectl_ok(&["get", "cgp", "-n", &own, "-o", path]);
+        let count = reasons.split_whitespace().filter(|r| *r == "RedisUnavailable").count();
+        if count == 5 { Ok(stopped_at.elapsed()) } else { Err(format!("{count} of 5 say RedisUnavailable")) }
+    });
+    std::thread::sleep(Duration::from_secs(40).saturating_sub(stopped_at.elapsed()));
+    signal(&stopped, "CONT");
+    let continued_at = Instant::now();
+    wait_all_ready(&own, 5, Duration::from_secs(60));
+    let recovered = continued_at.elapsed();
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, Ordering::Relaxed);
+    producer.join().unwrap();
+    let seen = watcher.join().unwrap();
+
+    let produced = produced.lock().unwrap();
+    let latency = |from: Instant, to: Instant| {
+        let window = produced.iter().filter(|(_, at)| **at >= from && **at < to);
+        let latencies: Vec<Duration> =
+            window.map(|(n, at)| seen.get(n).map_or(Duration::MAX, |s| s.duration_since(*at))).collect();
+        (latencies.len(), latencies.into_iter().max().unwrap_or_default())
+    };
+    let (before_count, before) = latency(stopped_at - Duration::from_secs(10), stopped_at);
+    let (during_count, during) = latency(stopped_at, continued_at);
+    eprintln!(
+        "the other server's dead-lettering latency: at most {before:?} over {before_count} messages before the stop, \
+         {during:?} over {during_count} while the server was stopped; the stopped server's policies said \
+         RedisUnavailable {unavailable:?} after the stop and were Ready {recovered:?} after SIGCONT"
+    );
+    let mut conn = other.server.conn();
+    wait_for("every message dead-lettered", Duration::from_secs(30), || {
+        let (dead, open) = failover_ledger(&mut conn, "s0", "s0:dlq", "g");
+        if open == 0 { Ok(dead) } else { Err(format!("{open} not yet")) }
+    });
+    assert!(during <= before + Duration::from_secs(2), "latency {during:?} while another server was stopped");
+    assert!(unavailable <= Duration::from_secs(30), "RedisUnavailable only {unavailable:?} after the stop");
+    assert!(recovered <= Duration::from_secs(30), "Ready again only {recovered:?} after SIGCONT");
+}

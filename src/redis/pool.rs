@@ -372,10 +372,15 @@ impl Pools {
         connected
     }
 
-    /// Records a server as down after `error`, when it says so (a refused, dropped or timed-out connection).
+    /// Records a server as down after `error`, when it says so (a refused, dropped or timed-out connection) and
+    /// the server was not known down already: a reconcile that failed at once on a server known down must not
+    /// push its next probe further away (its policies would then never see it back).
     pub fn saw(&self, target: &Target, error: &Error) {
-        if let Error::RedisUnavailable { server, source } = error {
-            self.reach.record(&target.server(), Err((server.clone(), source.clone())));
+        let key = target.server();
+        if let Error::RedisUnavailable { server, source } = error
+            && self.reach.retry_at(&key).is_none()
+        {
+            self.reach.record(&key, Err((server.clone(), source.clone())));
         }
     }
 
