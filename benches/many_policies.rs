@@ -5,7 +5,9 @@
 //! With `PELICAN_BIN=<older pelican>` the same figures for another build. With `-- <N> shards` the policies carry
 //! the label `sharding.pelican.io/key` (a or b) and two operators each reconcile one half.
 //!
-//!   scripts/testenv up && cargo bench --bench many_policies [-- <policies> [shards]]
+//! With `-- <N> takeover [broken]`: a new leader's time to the first pass at N policies (beside 2,000 broken ones).
+//!
+//!   scripts/testenv up && cargo bench --bench many_policies [-- <policies> [shards | server | takeover [broken]]]
 
 #[path = "../tests/common/mod.rs"]
 #[allow(unused_macros)]
@@ -98,6 +100,9 @@ fn main() {
     }
     if args.iter().any(|a| a == "server") {
         return one_server(count);
+    }
+    if args.iter().any(|a| a == "takeover") {
+        return takeover(count, args.iter().any(|a| a == "broken"));
     }
     let servers = [Server::start(Flavor::Redis), Server::start(Flavor::Redis), Server::start(Flavor::Valkey)];
     // One full interval, so every policy is refreshed (and its pass run) once inside the window.
@@ -222,6 +227,69 @@ fn one_server(count: usize) {
     for (label, ready, rss, cpu, conns) in rows {
         println!("{label:<18} {ready:>16.1} {rss:>10.1} {cpu:>10.2} {conns:>13}");
     }
+}
+
+/// A takeover at `count` policies on one server (and with `broken`, beside 2,000 policies on servers that are gone):
+/// all Ready under a first operator, which is killed; a poison entry is left waiting on 100 sampled policies; a new
+/// operator starts. Prints p50 / p90 / max of the time from its start to each sample's entry dead-lettered: the
+/// time to the first pass of a new leader.
+fn takeover(count: usize, broken: bool) {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("takeover");
+    let healthy = |i: usize| {
+        policy(&format!("p{i}"), &server.url(), &format!("s{i}"), "g", "  retry:\n    maxDeliveries: 1\n")
+            .replace("    interval: 1s\n", "    minIdle: 1s\n")
+    };
+    let mut manifests: Vec<String> = (0..count).map(healthy).collect();
+    if broken {
+        let gone: Vec<u16> = (0..100).map(|_| free_port()).collect();
+        manifests.extend((0..2000).map(|i| {
+            let url = format!("redis://127.0.0.1:{}/0", gone[i % gone.len()]);
+            policy(&format!("gone{i}"), &url, &format!("s{i}"), "g", "")
+        }));
+    }
+    let mut first = Operator::start(&ns);
+    for chunk in manifests.chunks(250) {
+        assert!(kubectl_apply(&ns, &chunk.join("---\n")).0);
+    }
+    let path = "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].reason}";
+    wait_for("every policy reconciled once", Duration::from_secs(3600), || {
+        let reasons = kubectl_ok(&["get", "cgp", "-n", &ns, "-o", path]);
+        let seen = reasons.split_whitespace().count();
+        if seen == manifests.len() { Ok(()) } else { Err(format!("{seen} of {}", manifests.len())) }
+    });
+    first.kill9();
+    let samples: Vec<usize> = (0..100).map(|k| k * count / 100).collect();
+    let mut conn = server.conn();
+    for &i in &samples {
+        let _: String = redis::cmd("XADD").arg(format!("s{i}")).arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+        assert_eq!(read_new(&mut conn, &format!("s{i}"), "g", "w", 10).len(), 1);
+    }
+    let started = Instant::now();
+    let _second = Operator::start(&ns);
+    let mut waiting: Vec<usize> = samples.clone();
+    let mut took: Vec<Duration> = Vec::new();
+    while !waiting.is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(600), "{} samples not dead-lettered in 10 min", waiting.len());
+        waiting.retain(|i| {
+            let len: usize = redis::cmd("XLEN").arg(format!("s{i}:dlq")).query(&mut conn).unwrap();
+            if len == 1 {
+                took.push(started.elapsed());
+            }
+            len == 0
+        });
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    took.sort();
+    let at = |q: f64| took[((took.len() - 1) as f64 * q) as usize].as_secs_f64();
+    let beside = if broken { " beside 2,000 on servers that are gone" } else { "" };
+    println!("takeover of {count} policies on one server{beside}: a waiting poison entry on 100 sampled policies");
+    println!(
+        "time from the new operator's start to dead-lettered: p50 {:.1} s, p90 {:.1} s, max {:.1} s",
+        at(0.5),
+        at(0.9),
+        at(1.0)
+    );
 }
 
 fn usage_now(operator: &Operator) -> (f64, f64) {
