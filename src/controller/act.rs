@@ -204,6 +204,11 @@ async fn namespace_terminating(policy: &ConsumerGroupPolicy, ctx: &Context) -> b
     terminating
 }
 
+/// Drops what was read of namespaces' deletion once it is too old to be used.
+pub fn prune_terminating(ctx: &Context) {
+    ctx.terminating.lock().expect("terminating lock").retain(|_, (_, at)| at.elapsed() < TERMINATING_KEPT);
+}
+
 /// How long what was read of a namespace's deletion is used.
 const TERMINATING_KEPT: Duration = Duration::from_secs(5);
 

@@ -119,6 +119,17 @@ impl Context {
         let inline = policies.iter().filter(|p| p.spec.redis.sentinel.is_some()).map(|p| p.spec.redis.url.as_str());
         let referenced = servers.iter().filter(|s| s.spec.sentinel.is_some()).map(|s| s.spec.url.as_str());
         self.shared.pools.retain_sentinels(inline.chain(referenced));
+        // What is known of the reachability of servers no policy names any more.
+        let urls = policies.iter().filter_map(|p| match p.server_ref() {
+            None => Some(p.spec.redis.url.as_str()),
+            Some((namespace, name)) => servers
+                .iter()
+                .find(|s| s.namespace().as_deref() == Some(namespace.as_str()) && s.name_any() == name)
+                .map(|s| s.spec.url.as_str()),
+        });
+        let used: Vec<String> = urls.map(|url| crate::redis::Target::new(url).server()).collect();
+        self.shared.pools.reach.retain(used.iter().map(String::as_str));
+        act::prune_terminating(self);
         self.runner.sweep();
         self.deleted.prune();
     }

@@ -117,6 +117,12 @@ impl Reachability {
         }
     }
 
+    /// Forgets the servers not in `keys` (no policy uses them any more).
+    pub fn retain<'a>(&self, keys: impl IntoIterator<Item = &'a str>) {
+        let keep: std::collections::HashSet<&str> = keys.into_iter().collect();
+        self.0.lock().expect("reachability lock").retain(|key, _| keep.contains(key.as_str()));
+    }
+
     pub fn len(&self) -> usize {
         self.0.lock().expect("reachability lock").len()
     }
