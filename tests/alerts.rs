@@ -71,6 +71,21 @@ tests:
         values: '0x15 4 9 9x3'
       - series: 'pelican_publish_rejected_total{namespace="apps",policy="roomy",stream="s",group="g",job="pelican-metrics"}'
         values: '0x20'
+      # Consuming verdicts: one that holds, and a FallingBehind that lasts one minute only.
+      - series: 'pelican_group_consuming{namespace="apps",policy="stopped",stream="s",group="g",reason="NotProgressing",job="pelican-metrics"}'
+        values: '1x20'
+      - series: 'pelican_group_consuming{namespace="apps",policy="orphan",stream="s",group="g",reason="NoConsumers",job="pelican-metrics"}'
+        values: '1x20'
+      - series: 'pelican_group_consuming{namespace="apps",policy="slow",stream="s",group="g",reason="FallingBehind",job="pelican-metrics"}'
+        values: '1x20'
+      - series: 'pelican_group_consuming{namespace="apps",policy="spike",stream="s",group="g",reason="FallingBehind",job="pelican-metrics"}'
+        values: '_x3 1 1 stale'
+      - series: 'pelican_group_consuming{namespace="apps",policy="fine",stream="s",group="g",reason="Progressing",job="pelican-metrics"}'
+        values: '1x20'
+      - series: 'pelican_group_lag_seconds{namespace="apps",policy="behind",stream="s",group="g",job="pelican-metrics"}'
+        values: '500+60x20'
+      - series: 'pelican_group_lag_seconds{namespace="apps",policy="fine",stream="s",group="g",job="pelican-metrics"}'
+        values: '2x20'
       # Both replicas down from minute 8 on; replica b never leads, a leads until it goes down.
       - series: 'up{job="pelican-metrics",instance="a"}'
         values: '1x7 0x13'
@@ -132,6 +147,44 @@ tests:
               description: 'Producers of stream s are being refused because group g reached spec.backlog.maxLength.'
       - eval_time: 14m
         alertname: PelicanPublishesRefused
+        exp_alerts: []
+      - eval_time: 6m
+        alertname: PelicanGroupNotProgressing
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: apps, policy: stopped, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/stopped: consumers of group g read and acknowledge nothing'
+              description: 'Group g on stream s has a backlog and consumers, and none of them read or acknowledged anything over the last window. kubectl pelican status stopped -n apps shows who holds the oldest entries.'
+              runbook_url: 'http://localhost:3000/runbooks/group-not-progressing.html'
+      - eval_time: 1m
+        alertname: PelicanGroupNotProgressing
+        exp_alerts: []
+      - eval_time: 6m
+        alertname: PelicanGroupNoConsumers
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: orphan, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/orphan: group g has a backlog and no consumer'
+              description: 'Entries of stream s wait for group g, which has no consumer to read them.'
+              runbook_url: 'http://localhost:3000/runbooks/group-no-consumers.html'
+      - eval_time: 6m
+        alertname: PelicanGroupFallingBehind
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: slow, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/slow: group g falls behind its producers'
+              description: 'The backlog of group g on stream s grew at every sample of the last window while its consumers read: they are slower than the producers.'
+              runbook_url: 'http://localhost:3000/runbooks/group-falling-behind.html'
+      - eval_time: 8m
+        alertname: PelicanGroupLagTooOld
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: apps, policy: behind, stream: s, group: g}
+            exp_annotations:
+              summary: 'apps/behind: the oldest unread entry has waited 16m 20s'
+              description: 'Group g has not read entries of stream s that are older than the threshold.'
+              runbook_url: 'http://localhost:3000/runbooks/group-lag-too-old.html'
+      - eval_time: 4m
+        alertname: PelicanGroupLagTooOld
         exp_alerts: []
       - eval_time: 7m
         alertname: PelicanOperatorDown

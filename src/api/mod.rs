@@ -16,10 +16,13 @@ use serde::{Deserialize, Serialize};
 /// Go-style durations made of integer parts: `90s`, `5m`, `1h30m`, `250ms`.
 pub const DURATION_PATTERN: &str = r"^([0-9]+(ms|s|m|h))+$";
 
-/// The policy's condition types (kstatus's three, and `Saturated`).
+/// The policy's condition types (kstatus's three, `Saturated` and `Consuming`).
 pub const READY: &str = "Ready";
 /// True while the group's backlog is at its `backlog.maxLength` (producers are refused); Ready stays True.
 pub const SATURATED: &str = "Saturated";
+/// Whether the group's consumers make progress, judged over a window of samples; outside Ready (a slow consumer is
+/// no broken policy).
+pub const CONSUMING: &str = "Consuming";
 pub const RECONCILING: &str = "Reconciling";
 pub const STALLED: &str = "Stalled";
 /// Reason on all three conditions when the last reconcile succeeded.
@@ -61,6 +64,13 @@ pub const RECONCILED: &str = "Reconciled";
         priority = "1"
     ),
     printcolumn(name = "Backlog", type_ = "integer", json_path = ".status.backlog", priority = "1"),
+    printcolumn(
+        name = "Lag-Age",
+        type_ = "date",
+        json_path = ".status.oldestUnreadTime",
+        description = "age of the oldest entry the group has not read (none: nothing unread)",
+        priority = "1"
+    ),
     printcolumn(
         name = "Requeue-Copies-To",
         type_ = "string",
@@ -419,6 +429,23 @@ pub struct ConsumerGroupPolicyStatus {
     /// Entries delivered to a consumer of the group and not acknowledged yet (the PEL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending: Option<i64>,
+    /// Time of the oldest entry the group has not read yet (the first after its last delivered id), from its id;
+    /// absent when nothing is unread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "date-time"))]
+    pub oldest_unread_time: Option<String>,
+    /// Age in seconds of the oldest entry the group has not read yet; 0 when nothing is unread. Rewritten when it
+    /// moves by a tenth or more (or with other changes); `pelican_group_lag_seconds` has it at every refresh.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag_seconds: Option<i64>,
+    /// Entries per second over the last window of samples (see the `Consuming` condition), from the server's own
+    /// counters; absent until two samples are taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rates: Option<Rates>,
+    /// Seconds until the backlog is drained at the rate it shrank over the window; 0 when there is no backlog,
+    /// absent while it does not shrink.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_seconds: Option<i64>,
     /// Id of the oldest pending entry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_pending_id: Option<String>,
@@ -457,6 +484,22 @@ pub struct ConsumerGroupPolicyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
     pub last_pass_time: Option<String>,
+}
+
+/// Entries per second over the window, from `entries-added` (the stream), `entries-read` (the group) and the PEL.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Rates {
+    /// Entries added to the stream (by anyone, requeued copies included).
+    pub added: f64,
+    /// Entries delivered to the group's consumers for the first time; absent when the server cannot tell (the
+    /// group's `entries-read` is unknown and so is its lag).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read: Option<f64>,
+    /// Entries the consumers acknowledged (read, minus what the PEL grew by, minus what the operator itself
+    /// acknowledged: requeued, dead-lettered, payload gone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acknowledged: Option<f64>,
 }
 
 /// The operator's own counters, mirrored from the `{T}:pelican:<stream>:<group>:totals` hash.

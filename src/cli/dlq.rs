@@ -7,7 +7,8 @@ use clap::Args;
 use redis::streams::{StreamId, StreamRangeReply};
 use serde::Serialize;
 
-use super::{Session, age, cell, id_millis, now_millis, print_table};
+use super::{Session, age, cell, now_millis, print_table};
+use crate::redis::id_millis;
 
 /// Entries read per XRANGE while grouping.
 const PAGE: usize = 1000;

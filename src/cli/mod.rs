@@ -125,11 +125,6 @@ fn age(seconds: i64) -> String {
     }
 }
 
-/// Milliseconds since the epoch from an entry id (`<ms>-<seq>`).
-fn id_millis(id: &str) -> Option<i64> {
-    id.split('-').next()?.parse().ok()
-}
-
 fn now_millis() -> i64 {
     k8s_openapi::jiff::Timestamp::now().as_millisecond()
 }

@@ -6,8 +6,9 @@ use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use serde::Serialize;
 
-use super::{Session, age, cell, id_millis, name_of, now_millis, print_table};
+use super::{Session, age, cell, name_of, now_millis, print_table};
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus};
+use crate::redis::id_millis;
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
@@ -85,7 +86,18 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
         return Ok(());
     }
     let all = args.all_namespaces;
-    let mut header = vec!["NAME", "READY", "REASON", "PENDING", "OLDEST", "LAG", "DEAD-LETTERED", "CONSUMERS"];
+    let mut header = vec![
+        "NAME",
+        "READY",
+        "REASON",
+        "PENDING",
+        "OLDEST",
+        "LAG",
+        "LAG-AGE",
+        "CONSUMING",
+        "DEAD-LETTERED",
+        "CONSUMERS",
+    ];
     if all {
         header.insert(0, "NAMESPACE");
     }
@@ -94,6 +106,7 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
         .map(|r| {
             let s = &r.status;
             let oldest = s.oldest_pending_id.as_deref().and_then(id_millis).map(|ms| age((now_millis() - ms) / 1000));
+            let consuming = s.conditions.iter().find(|c| c.type_ == crate::api::CONSUMING).map(|c| c.reason.clone());
             let mut row = vec![
                 r.name.clone(),
                 r.ready.clone(),
@@ -101,6 +114,8 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
                 cell(s.pending),
                 cell(oldest),
                 cell(s.lag),
+                lag_age(s),
+                cell(consuming),
                 cell(s.totals.as_ref().map(|t| t.dead_lettered)),
                 cell(s.consumers),
             ];
@@ -160,6 +175,35 @@ async fn oldest_pending(
         .collect())
 }
 
+/// How old the oldest unread entry is now, from its time in the status (`0s`: nothing unread).
+fn lag_age(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
+    let unread = s.oldest_unread_time.as_deref().and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok());
+    match (unread, s.lag_seconds) {
+        (Some(at), _) => age((now_millis() - at.as_millisecond()) / 1000),
+        (None, Some(_)) => age(0),
+        (None, None) => "-".into(),
+    }
+}
+
+/// The window's rates and the drain time, in words.
+fn rates(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
+    let Some(rates) = s.rates else {
+        return "- (a window of samples is being taken)".into();
+    };
+    let per_second = |rate: Option<f64>| rate.map_or("?".into(), |r| format!("{r}/s"));
+    let drain = match s.drain_seconds {
+        Some(0) => "nothing to drain".to_string(),
+        Some(seconds) => format!("drained in about {}", age(seconds)),
+        None => "the backlog is not shrinking".to_string(),
+    };
+    format!(
+        "added {}, read {}, acknowledged {}; {drain}",
+        per_second(Some(rates.added)),
+        per_second(rates.read),
+        per_second(rates.acknowledged)
+    )
+}
+
 fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
     let s = &report.status;
     let totals = s.totals.clone().unwrap_or_default();
@@ -169,7 +213,8 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
         ("Server", cell(s.server_version.as_ref())),
         ("Ready", format!("{} {}: {}", report.ready, report.reason, report.message)),
         ("Pending", cell(s.pending)),
-        ("Lag", cell(s.lag)),
+        ("Lag", format!("{} (the oldest unread entry: {})", cell(s.lag), lag_age(s))),
+        ("Rates", rates(s)),
         ("Consumers", cell(s.consumers)),
         ("Stream length", cell(s.stream_length)),
         ("Dead letters", cell(s.dead_letter_length)),

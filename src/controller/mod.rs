@@ -14,6 +14,7 @@
 mod act;
 mod neighbours;
 mod plan;
+mod progress;
 mod report;
 mod status;
 mod validate;
@@ -73,6 +74,8 @@ pub struct Context {
     failure_lane: tokio::sync::Semaphore,
     /// Whether a namespace is being deleted, as read in the last seconds (one read for all of its policies).
     terminating: Mutex<HashMap<String, (bool, Instant)>>,
+    /// Each policy's latest samples of its group's counters, for the `Consuming` verdict and the rates.
+    progress: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, progress::Window>>,
 }
 
 /// The uids of recently deleted policies. A reconcile lasts seconds (a slow server), so a uid is kept
@@ -147,6 +150,7 @@ impl Context {
             ("server_reachability", self.shared.pools.reach.len()),
             ("terminating_namespaces", self.terminating.lock().expect("terminating lock").len()),
             ("scaler_readings", self.shared.readings.len()),
+            ("progress_windows", self.progress.lock().expect("progress lock").len()),
         ];
         sizes.extend(self.runner.sizes());
         sizes
@@ -211,6 +215,7 @@ pub async fn run(
         deleted: Tombstones::default(),
         failure_lane: tokio::sync::Semaphore::new(FAILURE_LANE),
         terminating: Mutex::default(),
+        progress: Mutex::default(),
     });
     let sweep_ctx = Arc::downgrade(&ctx);
     tokio::spawn(async move {
@@ -529,6 +534,7 @@ mod tests {
             deleted: Tombstones::default(),
             failure_lane: tokio::sync::Semaphore::new(FAILURE_LANE),
             terminating: Mutex::default(),
+            progress: Mutex::default(),
         };
         (Arc::new(ctx), handle)
     }

@@ -1,16 +1,18 @@
 //! Phase 4, report: status (server-side apply, only when a value a person acts on changed), conditions, one Event
 //! per change of the Ready reason, and the policy's metric series.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use tracing::{info, warn};
 
 use super::act::Observation;
+use super::progress::{self, Sample};
 use super::status::{self, Outcome, READY};
-use super::{Context, publish};
+use super::{Context, publish, validate};
 use crate::Result;
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
+use crate::api::{CONSUMING, ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
 use crate::context::policy_id;
 use crate::redis::Backlog;
 use crate::telemetry::PolicySnapshot;
@@ -20,6 +22,8 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     let previous = policy.status.clone().unwrap_or_default();
     let now = Timestamp::now();
     let jobs = ctx.runner.state(&policy_id(policy));
+    let generation = policy.metadata.generation;
+    let mut consuming = previous.conditions.iter().find(|c| c.type_ == CONSUMING).cloned();
     let (status, outcome, age) = match result {
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
@@ -34,6 +38,16 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
                 effective,
                 pinned_by: jobs.trim.as_ref().and_then(|t| t.pinned_by.as_ref()).map(|pin| pin.to_string()),
             });
+            let window = {
+                let mut windows = ctx.progress.lock().expect("progress lock");
+                let window = windows.entry(kube::runtime::reflector::ObjectRef::from_obj(policy)).or_default();
+                let spacing = validate::Schedule::from_spec(&policy.spec).map_or(0, |s| s.interval.as_millis() as i64);
+                window.push(Sample::of(&seen.facts), spacing * 9 / 10);
+                window.clone()
+            };
+            status.rates = window.rates();
+            status.drain_seconds = window.drain_seconds();
+            consuming = Some(progress::consuming(&previous.conditions, &window, generation, now));
             let outcome = match jobs.failures.first_key_value() {
                 Some((job, failure)) => Outcome::JobFailed(*job, failure),
                 None => Outcome::Ready { message },
@@ -42,12 +56,13 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
         }
         Err(error) => (previous.clone(), Outcome::Failed(error), None),
     };
-    let generation = policy.metadata.generation;
     let mut conditions = status::conditions(&previous.conditions, &outcome, generation, now);
     let max_length = policy.spec.backlog.as_ref().map(|b| b.max_length);
     conditions.extend(status::saturated(&previous.conditions, &status, max_length, generation, now));
+    conditions.extend(consuming);
     let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, ..status };
     announce_transition(policy, ctx, &previous, &status).await;
+    announce_consuming(policy, ctx, &previous, &status).await;
     announce_saturation(policy, ctx, &previous, &status).await;
     announce_failover(policy, ctx, &previous, &status).await;
     announce_requeue_copies(policy, ctx, &previous, &status).await;
@@ -104,6 +119,36 @@ async fn announce_transition(
     } else {
         warn!(reason, "{message}");
         publish(ctx, policy, EventType::Warning, &reason, message).await;
+    }
+}
+
+/// One Event per change of the `Consuming` verdict: Normal `Progressing` when consumers move again, a Warning
+/// named by the reason when they stop, vanish or fall behind. Nothing when a first verdict says all is well, or
+/// while there is none yet.
+async fn announce_consuming(
+    policy: &ConsumerGroupPolicy,
+    ctx: &Context,
+    previous: &ConsumerGroupPolicyStatus,
+    next: &ConsumerGroupPolicyStatus,
+) {
+    fn verdict(s: &ConsumerGroupPolicyStatus) -> Option<&Condition> {
+        s.conditions.iter().find(|c| c.type_ == CONSUMING && c.status != "Unknown")
+    }
+    let Some(condition) = verdict(next) else {
+        return;
+    };
+    let reason = condition.reason.clone();
+    let before = verdict(previous).map(|c| &c.reason);
+    if before == Some(&reason) || (before.is_none() && condition.status == "True") {
+        return;
+    }
+    let note = format!("group {:?}: {}", policy.spec.group, condition.message);
+    if condition.status == "True" {
+        info!(reason, "{note}");
+        publish(ctx, policy, EventType::Normal, &reason, note).await;
+    } else {
+        warn!(reason, "{note}");
+        publish(ctx, policy, EventType::Warning, &reason, note).await;
     }
 }
 

@@ -44,6 +44,8 @@ pub fn observed(
         oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
         oldest_pending_time: oldest_millis.and_then(format_millis),
         oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms / 1000),
+        oldest_unread_time: facts.oldest_unread_ms.and_then(format_millis),
+        lag_seconds: Some(facts.lag_seconds()),
         consumers: Some(facts.consumers),
         dead_letter_length: Some(facts.dead_letter_length),
         totals: Some(Totals {
@@ -97,9 +99,11 @@ pub fn requeue_copies_to(spec: &ConsumerGroupPolicySpec, facts: &GroupFacts) -> 
 }
 
 /// Whether `next` differs from what the API holds in a value a person acts on: counts,
-/// conditions, the oldest pending entry, the generation. The oldest entry's idle time and the time of the last
-/// pass change with every look and are written along with such a change, never on their own: each write would
-/// cost the API server a request per policy per interval for nothing a person acts on.
+/// conditions, the oldest pending and unread entries, the generation. The oldest entry's idle time, the rates, the
+/// drain time and the time of the last pass change with every look and are written along with such a change, never
+/// on their own: each write would cost the API server a request per policy per interval for nothing a person acts
+/// on. The lag in seconds is written on its own when it moved by a tenth or more (a stuck group's grows without
+/// any other change: a few dozen writes from seconds to hours).
 pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &ConsumerGroupPolicyStatus) -> bool {
     let Some(current) = current else {
         return true;
@@ -107,9 +111,16 @@ pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &Consume
     let timeless = |s: &ConsumerGroupPolicyStatus| ConsumerGroupPolicyStatus {
         oldest_pending_idle_seconds: None,
         last_pass_time: None,
+        lag_seconds: None,
+        rates: None,
+        drain_seconds: None,
         ..s.clone()
     };
-    timeless(current) != timeless(next)
+    let lag_moved = match (current.lag_seconds, next.lag_seconds) {
+        (Some(a), Some(b)) => a != b && a.abs_diff(b) * 10 >= a.unsigned_abs(),
+        (a, b) => a != b,
+    };
+    lag_moved || timeless(current) != timeless(next)
 }
 
 /// The `Saturated` condition when the policy bounds its backlog: True while the backlog is at the bound, judged on
@@ -224,6 +235,14 @@ mod tests {
         let moved = ConsumerGroupPolicyStatus { pending: Some(3), ..later.clone() };
         assert!(worth_writing(Some(&before), &moved));
         assert!(worth_writing(None, &later));
+        // The lag in seconds is written when it moves by a tenth: 1 -> 2, 100 -> 110, not 100 -> 109.
+        let lagging = |s: i64| ConsumerGroupPolicyStatus { lag_seconds: Some(s), ..before.clone() };
+        assert!(worth_writing(Some(&lagging(1)), &lagging(2)));
+        assert!(worth_writing(Some(&lagging(100)), &lagging(110)));
+        assert!(!worth_writing(Some(&lagging(100)), &lagging(109)));
+        assert!(!worth_writing(Some(&lagging(0)), &lagging(0)));
+        let rated = ConsumerGroupPolicyStatus { rates: Some(crate::api::Rates::default()), ..lagging(5) };
+        assert!(!worth_writing(Some(&lagging(5)), &rated), "rates alone are not written");
     }
     use crate::redis::OldestPending;
 
@@ -246,6 +265,9 @@ mod tests {
             bound: None,
             other_groups: vec!["search".into(), "audit".into()],
             server_time_ms: 1_764_421_200_000 + 90_000,
+            entries_added: Some(40),
+            entries_read: None,
+            oldest_unread_ms: Some(1_764_421_200_000 + 30_500),
         }
     }
 
@@ -275,6 +297,11 @@ mod tests {
         assert_eq!(status.totals.unwrap().dead_lettered, 1);
         assert_eq!(status.terminal_acks, vec![TerminalAckCount { reason: "RecordNotFound".into(), count: 40 }]);
         assert_eq!(oldest_pending_age_seconds(&facts()), Some(90));
+        assert_eq!(status.oldest_unread_time.as_deref(), Some("2025-11-29T13:00:30Z"));
+        assert_eq!(status.lag_seconds, Some(59));
+        let caught_up = GroupFacts { oldest_unread_ms: None, ..facts() };
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &caught_up);
+        assert_eq!((status.oldest_unread_time, status.lag_seconds), (None, Some(0)));
     }
 
     #[test]

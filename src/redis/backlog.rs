@@ -23,11 +23,18 @@ pub struct Backlog {
     pub lag: Option<i64>,
     /// Entries delivered and not acknowledged.
     pub pending: i64,
+    /// Age in seconds of the oldest entry not yet delivered to the group; 0 when nothing is unread.
+    pub lag_seconds: i64,
 }
 
 impl Backlog {
     pub fn of(facts: &GroupFacts) -> Backlog {
-        Backlog { stream_length: facts.stream_length, lag: facts.lag, pending: facts.pending }
+        Backlog {
+            stream_length: facts.stream_length,
+            lag: facts.lag,
+            pending: facts.pending,
+            lag_seconds: facts.lag_seconds(),
+        }
     }
 
     /// The lag; when the server cannot tell it, every entry of the stream counts as unread (an upper bound), so it
@@ -43,26 +50,36 @@ impl Backlog {
     }
 }
 
-/// `XINFO GROUPS` and `XLEN`, pipelined: the group's lag and pending count, and the stream's length; `None` when
-/// the stream has no such group.
+/// `XINFO GROUPS`, `XLEN` and `TIME`, pipelined: the group's lag and pending count, and the stream's length; then,
+/// while the group has something to read, the oldest unread entry (for its age). `None` when the stream has no
+/// such group.
 pub async fn probe_backlog(conn: &mut Conn, server: &str, stream: &str, group: &str) -> Result<Option<Backlog>> {
-    let (groups, stream_length): (Vec<Value>, i64) = pipe()
+    let (groups, stream_length, (seconds, micros)): (Vec<Value>, i64, (i64, i64)) = pipe()
         .cmd("XINFO")
         .arg("GROUPS")
         .arg(stream)
         .cmd("XLEN")
         .arg(stream)
+        .cmd("TIME")
         .query_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
-    let group = groups
+    let Some(group) = groups
         .into_iter()
         .filter_map(reply::fields)
-        .find(|fields| reply::get::<String>(fields, "name").as_deref() == Some(group));
-    Ok(group.map(|group| Backlog {
+        .find(|fields| reply::get::<String>(fields, "name").as_deref() == Some(group))
+    else {
+        return Ok(None);
+    };
+    let lag = reply::get(&group, "lag");
+    let last_delivered = reply::get::<String>(&group, "last-delivered-id");
+    let oldest_unread = super::group::oldest_unread_ms(conn, server, stream, last_delivered.as_deref(), lag).await?;
+    let now_ms = seconds * 1000 + micros / 1000;
+    Ok(Some(Backlog {
         stream_length,
-        lag: reply::get(&group, "lag"),
+        lag,
         pending: reply::get(&group, "pending").unwrap_or(0),
+        lag_seconds: oldest_unread.map_or(0, |ms| (now_ms - ms).max(0) / 1000),
     }))
 }
 
@@ -142,12 +159,12 @@ mod tests {
 
     #[test]
     fn an_unknown_lag_counts_the_whole_stream() {
-        let known = Backlog { stream_length: 10, lag: Some(3), pending: 2 };
+        let known = Backlog { stream_length: 10, lag: Some(3), pending: 2, lag_seconds: 0 };
         assert_eq!(known.total(), 5);
-        let unknown = Backlog { stream_length: 10, lag: None, pending: 2 };
+        let unknown = Backlog { stream_length: 10, lag: None, pending: 2, lag_seconds: 0 };
         assert_eq!(unknown.total(), 12);
         // Redis 7.0 after an XDEL: a lag larger than the stream.
-        let overstated = Backlog { stream_length: 1, lag: Some(4), pending: 0 };
+        let overstated = Backlog { stream_length: 1, lag: Some(4), pending: 0, lag_seconds: 0 };
         assert_eq!(overstated.lag_or_bound(), 1);
     }
 
@@ -157,7 +174,7 @@ mod tests {
         let probes = AtomicUsize::new(0);
         let probe = || async {
             probes.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, ()>(Backlog { stream_length: 1, lag: Some(1), pending: 0 })
+            Ok::<_, ()>(Backlog { stream_length: 1, lag: Some(1), pending: 0, lag_seconds: 0 })
         };
         let max_age = Duration::from_secs(1);
         let asks = (0..100).map(|_| readings.read("ns/p", max_age, probe));
@@ -173,7 +190,7 @@ mod tests {
         assert_eq!(probes.load(Ordering::SeqCst), 2);
         // A reconcile's probe counts as a reading once someone asked about the policy, and only then.
         tokio::time::advance(Duration::from_secs(2)).await;
-        readings.record("ns/p", Backlog { stream_length: 7, lag: Some(7), pending: 0 });
+        readings.record("ns/p", Backlog { stream_length: 7, lag: Some(7), pending: 0, lag_seconds: 0 });
         readings.record("ns/other", Backlog::default());
         assert_eq!(readings.read("ns/p", max_age, probe).await.unwrap().1.total(), 7);
         assert_eq!((probes.load(Ordering::SeqCst), readings.len()), (2, 1));

@@ -242,11 +242,12 @@ pub struct OldestPending {
 impl OldestPending {
     /// Milliseconds part of the entry id, when the id is time based (`<ms>-<seq>`).
     pub fn id_millis(&self) -> Option<i64> {
-        self.id.split_once('-').map_or(self.id.as_str(), |(ms, _)| ms).parse().ok()
+        id_millis(&self.id)
     }
 }
 
-/// Everything the status shows, read in one round trip whose cost does not depend on the PEL size.
+/// Everything the status shows, read in one round trip whose cost does not depend on the PEL size (and one
+/// `XRANGE ... COUNT 1` for the oldest unread entry while the group has something to read).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupFacts {
     pub stream_length: i64,
@@ -265,6 +266,52 @@ pub struct GroupFacts {
     /// The stream's other groups, by name.
     pub other_groups: Vec<String>,
     pub server_time_ms: i64,
+    /// Entries ever added to the stream (`XINFO STREAM` `entries-added`).
+    pub entries_added: Option<i64>,
+    /// Entries the group has read (`XINFO GROUPS` `entries-read`); absent when the server cannot tell.
+    pub entries_read: Option<i64>,
+    /// Milliseconds part of the id of the oldest entry the group has not read yet (the first entry after its
+    /// `last-delivered-id`); absent when nothing is unread.
+    pub oldest_unread_ms: Option<i64>,
+}
+
+impl GroupFacts {
+    /// Age in seconds of the oldest entry the group has not read: server time minus the time in its id; 0 when
+    /// nothing is unread (or the id lies ahead of the server's clock).
+    pub fn lag_seconds(&self) -> i64 {
+        self.oldest_unread_ms.map_or(0, |ms| (self.server_time_ms - ms).max(0) / 1000)
+    }
+}
+
+/// Milliseconds part of a stream id (`<ms>-<seq>`, or `<ms>` alone).
+pub fn id_millis(id: &str) -> Option<i64> {
+    id.split_once('-').map_or(id, |(ms, _)| ms).parse().ok()
+}
+
+/// The time (milliseconds part of the id) of the first entry after `last_delivered`: the oldest entry a group at
+/// that position has not read. One `XRANGE (<id> + COUNT 1`, skipped when the lag says nothing is unread; an entry
+/// deleted or trimmed is not there, so the next one counts.
+pub async fn oldest_unread_ms(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    last_delivered: Option<&str>,
+    lag: Option<i64>,
+) -> Result<Option<i64>> {
+    if lag == Some(0) {
+        return Ok(None);
+    }
+    let after = format!("({}", last_delivered.unwrap_or("0-0"));
+    let next: Vec<(String, Value)> = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg(after)
+        .arg("+")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(next.first().and_then(|(id, _)| id_millis(id)))
 }
 
 /// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, HGET x2, TIME.
@@ -343,10 +390,16 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
     });
     let (seconds, micros) = time;
     let server_time_ms = seconds.parse::<i64>().unwrap_or(0) * 1000 + micros.parse::<i64>().unwrap_or(0) / 1000;
+    let lag = reply::get(&group, "lag");
+    let last_delivered = reply::get::<String>(&group, "last-delivered-id");
+    let oldest_unread_ms = match group.is_empty() {
+        true => None,
+        false => oldest_unread_ms(conn, server, keys.stream, last_delivered.as_deref(), lag).await?,
+    };
 
     Ok(GroupFacts {
         stream_length: reply::get(&stream_info, "length").unwrap_or(0),
-        lag: reply::get(&group, "lag"),
+        lag,
         pending: reply::get(&group, "pending").unwrap_or(0),
         oldest_pending,
         consumers,
@@ -357,6 +410,9 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
         bound,
         other_groups,
         server_time_ms,
+        entries_added: reply::get(&stream_info, "entries-added"),
+        entries_read: reply::get(&group, "entries-read"),
+        oldest_unread_ms,
     })
 }
 

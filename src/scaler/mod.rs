@@ -58,6 +58,8 @@ pub enum Metric {
     Pending,
     /// Not yet delivered (the stream's length when the server cannot tell).
     Lag,
+    /// Age in seconds of the oldest entry not yet delivered: how long the newest work has waited to be read.
+    LagSeconds,
 }
 
 impl Metric {
@@ -66,6 +68,7 @@ impl Metric {
             Metric::Backlog => "backlog",
             Metric::Pending => "pending",
             Metric::Lag => "lag",
+            Metric::LagSeconds => "lag-seconds",
         }
     }
 
@@ -74,6 +77,7 @@ impl Metric {
             Metric::Backlog => backlog.total(),
             Metric::Pending => backlog.pending,
             Metric::Lag => backlog.lag_or_bound(),
+            Metric::LagSeconds => backlog.lag_seconds,
         }
     }
 }
@@ -106,7 +110,10 @@ impl Trigger {
             "backlog" => Metric::Backlog,
             "pending" => Metric::Pending,
             "lag" => Metric::Lag,
-            other => return Err(format!("metadata.metric {other:?} is not one of backlog, pending, lag")),
+            "lagSeconds" => Metric::LagSeconds,
+            other => {
+                return Err(format!("metadata.metric {other:?} is not one of backlog, pending, lag, lagSeconds"));
+            }
         };
         let number = |key: &str, default: f64, least: f64| -> Result<f64, String> {
             match metadata.get(key) {
@@ -394,6 +401,10 @@ mod tests {
         .unwrap();
         assert_eq!((trigger.metric, trigger.target), (Metric::Pending, 2.5));
         assert!(!trigger.active(10) && trigger.active(11));
+        let trigger = Trigger::parse(&metadata(&[("policy", "orders"), ("metric", "lagSeconds")])).unwrap();
+        assert_eq!(trigger.metric_name(), "pelican-lag-seconds-orders");
+        let waiting = Backlog { stream_length: 9, lag: Some(4), pending: 5, lag_seconds: 125 };
+        assert_eq!(trigger.metric.of(&waiting), 125);
     }
 
     #[test]
@@ -401,7 +412,10 @@ mod tests {
         let error = |pairs: &[(&str, &str)]| Trigger::parse(&metadata(pairs)).unwrap_err();
         assert!(error(&[]).contains("metadata.policy is missing"));
         assert!(error(&[("policy", "team-a/orders")]).contains("own namespace only"));
-        assert!(error(&[("policy", "orders"), ("metric", "depth")]).contains("not one of backlog, pending, lag"));
+        assert!(
+            error(&[("policy", "orders"), ("metric", "depth")])
+                .contains("not one of backlog, pending, lag, lagSeconds")
+        );
         assert!(
             error(&[("policy", "orders"), ("target", "0")]).contains("metadata.target \"0\" is not a number above 0")
         );
@@ -411,7 +425,7 @@ mod tests {
 
     #[test]
     fn the_lag_metric_never_reads_zero_while_the_stream_holds_unread_entries() {
-        let unknown = Backlog { stream_length: 3, lag: None, pending: 0 };
+        let unknown = Backlog { stream_length: 3, lag: None, pending: 0, lag_seconds: 0 };
         assert_eq!((Metric::Lag.of(&unknown), Metric::Backlog.of(&unknown), Metric::Pending.of(&unknown)), (3, 3, 0));
     }
 }

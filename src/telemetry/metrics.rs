@@ -265,7 +265,7 @@ impl Collector for PolicySeries {
                 ("group", p.group.clone()),
             ]
         };
-        let gauges: [Series; 10] = [
+        let gauges: [Series; 12] = [
             ("pelican_group_pending", "Entries in the group's PEL", |p| p.status.pending),
             ("pelican_group_oldest_pending_age_seconds", "Age of the oldest pending entry, from its id", |p| {
                 p.oldest_pending_age_seconds
@@ -274,6 +274,14 @@ impl Collector for PolicySeries {
                 p.status.oldest_pending_idle_seconds
             }),
             ("pelican_group_lag", "Entries not yet delivered to the group (absent when unknown)", |p| p.status.lag),
+            ("pelican_group_lag_seconds", "Age of the oldest entry not yet delivered to the group (0: none)", |p| {
+                p.status.lag_seconds
+            }),
+            (
+                "pelican_group_drain_seconds",
+                "Seconds until the backlog is gone at the rate it shrank over the window (absent while it does not)",
+                |p| p.status.drain_seconds,
+            ),
             ("pelican_group_consumers", "Consumers of the group", |p| p.status.consumers),
             (
                 "pelican_group_backlog",
@@ -318,6 +326,36 @@ impl Collector for PolicySeries {
                     ConstCounter::new(v.max(0) as u64).encode(metric.encode_family(&labels(key, p))?)?;
                 }
             }
+        }
+        let mut metric = encoder.encode_descriptor(
+            "pelican_group_entries_per_second",
+            "Entries per second over the window, by kind: added to the stream, read and acknowledged by the group",
+            None,
+            ConstGauge::new(0f64).metric_type(),
+        )?;
+        for (key, p) in policies.iter() {
+            let Some(rates) = p.status.rates else { continue };
+            for (kind, rate) in
+                [("added", Some(rates.added)), ("read", rates.read), ("acknowledged", rates.acknowledged)]
+            {
+                let Some(rate) = rate else { continue };
+                let mut with_kind = labels(key, p);
+                with_kind.push(("kind", kind.to_string()));
+                ConstGauge::new(rate).encode(metric.encode_family(&with_kind)?)?;
+            }
+        }
+        let mut metric = encoder.encode_descriptor(
+            "pelican_group_consuming",
+            "1, labelled with the Consuming condition's reason (Progressing, NoConsumers, NotProgressing, ...)",
+            None,
+            ConstGauge::new(0i64).metric_type(),
+        )?;
+        for (key, p) in policies.iter() {
+            let verdict = p.status.conditions.iter().find(|c| c.type_ == crate::api::CONSUMING);
+            let Some(verdict) = verdict else { continue };
+            let mut with_reason = labels(key, p);
+            with_reason.push(("reason", verdict.reason.clone()));
+            ConstGauge::new(1i64).encode(metric.encode_family(&with_reason)?)?;
         }
         let mut metric = encoder.encode_descriptor(
             "pelican_terminal_acks",
