@@ -6,6 +6,8 @@
 //! the label `sharding.pelican.io/key` (a or b) and two operators each reconcile one half.
 //!
 //! With `-- <N> takeover [broken]`: a new leader's time to the first pass at N policies (beside 2,000 broken ones).
+//! With `-- <N> unread`: each policy's stream holds an entry its group has not read (so every refresh also reads the
+//! oldest unread entry); the figures include the Redis commands per policy per interval.
 //!
 //!   scripts/testenv up && cargo bench --bench many_policies [-- <policies> [shards | server | takeover [broken]]]
 
@@ -41,6 +43,12 @@ fn steady(operator: &Operator, window: Duration) -> (f64, f64) {
     std::thread::sleep(window);
     let (rss, cpu_after) = usage(operator.pid());
     (rss, 100.0 * (cpu_after - cpu_before) / window.as_secs_f64())
+}
+
+/// `total_commands_processed` of a server so far (`INFO stats`, the INFO itself included).
+fn commands_processed(server: &Server) -> u64 {
+    let info: String = redis::cmd("INFO").arg("stats").query(&mut server.conn()).unwrap();
+    info.lines().find_map(|l| l.strip_prefix("total_commands_processed:")).unwrap().trim().parse().unwrap()
 }
 
 fn connections(server: &Server) -> usize {
@@ -115,10 +123,20 @@ fn main() {
     let (idle_api, idle_status) = api_rate(Duration::from_secs(30));
     drop(idle);
 
+    if args.iter().any(|a| a == "unread") {
+        let mut conns: Vec<redis::Connection> = servers.iter().map(Server::conn).collect();
+        for i in 0..count {
+            let conn = &mut conns[i % servers.len()];
+            let _: String = redis::cmd("XADD").arg(format!("s{i}")).arg("*").arg("n").arg(1).query(conn).unwrap();
+        }
+    }
     let ns = namespace("many");
     let operator = Operator::start(&ns);
     let all_ready = apply_policies(&ns, &servers, count, |_| None);
+    let commands_before: u64 = servers.iter().map(commands_processed).sum();
     let (rss, cpu) = steady(&operator, window);
+    let commands = servers.iter().map(commands_processed).sum::<u64>() - commands_before;
+    let per_interval = commands as f64 / count as f64 * 60.0 / window.as_secs_f64();
     let (api, status) = api_rate(window);
     let per_server: Vec<usize> = servers.iter().map(connections).collect();
 
@@ -126,6 +144,7 @@ fn main() {
     println!("applied to all Ready: {:.1} s", all_ready.as_secs_f64());
     println!("connections per server (CLIENT LIST): {per_server:?}");
     println!("pass delay p99 (due -> start): {}", pass_delay_p99(&operator));
+    println!("Redis commands per policy per interval (1m), steady: {per_interval:.2}");
     println!("{:<28} {:>10} {:>12} {:>14} {:>16}", "", "RSS (MiB)", "CPU (%)", "API req/s", "status writes/s");
     println!(
         "{:<28} {:>10.1} {:>12.2} {:>14.1} {:>16.1}",
