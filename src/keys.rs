@@ -67,6 +67,12 @@ pub fn redrive_lock_key(dead_letter: &str) -> String {
     format!("{{{}}}:pelican:{dead_letter}:redrive-lock", hash_tag(dead_letter))
 }
 
+/// `{T}:pelican:<stream>:<group>:seeks`: seek uid -> the result of the `GroupSeek` that ran (`scripts/seek.lua`),
+/// so that a seek never runs twice.
+pub fn seeks_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:seeks", hash_tag(stream))
+}
+
 /// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
 /// only to carry their counts over once.
 pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
@@ -82,6 +88,7 @@ pub fn group_keys(stream: &str, group: &str) -> Vec<String> {
         totals_key(stream, group),
         terminal_key(stream, group),
         errors_key(stream, group),
+        seeks_key(stream, group),
         bounds_key(stream),
         rejected_key(stream),
         legacy_totals,

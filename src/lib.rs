@@ -29,6 +29,8 @@ pub mod runner;
 #[cfg(feature = "operator")]
 pub mod scaler;
 #[cfg(feature = "operator")]
+pub mod seek;
+#[cfg(feature = "operator")]
 pub mod servers;
 #[cfg(feature = "operator")]
 pub mod telemetry;

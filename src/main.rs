@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use futures::FutureExt;
 use kube::CustomResourceExt;
-use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive, RedisServer};
+use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive, GroupSeek, RedisServer};
 use pelican::context::{InlineConnections, Shared, Writers};
 use pelican::leader::{Elector, Holder, LEASE_DURATION_SECONDS};
 use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
@@ -72,7 +72,7 @@ enum Command {
         max_concurrent_reconciles: u16,
     },
     /// Print the CustomResourceDefinitions as YAML: all, or the one named (`consumergrouppolicies`,
-    /// `deadletterredrives`, `redisservers`).
+    /// `deadletterredrives`, `groupseeks`, `redisservers`).
     Crd { name: Option<String> },
     /// Print the version.
     Version,
@@ -87,7 +87,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Cli(command) => pelican::cli::run(command).await?,
         Command::Crd { name } => {
-            let crds = [ConsumerGroupPolicy::crd(), DeadLetterRedrive::crd(), RedisServer::crd()];
+            let crds = [ConsumerGroupPolicy::crd(), DeadLetterRedrive::crd(), GroupSeek::crd(), RedisServer::crd()];
             let chosen: Vec<_> = crds
                 .iter()
                 .filter(|crd| name.as_deref().is_none_or(|n| crd.spec.names.plural == n))
@@ -95,7 +95,8 @@ async fn main() -> anyhow::Result<()> {
                 .collect::<Result<_, _>>()?;
             if chosen.is_empty() {
                 anyhow::bail!(
-                    "no CustomResourceDefinition named {name:?}: use consumergrouppolicies, deadletterredrives or redisservers"
+                    "no CustomResourceDefinition named {name:?}: use consumergrouppolicies, deadletterredrives, groupseeks or \
+                     redisservers"
                 );
             }
             print!("{}", chosen.join("---\n"));
@@ -213,7 +214,7 @@ fn already_running(lease: &str, holder: &Holder) -> String {
     )
 }
 
-/// The policy, redrive and server controllers side by side, on the same shared handles, and KEDA's external
+/// The policy, redrive, seek and server controllers side by side, on the same shared handles, and KEDA's external
 /// scaler when asked for, until `stop`.
 async fn run_controllers(
     (shared, writers): (Arc<Shared>, Writers),
@@ -230,6 +231,7 @@ async fn run_controllers(
     futures::join!(
         pelican::controller::run(shared.clone(), writers, settings, stop.clone()),
         pelican::redrive::run(shared.clone(), namespace.clone(), selector.is_some(), stop.clone()),
+        pelican::seek::run(shared.clone(), namespace.clone(), selector.is_some(), stop.clone()),
         pelican::servers::run(shared.clone(), namespace, selector, stop.clone()),
         scaler,
     );

@@ -110,7 +110,12 @@ fn the_chart_crds_are_the_generated_ones() {
     }
 }
 
-const CRD_FILES: [&str; 2] = ["pelican.io_consumergrouppolicies.yaml", "pelican.io_deadletterredrives.yaml"];
+const CRD_FILES: [&str; 4] = [
+    "pelican.io_consumergrouppolicies.yaml",
+    "pelican.io_deadletterredrives.yaml",
+    "pelican.io_groupseeks.yaml",
+    "pelican.io_redisservers.yaml",
+];
 
 #[test]
 fn pods_are_restricted_and_labelled() {

@@ -1,8 +1,9 @@
 //! `crds/` holds exactly what `pelican crd` prints for the current Rust types.
 
-const CRDS: [(&str, &str); 3] = [
+const CRDS: [(&str, &str); 4] = [
     ("consumergrouppolicies", "pelican.io_consumergrouppolicies.yaml"),
     ("deadletterredrives", "pelican.io_deadletterredrives.yaml"),
+    ("groupseeks", "pelican.io_groupseeks.yaml"),
     ("redisservers", "pelican.io_redisservers.yaml"),
 ];
 
@@ -28,7 +29,7 @@ fn committed_crds_match_the_rust_types() {
     assert!(!wrong.status.success());
     assert!(
         String::from_utf8_lossy(&wrong.stderr)
-            .contains("use consumergrouppolicies, deadletterredrives or redisservers")
+            .contains("use consumergrouppolicies, deadletterredrives, groupseeks or redisservers")
     );
 }
 

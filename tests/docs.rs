@@ -20,12 +20,14 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The Rust sources and the Lua scripts.
 fn source() -> String {
-    files_below(&Path::new(ROOT).join("src"), ".rs").iter().map(|p| read(p)).collect::<Vec<_>>().join("\n")
+    let files = [".rs", ".lua"].into_iter().flat_map(|suffix| files_below(&Path::new(ROOT).join("src"), suffix));
+    files.map(|p| read(&p)).collect::<Vec<_>>().join("\n")
 }
 
 /// The reasons the code writes: the errors' `reason()`, the Events published, the announcements of the plan, the
-/// redrive's phases, the `Saturated` condition's, and the condition constants.
+/// redrive's phases, a seek's refusals, the `Saturated` condition's, and the condition constants.
 fn reasons_in_code(code: &str) -> BTreeSet<String> {
     let errors = read(&Path::new(ROOT).join("src/error.rs"));
     let reason_fn = &errors[errors.find("pub fn reason(").expect("Error::reason in src/error.rs")..];
@@ -39,6 +41,9 @@ fn reasons_in_code(code: &str) -> BTreeSet<String> {
         // a redrive's phase and reason; a redrive waiting
         r#"RedrivePhase::\w+, "([A-Z]\w+)""#,
         r#"\.pending\([^;]*?"([A-Z]\w+)""#,
+        // a seek refused by the operator, or by its script
+        r#"\.fail\([^;]*?"([A-Z]\w+)""#,
+        r#"refused\('([A-Z]\w+)'"#,
         // (status, reason, message) of Saturated
         r#""(?:True|False|Unknown)",\s*"([A-Z]\w+)""#,
     ];
@@ -238,6 +243,7 @@ fn the_api_reference_is_generated_from_the_crds() {
     for (kind, file) in [
         ("ConsumerGroupPolicy", "pelican.io_consumergrouppolicies.yaml"),
         ("DeadLetterRedrive", "pelican.io_deadletterredrives.yaml"),
+        ("GroupSeek", "pelican.io_groupseeks.yaml"),
         ("RedisServer", "pelican.io_redisservers.yaml"),
     ] {
         let crd: serde_json::Value = serde_yaml::from_str(&read(&Path::new(ROOT).join("crds").join(file))).unwrap();

@@ -2,10 +2,12 @@
 
 mod duration;
 mod redrive;
+mod seek;
 mod server;
 
 pub use duration::parse_duration;
 pub use redrive::*;
+pub use seek::*;
 pub use server::*;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -434,8 +436,9 @@ pub struct ConsumerGroupPolicyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
     pub oldest_unread_time: Option<String>,
-    /// Age in seconds of the oldest entry the group has not read yet; 0 when nothing is unread. Rewritten when it
-    /// moves by a tenth or more (or with other changes); `pelican_group_lag_seconds` has it at every refresh.
+    /// Age in seconds of the oldest entry the group has not read yet, when the status was written; 0 when nothing is
+    /// unread. Written with other changes, not as it grows: `LAG-AGE` (from `oldestUnreadTime`) and
+    /// `pelican_group_lag_seconds` are live.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag_seconds: Option<i64>,
     /// Entries per second over the last window of samples (see the `Consuming` condition), from the server's own

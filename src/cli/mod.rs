@@ -1,9 +1,10 @@
-//! The command line for people: `kubectl pelican status | dlq | redrive`, also `pelican status
-//! | dlq | redrive`. It works from the user's kubeconfig and reads the policy's Secrets with the user's own
+//! The command line for people: `kubectl pelican status | dlq | redrive | seek`, also `pelican status
+//! | dlq | redrive | seek`. It works from the user's kubeconfig and reads the policy's Secrets with the user's own
 //! permissions, so it can do exactly what the user could do with `kubectl` and `redis-cli`.
 
 mod dlq;
 mod redrive;
+mod seek;
 mod status;
 
 use std::io::Write;
@@ -42,6 +43,8 @@ pub enum Command {
     Dlq(dlq::DlqArgs),
     /// Create a DeadLetterRedrive for a policy and follow its progress.
     Redrive(redrive::RedriveArgs),
+    /// Create a GroupSeek for a policy (replay from a time or an id, or skip forward) and print what it did.
+    Seek(seek::SeekArgs),
 }
 
 /// Runs one command; the error is printed by the caller.
@@ -50,6 +53,7 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::Status(args) => args.scope.clone(),
         Command::Dlq(args) => args.scope.clone(),
         Command::Redrive(args) => args.scope.clone(),
+        Command::Seek(args) => args.scope.clone(),
     };
     let config = kube::Config::infer().await?;
     let namespace = scope.namespace.clone().unwrap_or_else(|| config.default_namespace.clone());
@@ -59,6 +63,7 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::Status(args) => status::run(&session, args).await,
         Command::Dlq(args) => dlq::run(&session, args).await,
         Command::Redrive(args) => redrive::run(&session, args).await,
+        Command::Seek(args) => seek::run(&session, args).await,
     }
 }
 

@@ -28,6 +28,41 @@ pub fn condition(previous: &[Condition], said: Said<'_>, generation: Option<i64>
     }
 }
 
+/// Where a one-off job (a redrive, a seek) stands, for [`job_conditions`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobState {
+    InProgress,
+    Succeeded,
+    Failed,
+    /// Neither in progress nor finished (a suspended redrive).
+    Idle,
+}
+
+/// `Complete` / `Failed` as a Job has them, and `Reconciling` / `Stalled` for kstatus (Flux, kpt): in progress ->
+/// reconciling; failed -> stalled; succeeded or idle -> current. The condition that is True carries the message.
+pub fn job_conditions(
+    previous: &[Condition],
+    state: JobState,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    [
+        ("Complete", state == JobState::Succeeded),
+        ("Failed", state == JobState::Failed),
+        ("Reconciling", state == JobState::InProgress),
+        ("Stalled", state == JobState::Failed),
+    ]
+    .into_iter()
+    .map(|(type_, yes)| {
+        let status = if yes { "True" } else { "False" };
+        let message = if yes { message.to_string() } else { String::new() };
+        condition(previous, Said { type_, status, reason, message }, generation, now)
+    })
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

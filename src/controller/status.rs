@@ -99,11 +99,12 @@ pub fn requeue_copies_to(spec: &ConsumerGroupPolicySpec, facts: &GroupFacts) -> 
 }
 
 /// Whether `next` differs from what the API holds in a value a person acts on: counts,
-/// conditions, the oldest pending and unread entries, the generation. The oldest entry's idle time, the rates, the
-/// drain time and the time of the last pass change with every look and are written along with such a change, never
-/// on their own: each write would cost the API server a request per policy per interval for nothing a person acts
-/// on. The lag in seconds is written on its own when it moved by a tenth or more (a stuck group's grows without
-/// any other change: a few dozen writes from seconds to hours).
+/// conditions, the oldest pending and unread entries, the generation. The ages (the oldest pending entry's idle
+/// time, the lag in seconds), the rates, the drain time and the time of the last pass change with every look and are
+/// written along with such a change, never on their own: each write would cost the API server a request per policy
+/// per interval for nothing a person acts on (10,000 groups with an unread entry wrote 165 statuses a second when
+/// the lag in seconds was written as it grew). The times they derive from (`oldestPendingTime`, `oldestUnreadTime`)
+/// do not change with the clock, and `kubectl get` shows their age.
 pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &ConsumerGroupPolicyStatus) -> bool {
     let Some(current) = current else {
         return true;
@@ -116,11 +117,7 @@ pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &Consume
         drain_seconds: None,
         ..s.clone()
     };
-    let lag_moved = match (current.lag_seconds, next.lag_seconds) {
-        (Some(a), Some(b)) => a != b && a.abs_diff(b) * 10 >= a.unsigned_abs(),
-        (a, b) => a != b,
-    };
-    lag_moved || timeless(current) != timeless(next)
+    timeless(current) != timeless(next)
 }
 
 /// The `Saturated` condition when the policy bounds its backlog: True while the backlog is at the bound, judged on
@@ -235,12 +232,9 @@ mod tests {
         let moved = ConsumerGroupPolicyStatus { pending: Some(3), ..later.clone() };
         assert!(worth_writing(Some(&before), &moved));
         assert!(worth_writing(None, &later));
-        // The lag in seconds is written when it moves by a tenth: 1 -> 2, 100 -> 110, not 100 -> 109.
+        // Nor the lag in seconds, nor the rates: they change with every look.
         let lagging = |s: i64| ConsumerGroupPolicyStatus { lag_seconds: Some(s), ..before.clone() };
-        assert!(worth_writing(Some(&lagging(1)), &lagging(2)));
-        assert!(worth_writing(Some(&lagging(100)), &lagging(110)));
-        assert!(!worth_writing(Some(&lagging(100)), &lagging(109)));
-        assert!(!worth_writing(Some(&lagging(0)), &lagging(0)));
+        assert!(!worth_writing(Some(&lagging(60)), &lagging(120)));
         let rated = ConsumerGroupPolicyStatus { rates: Some(crate::api::Rates::default()), ..lagging(5) };
         assert!(!worth_writing(Some(&lagging(5)), &rated), "rates alone are not written");
     }

@@ -2,6 +2,7 @@
 //! the trim of what every group acknowledged.
 
 pub mod redrive;
+pub mod seek;
 
 use std::collections::BTreeMap;
 use std::ops::Bound::{Excluded, Unbounded};

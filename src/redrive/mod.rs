@@ -30,7 +30,7 @@ use tracing::{Instrument, info, instrument, warn};
 
 use crate::api::{ConsumerGroupPolicy, DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase, SOURCE_TARGET};
 use crate::context::Shared;
-use crate::context::conditions::{Said, condition};
+use crate::context::conditions::{JobState, job_conditions};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
 use crate::redis::{Conn, server_identity};
@@ -444,8 +444,8 @@ impl Redrives {
     }
 }
 
-/// `Complete` / `Failed` as a Job has them, and `Reconciling` / `Stalled` for kstatus (Flux, kpt): pending or
-/// running -> in progress; failed -> stalled; succeeded or suspended -> current.
+/// The job conditions of a redrive's phase: pending or running -> in progress; failed -> stalled; succeeded or
+/// suspended -> current.
 fn conditions(
     previous: &[Condition],
     phase: RedrivePhase,
@@ -454,19 +454,13 @@ fn conditions(
     generation: Option<i64>,
     now: Timestamp,
 ) -> Vec<Condition> {
-    [
-        ("Complete", phase == RedrivePhase::Succeeded),
-        ("Failed", phase == RedrivePhase::Failed),
-        ("Reconciling", matches!(phase, RedrivePhase::Pending | RedrivePhase::Running)),
-        ("Stalled", phase == RedrivePhase::Failed),
-    ]
-    .into_iter()
-    .map(|(type_, yes)| {
-        let status = if yes { "True" } else { "False" };
-        let message = if yes { message.to_string() } else { String::new() };
-        condition(previous, Said { type_, status, reason, message }, generation, now)
-    })
-    .collect()
+    let state = match phase {
+        RedrivePhase::Pending | RedrivePhase::Running => JobState::InProgress,
+        RedrivePhase::Succeeded => JobState::Succeeded,
+        RedrivePhase::Failed => JobState::Failed,
+        RedrivePhase::Suspended => JobState::Idle,
+    };
+    job_conditions(previous, state, reason, message, generation, now)
 }
 
 #[cfg(test)]

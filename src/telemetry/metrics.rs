@@ -30,6 +30,7 @@ pub struct Metrics {
     passes: Counter,
     scaler_answers: Family<Labels, Counter>,
     scaler_reads: Counter,
+    seeks: Family<Labels, Counter>,
     policies: Arc<PolicySeries>,
     job_failures: Arc<JobFailureSeries>,
     leader: Arc<LeaderSeries>,
@@ -80,6 +81,12 @@ impl Default for Metrics {
             "Backlog reads (XINFO GROUPS + XLEN) made to answer KEDA: at most one per policy per second",
             scaler_reads.clone(),
         );
+        let seeks = Family::<Labels, Counter>::default();
+        registry.register(
+            "pelican_seeks",
+            "GroupSeeks finished, by result: Seeked, Planned (a dry run), or the reason one was refused",
+            seeks.clone(),
+        );
         let policies = Arc::new(PolicySeries::default());
         registry.register_collector(Box::new(policies.clone()));
         let job_failures = Arc::new(JobFailureSeries::default());
@@ -99,6 +106,7 @@ impl Default for Metrics {
             passes,
             scaler_answers,
             scaler_reads,
+            seeks,
             policies,
             job_failures,
             leader,
@@ -143,6 +151,11 @@ impl Metrics {
     /// Counts one backlog read made for the external scaler.
     pub fn scaler_read(&self) {
         self.scaler_reads.inc();
+    }
+
+    /// Counts one finished seek by its result.
+    pub fn seek_finished(&self, result: &str) {
+        self.seeks.get_or_create(&vec![("result", result.to_string())]).inc();
     }
 
     /// Publishes a policy's status as its series.

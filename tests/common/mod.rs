@@ -87,6 +87,7 @@ impl Bed {
                 "--timeout=60s",
                 "crd/consumergrouppolicies.pelican.io",
                 "crd/deadletterredrives.pelican.io",
+                "crd/groupseeks.pelican.io",
                 "crd/redisservers.pelican.io",
             ]);
         });

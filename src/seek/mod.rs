@@ -1,0 +1,346 @@
+//! The `GroupSeek` controller, in the same operator as the policies and on their connections. A reconcile runs in
+//! phases:
+//!
+//! 1. finished? A `Succeeded` or `Failed` seek never runs again (an operator restart, the manifest applied again);
+//! 2. resolve: the policy (from the policy controller's store, so a shard handles the seeks of its own policies),
+//!    whether it is Ready, the target, its server and credentials (tenancy applies);
+//! 3. decide: one seek per stream at a time in this process (the server refuses one beside a running redrive);
+//! 4. act: one call of the seek script ([`crate::jobs::seek`]), then the status, the Events and the metric.
+//!
+//! The script records each seek's result on the server under its uid, so an operator killed between the move and
+//! the status write finds it done and writes the recorded result: a seek happens once or not at all.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
+use kube::{Resource, ResourceExt};
+use tracing::{info, instrument, warn};
+
+use crate::api::{
+    ConsumerGroupPolicy, GroupSeek, GroupSeekStatus, READY, SeekPhase, SeekPosition, SeekTarget, parse_duration,
+};
+use crate::context::Shared;
+use crate::context::conditions::{JobState, job_conditions};
+use crate::jobs::seek::{self, Moved, Outcome, Target};
+use crate::redis::{GroupKeys, server_identity};
+use crate::{Error, Result};
+
+/// How soon a seek that waits (for its policy to exist or be reconciled, for its server) looks again.
+const WAIT_RECHECK: Duration = Duration::from_secs(2);
+
+/// A stream: the server (canonical URL) and the key.
+type StreamKey = (String, String);
+
+/// Shared by the seek reconciles.
+pub struct Seeks {
+    shared: Arc<Shared>,
+    /// When the operator serves one shard, a seek of a policy outside it belongs to another replica.
+    sharded: bool,
+    /// Streams a seek of this process is moving now.
+    moving: Mutex<HashSet<StreamKey>>,
+}
+
+/// Runs the seek controller until `shutdown` resolves.
+pub async fn run(
+    shared: Arc<Shared>,
+    namespace: Option<String>,
+    sharded: bool,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = shared.client.clone();
+    let api: Api<GroupSeek> = match &namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    let (store, writer) = reflector::store();
+    let changes = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    let ctx = Arc::new(Seeks { shared, sharded, moving: Mutex::default() });
+    // A seek names its policy: wait until the policies are listed, or a restarted operator would find policies
+    // missing that are only not seen yet.
+    let shutdown = shutdown.shared();
+    loop {
+        tokio::select! {
+            _ = shutdown.clone() => return,
+            ready = tokio::time::timeout(Duration::from_secs(1), ctx.shared.policies.wait_until_ready()) => match ready {
+                Ok(Ok(())) => break,
+                Ok(Err(_)) => return,
+                Err(_) => continue,
+            },
+        }
+    }
+    Controller::for_stream(changes, store)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result
+                && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
+            {
+                warn!(error = %e, "seek controller error");
+            }
+        })
+        .await;
+}
+
+#[instrument(skip_all, fields(namespace = object.namespace().unwrap_or_default(), seek = object.name_any()))]
+async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
+    let status = object.status.clone().unwrap_or_default();
+    // 1. A finished seek is terminal.
+    if status.phase.is_finished() {
+        return Ok(Action::await_change());
+    }
+    if !ctx.shared.leadership.may_write() {
+        return Ok(Action::requeue(Duration::from_secs(1)));
+    }
+    // 2. Resolve.
+    let namespace = object.namespace().unwrap_or_default();
+    let policy_name = &object.spec.policy_ref.name;
+    let Some(policy) = ctx.shared.policies.get(&ObjectRef::new(policy_name).within(&namespace)) else {
+        if ctx.sharded {
+            return Ok(Action::requeue(WAIT_RECHECK));
+        }
+        let note = format!(
+            "ConsumerGroupPolicy {policy_name:?} not found in namespace {namespace:?}: the seek runs once it exists"
+        );
+        ctx.pending(&object, &status, "PolicyNotFound", note).await?;
+        return Ok(Action::requeue(WAIT_RECHECK));
+    };
+    match policy.condition(READY) {
+        None => {
+            let note = format!("ConsumerGroupPolicy {policy_name:?} has not been reconciled yet");
+            ctx.pending(&object, &status, "PolicyNotReconciled", note).await?;
+            return Ok(Action::requeue(WAIT_RECHECK));
+        }
+        Some(ready) if ready.status != "True" => {
+            let note = format!(
+                "ConsumerGroupPolicy {policy_name:?} is not Ready ({}: {}): nothing moved; seek once it is",
+                ready.reason, ready.message
+            );
+            return ctx.fail(&object, status, "PolicyNotReady", note).await;
+        }
+        Some(_) => {}
+    }
+    let plan = match plan(&object, &policy) {
+        Ok(plan) => plan,
+        Err(note) => return ctx.fail(&object, status, "InvalidSpec", note).await,
+    };
+    let resolved = match ctx.shared.resolve(&policy).await {
+        Ok(resolved) => resolved,
+        Err(e) if e.is_stalled() => return ctx.fail(&object, status, e.reason(), e.to_string()).await,
+        Err(e) => return Err(e),
+    };
+    // 3. Decide: one seek per stream at a time.
+    let stream: StreamKey = (server_identity(&policy), policy.spec.stream.clone());
+    let Some(_moving) = Moving::claim(&ctx.moving, stream.clone()) else {
+        let note = format!("another GroupSeek moves a group of stream {:?} now: seek once it has finished", stream.1);
+        return ctx.fail(&object, status, "SeekInProgress", note).await;
+    };
+    // 4. Act.
+    let (target, mut conn) = match ctx.shared.pools.connect_primary(&resolved.target).await {
+        Ok(connected) => connected,
+        Err(e) if e.is_stalled() => return ctx.fail(&object, status, e.reason(), e.to_string()).await,
+        Err(e) => return Err(e),
+    };
+    let keys = GroupKeys {
+        stream: &policy.spec.stream,
+        group: &policy.spec.group,
+        dead_letter: &policy.spec.dead_letter.stream,
+    };
+    let started = Timestamp::now().to_string();
+    match seek::run(&mut conn, &target.server(), &keys, &plan).await {
+        Ok(Outcome::Done(moved)) => ctx.succeed(&object, &policy, status, moved, started).await,
+        Ok(Outcome::Refused { reason, message }) => ctx.fail(&object, status, &reason, message).await,
+        Err(e) if e.is_stalled() => ctx.fail(&object, status, e.reason(), e.to_string()).await,
+        Err(e) => Err(e),
+    }
+}
+
+fn error_policy(object: Arc<GroupSeek>, error: &Error, _ctx: Arc<Seeks>) -> Action {
+    warn!(namespace = object.namespace(), name = object.name_any(), reason = error.reason(), error = %error,
+        "seek reconcile failed; retrying");
+    Action::requeue(WAIT_RECHECK)
+}
+
+/// The script's arguments from the spec, or what is wrong with the spec.
+fn plan(object: &GroupSeek, policy: &ConsumerGroupPolicy) -> std::result::Result<seek::Seek, String> {
+    let idle = parse_duration(&object.spec.consumers_idle_for).map_err(|e| format!("spec.consumersIdleFor: {e}"))?;
+    Ok(seek::Seek {
+        uid: object.uid().unwrap_or_default(),
+        target: target(&object.spec.to)?,
+        pending: object.spec.pending,
+        idle_ms: idle.as_millis() as u64,
+        dry_run: object.spec.dry_run,
+        dead_letter_max_len: policy.spec.dead_letter.max_len.map(|m| m.max(1) as u64),
+    })
+}
+
+fn target(to: &SeekTarget) -> std::result::Result<Target, String> {
+    match (&to.time, &to.id, to.position, to.shift) {
+        (Some(time), None, None, None) => time
+            .parse::<Timestamp>()
+            .map(|t| Target::Time(t.as_millisecond()))
+            .map_err(|e| format!("spec.to.time {time:?} is no RFC 3339 time ({e})")),
+        (None, Some(id), None, None) => Ok(Target::Id(id.clone())),
+        (None, None, Some(SeekPosition::Earliest), None) => Ok(Target::Earliest),
+        (None, None, Some(SeekPosition::Latest), None) => Ok(Target::Latest),
+        (None, None, None, Some(shift)) if shift != 0 => Ok(Target::Shift(shift)),
+        _ => Err("spec.to needs exactly one of time, id, position, shift (a shift other than 0)".into()),
+    }
+}
+
+/// A stream claimed by one seek of this process until dropped.
+struct Moving<'a> {
+    set: &'a Mutex<HashSet<StreamKey>>,
+    stream: StreamKey,
+}
+
+impl<'a> Moving<'a> {
+    fn claim(set: &'a Mutex<HashSet<StreamKey>>, stream: StreamKey) -> Option<Moving<'a>> {
+        // Built only once claimed: a `Moving` dropped unclaimed would release the other seek's claim.
+        let claimed = set.lock().expect("moving lock").insert(stream.clone());
+        if claimed { Some(Moving { set, stream }) } else { None }
+    }
+}
+
+impl Drop for Moving<'_> {
+    fn drop(&mut self) {
+        self.set.lock().expect("moving lock").remove(&self.stream);
+    }
+}
+
+/// How a finished seek reads in words: `from -> to` and the counts.
+fn summary(moved: &Moved) -> String {
+    format!(
+        "{} -> {}: {} redelivered, {} skipped, {} pending handled",
+        moved.from.id, moved.to.id, moved.redelivered, moved.skipped, moved.pending_handled
+    )
+}
+
+impl Seeks {
+    /// `Pending` with the reason it waits, written only when the reason or message changed.
+    async fn pending(&self, object: &GroupSeek, status: &GroupSeekStatus, reason: &str, note: String) -> Result<()> {
+        let already =
+            status.conditions.iter().any(|c| c.type_ == "Reconciling" && c.reason == reason && c.message == note);
+        if already {
+            return Ok(());
+        }
+        let mut next = status.clone();
+        self.write(object, &mut next, SeekPhase::Pending, reason, &note).await
+    }
+
+    async fn fail(
+        &self,
+        object: &GroupSeek,
+        mut status: GroupSeekStatus,
+        reason: &str,
+        note: String,
+    ) -> Result<Action> {
+        warn!(reason, "{note}");
+        status.completion_time = Some(Timestamp::now().to_string());
+        self.write(object, &mut status, SeekPhase::Failed, reason, &note).await?;
+        self.shared.metrics.seek_finished(reason);
+        self.publish(&object.object_ref(&()), EventType::Warning, reason, note).await;
+        Ok(Action::await_change())
+    }
+
+    async fn succeed(
+        &self,
+        object: &GroupSeek,
+        policy: &ConsumerGroupPolicy,
+        mut status: GroupSeekStatus,
+        moved: Moved,
+        started: String,
+    ) -> Result<Action> {
+        let dry_run = object.spec.dry_run;
+        let said = summary(&moved);
+        status.from = Some(moved.from);
+        status.to = Some(moved.to);
+        status.redelivered = Some(moved.redelivered);
+        status.skipped = Some(moved.skipped);
+        status.pending_handled = Some(moved.pending_handled);
+        status.oldest_available = moved.oldest_available;
+        status.start_time = status.start_time.or(Some(started));
+        status.completion_time = Some(Timestamp::now().to_string());
+        let (reason, note) = match dry_run {
+            true => ("Planned", format!("dry run, nothing moved: {said}")),
+            false => ("Seeked", format!("group {:?} moved {said}", policy.spec.group)),
+        };
+        info!(reason, "{note}");
+        self.write(object, &mut status, SeekPhase::Succeeded, reason, &note).await?;
+        self.shared.metrics.seek_finished(reason);
+        self.publish(&object.object_ref(&()), EventType::Normal, reason, note.clone()).await;
+        if !dry_run {
+            let by = format!("{note} (GroupSeek {})", object.name_any());
+            self.publish(&policy.object_ref(&()), EventType::Normal, "Seeked", by).await;
+        }
+        Ok(Action::await_change())
+    }
+
+    /// Writes the phase and its conditions, onto this object only (the patch names its uid).
+    async fn write(
+        &self,
+        object: &GroupSeek,
+        status: &mut GroupSeekStatus,
+        phase: SeekPhase,
+        reason: &str,
+        note: &str,
+    ) -> Result<()> {
+        status.phase = phase;
+        status.observed_generation = object.metadata.generation;
+        let state = match phase {
+            SeekPhase::Pending => JobState::InProgress,
+            SeekPhase::Succeeded => JobState::Succeeded,
+            SeekPhase::Failed => JobState::Failed,
+        };
+        status.conditions =
+            job_conditions(&status.conditions, state, reason, note, object.metadata.generation, Timestamp::now());
+        self.shared.apply_status_of_uid(object, status).await
+    }
+
+    async fn publish(
+        &self,
+        about: &k8s_openapi::api::core::v1::ObjectReference,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        self.shared.publish(about, "Seek", type_, reason, note).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_target_comes_from_exactly_one_field() {
+        let to = |json: serde_json::Value| target(&serde_json::from_value(json).unwrap());
+        assert_eq!(to(serde_json::json!({"time": "2026-12-02T09:00:00Z"})), Ok(Target::Time(1_796_202_000_000)));
+        assert_eq!(to(serde_json::json!({"id": "5-1"})), Ok(Target::Id("5-1".into())));
+        assert_eq!(to(serde_json::json!({"position": "Latest"})), Ok(Target::Latest));
+        assert_eq!(to(serde_json::json!({"shift": -50})), Ok(Target::Shift(-50)));
+        assert!(to(serde_json::json!({"shift": -50, "id": "5-1"})).is_err());
+        assert!(to(serde_json::json!({"time": "yesterday"})).unwrap_err().contains("no RFC 3339 time"));
+    }
+
+    #[test]
+    fn one_seek_per_stream_at_a_time() {
+        let set = Mutex::default();
+        let stream = || ("redis://r:6379/0".to_string(), "orders".to_string());
+        let first = Moving::claim(&set, stream()).unwrap();
+        assert!(Moving::claim(&set, stream()).is_none());
+        drop(first);
+        assert!(Moving::claim(&set, stream()).is_some());
+    }
+}

@@ -1,0 +1,299 @@
+//! `GroupSeek` against real servers: a replay by time of 100,000 entries counted by id, skips, shifts, an id the
+//! stream does not hold, each pending handling with a ledger of the PEL, each refusal with nothing changed on the
+//! server, and seeks that run once across operator restarts and kills.
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+on_both_servers!(
+    a_replay_by_time_reads_exactly_the_entries_at_or_after_it,
+    skips_shifts_and_ids,
+    pending_entries_are_kept_acknowledged_or_dead_lettered,
+    refusals_change_nothing,
+    a_seek_runs_once_whatever_happens_to_the_operator
+);
+
+fn seek(name: &str, to: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: pelican.io/v1alpha1\nkind: GroupSeek\nmetadata:\n  name: {name}\nspec:\n  policyRef: {{name: p}}\n  \
+         to: {to}\n  consumersIdleFor: 0s\n{extra}"
+    )
+}
+
+/// Applies a seek and waits until it finished; its status.
+fn run_seek(ns: &str, manifest: &str) -> Value {
+    let name = manifest.lines().find_map(|l| l.trim().strip_prefix("name: ")).unwrap().to_string();
+    let (ok, out) = kubectl_apply(ns, manifest);
+    assert!(ok, "{out}");
+    wait_for(&format!("seek {name} finished"), Duration::from_secs(30), || {
+        let seek: Value = serde_json::from_str(&kubectl_ok(&["get", "seek", &name, "-n", ns, "-o", "json"])).unwrap();
+        match seek["status"]["phase"].as_str() {
+            Some("Succeeded" | "Failed") => Ok(seek["status"].clone()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+}
+
+fn failed_reason(status: &Value) -> String {
+    let failed = status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap();
+    assert_eq!(failed["status"], "True", "{status}");
+    failed["reason"].as_str().unwrap().to_string()
+}
+
+/// (last-delivered-id, entries-read, lag) of group g.
+fn position(conn: &mut redis::Connection) -> (String, Option<i64>, Option<i64>) {
+    let groups = xinfo_groups(conn, "s");
+    let g = groups.iter().find(|g| group_field::<String>(g, "name") == "g").unwrap();
+    let optional = |field: &str| match &g[field] {
+        redis::Value::Nil => None,
+        value => Some(redis::from_redis_value::<i64>(value.clone()).unwrap()),
+    };
+    (group_field(g, "last-delivered-id"), optional("entries-read"), optional("lag"))
+}
+
+/// Reads everything the group has left, acknowledging it: the ids in order.
+fn drain(conn: &mut redis::Connection, consumer: &str) -> Vec<String> {
+    let mut all = Vec::new();
+    loop {
+        let ids = read_new(conn, "s", "g", consumer, 10_000);
+        if ids.is_empty() {
+            return all;
+        }
+        let _: i64 = redis::cmd("XACK").arg("s").arg("g").arg(&ids).query(conn).unwrap();
+        all.extend(ids);
+    }
+}
+
+/// Adds entries with ids `<ms>-0` for the given times.
+fn publish_at(conn: &mut redis::Connection, times: impl Iterator<Item = i64>) {
+    let times: Vec<i64> = times.collect();
+    for chunk in times.chunks(10_000) {
+        let mut pipe = redis::pipe();
+        for ms in chunk {
+            pipe.cmd("XADD").arg("s").arg(format!("{ms}-0")).arg("n").arg(ms).ignore();
+        }
+        pipe.query::<()>(conn).unwrap();
+    }
+}
+
+fn server_ms(conn: &mut redis::Connection) -> i64 {
+    let (seconds, micros): (i64, i64) = redis::cmd("TIME").query(conn).unwrap();
+    seconds * 1000 + micros / 1000
+}
+
+fn rfc3339(ms: i64) -> String {
+    k8s_openapi::jiff::Timestamp::from_millisecond(ms).unwrap().to_string()
+}
+
+fn a_replay_by_time_reads_exactly_the_entries_at_or_after_it(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    // 100,000 entries over an hour (one every 36 ms), two hours ago; all read and acknowledged.
+    let start = server_ms(&mut conn) - 7_200_000;
+    publish_at(&mut conn, (0..100_000).map(|i| start + i * 36));
+    let (ns, _operator) = ready_policy("seektime", &policy("p", &server.url(), "s", "g", ""), "p");
+    assert_eq!(drain(&mut conn, "c1").len(), 100_000);
+    assert_eq!(position(&mut conn).2, Some(0));
+
+    let half = start + 1_800_000;
+    let expected = (0..100_000).filter(|i| start + i * 36 >= half).count() as i64;
+    let to = format!("{{time: \"{}\"}}", rfc3339(half));
+    let plan = run_seek(&ns, &seek("plan", &to, "  dryRun: true\n"));
+    assert_eq!((plan["phase"].as_str(), plan["redelivered"].as_i64()), (Some("Succeeded"), Some(expected)), "{plan}");
+    assert_eq!(position(&mut conn).2, Some(0), "a dry run moves nothing");
+
+    let done = run_seek(&ns, &seek("replay", &to, ""));
+    println!("{flavor:?} replay to {}: {done}", rfc3339(half));
+    assert_eq!(done["redelivered"].as_i64(), Some(expected));
+    assert_eq!(done["to"]["lag"].as_i64(), Some(expected));
+    assert_eq!(done["from"]["lag"].as_i64(), Some(0));
+    // The server's own lag, before anyone reads: exact.
+    let (_, _, lag) = position(&mut conn);
+    assert_eq!(lag, Some(expected), "XINFO GROUPS lag after the seek");
+    let replayed = drain(&mut conn, "c2");
+    assert_eq!(replayed.len() as i64, expected);
+    assert_eq!(replayed[0], format!("{half}-0"), "the first entry at the time itself");
+    assert!(replayed.iter().all(|id| id.split('-').next().unwrap().parse::<i64>().unwrap() >= half));
+    let seeked = events(&ns, "Seeked");
+    let on_policy = seeked.iter().find(|e| e["involvedObject"]["kind"] == "ConsumerGroupPolicy");
+    println!("{flavor:?} Event on the policy: {}", on_policy.expect("a Seeked Event on the policy")["message"]);
+}
+
+fn skips_shifts_and_ids(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    let start = server_ms(&mut conn) - 600_000;
+    // Ids every 10 ms: 1,000 entries.
+    publish_at(&mut conn, (0..1000).map(|i| start + i * 10));
+    let (ns, _operator) = ready_policy("seekskip", &policy("p", &server.url(), "s", "g", ""), "p");
+    // Read 100.
+    let first = read_new(&mut conn, "s", "g", "c1", 100);
+    let _: i64 = redis::cmd("XACK").arg("s").arg("g").arg(&first).query(&mut conn).unwrap();
+
+    // Skip 50 forward: the 151st is next.
+    let skip = run_seek(&ns, &seek("skip", "{shift: 50}", ""));
+    assert_eq!((skip["skipped"].as_i64(), skip["to"]["lag"].as_i64()), (Some(50), Some(850)), "{skip}");
+    assert_eq!(read_new(&mut conn, "s", "g", "c1", 1), [format!("{}-0", start + 1500)]);
+    assert_eq!(position(&mut conn).2, Some(849));
+
+    // Back 20: the group reads again from the 132nd.
+    let back = run_seek(&ns, &seek("back", "{shift: -20}", ""));
+    assert_eq!((back["redelivered"].as_i64(), back["to"]["lag"].as_i64()), (Some(20), Some(869)), "{back}");
+    assert_eq!(read_new(&mut conn, "s", "g", "c1", 1), [format!("{}-0", start + 1310)]);
+
+    // An id the stream does not hold (between two entries): the next one is read.
+    let missing = format!("{}-5", start + 5000);
+    let to = run_seek(&ns, &seek("id", &format!("{{id: \"{missing}\"}}"), ""));
+    assert_eq!(to["to"]["lag"].as_i64(), Some(499), "{to}");
+    assert_eq!(read_new(&mut conn, "s", "g", "c1", 1), [format!("{}-0", start + 5010)]);
+
+    // Latest: everything skipped, lag 0.
+    let latest = run_seek(&ns, &seek("latest", "{position: Latest}", ""));
+    assert_eq!((latest["to"]["lag"].as_i64(), latest["skipped"].as_i64()), (Some(0), Some(498)), "{latest}");
+    assert_eq!(position(&mut conn).2, Some(0));
+    assert!(read_new(&mut conn, "s", "g", "c1", 10).is_empty());
+
+    // Earliest: all 1,000 again, and a client's count equals the lag the server reports.
+    let earliest = run_seek(&ns, &seek("earliest", "{position: Earliest}", ""));
+    assert_eq!(earliest["to"]["lag"].as_i64(), Some(1000), "{earliest}");
+    assert_eq!(earliest["oldestAvailable"].as_str(), Some(format!("{start}-0").as_str()));
+    assert_eq!(position(&mut conn).2, Some(1000));
+    assert_eq!(drain(&mut conn, "c1").len(), 1000);
+}
+
+fn pending_entries_are_kept_acknowledged_or_dead_lettered(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    let start = server_ms(&mut conn) - 600_000;
+    publish_at(&mut conn, (0..30).map(|i| start + i * 1000));
+    let (ns, _operator) = ready_policy("seekpending", &policy("p", &server.url(), "s", "g", ""), "p");
+    let held = |conn: &mut redis::Connection| pel(conn, "s", "g").into_iter().map(|e| e.0).collect::<Vec<_>>();
+
+    // Keep: five pending stay pending.
+    let five = read_new(&mut conn, "s", "g", "c1", 5);
+    let keep = run_seek(&ns, &seek("keep", "{position: Earliest}", "  pending: Keep\n"));
+    assert_eq!(keep["pendingHandled"].as_i64(), Some(0), "{keep}");
+    assert_eq!(held(&mut conn), five);
+
+    // Acknowledge: gone from the PEL, nowhere else.
+    let ack = run_seek(&ns, &seek("ack", "{position: Earliest}", "  pending: Acknowledge\n"));
+    assert_eq!(ack["pendingHandled"].as_i64(), Some(5), "{ack}");
+    assert!(held(&mut conn).is_empty());
+    let dead_letters: usize = redis::cmd("XLEN").arg("s:dlq").query(&mut conn).unwrap();
+    assert_eq!(dead_letters, 0);
+
+    // DeadLetter: each pending entry once in the dead-letter stream, reason Seek, and out of the PEL.
+    let seven = read_new(&mut conn, "s", "g", "c2", 7);
+    let dead = run_seek(&ns, &seek("dead", "{position: Latest}", "  pending: DeadLetter\n"));
+    assert_eq!(dead["pendingHandled"].as_i64(), Some(7), "{dead}");
+    assert!(held(&mut conn).is_empty());
+    let letters = xrange(&mut conn, "s:dlq");
+    let field = |entry: &RawEntry, name: &str| {
+        entry.1.iter().find(|(k, _)| k == name.as_bytes()).map(|(_, v)| String::from_utf8_lossy(v).to_string())
+    };
+    let sources: Vec<String> = letters.iter().filter_map(|e| field(e, "pelican-source-id")).collect();
+    assert_eq!(sources, seven, "each pending entry dead-lettered once");
+    assert!(letters.iter().all(|e| field(e, "pelican-reason").as_deref() == Some("Seek")));
+    let policy = wait_for("totals.deadLettered 7", Duration::from_secs(30), || {
+        let policy = get_policy(&ns, "p");
+        let n = policy["status"]["totals"]["deadLettered"].as_i64();
+        if n == Some(7) { Ok(policy) } else { Err(format!("{n:?}")) }
+    });
+    println!("{flavor:?} totals after the DeadLetter seek: {}", policy["status"]["totals"]);
+}
+
+fn refusals_change_nothing(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    let start = server_ms(&mut conn) - 600_000;
+    publish_at(&mut conn, (0..100).map(|i| start + i * 1000));
+    let (ns, _operator) = ready_policy("seekrefused", &policy("p", &server.url(), "s", "g", ""), "p");
+    let _ = read_new(&mut conn, "s", "g", "worker-7", 10);
+    let before = position(&mut conn);
+
+    // A consumer active within consumersIdleFor (the default, 30s): named.
+    let manifest = seek("busy", "{position: Earliest}", "").replace("  consumersIdleFor: 0s\n", "");
+    let busy = run_seek(&ns, &manifest);
+    assert_eq!(failed_reason(&busy), "ConsumersActive");
+    let message = &busy["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap()["message"];
+    assert!(message.as_str().unwrap().contains("worker-7"), "{message}");
+
+    // A time ahead of the server's clock.
+    let future = format!("{{time: \"{}\"}}", rfc3339(server_ms(&mut conn) + 3_600_000));
+    assert_eq!(failed_reason(&run_seek(&ns, &seek("future", &future, ""))), "TargetInFuture");
+
+    // Older than what the stream still holds, once it was trimmed.
+    let _: i64 = redis::cmd("XTRIM").arg("s").arg("MINID").arg(format!("{}-0", start + 5000)).query(&mut conn).unwrap();
+    let old = format!("{{time: \"{}\"}}", rfc3339(start));
+    let beyond = run_seek(&ns, &seek("old", &old, ""));
+    assert_eq!(failed_reason(&beyond), "BeyondRetention");
+    assert!(beyond["conditions"].to_string().contains(&format!("{}-0", start + 5000)), "{beyond}");
+    assert_eq!(failed_reason(&run_seek(&ns, &seek("tooback", "{shift: -500}", ""))), "BeyondRetention");
+    assert_eq!(position(&mut conn), before, "refused seeks moved nothing");
+
+    // A policy that is not Ready: its server is gone.
+    let gone = format!("redis://127.0.0.1:{}/0", free_port());
+    let (ok, out) = kubectl_apply(&ns, &policy("broken", &gone, "s2", "g", ""));
+    assert!(ok, "{out}");
+    wait_condition(&ns, "broken", "Ready", "False", "RedisUnavailable");
+    let manifest = seek("notready", "{position: Earliest}", "").replace("{name: p}", "{name: broken}");
+    assert_eq!(failed_reason(&run_seek(&ns, &manifest)), "PolicyNotReady");
+    assert_eq!(position(&mut conn), before);
+}
+
+fn a_seek_runs_once_whatever_happens_to_the_operator(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    let start = server_ms(&mut conn) - 600_000;
+    publish_at(&mut conn, (0..200).map(|i| start + i * 1000));
+    let (ns, mut operator) = ready_policy("seekonce", &policy("p", &server.url(), "s", "g", ""), "p");
+    let mut random = Lcg(u64::from(std::process::id()));
+    for round in 0..6 {
+        // The group at the end; the seek moves it back to entry 100 + round.
+        drain(&mut conn, "c1");
+        let before = position(&mut conn).0;
+        let target = format!("{}-0", start + (100 + round) * 1000);
+        let name = format!("once-{round}");
+        let (ok, out) = kubectl_apply(&ns, &seek(&name, &format!("{{id: \"{target}\"}}"), ""));
+        assert!(ok, "{out}");
+        // Killed at a random moment around the seek, and started again.
+        std::thread::sleep(Duration::from_millis(random.next_in(0, 400)));
+        operator.kill9();
+        let moved = position(&mut conn).0;
+        let planned = format!("{}-18446744073709551615", start + (100 + round) * 1000 - 1);
+        assert!(
+            moved == before || moved == planned,
+            "round {round}: the group at {moved}, neither {before} nor {planned}"
+        );
+        operator = Operator::start(&ns);
+        let status = wait_for(&format!("{name} finished"), Duration::from_secs(30), || {
+            let seek: Value =
+                serde_json::from_str(&kubectl_ok(&["get", "seek", &name, "-n", &ns, "-o", "json"])).unwrap();
+            match seek["status"]["phase"].as_str() {
+                Some("Succeeded") => Ok(seek["status"].clone()),
+                other => Err(format!("{other:?}")),
+            }
+        });
+        let (id, _, lag) = position(&mut conn);
+        assert_eq!(status["to"]["id"].as_str(), Some(planned.as_str()), "{status}");
+        assert_eq!(id, planned, "round {round}: the group is where the plan says");
+        assert_eq!(lag, Some(100 - round), "round {round}");
+        assert_eq!(status["redelivered"].as_i64(), Some(100 - round));
+        let when = if moved == before { "before" } else { "after" };
+        println!("{flavor:?} round {round}: killed {when} the move; Succeeded once, at {planned}");
+    }
+    // A restart with every seek finished runs none of them again: the group stays where a client moved it.
+    drain(&mut conn, "c1");
+    let end = position(&mut conn);
+    operator.kill9();
+    let _again = Operator::start(&ns);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(position(&mut conn), end, "a finished seek ran again");
+    let records: usize = redis::cmd("HLEN").arg("{s}:pelican:s:g:seeks").query(&mut conn).unwrap();
+    assert_eq!(records, 6, "one record per seek");
+}
