@@ -21,6 +21,7 @@ on_both_servers!(
     a_stream_whose_counters_cannot_share_its_slot_is_cross_slot,
     bounded_publish_and_retention_work_in_the_streams_slot,
     a_redrive_moves_within_the_slot_and_refuses_a_target_in_another,
+    a_seek_moves_the_group_in_the_streams_slot,
     the_streams_primary_killed_while_50000_messages_are_dead_lettered_its_replica_takes_over,
 );
 
@@ -348,6 +349,62 @@ fn a_redrive_moves_within_the_slot_and_refuses_a_target_in_another(flavor: Flavo
     let dead: i64 = redis::cmd("XLEN").arg("{orders}:dlq").query(&mut conn).unwrap();
     let back: i64 = redis::cmd("XLEN").arg("{orders}:events").query(&mut conn).unwrap();
     assert_eq!((dead, back), (0, 20));
+}
+
+fn a_seek_moves_the_group_in_the_streams_slot(flavor: Flavor) {
+    let cluster = Cluster::start(flavor);
+    let manifest = cluster_policy("orders", &cluster, "{orders}:events", "{orders}:dlq", "");
+    let (ns, _operator) = ready_policy("cluster-seek", &manifest, "orders");
+    let mut conn = cluster.conn();
+    for n in 0..100 {
+        let _: String = redis::cmd("XADD").arg("{orders}:events").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
+    }
+    let read = |conn: &mut redis::cluster::ClusterConnection| -> usize {
+        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("workers")
+            .arg("c1")
+            .arg("COUNT")
+            .arg(1000)
+            .arg("STREAMS")
+            .arg("{orders}:events")
+            .arg(">")
+            .query(conn)
+            .unwrap();
+        reply.keys.iter().map(|k| k.ids.len()).sum()
+    };
+    assert_eq!(read(&mut conn), 100);
+    let seek = |name: &str, policy: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: GroupSeek\nmetadata:\n  name: {name}\nspec:\n  policyRef: {{name: {policy}}}\n  \
+             to: {{position: Earliest}}\n  pending: Acknowledge\n  consumersIdleFor: 0s\n"
+        )
+    };
+    let finished = |name: &str| {
+        wait_for(&format!("{name} finished"), Duration::from_secs(30), || {
+            let object: serde_json::Value =
+                serde_json::from_str(&kubectl_ok(&["get", "seek", name, "-n", &ns, "-o", "json"])).unwrap();
+            match object["status"]["phase"].as_str() {
+                Some("Succeeded" | "Failed") => Ok(object["status"].clone()),
+                _ => Err(object["status"].to_string()),
+            }
+        })
+    };
+    assert!(kubectl_apply(&ns, &seek("replay", "orders")).0);
+    let done = finished("replay");
+    assert_eq!((done["phase"].as_str(), done["to"]["lag"].as_i64()), (Some("Succeeded"), Some(100)), "{done}");
+    assert_eq!(done["pendingHandled"].as_i64(), Some(100));
+    let groups = xinfo_groups(&mut conn, "{orders}:events");
+    assert_eq!(group_field::<i64>(&groups[0], "lag"), 100);
+    assert_eq!(read(&mut conn), 100, "read again after the seek");
+    // A policy whose keys are in different slots is not Ready (CrossSlot): its seek is refused, nothing written.
+    assert!(kubectl_apply(&ns, &cluster_policy("split", &cluster, "orders", "orders-dlq", "")).0);
+    wait_condition(&ns, "split", "Ready", "False", "CrossSlot");
+    assert!(kubectl_apply(&ns, &seek("split-seek", "split")).0);
+    let refused = finished("split-seek");
+    let failed = refused["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap();
+    assert_eq!(failed["reason"], "PolicyNotReady", "{refused}");
+    assert!(failed["message"].as_str().unwrap().contains("CrossSlot"), "{refused}");
 }
 
 /// A Cluster with replicas: the primary serving the stream's slot is killed with SIGKILL while 50,000 messages are
