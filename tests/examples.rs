@@ -46,6 +46,7 @@ fn every_example_is_covered_here() {
         "reassign.yaml",
         "bounded.yaml",
         "redrive.yaml",
+        "seek.yaml",
         "backoff.yaml",
     ]
     .into();
@@ -128,6 +129,41 @@ fn redrive_example_moves_the_notifications_dead_letters_back() {
     });
     assert_eq!((done["status"]["moved"].as_i64(), done["status"]["skipped"].as_i64()), (Some(2), Some(1)));
     assert_eq!(xrange(&mut conn, "notifications:dlq").len(), 1, "the Other dead letter stays");
+}
+
+#[test]
+fn seek_example_replays_what_came_after_its_time() {
+    let open = Server::start(Flavor::Redis);
+    let policy = example("notifications.yaml").replace("127.0.0.1:6379", &format!("127.0.0.1:{}", open.port));
+    let (ns, _operator) = ready_policy("ex-seek", &policy, "notifications");
+    let mut conn = open.conn();
+    // Three entries before the example's time, five after; all read and acknowledged, the consumer gone.
+    let at = |ms: i64| format!("{ms}-0");
+    let nine = 1_796_202_000_000_i64;
+    for ms in [nine - 3000, nine - 2000, nine - 1000, nine, nine + 1000, nine + 2000, nine + 3000, nine + 4000] {
+        let _: String = redis::cmd("XADD").arg("notifications").arg(at(ms)).arg("n").arg(ms).query(&mut conn).unwrap();
+    }
+    let read = read_new(&mut conn, "notifications", "notifier", "worker", 100);
+    let _: i64 = redis::cmd("XACK").arg("notifications").arg("notifier").arg(&read).query(&mut conn).unwrap();
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("DELCONSUMER")
+        .arg("notifications")
+        .arg("notifier")
+        .arg("worker")
+        .query(&mut conn)
+        .unwrap();
+    let (ok, out) = kubectl_apply(&ns, &example("seek.yaml"));
+    assert!(ok, "{out}");
+    let done = wait_for("the example seek to succeed", std::time::Duration::from_secs(30), || {
+        let out = kubectl_ok(&["get", "seek", "notifications-replay-after-deploy-481", "-n", &ns, "-o", "json"]);
+        let object: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if object["status"]["phase"] == "Succeeded" { Ok(object) } else { Err(object["status"].to_string()) }
+    });
+    assert_eq!(done["status"]["redelivered"].as_i64(), Some(5), "{done}");
+    assert_eq!(
+        read_new(&mut conn, "notifications", "notifier", "worker", 100),
+        [nine, nine + 1000, nine + 2000, nine + 3000, nine + 4000].map(at)
+    );
 }
 
 /// Every YAML manifest of the documentation (the README, the chart's README, the book) that declares a Pelican
