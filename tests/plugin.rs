@@ -151,6 +151,36 @@ fn redrive_creates_the_object_and_follows_it_to_the_end() {
     println!("{}", kubectl_ok(&["get", "dlr", "-n", ns, "-o", "wide"]));
 }
 
+/// `seek`: a dry run prints the plan and moves nothing; `--to-time -1h` replays what came in the last hour; a seek
+/// refused says why and fails.
+#[test]
+fn seek_prints_the_plan_then_moves() {
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    let (seconds, _): (i64, i64) = redis::cmd("TIME").query(&mut conn).unwrap();
+    // Ten entries two hours ago, four in the last hour; all read and acknowledged.
+    let times = (0..10).map(|i| (seconds - 7200 + i) * 1000).chain((0..4).map(|i| (seconds - 1800 + i) * 1000));
+    for ms in times {
+        let _: String =
+            redis::cmd("XADD").arg("orders").arg(format!("{ms}-0")).arg("n").arg(1).query(&mut conn).unwrap();
+    }
+    let (ns, _operator) =
+        ready_policy("plugin-seek", &policy("orders", &server.url(), "orders", "workers", ""), "orders");
+    let read = read_new(&mut conn, "orders", "workers", "w", 100);
+    let _: i64 = redis::cmd("XACK").arg("orders").arg("workers").arg(&read).query(&mut conn).unwrap();
+    let refused = kubectl_plugin(&["pelican", "seek", "orders", "-n", &ns, "--to-time", "-1h", "--name", "busy"]);
+    let text = String::from_utf8_lossy(&refused.stdout);
+    assert!(!refused.status.success() && text.contains("Failed ConsumersActive"), "{text}");
+    let common = ["seek", "orders", "-n", &ns, "--to-time", "-1h", "--consumers-idle-for", "0s"];
+    let plan = pelican_ok(&[&common[..], &["--dry-run", "--name", "plan"]].concat());
+    assert!(plan.contains("redelivered 4, skipped 0") && plan.contains("Succeeded Planned"), "{plan}");
+    assert!(read_new(&mut conn, "orders", "workers", "w", 100).is_empty(), "a dry run moves nothing");
+    let done = pelican_ok(&[&common[..], &["--name", "replay"]].concat());
+    assert!(done.contains("Succeeded Seeked"), "{done}");
+    assert_eq!(read_new(&mut conn, "orders", "workers", "w", 100).len(), 4);
+    println!("{}", kubectl_ok(&["get", "seek", "-n", &ns, "-o", "wide"]));
+}
+
 /// A mistake says what is wrong and how to look.
 #[test]
 fn a_policy_that_does_not_exist_is_named_with_how_to_list_them() {
