@@ -164,7 +164,7 @@ async fn trim_time(conn: &mut Conn, size: usize, trim: usize, scripted: bool) ->
     let start = Instant::now();
     let trimmed = if scripted {
         let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: "{bench}:dlq" };
-        jobs::trim_acknowledged(conn, "bench", &keys, Duration::ZERO).await.unwrap().trimmed
+        jobs::trim_acknowledged(conn, "bench", &keys, Duration::ZERO, false).await.unwrap().trimmed
     } else {
         redis::cmd("XTRIM").arg(STREAM).arg("MINID").arg(first_kept).query_async(conn).await.unwrap()
     };

@@ -103,6 +103,13 @@ pub enum Error {
     #[error("{server} runs {version}; Pelican needs Redis >= 7.0 or Valkey >= 7.2")]
     UnsupportedServerVersion { server: String, version: String },
 
+    #[error(
+        "{server} ({version}) has no Lua scripting (EVAL and EVALSHA are unknown commands: a Valkey built without its \
+         Lua module, or the commands renamed away); Pelican's passes are scripts: load the module (Valkey: \
+         loadmodule <path>/libvalkeylua.so) or use a server with scripting"
+    )]
+    ScriptingUnavailable { server: String, version: String },
+
     #[error("{0}")]
     ResourceConflict(String),
 
@@ -155,6 +162,7 @@ impl Error {
             Error::NotPrimary { .. } => "NotPrimary",
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
+            Error::ScriptingUnavailable { .. } => "ScriptingUnavailable",
             Error::ResourceConflict(_) => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
             Error::CrossSlot(_) => "CrossSlot",
@@ -186,6 +194,7 @@ impl Error {
                 | Error::SentinelMasterUnknown { .. }
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
+                | Error::ScriptingUnavailable { .. }
                 | Error::ResourceConflict(_)
                 | Error::InvalidSpec(_)
                 | Error::CrossSlot(_)

@@ -17,7 +17,7 @@ use pelican::keys::{bounds_key, rejected_key, totals_key};
 use pelican::redis::{GroupKeys, Pools, Target};
 use pelican::worker::{BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, Producer, PublishError, Published, Refusal};
 
-on_both_servers!(
+on_every_server!(
     twelve_thousand_into_a_bound_of_ten_thousand_refuses_exactly_two_thousand,
     pending_entries_of_a_crashed_consumer_still_count,
     eight_producers_at_once_never_push_the_backlog_past_the_bound,
@@ -32,6 +32,7 @@ on_both_servers!(
     a_batch_is_never_written_in_part_and_reported_not_written,
     retention_stops_at_an_unmanaged_groups_pending_then_at_its_read_position,
     retention_never_trims_a_stream_without_groups,
+    the_trim_asks_the_server_to_keep_unacknowledged_entries_where_it_can,
     retention_keeps_entries_younger_than_min_age,
 );
 
@@ -390,7 +391,9 @@ fn trim(server: &Server, min_age: Duration) -> jobs::Trim {
     runtime.block_on(async {
         let mut conn = Pools::default().get(&Target::new(server.url())).await.unwrap();
         let keys = GroupKeys { stream: STREAM, group: GROUP, dead_letter: "{orders}:dlq" };
-        jobs::trim_acknowledged(&mut conn, "test", &keys, min_age).await.unwrap()
+        // As the runner does: ACKED where the server has it.
+        let acked = pelican::redis::features::detect(&mut conn, "test").await.unwrap().has("XTRIM ACKED");
+        jobs::trim_acknowledged(&mut conn, "test", &keys, min_age, acked).await.unwrap()
     })
 }
 
@@ -443,6 +446,32 @@ fn retention_never_trims_a_stream_without_groups(flavor: Flavor) {
     let trim = trim(&server, Duration::ZERO);
     assert_eq!((trim.trimmed, trim.pinned_by), (0, None));
     assert_eq!(xrange(&mut conn, STREAM).len(), 50);
+}
+
+/// What the trim sends, seen with `MONITOR` (which shows the commands scripts run): `XTRIM ... MINID <id> ACKED` on a
+/// server that has `ACKED` trimming (Redis 8.2), plain `MINID` elsewhere; the same entries trimmed either way.
+fn the_trim_asks_the_server_to_keep_unacknowledged_entries_where_it_can(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    add(&mut conn, 20);
+    let read = read_new(&mut conn, STREAM, GROUP, "c1", 12);
+    ack_all(&mut conn, GROUP, &read[..8]);
+    let mut monitor = std::process::Command::new("redis-cli")
+        .args(["-p", &server.port.to_string(), "MONITOR"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("redis-cli MONITOR");
+    std::thread::sleep(Duration::from_millis(300));
+    let trimmed = trim(&server, Duration::ZERO);
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = monitor.kill();
+    let out = monitor.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let xtrim = text.lines().find(|l| l.contains("\"XTRIM\"")).unwrap_or_else(|| panic!("no XTRIM in:\n{text}"));
+    println!("{flavor:?}: {xtrim}");
+    assert_eq!(trimmed.trimmed, 8, "the same safe point either way");
+    assert_eq!(xtrim.contains("\"ACKED\""), flavor == Flavor::Redis82, "{xtrim}");
 }
 
 fn retention_keeps_entries_younger_than_min_age(flavor: Flavor) {

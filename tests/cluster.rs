@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-on_both_servers!(
+on_every_server!(
     a_cluster_policy_is_ready_and_dead_letters_in_the_streams_slot,
     keys_in_different_slots_are_refused_before_any_write,
     a_node_down_is_redis_unavailable_then_heals,
@@ -297,7 +297,7 @@ fn bounded_publish_and_retention_work_in_the_streams_slot(flavor: Flavor) {
         let target = pelican::redis::Target { cluster: true, ..pelican::redis::Target::new(cluster.url()) };
         let mut conn = pelican::redis::Pools::default().get(&target).await.unwrap();
         let keys = pelican::redis::GroupKeys { stream, group: "g", dead_letter: "{orders}:dlq" };
-        pelican::jobs::trim_acknowledged(&mut conn, "cluster", &keys, Duration::ZERO).await.unwrap()
+        pelican::jobs::trim_acknowledged(&mut conn, "cluster", &keys, Duration::ZERO, false).await.unwrap()
     });
     assert_eq!(trim.trimmed, 2);
     let left: Vec<(String, HashMap<String, String>)> =

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::Value;
 
-on_both_servers!(lag_seconds_is_the_age_of_the_oldest_unread_entry, consuming_follows_the_consumers);
+on_every_server!(lag_seconds_is_the_age_of_the_oldest_unread_entry, consuming_follows_the_consumers);
 
 /// The server's clock, in milliseconds.
 fn server_ms(conn: &mut redis::Connection) -> i64 {

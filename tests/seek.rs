@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use serde_json::Value;
 
-on_both_servers!(
+on_every_server!(
     a_replay_by_time_reads_exactly_the_entries_at_or_after_it,
     skips_shifts_and_ids,
     pending_entries_are_kept_acknowledged_or_dead_lettered,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-on_both_servers!(
+on_every_server!(
     a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_failover,
     primary_killed_while_100000_messages_are_dead_lettered_loses_and_duplicates_nothing,
 );

@@ -422,6 +422,11 @@ pub struct ConsumerGroupPolicyStatus {
     /// The server's flavor and version, e.g. `redis 7.0.15` or `valkey 9.1.2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_version: Option<String>,
+    /// The newer stream features the server has, detected per command (`COMMAND INFO`, `COMMAND DOCS`), not by
+    /// version: `XACKDEL`, `XDELEX`, `XNACK`, `XTRIM ACKED`, `XREADGROUP CLAIM`, `XADD IDMP`. Empty on servers
+    /// before Redis 8.2, and when the operator's ACL user may not run `COMMAND`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub server_features: Vec<String>,
     /// Entries in the stream (`XLEN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_length: Option<i64>,

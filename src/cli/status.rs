@@ -211,6 +211,7 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
         ("Policy", format!("{}/{}", report.namespace, report.name)),
         ("Stream", format!("{} (group {})", report.stream, report.group)),
         ("Server", cell(s.server_version.as_ref())),
+        ("Server features", if s.server_features.is_empty() { "-".into() } else { s.server_features.join(", ") }),
         ("Ready", format!("{} {}: {}", report.ready, report.reason, report.message)),
         ("Pending", cell(s.pending)),
         ("Lag", format!("{} (the oldest unread entry: {})", cell(s.lag), lag_age(s))),

@@ -18,7 +18,7 @@ use super::validate::{self, Schedule};
 use super::{Context, id, publish};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
 use crate::context::policy_id;
-use crate::redis::{self as redis_ops, GroupFacts, GroupKeys, ServerInfo, Target};
+use crate::redis::{self as redis_ops, Features, GroupFacts, GroupKeys, ServerInfo, Target};
 use crate::runner::Job;
 use crate::{Error, Result};
 
@@ -30,6 +30,8 @@ pub struct Observation {
     pub retention: Option<String>,
     /// `mode: Sentinel`: the primary the sentinel named.
     pub primary: Option<String>,
+    /// What the server can do (`COMMAND INFO`, `COMMAND DOCS`).
+    pub features: Features,
 }
 
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
@@ -54,6 +56,13 @@ pub async fn converge(
     let server = target.server();
     let keys = group_keys(policy);
     let carry_over = plan::carry_over(policy, others);
+    // Every pass is a script: a server without Lua is said so, before anything is written.
+    let features = ctx.shared.pools.features(&mut conn, &server).await?;
+    if !features.scripting {
+        // Asked again at the next reconcile: the module may be loaded by then.
+        ctx.shared.pools.features.forget(&server);
+        return Err(Error::ScriptingUnavailable { server, version: features.version });
+    }
     let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over)
         .await
         .map_err(|e| if target.cluster { e } else { e.for_standalone() });
@@ -61,6 +70,10 @@ pub async fn converge(
         ctx.shared.pools.forget(target);
     }
     let setup = setup?;
+    if setup.server.to_string() != features.version {
+        // Upgraded (or downgraded) in place: detected again at the next reconcile.
+        ctx.shared.pools.features.forget(&server);
+    }
     for said in plan::setup_announcements(policy, &setup) {
         announce(ctx, policy, said).await;
     }
@@ -80,6 +93,7 @@ pub async fn converge(
                 pass: work.pass,
                 expire_after: work.expire_after,
                 retention: work.retention,
+                acked_trim: features.has("XTRIM ACKED"),
                 object: policy.object_ref(&()),
                 sentinel_source: original.sentinel.is_some().then(|| original.clone()),
             };
@@ -90,7 +104,7 @@ pub async fn converge(
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
-    Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary })
+    Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary, features })
 }
 
 /// Logs and publishes what a step of the plan announces.

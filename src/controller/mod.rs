@@ -132,6 +132,7 @@ impl Context {
         });
         let used: Vec<String> = urls.map(|url| crate::redis::Target::new(url).server()).collect();
         self.shared.pools.reach.retain(used.iter().map(String::as_str));
+        self.shared.pools.features.retain(used.iter().map(String::as_str));
         act::prune_terminating(self);
         self.runner.sweep();
         self.deleted.prune();
@@ -148,6 +149,7 @@ impl Context {
             ("connection_users", self.pool_users.lock().expect("pool users lock").len()),
             ("neighbour_index", self.neighbours.len()),
             ("server_reachability", self.shared.pools.reach.len()),
+            ("server_features", self.shared.pools.features.len()),
             ("terminating_namespaces", self.terminating.lock().expect("terminating lock").len()),
             ("scaler_readings", self.shared.readings.len()),
             ("progress_windows", self.progress.lock().expect("progress lock").len()),

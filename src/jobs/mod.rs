@@ -338,12 +338,20 @@ impl std::fmt::Display for Pin {
 }
 
 /// Trims, atomically on the server, the entries every group of the stream acknowledged that are older than
-/// `min_age`, with the safe-point method that works on Redis 7.0 and every Valkey (the script's header says how).
-pub async fn trim_acknowledged(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, min_age: Duration) -> Result<Trim> {
+/// `min_age`, with the safe-point method that works on Redis 7.0 and every Valkey (the script's header says how);
+/// `acked`: the server has `XTRIM ... ACKED` and checks every group itself too.
+pub async fn trim_acknowledged(
+    conn: &mut Conn,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    min_age: Duration,
+    acked: bool,
+) -> Result<Trim> {
     let (trimmed, group, why, id): (u64, String, String, String) = TRIM_ACKNOWLEDGED
         .key(keys.stream)
         .key(totals_key(keys.stream, keys.group))
         .arg(min_age.as_millis() as u64)
+        .arg(if acked { "1" } else { "0" })
         .invoke_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;

@@ -1,12 +1,14 @@
 //! Everything that talks to Redis/Valkey: shared connections, group administration and the status probe.
 
 mod backlog;
+pub mod features;
 mod group;
 mod health;
 mod pool;
 mod reply;
 
 pub use backlog::{Backlog, Readings, probe_backlog};
+pub use features::Features;
 pub use group::{
     GroupFacts, GroupKeys, GroupSetup, OldestPending, ServerInfo, destroy_group, ensure_group, id_millis, probe_group,
     set_bound,

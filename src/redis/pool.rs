@@ -275,6 +275,8 @@ pub struct Pools {
     sentinels: Mutex<HashMap<PoolKey, Conn>>,
     /// Which servers answered last time, for [`Pools::reach_primary`].
     pub reach: Reachability,
+    /// What each server can do, detected once per server and version ([`Pools::features`]).
+    pub features: super::features::Detected,
 }
 
 impl Pools {
@@ -440,6 +442,17 @@ impl Pools {
         };
         let mut map = self.connections.lock().expect("pool lock");
         Ok(map.entry(key).or_insert(conn).clone())
+    }
+
+    /// What the server behind `conn` can do: detected once per server, and again after `forget_features` (its
+    /// version changed).
+    pub async fn features(&self, conn: &mut Conn, server: &str) -> Result<super::Features> {
+        if let Some(known) = self.features.get(server) {
+            return Ok(known);
+        }
+        let detected = super::features::detect(conn, server).await?;
+        self.features.insert(server, detected.clone());
+        Ok(detected)
     }
 
     /// Drops a connection so the next `get` dials again (after an authentication failure, say).

@@ -57,6 +57,8 @@ pub struct Job {
     pub expire_after: Option<Duration>,
     /// `minAge` when the stream's effective retention is `Acknowledged`; `None`: never trim.
     pub retention: Option<Duration>,
+    /// The server has `XTRIM ... ACKED`: the trim asks it to keep what any group has not acknowledged, too.
+    pub acked_trim: bool,
     /// The policy, for Events.
     pub object: ObjectReference,
     /// `mode: Sentinel`: the sentinel target, asked again for the primary after a failed pass, so the jobs follow
@@ -81,6 +83,7 @@ impl Job {
             && self.pass == other.pass
             && self.expire_after == other.expire_after
             && self.retention == other.retention
+            && self.acked_trim == other.acked_trim
             && self.sentinel_source == other.sentinel_source
     }
 }
@@ -402,7 +405,7 @@ impl PolicyTask {
 
     async fn trim(&self, job: &Job, min_age: Duration) -> crate::Result<()> {
         let mut conn = job.conn.clone();
-        let trim = jobs::trim_acknowledged(&mut conn, &job.server, &job.keys(), min_age).await?;
+        let trim = jobs::trim_acknowledged(&mut conn, &job.server, &job.keys(), min_age, job.acked_trim).await?;
         if trim.trimmed > 0 {
             let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
             let pinned_by = trim.pinned_by.as_ref().map(ToString::to_string);

@@ -138,6 +138,16 @@ macro_rules! on_both_servers {
     };
 }
 
+/// [`on_both_servers!`] and Redis 8.2 as a third: for the suites that prove a topology (Sentinel, Cluster) or a
+/// capability on every server the matrix names.
+#[macro_export]
+macro_rules! on_every_server {
+    ($($name:ident),* $(,)?) => {
+        on_both_servers!($($name),*);
+        mod redis_8_2 { $( #[test] fn $name() { super::$name(super::Flavor::Redis82) } )* }
+    };
+}
+
 /// A runtime for the async SDK and client calls of a test, on the test's thread.
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()

@@ -1,7 +1,7 @@
 -- Retention `Acknowledged`: trim what every group of the stream has acknowledged and is old enough.
 --
 -- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:<group>:totals (the counting policy's)
--- ARGV[1] minAge in milliseconds
+-- ARGV[1] minAge in milliseconds    ARGV[2] '1': the server has `XTRIM ... ACKED` (Redis 8.2+): add it
 --
 -- Reply: {trimmed, pinning group or '', 'pending' | 'unread' | '', the pinning entry id or ''}.
 -- The safe point is the smallest, over all groups of the stream (managed by a policy or not), of the group's oldest
@@ -9,7 +9,10 @@
 -- their id, against the server's clock) are trimmed with XTRIM MINID.
 -- Invariant: no entry any group still has pending or has not read is removed, and a stream without groups is never
 -- trimmed. The script runs atomically, so no group can be created, and no entry read, between the look and the trim.
--- `trimmed` is added to the totals hash (a field holding no integer starts again).
+-- `trimmed` is added to the totals hash (a field holding no integer starts again). With ARGV[2], the trim is
+-- `XTRIM MINID <id> ACKED` (exact, never `~`, and only ever on a stream with groups: on 8.6 ACKED on a stream without
+-- groups trims everything): the server itself also keeps every entry some group has not acknowledged, a second net
+-- under the computed safe point, which stays the reason `pinnedBy` gives.
 local function split(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return ms, seq
@@ -64,7 +67,12 @@ if less(cutoff, safe) then
 end
 -- Read before the trim: a totals key of the wrong type fails the call before anything is removed.
 local v = redis.call('HGET', KEYS[2], 'trimmed')
-local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', minid)
+local trimmed
+if ARGV[2] == '1' then
+  trimmed = redis.call('XTRIM', KEYS[1], 'MINID', minid, 'ACKED')
+else
+  trimmed = redis.call('XTRIM', KEYS[1], 'MINID', minid)
+end
 if trimmed > 0 then
   if v and (not string.match(v, '^%d+$') or #v > 17) then
     redis.call('HSET', KEYS[2], 'trimmed', trimmed)
