@@ -104,9 +104,15 @@ fn tokens_by_command(docs: &Value) -> HashMap<String, HashSet<String>> {
 /// Asks the server. A refused `COMMAND` (an ACL without it) is no error: the features are then unknown, and
 /// scripting is assumed (the first script says otherwise if it is not there).
 pub async fn detect(conn: &mut Conn, server: &str) -> Result<Features> {
-    let info: String =
+    let info: Value =
         redis::cmd("INFO").arg("server").query_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
-    let version = super::ServerInfo::parse(&info).to_string();
+    // A cluster connection asks every node and answers a map of node -> reply: the nodes of one cluster run one
+    // version (the first one's is taken).
+    let info = match &info {
+        Value::Map(nodes) => nodes.first().and_then(|(_, reply)| text(reply)),
+        reply => text(reply),
+    };
+    let version = super::ServerInfo::parse(&info.unwrap_or_default()).to_string();
     let mut command_info = redis::cmd("COMMAND");
     command_info.arg("INFO").arg(&COMMANDS[..]);
     let mut command_docs = redis::cmd("COMMAND");
