@@ -169,7 +169,7 @@ async fn oldest_pending(
             age_seconds: id_millis(&id).map(|ms| (now - ms) / 1000),
             id,
             consumer,
-            idle_seconds: idle_ms / 1000,
+            idle_seconds: idle_ms.max(0) / 1000,
             deliveries,
         })
         .collect())

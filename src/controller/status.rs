@@ -43,7 +43,8 @@ pub fn observed(
         backlog: Some(backlog.total()),
         oldest_pending_id: facts.oldest_pending.as_ref().map(|o| o.id.clone()),
         oldest_pending_time: oldest_millis.and_then(format_millis),
-        oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms / 1000),
+        // An entry NACKed on Redis 8.8 (`XNACK`) is pending with consumer "" and idle -1 until read again: idle 0.
+        oldest_pending_idle_seconds: facts.oldest_pending.as_ref().map(|o| o.idle_ms.max(0) / 1000),
         oldest_unread_time: facts.oldest_unread_ms.and_then(format_millis),
         lag_seconds: Some(facts.lag_seconds()),
         consumers: Some(facts.consumers),
@@ -296,6 +297,25 @@ mod tests {
         let caught_up = GroupFacts { oldest_unread_ms: None, ..facts() };
         let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &caught_up);
         assert_eq!((status.oldest_unread_time, status.lag_seconds), (None, Some(0)));
+    }
+
+    /// `XPENDING` after `XNACK` (Redis 8.8, as its documentation gives it): the entry has consumer `""` and idle
+    /// `-1`. No negative age, no error.
+    #[test]
+    fn a_nacked_entry_reads_as_idle_zero_with_no_consumer() {
+        let reply = redis::Value::Array(vec![redis::Value::Array(vec![
+            redis::Value::BulkString(b"1764421200000-0".to_vec()),
+            redis::Value::BulkString(b"".to_vec()),
+            redis::Value::Int(-1),
+            redis::Value::Int(3),
+        ])]);
+        let entries: Vec<(String, String, i64, i64)> = redis::from_redis_value(reply).unwrap();
+        let (id, consumer, idle_ms, deliveries) = entries[0].clone();
+        let nacked =
+            GroupFacts { oldest_pending: Some(OldestPending { id, consumer, idle_ms, deliveries }), ..facts() };
+        let status = observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &nacked);
+        assert_eq!(status.oldest_pending_idle_seconds, Some(0));
+        assert_eq!(oldest_pending_age_seconds(&nacked), Some(90));
     }
 
     #[test]
