@@ -82,6 +82,22 @@ pub struct Resolved {
 }
 
 impl Shared {
+    /// Waits until the policy controller has listed the policies: a controller of objects that name a policy
+    /// (redrives, seeks) must not report a policy missing that is only not seen yet after a restart. False when
+    /// `shutdown` came first or the store closed.
+    pub async fn policies_listed(&self, shutdown: impl Future<Output = ()> + Clone) -> bool {
+        loop {
+            tokio::select! {
+                _ = shutdown.clone() => return false,
+                ready = tokio::time::timeout(Duration::from_secs(1), self.policies.wait_until_ready()) => match ready {
+                    Ok(Ok(())) => return true,
+                    Ok(Err(_)) => return false,
+                    Err(_) => continue,
+                },
+            }
+        }
+    }
+
     /// The shared handles, and the writers of the policy and server stores for the policy controller's reflectors.
     /// Secrets are read only in `secret_namespaces` when given (the operator's RBAC is namespaced then).
     pub fn new(

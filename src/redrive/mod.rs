@@ -100,15 +100,8 @@ pub async fn run(
     // A redrive names its policy: wait until the policies are listed, or a restarted operator would report
     // policies missing that are only not seen yet.
     let shutdown = shutdown.shared();
-    loop {
-        tokio::select! {
-            _ = shutdown.clone() => return,
-            ready = tokio::time::timeout(Duration::from_secs(1), ctx.shared.policies.wait_until_ready()) => match ready {
-                Ok(Ok(())) => break,
-                Ok(Err(_)) => return,
-                Err(_) => continue,
-            },
-        }
+    if !ctx.shared.policies_listed(shutdown.clone()).await {
+        return;
     }
     let halt_ctx = ctx.clone();
     let shutdown = async move {
