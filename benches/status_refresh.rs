@@ -45,12 +45,12 @@ async fn main() {
             fill_stream(&mut conn, &stream, "g", size, 0).await;
             deliver_all(&mut conn, &stream, "g", size).await;
             let keys = GroupKeys { stream: &stream, group: "g", dead_letter: "bench:refresh:dlq" };
-            let facts = probe_group(&mut conn, label, &keys).await.unwrap();
+            let facts = probe_group(&mut conn, label, &keys, None).await.unwrap();
             assert_eq!(facts.pending, size as i64, "the PEL was not filled");
             let (mut probes, mut pings) = (Vec::with_capacity(SAMPLES), Vec::with_capacity(SAMPLES));
             for _ in 0..SAMPLES {
                 let start = Instant::now();
-                probe_group(&mut conn, label, &keys).await.unwrap();
+                probe_group(&mut conn, label, &keys, None).await.unwrap();
                 probes.push(start.elapsed());
                 let start = Instant::now();
                 let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();

@@ -405,7 +405,7 @@ fn a_refusal_inside_the_status_pipeline_names_the_command(flavor: Flavor) {
     let error = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
         let mut conn = pelican::redis::Pools::default().get(&target).await.unwrap();
         let keys = pelican::redis::GroupKeys { stream: "{pp}:in", group: "g", dead_letter: "{pp}:dlq" };
-        pelican::redis::probe_group(&mut conn, "test", &keys).await.unwrap_err()
+        pelican::redis::probe_group(&mut conn, "test", &keys, None).await.unwrap_err()
     });
     assert_eq!(error.reason(), "PermissionDenied");
     assert!(error.to_string().to_lowercase().contains("xinfo"), "{error}");

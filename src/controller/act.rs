@@ -100,7 +100,11 @@ pub async fn converge(
             ctx.runner.run(&id, job);
         }
     }
-    let facts = redis_ops::probe_group(&mut conn, &server, &keys).await?;
+    let unread = {
+        let windows = ctx.progress.lock().expect("progress lock");
+        windows.get(&ObjectRef::from_obj(policy)).and_then(|w| w.unread.clone())
+    };
+    let facts = redis_ops::probe_group(&mut conn, &server, &keys, unread.as_ref()).await?;
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }

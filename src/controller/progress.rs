@@ -10,7 +10,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::api::{CONSUMING, Rates};
 use crate::context::conditions::{Said, condition};
-use crate::redis::{Backlog, GroupFacts};
+use crate::redis::{Backlog, GroupFacts, Unread};
 
 /// Samples a verdict is judged on: the newest and the four before it, one refresh (`spec.reclaim.interval`)
 /// apart, so the window spans four intervals.
@@ -59,10 +59,12 @@ impl Sample {
     }
 }
 
-/// The latest [`WINDOW`] samples of one policy, oldest first.
+/// The latest [`WINDOW`] samples of one policy, oldest first, and what its last probe found unread (so the next
+/// one can skip the `XRANGE` when nothing changed).
 #[derive(Clone, Debug, Default)]
 pub struct Window {
     samples: VecDeque<Sample>,
+    pub unread: Option<Unread>,
 }
 
 impl Window {

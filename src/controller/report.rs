@@ -44,6 +44,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
                 let window = windows.entry(kube::runtime::reflector::ObjectRef::from_obj(policy)).or_default();
                 let spacing = validate::Schedule::from_spec(&policy.spec).map_or(0, |s| s.interval.as_millis() as i64);
                 window.push(Sample::of(&seen.facts), spacing * 9 / 10);
+                window.unread = seen.facts.unread.clone();
                 window.clone()
             };
             status.rates = window.rates();

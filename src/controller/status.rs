@@ -263,6 +263,7 @@ mod tests {
             entries_added: Some(40),
             entries_read: None,
             oldest_unread_ms: Some(1_764_421_200_000 + 30_500),
+            unread: None,
         }
     }
 

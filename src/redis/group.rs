@@ -273,6 +273,21 @@ pub struct GroupFacts {
     /// Milliseconds part of the id of the oldest entry the group has not read yet (the first entry after its
     /// `last-delivered-id`); absent when nothing is unread.
     pub oldest_unread_ms: Option<i64>,
+    /// What `oldest_unread_ms` was read at, for the next probe (`None` when nothing was unread).
+    pub unread: Option<Unread>,
+}
+
+/// The oldest unread entry and what it depends on: the group's position and the stream's `entries-added`, length
+/// and `max-deleted-entry-id`. While none of them changes (a group that reads nothing, a stream nobody writes), the
+/// next probe knows the answer without the `XRANGE`: only reading, seeking, adding, deleting or trimming can change
+/// which entry comes first after the position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unread {
+    position: String,
+    added: Option<i64>,
+    length: i64,
+    deleted: Option<String>,
+    oldest_ms: Option<i64>,
 }
 
 impl GroupFacts {
@@ -334,7 +349,14 @@ fn counts(hash: BTreeMap<String, String>) -> BTreeMap<String, i64> {
     hash.into_iter().filter_map(|(field, value)| Some((field, value.parse().ok()?))).collect()
 }
 
-pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<GroupFacts> {
+/// `previous`: what the last probe of this group found unread ([`GroupFacts::unread`]), to skip the `XRANGE` when
+/// nothing it depends on changed.
+pub async fn probe_group(
+    conn: &mut Conn,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    previous: Option<&Unread>,
+) -> Result<GroupFacts> {
     let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, rejected, bound, time): ProbeReply =
         pipe()
             .cmd("XINFO")
@@ -391,14 +413,28 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
     let (seconds, micros) = time;
     let server_time_ms = seconds.parse::<i64>().unwrap_or(0) * 1000 + micros.parse::<i64>().unwrap_or(0) / 1000;
     let lag = reply::get(&group, "lag");
-    let last_delivered = reply::get::<String>(&group, "last-delivered-id");
-    let oldest_unread_ms = match group.is_empty() {
-        true => None,
-        false => oldest_unread_ms(conn, server, keys.stream, last_delivered.as_deref(), lag).await?,
+    let stream_length = reply::get(&stream_info, "length").unwrap_or(0);
+    let unread = match reply::get::<String>(&group, "last-delivered-id") {
+        Some(position) if lag != Some(0) => {
+            let mut now = Unread {
+                position,
+                added: reply::get(&stream_info, "entries-added"),
+                length: stream_length,
+                deleted: reply::get(&stream_info, "max-deleted-entry-id"),
+                oldest_ms: None,
+            };
+            now.oldest_ms = match previous {
+                Some(before) if Unread { oldest_ms: None, ..before.clone() } == now => before.oldest_ms,
+                _ => oldest_unread_ms(conn, server, keys.stream, Some(&now.position), lag).await?,
+            };
+            Some(now)
+        }
+        _ => None,
     };
+    let oldest_unread_ms = unread.as_ref().and_then(|u| u.oldest_ms);
 
     Ok(GroupFacts {
-        stream_length: reply::get(&stream_info, "length").unwrap_or(0),
+        stream_length,
         lag,
         pending: reply::get(&group, "pending").unwrap_or(0),
         oldest_pending,
@@ -413,6 +449,7 @@ pub async fn probe_group(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) ->
         entries_added: reply::get(&stream_info, "entries-added"),
         entries_read: reply::get(&group, "entries-read"),
         oldest_unread_ms,
+        unread,
     })
 }
 
