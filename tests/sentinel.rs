@@ -78,6 +78,19 @@ fn a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_f
         let p = get_policy(&ns, "jobs");
         if p["status"]["streamLength"] == 2 { Ok(()) } else { Err(p["status"].to_string()) }
     });
+
+    // A seek after the failover moves the group on the new primary: both entries, read once, are read again.
+    assert_eq!(read_new(&mut conn, "jobs", "workers", "c1", 10).len(), 2);
+    let seek = "apiVersion: pelican.io/v1alpha1\nkind: GroupSeek\nmetadata:\n  name: replay\nspec:\n  \
+                policyRef: {name: jobs}\n  to: {position: Earliest}\n  consumersIdleFor: 0s\n";
+    assert!(kubectl_apply(&ns, seek).0);
+    let done = wait_for("the seek", Duration::from_secs(30), || {
+        let seek: serde_json::Value =
+            serde_json::from_str(&kubectl_ok(&["get", "seek", "replay", "-n", &ns, "-o", "json"])).unwrap();
+        if seek["status"]["phase"] == "Succeeded" { Ok(seek) } else { Err(seek["status"].to_string()) }
+    });
+    assert_eq!(done["status"]["to"]["lag"], 2, "{done}");
+    assert_eq!(read_new(&mut conn, "jobs", "workers", "c1", 10).len(), 2);
 }
 
 /// SIGKILL of the primary while its PEL is being dead-lettered. The guarantee: a move is one script, which the

@@ -426,7 +426,7 @@ pub struct ConsumerGroupPolicyStatus {
     /// version: `XACKDEL`, `XDELEX`, `XNACK`, `XTRIM ACKED`, `XREADGROUP CLAIM`, `XADD IDMP`. Empty on servers
     /// before Redis 8.2, and when the operator's ACL user may not run `COMMAND`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub server_features: Vec<String>,
+    pub server_features: Vec<ServerFeature>,
     /// Entries in the stream (`XLEN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_length: Option<i64>,
@@ -493,6 +493,11 @@ pub struct ConsumerGroupPolicyStatus {
     #[schemars(extend("format" = "date-time"))]
     pub last_pass_time: Option<String>,
 }
+
+/// A newer stream feature a server has, e.g. `XTRIM ACKED` or `XACKDEL`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct ServerFeature(pub String);
 
 /// Entries per second over the window, from `entries-added` (the stream), `entries-read` (the group) and the PEL.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq)]

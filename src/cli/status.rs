@@ -175,6 +175,12 @@ async fn oldest_pending(
         .collect())
 }
 
+/// The server's newer features, comma-separated (`-` when none were found).
+fn server_features(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
+    let names: Vec<&str> = s.server_features.iter().map(|f| f.0.as_str()).collect();
+    if names.is_empty() { "-".into() } else { names.join(", ") }
+}
+
 /// How old the oldest unread entry is now, from its time in the status (`0s`: nothing unread).
 fn lag_age(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
     let unread = s.oldest_unread_time.as_deref().and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok());
@@ -211,7 +217,7 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
         ("Policy", format!("{}/{}", report.namespace, report.name)),
         ("Stream", format!("{} (group {})", report.stream, report.group)),
         ("Server", cell(s.server_version.as_ref())),
-        ("Server features", if s.server_features.is_empty() { "-".into() } else { s.server_features.join(", ") }),
+        ("Server features", server_features(s)),
         ("Ready", format!("{} {}: {}", report.ready, report.reason, report.message)),
         ("Pending", cell(s.pending)),
         ("Lag", format!("{} (the oldest unread entry: {})", cell(s.lag), lag_age(s))),

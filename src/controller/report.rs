@@ -30,7 +30,8 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             ctx.shared.readings.record(&policy_id(policy), Backlog::of(&seen.facts));
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
             status.primary = seen.primary.clone();
-            status.server_features = seen.features.found.iter().map(|f| f.to_string()).collect();
+            status.server_features =
+                seen.features.found.iter().map(|f| crate::api::ServerFeature(f.to_string())).collect();
             status.requeue_copies_to = status::requeue_copies_to(&policy.spec, &seen.facts);
             if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
                 status.last_pass_time = Some(at.to_string());
