@@ -15,7 +15,7 @@ use kube::{Client, ResourceExt};
 use serde::Serialize;
 
 use crate::api::ConsumerGroupPolicy;
-use crate::redis::{Conn, Pools};
+use crate::redis::{Conn, Pools, Target};
 
 /// Where to look and how to print; shared by every command.
 #[derive(Args, Clone, Debug)]
@@ -26,6 +26,31 @@ pub struct Scope {
     /// `table` (default), `json` or `yaml`.
     #[arg(short, long, value_enum, default_value_t = Output::Table)]
     pub output: Output,
+    /// Reach the policy's Redis at this address instead of the one its spec names (which often resolves only inside
+    /// the cluster), e.g. a `kubectl port-forward svc/redis 6379` running beside: `--redis-address 127.0.0.1:6379`.
+    /// The policy's Secrets and TLS settings still apply; for a Sentinel policy, give the primary's address. Not for
+    /// a Redis Cluster (it redirects to each node's own address).
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_address)]
+    pub redis_address: Option<String>,
+}
+
+/// `host:port`, `[v6]:port`.
+fn parse_address(address: &str) -> Result<String, String> {
+    let (host, port) = address.rsplit_once(':').ok_or("expected HOST:PORT, e.g. 127.0.0.1:6379")?;
+    if host.is_empty() || host.contains('/') || host.contains('@') {
+        return Err(format!("{host:?} is not a host name or address (expected HOST:PORT, e.g. 127.0.0.1:6379)"));
+    }
+    port.parse::<u16>().map_err(|_| format!("{port:?} is not a port (expected HOST:PORT, e.g. 127.0.0.1:6379)"))?;
+    Ok(address.to_string())
+}
+
+/// `url` with its host and port replaced by `address`, its scheme, user and database kept.
+fn with_address(url: &str, address: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
+    let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    let user = authority.rsplit_once('@').map_or(String::new(), |(user, _)| format!("{user}@"));
+    let path = if path.is_empty() { String::new() } else { format!("/{path}") };
+    format!("{scheme}://{user}{address}{path}")
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -91,7 +116,14 @@ impl Session {
     /// A connection to the policy's server with its own Secrets (read with the user's permissions).
     async fn connect(&self, policy: &ConsumerGroupPolicy) -> anyhow::Result<(Conn, String)> {
         let target = crate::context::read_target(policy, &self.client).await?;
-        let target = self.pools.resolve(&target).await?;
+        let target = match &self.scope.redis_address {
+            None => self.pools.resolve(&target).await?,
+            Some(_) if target.cluster => anyhow::bail!(
+                "--redis-address cannot reach a Redis Cluster: it redirects each key to its node's own address; run \
+                 the command where the nodes' addresses resolve (e.g. `kubectl run` a pod in the cluster)"
+            ),
+            Some(address) => Target { url: with_address(&target.url, address), sentinel: None, ..target },
+        };
         let conn = self.pools.get(&target).await?;
         Ok((conn, target.server()))
     }
@@ -154,5 +186,17 @@ mod tests {
         assert_eq!(age(7_199), "119m");
         assert_eq!(age(7_200), "2h");
         assert_eq!(age(200_000), "2d");
+    }
+
+    #[test]
+    fn an_address_replaces_host_and_port_only() {
+        assert_eq!(with_address("redis://redis.apps.svc:6379/2", "127.0.0.1:7000"), "redis://127.0.0.1:7000/2");
+        assert_eq!(with_address("rediss://app@redis.apps.svc:6380", "[::1]:7000"), "rediss://app@[::1]:7000");
+        assert_eq!(with_address("redis://redis:6379/", "localhost:1"), "redis://localhost:1/");
+        assert!(parse_address("127.0.0.1:6379").is_ok());
+        assert!(parse_address("[::1]:6379").is_ok());
+        assert!(parse_address("127.0.0.1").unwrap_err().contains("HOST:PORT"));
+        assert!(parse_address("redis://x:6379").unwrap_err().contains("not a host"));
+        assert!(parse_address("x:port").unwrap_err().contains("not a port"));
     }
 }
