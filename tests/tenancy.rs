@@ -590,3 +590,67 @@ fn revoking_the_namespace_ends_its_running_redrive() {
     assert_eq!(moved(&mut conn), at_failure, "entries moved after the redrive failed");
     assert!(at_failure < 20, "{at_failure} moved at 1 per second: the redrive went on after the revocation");
 }
+
+/// A `RedisServer`'s conditions in the kstatus shape, as a policy's: `Stalled` when only a person can fix it (its
+/// Secret missing), `Reconciling` while it is retried (nothing listening), `Ready` when it answers; and a Warning
+/// Event `InsecureSkipVerify` on the server when its spec turns certificate checks off.
+#[test]
+fn a_servers_conditions_say_whether_a_person_must_act_and_insecure_tls_warns() {
+    let tls = Server::start_tls(Flavor::Redis, "server", false);
+    let platform = namespace("server-conditions");
+    let label = platform.clone();
+    let _operator = operator(&label, &[]);
+    let server = |name: &str, url: &str, extra: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: RedisServer\nmetadata:\n  name: {name}\n  labels: {{pelican-test: \
+             {label}}}\nspec:\n  url: {url}\n{extra}"
+        )
+    };
+    let manifests = [
+        server("no-secret", "redis://127.0.0.1:1/0", "  passwordSecretRef: {name: missing, key: password}\n"),
+        server("nobody-home", &format!("redis://127.0.0.1:{}/0", free_port()), ""),
+        server("insecure", &tls.tls_url(), "  tls:\n    insecureSkipVerify: true\n"),
+    ];
+    assert!(kubectl_apply(&platform, &manifests.join("---\n")).0);
+    let conditions = |name: &str| {
+        let rs: Value =
+            serde_json::from_str(&kubectl_ok(&["get", "redisservers", name, "-n", &platform, "-o", "json"])).unwrap();
+        let mut said: Vec<(String, String, String)> = rs["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let field = |f: &str| c[f].as_str().unwrap_or_default().to_string();
+                (field("type"), field("status"), field("reason"))
+            })
+            .collect();
+        said.sort();
+        said
+    };
+    let expect = |name: &str, ready: &str, reconciling: &str, stalled: &str, reason: &str| {
+        let want: Vec<(String, String, String)> =
+            [("Ready", ready), ("Reconciling", reconciling), ("Stalled", stalled)]
+                .iter()
+                .map(|(t, s)| (t.to_string(), s.to_string(), reason.to_string()))
+                .collect();
+        wait_for(&format!("{name}'s conditions"), Duration::from_secs(60), || {
+            let said = conditions(name);
+            if said == want { Ok(()) } else { Err(format!("{said:?}")) }
+        });
+        println!("{name}: Ready {ready}, Reconciling {reconciling}, Stalled {stalled}, reason {reason}");
+    };
+    expect("no-secret", "False", "False", "True", "SecretNotFound");
+    expect("nobody-home", "False", "True", "False", "RedisUnavailable");
+    expect("insecure", "True", "False", "False", "Reconciled");
+    let warning = wait_for("an InsecureSkipVerify event on the server", Duration::from_secs(10), || {
+        events(&platform, "InsecureSkipVerify").into_iter().next().ok_or_else(|| "none".to_string())
+    });
+    assert_eq!(warning["type"], "Warning");
+    assert_eq!(warning["involvedObject"]["kind"], "RedisServer", "{warning}");
+    assert_eq!(warning["involvedObject"]["name"], "insecure", "{warning}");
+    let stalled = events(&platform, "SecretNotFound");
+    assert!(
+        stalled.iter().any(|e| e["involvedObject"]["name"] == "no-secret" && e["type"] == "Warning"),
+        "{stalled:?}"
+    );
+}

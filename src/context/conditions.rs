@@ -28,6 +28,48 @@ pub fn condition(previous: &[Condition], said: Said<'_>, generation: Option<i64>
     }
 }
 
+/// What a long-lived object (a policy, a server) is now, for [`verdict_conditions`].
+pub enum Verdict<'a> {
+    Ready(String),
+    /// `stalled`: only a person can fix it; otherwise it is retried.
+    Failed {
+        reason: &'a str,
+        message: String,
+        stalled: bool,
+    },
+}
+
+/// `Ready`, `Reconciling` and `Stalled` from one verdict, in the shape kstatus (Flux, kpt) and Argo CD read: ready
+/// -> Ready True `Reconciled`; a failure only a person can fix -> Stalled True; a failure retried -> Reconciling
+/// True, its message `retrying: ...`. The failure's reason is on all three.
+pub fn verdict_conditions(
+    previous: &[Condition],
+    verdict: Verdict<'_>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    use crate::api::{READY, RECONCILED, RECONCILING, STALLED};
+    let (ready, reconciling, stalled) = match verdict {
+        Verdict::Ready(message) => {
+            (("True", RECONCILED, message), ("False", RECONCILED, String::new()), ("False", RECONCILED, String::new()))
+        }
+        Verdict::Failed { reason, message, stalled: true } => {
+            (("False", reason, message.clone()), ("False", reason, String::new()), ("True", reason, message))
+        }
+        Verdict::Failed { reason, message, stalled: false } => (
+            ("False", reason, message.clone()),
+            ("True", reason, format!("retrying: {message}")),
+            ("False", reason, String::new()),
+        ),
+    };
+    [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
+        .into_iter()
+        .map(|(type_, (status, reason, message))| {
+            condition(previous, Said { type_, status, reason, message }, generation, now)
+        })
+        .collect()
+}
+
 /// Where a one-off job (a redrive, a seek) stands, for [`job_conditions`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobState {

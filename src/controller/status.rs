@@ -6,11 +6,11 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::Error;
 use crate::api::{ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals};
-use crate::context::conditions::{Said, condition};
+use crate::context::conditions::{Said, Verdict, condition, verdict_conditions};
 use crate::redis::{Backlog, GroupFacts, ServerInfo};
 use crate::runner::{JobFailure, JobKind};
 
-pub use crate::api::{READY, RECONCILED, RECONCILING, SATURATED, STALLED};
+pub use crate::api::{READY, SATURATED};
 
 /// How the last reconcile ended, as far as conditions are concerned.
 pub enum Outcome<'a> {
@@ -174,46 +174,24 @@ pub fn conditions(
     generation: Option<i64>,
     now: Timestamp,
 ) -> Vec<Condition> {
-    let (ready, reconciling, stalled) = match outcome {
-        Outcome::Ready { message } => (
-            ("True", RECONCILED, message.clone()),
-            ("False", RECONCILED, String::new()),
-            ("False", RECONCILED, String::new()),
-        ),
-        Outcome::Failed(error) if error.is_stalled() => (
-            ("False", error.reason(), error.to_string()),
-            ("False", error.reason(), String::new()),
-            ("True", error.reason(), error.to_string()),
-        ),
-        Outcome::Failed(error) => (
-            ("False", error.reason(), error.to_string()),
-            ("True", error.reason(), format!("retrying: {error}")),
-            ("False", error.reason(), String::new()),
-        ),
-        Outcome::JobFailed(job, failure) => {
-            let message = format!("the {} job failed: {}", job.name(), failure.message);
-            let (reconciling, stalled) = match failure.stalled {
-                true => (String::new(), message.clone()),
-                false => (format!("retrying: {message}"), String::new()),
-            };
-            (
-                ("False", failure.reason, message),
-                (if failure.stalled { "False" } else { "True" }, failure.reason, reconciling),
-                (if failure.stalled { "True" } else { "False" }, failure.reason, stalled),
-            )
+    let verdict = match outcome {
+        Outcome::Ready { message } => Verdict::Ready(message.clone()),
+        Outcome::Failed(error) => {
+            Verdict::Failed { reason: error.reason(), message: error.to_string(), stalled: error.is_stalled() }
         }
+        Outcome::JobFailed(job, failure) => Verdict::Failed {
+            reason: failure.reason,
+            message: format!("the {} job failed: {}", job.name(), failure.message),
+            stalled: failure.stalled,
+        },
     };
-    [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
-        .into_iter()
-        .map(|(type_, (status, reason, message))| {
-            condition(previous, Said { type_, status, reason, message }, generation, now)
-        })
-        .collect()
+    verdict_conditions(previous, verdict, generation, now)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::{RECONCILING, STALLED};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     #[test]

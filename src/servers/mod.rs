@@ -9,13 +9,14 @@ use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::EventType;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use tracing::{instrument, warn};
 
-use crate::api::{READY, RECONCILED, RedisServer, RedisServerStatus};
+use crate::api::{READY, RedisServer, RedisServerStatus};
 use crate::context::Shared;
-use crate::context::conditions::{Said, condition};
+use crate::context::conditions::{Verdict, verdict_conditions};
 use crate::{Error, Result};
 
 /// How often a server is looked at again (its policies count, whether it still answers).
@@ -56,26 +57,54 @@ async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Acti
     let previous = server.status.clone().unwrap_or_default();
     let reference = Some((server.namespace().unwrap_or_default(), server.name_any()));
     let policies = shared.policies.state().iter().filter(|p| p.server_ref() == reference).count() as i64;
-    let (said, version) = match check(&server, &shared).await {
+    let checked = check(&server, &shared).await;
+    let (verdict, version) = match &checked {
         Ok(info) => {
             let note = format!("{info} answers with the credentials of the spec; {policies} policies use it");
-            (Said { type_: READY, status: "True", reason: RECONCILED, message: note }, Some(info.to_string()))
+            (Verdict::Ready(note), Some(info.to_string()))
         }
         Err(e) => (
-            Said { type_: READY, status: "False", reason: e.reason(), message: e.to_string() },
+            Verdict::Failed { reason: e.reason(), message: e.to_string(), stalled: e.is_stalled() },
             previous.server_version.clone(),
         ),
     };
+    let generation = server.meta().generation;
     let next = RedisServerStatus {
-        conditions: vec![condition(&previous.conditions, said, server.meta().generation, Timestamp::now())],
-        observed_generation: server.meta().generation,
+        conditions: verdict_conditions(&previous.conditions, verdict, generation, Timestamp::now()),
+        observed_generation: generation,
         server_version: version,
         policies,
     };
     if next != previous {
         shared.apply_status(server.as_ref(), &next).await?;
+        announce(&server, &previous, &next, &shared).await;
     }
     Ok(Action::requeue(RECHECK))
+}
+
+/// An Event when the server becomes Ready or stops being Ready (a Warning with the reason), and with the first, a
+/// Warning `InsecureSkipVerify` when the spec turns certificate checks off.
+async fn announce(server: &RedisServer, previous: &RedisServerStatus, next: &RedisServerStatus, shared: &Shared) {
+    let ready = |status: &RedisServerStatus| {
+        status.conditions.iter().find(|c| c.type_ == READY).map(|c| (c.status.clone(), c.reason.clone()))
+    };
+    let Some(now) = next.conditions.iter().find(|c| c.type_ == READY) else { return };
+    if ready(previous) == ready(next) {
+        return;
+    }
+    let object = server.object_ref(&());
+    if now.status == "True" {
+        shared.publish(&object, "Check", EventType::Normal, READY, now.message.clone()).await;
+        if server.spec.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
+            let note = "spec.tls.insecureSkipVerify is true: the server's certificate is not verified, so anyone on \
+                        the path can pose as the server and read the credentials"
+                .to_string();
+            warn!("{note}");
+            shared.publish(&object, "Check", EventType::Warning, "InsecureSkipVerify", note).await;
+        }
+    } else {
+        shared.publish(&object, "Check", EventType::Warning, &now.reason, now.message.clone()).await;
+    }
 }
 
 /// The server's Secrets resolve, and it answers `INFO server` with them.
