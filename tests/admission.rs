@@ -63,6 +63,14 @@ fn changing_stream_group_or_url_is_refused() {
     assert!(out.contains("spec.group is immutable"), "{out}");
     let out = refused(&ns, &original.replace(URL, "redis://127.0.0.1:6380/0"));
     assert!(out.contains("spec.redis.url is immutable"), "{out}");
+    // Moving to a RedisServer is allowed once; coming back to another url through it is not (the field rules on url
+    // and on serverRef each see their field absent on one side, so only the rule on spec.redis can tell).
+    let moved = original.replace(&format!("url: {URL}"), "serverRef: {name: shared}");
+    assert!(moved != original, "the policy's url line: {original}");
+    assert!(kubectl_apply(&ns, &moved).0, "url -> serverRef is a documented move");
+    let out = refused(&ns, &original.replace(URL, "redis://127.0.0.1:6380/0"));
+    assert!(out.contains("spec.redis.serverRef cannot be removed"), "{out}");
+    assert_eq!(get_policy(&ns, "p")["spec"]["redis"]["serverRef"]["name"], "shared");
 }
 
 #[test]
