@@ -299,3 +299,82 @@ fn without_leader_election_the_lease_is_still_granted_and_named() {
     let role = role.expect("the Lease Role");
     assert!(role.contains("resources: [\"leases\"]") && role.contains("\"delete\""), "{role}");
 }
+
+/// High availability by default: one PodDisruptionBudget per Deployment selecting exactly that Deployment's Pods
+/// (none with one replica, where it would block every drain), replicas spread over nodes, and a warning in the NOTES
+/// when more than one replica runs without leader election.
+#[test]
+fn each_deployment_gets_a_disruption_budget_and_spreads_over_nodes() {
+    let documents = |manifests: &str| -> Vec<serde_json::Value> {
+        manifests
+            .split("\n---")
+            .filter_map(|d| serde_yaml::from_str::<serde_json::Value>(d).ok())
+            .filter(|d| d.is_object())
+            .collect()
+    };
+    let of_kind = |docs: &[serde_json::Value], kind: &str| -> Vec<serde_json::Value> {
+        docs.iter().filter(|d| d["kind"] == kind).cloned().collect()
+    };
+    for sets in [&[][..], &["sharding.shards={a,b}"][..]] {
+        let docs = documents(&render("ha", "pelican-system", sets));
+        let (deployments, budgets) = (of_kind(&docs, "Deployment"), of_kind(&docs, "PodDisruptionBudget"));
+        assert_eq!(budgets.len(), deployments.len(), "{sets:?}: one budget per Deployment");
+        for deployment in &deployments {
+            let selector = &deployment["spec"]["selector"]["matchLabels"];
+            let name = &deployment["metadata"]["name"];
+            let budget = budgets.iter().find(|b| b["metadata"]["name"] == *name).expect("a budget named as it");
+            assert_eq!(budget["spec"]["selector"]["matchLabels"], *selector, "{name}");
+            assert_eq!(budget["spec"]["minAvailable"], 1);
+            let spread = &deployment["spec"]["template"]["spec"]["topologySpreadConstraints"][0];
+            assert_eq!(spread["topologyKey"], "kubernetes.io/hostname", "{name}");
+            assert_eq!(spread["whenUnsatisfiable"], "ScheduleAnyway", "{name}");
+            assert_eq!(spread["labelSelector"]["matchLabels"], *selector, "{name}");
+        }
+    }
+    let single = documents(&render("one", "pelican-system", &["replicaCount=1"]));
+    assert!(of_kind(&single, "PodDisruptionBudget").is_empty(), "a budget for one replica blocks every drain");
+    let ns = namespace("chart-ha");
+    let (ok, out) = helm(&[
+        "install",
+        "solo",
+        CHART,
+        "--namespace",
+        &ns,
+        "--dry-run=client",
+        "--set",
+        "leaderElection.enabled=false",
+    ]);
+    assert!(ok, "{out}");
+    let notes = out.split("NOTES:").nth(1).expect("helm prints the NOTES");
+    assert!(notes.contains("WARNING: leaderElection.enabled is false with replicaCount 2"), "{notes}");
+    let (ok, out) = helm(&["install", "pair", CHART, "--namespace", &ns, "--dry-run=client"]);
+    assert!(ok && !out.contains("WARNING"), "{out}");
+}
+
+/// The roles for people aggregate into Kubernetes' own: `edit` and `admin` may write policies, redrives and seeks,
+/// `view` may read them and the servers; no aggregated role writes RedisServers. (That a user bound to `edit` gets
+/// them needs the controller-manager's aggregation: tests/node.rs.)
+#[test]
+fn the_roles_for_people_aggregate_into_edit_and_view_without_servers() {
+    let manifests = render("people", "pelican-system", &[]);
+    let roles: Vec<serde_json::Value> = manifests
+        .split("\n---")
+        .filter_map(|d| serde_yaml::from_str::<serde_json::Value>(d).ok())
+        .filter(|d| d["kind"] == "ClusterRole")
+        .collect();
+    let role = |name: &str| roles.iter().find(|r| r["metadata"]["name"] == name).unwrap_or_else(|| panic!("{name}"));
+    let labels = |name: &str| role(name)["metadata"]["labels"].clone();
+    assert_eq!(labels("people-pelican-edit")["rbac.authorization.k8s.io/aggregate-to-edit"], "true");
+    assert_eq!(labels("people-pelican-edit")["rbac.authorization.k8s.io/aggregate-to-admin"], "true");
+    assert_eq!(labels("people-pelican-view")["rbac.authorization.k8s.io/aggregate-to-view"], "true");
+    for name in ["people-pelican-edit", "people-pelican-view"] {
+        for rule in role(name)["rules"].as_array().unwrap() {
+            let writes = rule["verbs"].as_array().unwrap().iter().any(|v| v != "get" && v != "list" && v != "watch");
+            let servers =
+                rule["resources"].as_array().unwrap().iter().any(|r| r.as_str().unwrap().starts_with("redisservers"));
+            assert!(!(writes && servers), "{name} writes RedisServers: {rule}");
+        }
+    }
+    let off = render("people", "pelican-system", &["rbac.aggregateToDefaultRoles=false"]);
+    assert!(!off.contains("aggregate-to-edit"), "{off}");
+}

@@ -150,21 +150,15 @@ impl Installed {
             installed.start_redis();
         }
         let start = Instant::now();
-        let tag = format!("image.tag={}", env!("CARGO_PKG_VERSION"));
         let secrets = format!("rbac.secretNamespaces={{{}}}", installed.apps);
-        // The image imported into the node's containerd (no registry, never pulled).
+        // The chart's default image, localhost/pelican:<appVersion>, as installing.md says: imported into the node's
+        // containerd (`scripts/testenv node import`), so IfNotPresent never pulls.
         helm_ok(&[
             "install",
             &installed.release,
             installed.chart,
             "-n",
             &installed.system,
-            "--set",
-            "image.repository=localhost/pelican",
-            "--set",
-            &tag,
-            "--set",
-            "image.pullPolicy=Never",
             "--set",
             &secrets,
             "--set",
@@ -456,6 +450,76 @@ fn helm_upgrade_rolls_the_pods_with_never_two_leaders_at_once() {
     let args = kubectl_ok(&["get", "pod", &after[0].0, "-n", system, "-o", "jsonpath={.spec.containers[0].args}"]);
     assert!(args.contains("--max-concurrent-reconciles=16"), "{args}");
     show(&["get", "pods", "-n", system, "-o", "wide"]);
+    // Rolling back (installing.md, "Upgrade"): revision 1's values again, as a new revision, one leader after it.
+    helm_ok(&["rollback", &installed.release, "1", "-n", system, "--wait", "--timeout=180s"]);
+    kubectl_ok(&["rollout", "status", &deployment, "-n", system, "--timeout=180s"]);
+    installed.leader(None);
+    let history = helm_ok(&["history", &installed.release, "-n", system]);
+    println!("$ helm history {}\n{history}", installed.release);
+    assert!(history.contains("Rollback to 1"), "{history}");
+    let pods = installed.pods();
+    let args = kubectl_ok(&["get", "pod", &pods[0].0, "-n", system, "-o", "jsonpath={.spec.containers[0].args}"]);
+    assert!(args.contains("--max-concurrent-reconciles=32"), "after the rollback: {args}");
+}
+
+/// RBAC for people (installing.md, "Teams"): a user bound to Kubernetes' own `edit` in a namespace creates a policy,
+/// a redrive and a seek there through the chart's aggregated role, and may not create a RedisServer; one bound to
+/// `view` reads them and writes nothing.
+#[test]
+#[ignore = "needs the node and the operator image: scripts/test runs it (scripts/testenv node up, then --ignored)"]
+fn a_user_bound_to_edit_creates_policies_and_redrives_but_no_server() {
+    let installed = Installed::new(false);
+    let team = installed.apps.clone();
+    for (user, role) in [("alice", "edit"), ("bob", "view")] {
+        kubectl_ok(&[
+            "create",
+            "rolebinding",
+            &format!("{user}-{role}"),
+            "-n",
+            &team,
+            "--clusterrole",
+            role,
+            "--user",
+            user,
+        ]);
+    }
+    // The controller-manager aggregates the chart's roles into edit and view a moment after the install.
+    let can = |user: &str, verb: &str, resource: &str| {
+        let out = kubectl(&["auth", "can-i", verb, resource, "-n", &team, "--as", user], None);
+        String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    };
+    wait_for("edit and view to carry the chart's rules", Duration::from_secs(60), || {
+        match (can("alice", "create", "consumergrouppolicies.pelican.io"), can("bob", "list", "groupseeks.pelican.io"))
+        {
+            (true, true) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let as_user = |user: &str, manifest: &str| {
+        let out = kubectl(&["apply", "-n", &team, "--as", user, "-f", "-"], Some(manifest));
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    let policy = "apiVersion: pelican.io/v1alpha1\nkind: ConsumerGroupPolicy\nmetadata: {name: orders}\nspec:\n  redis: {url: \"redis://redis:6379/0\"}\n  stream: orders\n  group: billing\n  deadLetter: {stream: \"orders:dlq\"}\n";
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata: {name: again}\nspec:\n  policyRef: {name: orders}\n";
+    let seek = "apiVersion: pelican.io/v1alpha1\nkind: GroupSeek\nmetadata: {name: skip}\nspec:\n  policyRef: {name: orders}\n  to: {position: Latest}\n";
+    let server = "apiVersion: pelican.io/v1alpha1\nkind: RedisServer\nmetadata: {name: mine}\nspec:\n  url: \"redis://redis:6379/0\"\n  tenants:\n  - namespaces: [\"*\"]\n    keys: [\"*\"]\n";
+    for (what, manifest) in [("policy", policy), ("redrive", redrive), ("seek", seek)] {
+        let (ok, out) = as_user("alice", manifest);
+        assert!(ok, "alice (edit) could not create the {what}: {out}");
+        println!("alice (edit): {}", out.trim());
+    }
+    let (ok, out) = as_user("alice", server);
+    assert!(!ok && out.contains("forbidden"), "alice (edit) created a RedisServer: {out}");
+    println!("alice (edit), a RedisServer: {}", out.trim());
+    let listed = kubectl(&["get", "cgp,dlr,seek", "-n", &team, "--as", "bob"], None);
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    let (ok, out) = as_user("bob", &policy.replace("name: orders", "name: bobs"));
+    assert!(!ok && out.contains("forbidden"), "bob (view) created a policy: {out}");
+    assert!(!can("bob", "delete", "consumergrouppolicies.pelican.io"));
+    assert!(!can("alice", "create", "redisservers.pelican.io"));
 }
 
 /// Deleting the namespace of a policy (with its finalizer, its Secret and its Redis) finishes, the policy letting go
