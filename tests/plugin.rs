@@ -259,3 +259,41 @@ fn status_of_one_policy_shows_the_kubernetes_status_when_redis_is_down() {
     assert_eq!(json["name"], "orders");
     assert!(json["oldestPendingError"].as_str().is_some_and(|e| !e.is_empty()), "{json}");
 }
+
+/// `--redis-address`: a policy whose URL names a host that resolves only inside the cluster (here: nowhere) is
+/// read through the address given instead, as through a `kubectl port-forward`; without it the command says why
+/// the server's part is missing.
+#[test]
+fn redis_address_reaches_the_server_the_spec_names_only_in_cluster() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("plugin-address");
+    let manifest = policy("orders", "redis://redis.apps.svc.cluster.invalid:6379/0", "orders", "workers", "");
+    assert!(kubectl_apply(&ns, &manifest).0);
+    let mut conn = server.conn();
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("orders")
+        .arg("workers")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query(&mut conn)
+        .unwrap();
+    let id: String = redis::cmd("XADD").arg("orders").arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg("w-1")
+        .arg("STREAMS")
+        .arg("orders")
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+    let without = pelican_ok(&["status", "orders", "-n", &ns]);
+    assert!(without.contains("not read from the server:"), "{without}");
+    let address = server.url().trim_start_matches("redis://").trim_end_matches("/0").to_string();
+    let with = pelican_ok(&["status", "orders", "-n", &ns, "--redis-address", &address]);
+    assert!(with.contains(&id) && with.contains("w-1"), "the pending entry {id} of w-1 is not listed:\n{with}");
+    let bad = kubectl_plugin(&["pelican", "status", "orders", "-n", &ns, "--redis-address", "redis://x:1"]);
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && stderr.contains("is not a host name or address"), "{stderr}");
+}
