@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -111,6 +112,7 @@ tests:
             exp_annotations:
               summary: 'apps/stuck: a message has waited 23m 40s unacknowledged'
               description: 'The oldest pending entry of group g on stream s is older than the threshold: consumers are stuck or too slow. kubectl pelican status stuck -n apps shows the oldest entries and their consumers.'
+              runbook_url: 'http://localhost:3000/runbooks/oldest-pending-too-old.html'
       - eval_time: 3m
         alertname: PelicanOldestPendingTooOld
         exp_alerts: []
@@ -121,6 +123,7 @@ tests:
             exp_annotations:
               summary: 'apps/poison: 3 messages dead-lettered recently'
               description: 'Messages of group g reached their delivery cap and were moved to the dead-letter stream. kubectl pelican dlq poison -n apps groups them by reason; once fixed, kubectl pelican redrive moves them back.'
+              runbook_url: 'http://localhost:3000/runbooks/dead-letters-growing.html'
       - eval_time: 4m
         alertname: PelicanDeadLettersGrowing
         exp_alerts: []
@@ -131,6 +134,7 @@ tests:
             exp_annotations:
               summary: 'ConsumerGroupPolicy apps/broken is not Ready'
               description: 'kubectl describe cgp broken -n apps shows the reason (Secret missing, server unreachable, conflict ...).'
+              runbook_url: 'http://localhost:3000/runbooks/policy-not-ready.html'
       - eval_time: 8m
         alertname: PelicanBacklogNearlyFull
         exp_alerts:
@@ -138,6 +142,7 @@ tests:
             exp_annotations:
               summary: 'apps/full: backlog at 95% of spec.backlog.maxLength'
               description: 'Group g is falling behind its producers; bounded publishes will be refused when the backlog is full.'
+              runbook_url: 'http://localhost:3000/runbooks/backlog-nearly-full.html'
       - eval_time: 17m
         alertname: PelicanPublishesRefused
         exp_alerts:
@@ -145,6 +150,7 @@ tests:
             exp_annotations:
               summary: 'apps/full: 9 publishes refused (backlog full)'
               description: 'Producers of stream s are being refused because group g reached spec.backlog.maxLength.'
+              runbook_url: 'http://localhost:3000/runbooks/publishes-refused.html'
       - eval_time: 14m
         alertname: PelicanPublishesRefused
         exp_alerts: []
@@ -196,6 +202,7 @@ tests:
             exp_annotations:
               summary: 'No Pelican operator replica is up (job pelican-metrics)'
               description: 'No replica answers its metrics scrape: reclaim, dead-letter and retention jobs are not running.'
+              runbook_url: 'http://localhost:3000/runbooks/operator-down.html'
       - eval_time: 4m
         alertname: PelicanNotLeading
         exp_alerts: []
@@ -206,6 +213,7 @@ tests:
             exp_annotations:
               summary: 'No Pelican replica holds the leader Lease pelican-leader-shard1'
               description: 'Replicas are up but none leads: no policy is reconciled. Check the operator logs and the Lease.'
+              runbook_url: 'http://localhost:3000/runbooks/not-leading.html'
 "#;
 
 #[test]
@@ -372,4 +380,33 @@ fn prometheus_keeps_the_policy_namespace_in_namespace() {
     let _ = prometheus.wait();
     assert_eq!(labels.get("namespace").and_then(Value::as_str), Some(ns.as_str()), "{labels:?}");
     assert!(!labels.contains_key("exported_namespace"), "{labels:?}");
+}
+
+/// Every alert links its runbook: a page of the book under `runbooks/` that exists and that the runbooks' index
+/// lists next to the alert's name.
+#[test]
+fn every_alert_links_a_runbook_page_of_the_book() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/src/runbooks");
+    let index = std::fs::read_to_string(root.join("index.md")).unwrap();
+    let mut alerts = 0;
+    for group in rule_groups()["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            let alert = rule["alert"].as_str().unwrap();
+            let url = rule["annotations"]["runbook_url"].as_str().unwrap_or_else(|| panic!("{alert}: no runbook_url"));
+            let page = url
+                .strip_prefix("http://localhost:3000/runbooks/")
+                .and_then(|p| p.strip_suffix(".html"))
+                .unwrap_or_else(|| panic!("{alert}: {url} is not <runbookBaseUrl>/runbooks/<page>.html"));
+            let markdown = std::fs::read_to_string(root.join(format!("{page}.md")))
+                .unwrap_or_else(|e| panic!("{alert}: docs/src/runbooks/{page}.md: {e}"));
+            assert!(markdown.contains(&format!("`{alert}`")), "{page}.md does not name {alert}");
+            let row = index
+                .lines()
+                .find(|l| l.contains(&format!("`{alert}`")))
+                .unwrap_or_else(|| panic!("{alert} not in the index"));
+            assert!(row.contains(&format!("({page}.md)")), "the index row of {alert} links elsewhere: {row}");
+            alerts += 1;
+        }
+    }
+    assert!(alerts >= 11, "only {alerts} alerts: did the rules' shape change?");
 }
