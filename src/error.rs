@@ -5,7 +5,9 @@ use redis::{ErrorKind, RedisError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("Secret {namespace}/{name} or its key {key:?} not found: create it, or fix the reference in the policy")]
+    #[error(
+        "Secret {namespace}/{name} or its key {key:?} not found: create it, or fix the reference to it (in the policy or RedisServer)"
+    )]
     SecretNotFound { namespace: String, name: String, key: String },
 
     #[error(

@@ -163,6 +163,8 @@ fn the_argocd_example_embeds_the_tested_scripts() {
     for (key, script) in [
         ("resource.customizations.health.pelican.io_ConsumerGroupPolicy", "health.lua"),
         ("resource.customizations.health.pelican.io_DeadLetterRedrive", "redrive_health.lua"),
+        ("resource.customizations.health.pelican.io_RedisServer", "health.lua"),
+        ("resource.customizations.health.pelican.io_GroupSeek", "redrive_health.lua"),
     ] {
         let file = std::fs::read_to_string(format!("{ARGOCD}/{script}")).unwrap();
         // The file starts with a comment header the ConfigMap leaves out.
@@ -261,5 +263,47 @@ fn applying_the_same_manifests_twice_changes_nothing() {
         if entry["manager"] == "pelican" {
             assert_eq!(entry["subresource"], "status", "{entry}");
         }
+    }
+}
+
+/// `RedisServer`s in each state, live from the bed, read by Argo CD's `health.lua` (the policy's script: a server has
+/// the same three conditions) and by kstatus.
+#[test]
+fn server_health_and_kstatus_read_real_servers_right() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("gitops-rs");
+    let selector = format!("pelican-test={ns}");
+    let _operator = Operator::launch(&["--watch-label-selector", &selector], bed().kubeconfig());
+    let manifest = |name: &str, url: &str, extra: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: RedisServer\nmetadata:\n  name: {name}\n  labels: {{pelican-test: {ns}}}\nspec:\n  url: {url}\n{extra}"
+        )
+    };
+    let manifests = [
+        manifest("ready", &server.url(), ""),
+        manifest("stalled", &server.url(), "  passwordSecretRef: {name: missing, key: password}\n"),
+        manifest("retrying", &format!("redis://127.0.0.1:{}/0", free_port()), ""),
+    ];
+    assert!(kubectl_apply(&ns, &manifests.join("---\n")).0);
+    let dir = tempfile::tempdir().unwrap();
+    for (name, condition, reason, health, kstatus_status) in [
+        ("ready", "Ready", "Reconciled", "Healthy", "Current"),
+        ("stalled", "Stalled", "SecretNotFound", "Degraded", "Failed"),
+        ("retrying", "Reconciling", "RedisUnavailable", "Progressing", "InProgress"),
+    ] {
+        let object = wait_for(&format!("{name}: {condition} {reason}"), Duration::from_secs(60), || {
+            let object: Value =
+                serde_json::from_str(&kubectl_ok(&["get", "redisservers", name, "-n", &ns, "-o", "json"])).unwrap();
+            let conditions = object["status"]["conditions"].as_array().cloned().unwrap_or_default();
+            let found =
+                conditions.iter().any(|c| c["type"] == condition && c["status"] == "True" && c["reason"] == reason);
+            if found { Ok(object) } else { Err(object["status"].to_string()) }
+        });
+        let fixture = dir.path().join(format!("{name}.lua"));
+        std::fs::write(&fixture, format!("return {}\n", to_lua(&object))).unwrap();
+        let (status, message) = argocd_health(&fixture);
+        println!("RedisServer {name}: Argo CD {status} ({message}); kstatus {}", kstatus(&object));
+        assert_eq!(status, health, "{name}: {message}");
+        assert_eq!(kstatus(&object), kstatus_status, "kstatus of {name}");
     }
 }

@@ -206,10 +206,10 @@ pub struct RedisSpec {
     /// The sentinels' settings (`mode: Sentinel` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sentinel: Option<SentinelSpec>,
-    /// The ACL user name, from a Secret in the policy's namespace (optional; `default` when absent).
+    /// The ACL user name, from a Secret beside it (the policy's namespace, or the RedisServer's) (optional; `default` when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub username_secret_ref: Option<SecretKeyRef>,
-    /// The password, from a Secret in the policy's namespace (optional).
+    /// The password, from a Secret beside it (the policy's namespace, or the RedisServer's) (optional).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
     /// TLS settings for `rediss://` URLs: the CA to trust and an optional client certificate.
@@ -234,10 +234,10 @@ pub struct SentinelSpec {
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.sentinel.masterName is immutable: create a new policy for another primary"))]
     #[schemars(length(min = 1, max = 256))]
     pub master_name: String,
-    /// The ACL user name the sentinels require (`sentinel sentinel-user`), from a Secret in the policy's namespace.
+    /// The ACL user name the sentinels require (`sentinel sentinel-user`), from a Secret beside it (the policy's namespace, or the RedisServer's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub username_secret_ref: Option<SecretKeyRef>,
-    /// The password the sentinels require (`requirepass` of the sentinels), from a Secret in the policy's namespace.
+    /// The password the sentinels require (`requirepass` of the sentinels), from a Secret beside it (the policy's namespace, or the RedisServer's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<SecretKeyRef>,
 }
@@ -257,7 +257,7 @@ pub struct ServerRef {
 /// A key of a Secret in the policy's own namespace.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SecretKeyRef {
-    /// Name of the Secret, in the policy's namespace.
+    /// Name of the Secret, in the namespace of the policy or RedisServer that names it.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// Key within the Secret's data.
@@ -357,7 +357,8 @@ pub struct DeadLetterSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumersSpec {
-    /// Delete consumers inactive this long that own no pending entries.
+    /// Delete consumers idle this long (`XINFO CONSUMERS` `idle`: since their last attempt to read or claim, not
+    /// `inactive`, their last successful one) that own no pending entries.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.consumers.expireAfter must be at least 1s"))]
