@@ -22,6 +22,8 @@ pub const NOT_PROGRESSING: &str = "NotProgressing";
 pub const FALLING_BEHIND: &str = "FallingBehind";
 /// Fewer than [`WINDOW`] samples since the operator started, and no earlier verdict to keep.
 pub const MEASURING: &str = "Measuring";
+/// The message of the verdict said at once, from the last sample alone, when there is no backlog.
+const CAUGHT_UP: &str = "caught up: nothing unread or pending";
 
 /// The server's counters at one refresh.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -136,7 +138,7 @@ impl Window {
     pub fn verdict(&self) -> Option<(&'static str, String)> {
         let last = self.samples.back()?;
         if last.backlog == 0 {
-            return Some((PROGRESSING, "caught up: nothing unread or pending".into()));
+            return Some((PROGRESSING, CAUGHT_UP.into()));
         }
         if last.consumers == 0 {
             return Some((
@@ -186,12 +188,14 @@ impl Window {
     }
 }
 
-/// The `Consuming` condition from the window: the verdict, or while there is none yet, the earlier one (an operator
-/// restart starts the window again) or `Unknown` `Measuring`.
+/// The `Consuming` condition from the window: the verdict, or while there is none yet, the earlier one if a window
+/// judged it (an operator restart starts the window again), or `Unknown` `Measuring`. An earlier verdict said from
+/// one sample (caught up, no consumers) is not kept: the last sample, which says neither, contradicts it.
 pub fn consuming(previous: &[Condition], window: &Window, generation: Option<i64>, now: Timestamp) -> Condition {
+    let judged_by_a_window = |c: &&Condition| c.reason != NO_CONSUMERS && c.message != CAUGHT_UP;
     let (status, reason, message) = match window.verdict() {
         Some((reason, message)) => (if reason == PROGRESSING { "True" } else { "False" }, reason, message),
-        None => match previous.iter().find(|c| c.type_ == CONSUMING) {
+        None => match previous.iter().find(|c| c.type_ == CONSUMING).filter(judged_by_a_window) {
             Some(old) => return Condition { observed_generation: generation, ..old.clone() },
             None => (
                 "Unknown",
@@ -344,5 +348,23 @@ mod tests {
         let later = Timestamp::from_second(60).unwrap();
         let kept = consuming(std::slice::from_ref(&stuck), &window([at(0, 9, 4, 1, 1)]), Some(2), later);
         assert_eq!((kept.reason.as_str(), kept.observed_generation), (NOT_PROGRESSING, Some(2)));
+    }
+
+    /// The demo's first minute: the first sample finds nothing to read (caught up, said at once), the next ones a
+    /// backlog, before a window is full. "Caught up" must not stay beside a backlog of 12; nor "no consumers" once
+    /// one came.
+    #[test]
+    fn a_verdict_said_from_one_sample_gives_way_when_the_next_contradicts_it() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let caught_up = consuming(&[], &window([at(0, 0, 0, 0, 1)]), Some(1), t0);
+        assert_eq!((caught_up.status.as_str(), caught_up.message.as_str()), ("True", CAUGHT_UP));
+        let busy = window([at(0, 0, 0, 0, 1), at(1, 20, 12, 4, 1)]);
+        let now = consuming(std::slice::from_ref(&caught_up), &busy, Some(1), t0);
+        assert_eq!((now.status.as_str(), now.reason.as_str()), ("Unknown", MEASURING), "{}", now.message);
+        let alone = consuming(&[], &window([at(0, 9, 0, 0, 0)]), Some(1), t0);
+        assert_eq!(alone.reason, NO_CONSUMERS);
+        let joined = window([at(0, 9, 0, 0, 0), at(1, 9, 2, 2, 1)]);
+        let now = consuming(std::slice::from_ref(&alone), &joined, Some(1), t0);
+        assert_eq!(now.reason, MEASURING, "{}", now.message);
     }
 }
