@@ -304,6 +304,23 @@ fn installed_pods_reconcile_a_policy_through_a_service_with_only_the_charts_rbac
     let standby = running.iter().find(|(name, _, _)| *name != leader).unwrap();
     assert!(scrape(&standby.1).unwrap().contains(&format!("pelican_leader{{lease=\"{LEASE}\"}} 0")));
     println!("leader {leader} ({leader_ip}); standby {} ({})", standby.0, standby.1);
+    // installing.md, "Verify": the Lease names the leading pod (`<pod>-<pid>`), and the default disruption budget
+    // lets one of the two replicas go at a time.
+    let holder = kubectl_ok(&["get", "lease", LEASE, "-n", system, "-o", "jsonpath={.spec.holderIdentity}"]);
+    assert!(holder.starts_with(&format!("{leader}-")), "the Lease holder {holder:?} is not the leader {leader}");
+    let allowed = wait_for("the disruption budget to count both replicas", Duration::from_secs(30), || {
+        let budget = kubectl_ok(&[
+            "get",
+            "pdb",
+            &installed.release,
+            "-n",
+            system,
+            "-o",
+            "jsonpath={.status.disruptionsAllowed}",
+        ]);
+        if budget == "1" { Ok(budget) } else { Err(budget) }
+    });
+    println!("Lease {LEASE} held by {holder}; PodDisruptionBudget {}: {allowed} disruption allowed", installed.release);
 
     // Everything the pods did, with exactly the chart's RBAC: the API server refused none of their requests. (The
     // bed also holds the namespaces and policies of every earlier test, which this cluster-wide operator serves too.)
@@ -545,6 +562,38 @@ fn deleting_the_namespace_and_uninstalling_finish_and_leave_nothing_behind() {
         let out = kubectl(&["get", kind, &installed.release], None);
         assert!(!out.status.success(), "{kind} {} left behind", installed.release);
     }
+}
+
+/// installing.md, "Uninstall", as written (but for one namespace: the bed is shared): a dead letter made first;
+/// policies deleted while the operator runs (the `Delete` policy's group goes), `helm uninstall` (its ClusterRoles
+/// for the operator and for people go), and in Redis only what the page says stays: the streams and Pelican's keys,
+/// found with the page's `--scan --pattern`.
+#[test]
+#[ignore = "needs the node and the operator image: scripts/test runs it (scripts/testenv node up, then --ignored)"]
+fn uninstalling_as_written_leaves_only_what_the_page_says() {
+    let mut installed = Installed::new(true);
+    let apps = installed.apps.clone();
+    let id = redis_in_pod(&installed.redis_ip, &["XADD", "orders", "*", "n", "1"]);
+    redis_in_pod(&installed.redis_ip, &["XREADGROUP", "GROUP", "billing", "w-1", "STREAMS", "orders", ">"]);
+    wait_for("the entry dead-lettered", Duration::from_secs(30), || {
+        match redis_in_pod(&installed.redis_ip, &["XLEN", "orders:dlq"]).as_str() {
+            "1" => Ok(()),
+            other => Err(other.to_string()),
+        }
+    });
+    kubectl_ok(&["delete", "cgp", "--all", "-n", &apps, "--timeout=60s"]);
+    assert_eq!(redis_in_pod(&installed.redis_ip, &["XINFO", "GROUPS", "orders"]), "", "the Delete policy's group");
+    installed.uninstall();
+    for role in ["", "-edit", "-view"] {
+        let out = kubectl(&["get", "clusterrole", &format!("{}{role}", installed.release)], None);
+        assert!(!out.status.success(), "ClusterRole {}{role} left behind", installed.release);
+    }
+    let left = redis_in_pod(&installed.redis_ip, &["--scan", "--pattern", "*:pelican:*"]);
+    println!("after uninstalling, Pelican's keys left in Redis (redis-cli --scan --pattern '*:pelican:*'):\n{left}");
+    assert!(left.lines().all(|k| k.starts_with("{orders}:pelican:orders:")), "{left}");
+    assert!(left.lines().any(|k| k.ends_with(":totals")), "{left}");
+    let dead_letter = redis_in_pod(&installed.redis_ip, &["XRANGE", "orders:dlq", "-", "+"]);
+    assert!(dead_letter.contains(&id), "the dead letter stays: {dead_letter}");
 }
 
 fn condition_message(object: &serde_json::Value, type_: &str) -> String {
