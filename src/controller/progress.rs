@@ -24,6 +24,8 @@ pub const FALLING_BEHIND: &str = "FallingBehind";
 pub const MEASURING: &str = "Measuring";
 /// The message of the verdict said at once, from the last sample alone, when there is no backlog.
 const CAUGHT_UP: &str = "caught up: nothing unread or pending";
+/// The message while a backlog has come since "caught up" and the window is not full yet.
+const BACKLOG_SINCE: &str = "caught up at the last verdict; entries came since: judged again once a window is full";
 
 /// The server's counters at one refresh.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -188,20 +190,25 @@ impl Window {
     }
 }
 
-/// The `Consuming` condition from the window: the verdict, or while there is none yet, the earlier one if a window
-/// judged it (an operator restart starts the window again), or `Unknown` `Measuring`. An earlier verdict said from
-/// one sample (caught up, no consumers) is not kept: the last sample, which says neither, contradicts it.
+/// The `Consuming` condition from the window: the verdict, or while there is none yet (fewer samples than a window:
+/// an operator restart starts the window again), the earlier one, unless the last sample contradicts it: a consumer
+/// came after `NoConsumers` (then `Unknown` `Measuring`), or a backlog after "caught up" (then still Progressing, the
+/// message saying so). Without an earlier one, `Unknown` `Measuring`.
 pub fn consuming(previous: &[Condition], window: &Window, generation: Option<i64>, now: Timestamp) -> Condition {
-    let judged_by_a_window = |c: &&Condition| c.reason != NO_CONSUMERS && c.message != CAUGHT_UP;
+    let measuring = || {
+        let taken = window.taken();
+        ("Unknown", MEASURING, format!("{taken} of {WINDOW} samples taken: a verdict needs a whole window"))
+    };
+    let last = window.samples.back();
     let (status, reason, message) = match window.verdict() {
         Some((reason, message)) => (if reason == PROGRESSING { "True" } else { "False" }, reason, message),
-        None => match previous.iter().find(|c| c.type_ == CONSUMING).filter(judged_by_a_window) {
+        None => match previous.iter().find(|c| c.type_ == CONSUMING) {
+            Some(old) if old.reason == NO_CONSUMERS && last.is_some_and(|s| s.consumers > 0) => measuring(),
+            Some(old) if [CAUGHT_UP, BACKLOG_SINCE].contains(&old.message.as_str()) => {
+                ("True", PROGRESSING, BACKLOG_SINCE.to_string())
+            }
             Some(old) => return Condition { observed_generation: generation, ..old.clone() },
-            None => (
-                "Unknown",
-                MEASURING,
-                format!("{} of {WINDOW} samples taken: a verdict needs a whole window", window.taken()),
-            ),
+            None => measuring(),
         },
     };
     condition(previous, Said { type_: CONSUMING, status, reason, message }, generation, now)
@@ -351,8 +358,8 @@ mod tests {
     }
 
     /// The demo's first minute: the first sample finds nothing to read (caught up, said at once), the next ones a
-    /// backlog, before a window is full. "Caught up" must not stay beside a backlog of 12; nor "no consumers" once
-    /// one came.
+    /// backlog, before a window is full. "Caught up" must not stay beside a backlog of 12 (the verdict stays, its
+    /// message says entries came since); nor "no consumers" once one came.
     #[test]
     fn a_verdict_said_from_one_sample_gives_way_when_the_next_contradicts_it() {
         let t0 = Timestamp::UNIX_EPOCH;
@@ -360,7 +367,14 @@ mod tests {
         assert_eq!((caught_up.status.as_str(), caught_up.message.as_str()), ("True", CAUGHT_UP));
         let busy = window([at(0, 0, 0, 0, 1), at(1, 20, 12, 4, 1)]);
         let now = consuming(std::slice::from_ref(&caught_up), &busy, Some(1), t0);
-        assert_eq!((now.status.as_str(), now.reason.as_str()), ("Unknown", MEASURING), "{}", now.message);
+        assert_eq!(
+            (now.status.as_str(), now.reason.as_str(), now.message.as_str()),
+            ("True", PROGRESSING, BACKLOG_SINCE)
+        );
+        assert_eq!(now.last_transition_time, caught_up.last_transition_time, "no flap");
+        let busier = window([at(0, 0, 0, 0, 1), at(1, 20, 12, 4, 1), at(2, 40, 30, 4, 1)]);
+        let still = consuming(std::slice::from_ref(&now), &busier, Some(1), t0);
+        assert_eq!(still, now, "one write, not one per sample");
         let alone = consuming(&[], &window([at(0, 9, 0, 0, 0)]), Some(1), t0);
         assert_eq!(alone.reason, NO_CONSUMERS);
         let joined = window([at(0, 9, 0, 0, 0), at(1, 9, 2, 2, 1)]);
