@@ -32,6 +32,8 @@ pub struct Observation {
     pub primary: Option<String>,
     /// What the server can do (`COMMAND INFO`, `COMMAND DOCS`).
     pub features: Features,
+    /// `spec.reclaim.interval`, as the reconcile parsed it: the spacing of the progress samples.
+    pub interval: std::time::Duration,
 }
 
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
@@ -108,7 +110,8 @@ pub async fn converge(
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
-    Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary, features })
+    let interval = schedule.interval;
+    Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary, features, interval })
 }
 
 /// Logs and publishes what a step of the plan announces.

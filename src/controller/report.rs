@@ -10,7 +10,7 @@ use tracing::{info, warn};
 use super::act::Observation;
 use super::progress::{self, Sample};
 use super::status::{self, Outcome, READY};
-use super::{Context, publish, validate};
+use super::{Context, publish};
 use crate::Result;
 use crate::api::{CONSUMING, ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
 use crate::context::policy_id;
@@ -43,8 +43,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             let window = {
                 let mut windows = ctx.progress.lock().expect("progress lock");
                 let window = windows.entry(kube::runtime::reflector::ObjectRef::from_obj(policy)).or_default();
-                let spacing = validate::Schedule::from_spec(&policy.spec).map_or(0, |s| s.interval.as_millis() as i64);
-                window.push(Sample::of(&seen.facts), spacing * 9 / 10);
+                window.push(Sample::of(&seen.facts), seen.interval.as_millis() as i64 * 9 / 10);
                 window.unread = seen.facts.unread.clone();
                 window.clone()
             };
