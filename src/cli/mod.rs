@@ -47,9 +47,8 @@ fn parse_address(address: &str) -> Result<String, String> {
 /// `url` with its host and port replaced by `address`, its scheme, user and database kept.
 fn with_address(url: &str, address: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
-    let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    let (authority, path) = rest.find('/').map_or((rest, ""), |slash| rest.split_at(slash));
     let user = authority.rsplit_once('@').map_or(String::new(), |(user, _)| format!("{user}@"));
-    let path = if path.is_empty() { String::new() } else { format!("/{path}") };
     format!("{scheme}://{user}{address}{path}")
 }
 
