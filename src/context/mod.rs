@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::NamespaceResourceScope;
 use kube::runtime::events::{Event, EventType, Reporter};
@@ -24,7 +25,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::fmt::Debug;
 
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::leader::Leadership;
@@ -276,6 +277,38 @@ impl Shared {
         let params = PatchParams::apply(FIELD_MANAGER).force();
         api.patch_status(&object.name_any(), &params, &Patch::Apply(&patch)).await?;
         Ok(())
+    }
+
+    /// One Event per change of an object's `Ready` status or reason, never one per retry: Normal `Ready`, or a
+    /// Warning named by the reason; with the change to Ready, a Warning `InsecureSkipVerify` when `insecure` names the
+    /// spec field that turns certificate checks off.
+    pub async fn announce_ready(
+        &self,
+        object: &ObjectReference,
+        action: &str,
+        (previous, next): (&[Condition], &[Condition]),
+        insecure: Option<&str>,
+    ) {
+        let ready = |conditions: &[Condition]| {
+            conditions.iter().find(|c| c.type_ == crate::api::READY).map(|c| (c.status.clone(), c.reason.clone()))
+        };
+        let Some(now) = next.iter().find(|c| c.type_ == crate::api::READY) else { return };
+        if ready(previous) == ready(next) {
+            return;
+        }
+        let (reason, message) = (now.reason.as_str(), now.message.clone());
+        if now.status == "True" {
+            info!(reason, "{message}");
+            self.publish(object, action, EventType::Normal, "Ready", message).await;
+            if let Some(field) = insecure {
+                let note = format!("{field} is true: the server's certificate is not verified");
+                warn!("{note}");
+                self.publish(object, action, EventType::Warning, "InsecureSkipVerify", note).await;
+            }
+        } else {
+            warn!(reason, "{message}");
+            self.publish(object, action, EventType::Warning, reason, message).await;
+        }
     }
 
     /// Publishes an Event about `object` (`action`: `Reconcile`, `Redrive`, ...). Events are best effort: a failure

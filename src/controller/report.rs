@@ -63,7 +63,16 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     conditions.extend(status::saturated(&previous.conditions, &status, max_length, generation, now));
     conditions.extend(consuming);
     let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, ..status };
-    announce_transition(policy, ctx, &previous, &status).await;
+    let insecure = policy
+        .spec
+        .redis
+        .tls
+        .as_ref()
+        .is_some_and(|t| t.insecure_skip_verify)
+        .then_some("spec.redis.tls.insecureSkipVerify");
+    let conditions = (&previous.conditions[..], &status.conditions[..]);
+    let object = kube::Resource::object_ref(policy, &());
+    ctx.shared.announce_ready(&object, "Reconcile", conditions, insecure).await;
     announce_consuming(policy, ctx, &previous, &status).await;
     announce_saturation(policy, ctx, &previous, &status).await;
     announce_failover(policy, ctx, &previous, &status).await;
@@ -90,38 +99,6 @@ pub fn unchanged_failure(policy: &ConsumerGroupPolicy, error: &crate::Error) -> 
         && status.conditions.iter().any(|c| {
             c.type_ == READY && c.status == "False" && c.reason == error.reason() && c.message == error.to_string()
         })
-}
-
-/// One Event per change of the Ready reason, never one per retry.
-async fn announce_transition(
-    policy: &ConsumerGroupPolicy,
-    ctx: &Context,
-    previous: &ConsumerGroupPolicyStatus,
-    next: &ConsumerGroupPolicyStatus,
-) {
-    let ready = |s: &ConsumerGroupPolicyStatus| {
-        s.conditions.iter().find(|c| c.type_ == READY).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
-    };
-    let (before, after) = (ready(previous), ready(next));
-    let Some((status, reason, message)) = after else {
-        return;
-    };
-    if before.as_ref().map(|(s, r, _)| (s, r)) == Some((&status, &reason)) {
-        return;
-    }
-    if status == "True" {
-        info!(reason, "{message}");
-        publish(ctx, policy, EventType::Normal, "Ready", message).await;
-        if policy.spec.redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
-            let note =
-                "spec.redis.tls.insecureSkipVerify is true: the server's certificate is not verified".to_string();
-            warn!("{note}");
-            publish(ctx, policy, EventType::Warning, "InsecureSkipVerify", note).await;
-        }
-    } else {
-        warn!(reason, "{message}");
-        publish(ctx, policy, EventType::Warning, &reason, message).await;
-    }
 }
 
 /// One Event per change of the `Consuming` verdict: Normal `Progressing` when consumers move again, a Warning

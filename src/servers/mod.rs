@@ -9,12 +9,11 @@ use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::EventType;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use tracing::{instrument, warn};
 
-use crate::api::{READY, RedisServer, RedisServerStatus};
+use crate::api::{RedisServer, RedisServerStatus};
 use crate::context::Shared;
 use crate::context::conditions::{Verdict, verdict_conditions};
 use crate::{Error, Result};
@@ -57,8 +56,7 @@ async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Acti
     let previous = server.status.clone().unwrap_or_default();
     let reference = Some((server.namespace().unwrap_or_default(), server.name_any()));
     let policies = shared.policies.state().iter().filter(|p| p.server_ref() == reference).count() as i64;
-    let checked = check(&server, &shared).await;
-    let (verdict, version) = match &checked {
+    let (verdict, version) = match check(&server, &shared).await {
         Ok(info) => {
             let note = format!("{info} answers with the credentials of the spec; {policies} policies use it");
             (Verdict::Ready(note), Some(info.to_string()))
@@ -77,34 +75,12 @@ async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Acti
     };
     if next != previous {
         shared.apply_status(server.as_ref(), &next).await?;
-        announce(&server, &previous, &next, &shared).await;
+        let insecure =
+            server.spec.tls.as_ref().is_some_and(|t| t.insecure_skip_verify).then_some("spec.tls.insecureSkipVerify");
+        let conditions = (&previous.conditions[..], &next.conditions[..]);
+        shared.announce_ready(&server.object_ref(&()), "Check", conditions, insecure).await;
     }
     Ok(Action::requeue(RECHECK))
-}
-
-/// An Event when the server becomes Ready or stops being Ready (a Warning with the reason), and with the first, a
-/// Warning `InsecureSkipVerify` when the spec turns certificate checks off.
-async fn announce(server: &RedisServer, previous: &RedisServerStatus, next: &RedisServerStatus, shared: &Shared) {
-    let ready = |status: &RedisServerStatus| {
-        status.conditions.iter().find(|c| c.type_ == READY).map(|c| (c.status.clone(), c.reason.clone()))
-    };
-    let Some(now) = next.conditions.iter().find(|c| c.type_ == READY) else { return };
-    if ready(previous) == ready(next) {
-        return;
-    }
-    let object = server.object_ref(&());
-    if now.status == "True" {
-        shared.publish(&object, "Check", EventType::Normal, READY, now.message.clone()).await;
-        if server.spec.tls.as_ref().is_some_and(|t| t.insecure_skip_verify) {
-            let note = "spec.tls.insecureSkipVerify is true: the server's certificate is not verified, so anyone on \
-                        the path can pose as the server and read the credentials"
-                .to_string();
-            warn!("{note}");
-            shared.publish(&object, "Check", EventType::Warning, "InsecureSkipVerify", note).await;
-        }
-    } else {
-        shared.publish(&object, "Check", EventType::Warning, &now.reason, now.message.clone()).await;
-    }
 }
 
 /// The server's Secrets resolve, and it answers `INFO server` with them.
