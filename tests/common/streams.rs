@@ -77,23 +77,42 @@ pub fn entries_n(raw: Vec<(String, Vec<Vec<u8>>)>) -> Vec<(String, Option<u64>)>
 /// The failover ledger: on the server now in charge, every message of `stream` (field `n`) is exactly once
 /// dead-lettered and acknowledged, or not acknowledged (pending, or not delivered yet) and not in `dlq`; no dead
 /// letter without its message. Returns (dead-lettered, not acknowledged). Only the dead-lettering script
-/// acknowledges in these tests.
+/// acknowledges in these tests. The four reads are one MULTI/EXEC: the operator may still be dead-lettering, and a
+/// message moved between reading the dead-letter stream and reading the PEL would look acknowledged but never
+/// dead-lettered.
 pub fn failover_ledger(conn: &mut impl redis::ConnectionLike, stream: &str, dlq: &str, group: &str) -> (usize, usize) {
-    let range = |conn: &mut dyn redis::ConnectionLike, key: &str| -> Vec<(String, Vec<Vec<u8>>)> {
-        redis::cmd("XRANGE").arg(key).arg("-").arg("+").query(conn).unwrap()
-    };
+    type Entries = Vec<(String, Vec<Vec<u8>>)>;
+    type Pel = Vec<(String, String, i64, i64)>;
+    type Groups = Vec<HashMap<String, redis::Value>>;
+    let (dead_entries, pending, groups, entries): (Entries, Pel, Groups, Entries) = redis::pipe()
+        .atomic()
+        .cmd("XRANGE")
+        .arg(dlq)
+        .arg("-")
+        .arg("+")
+        .cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(1_000_000)
+        .cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query(conn)
+        .unwrap();
     let n_of = |flat: &[Vec<u8>]| -> String {
         flat.chunks(2).find(|p| p[0] == b"n").map(|p| String::from_utf8_lossy(&p[1]).into_owned()).expect("field n")
     };
     let mut dead: HashMap<String, usize> = HashMap::new();
-    let dead_entries = range(conn, dlq);
     for (_, flat) in &dead_entries {
         *dead.entry(n_of(flat)).or_default() += 1;
     }
-    let pending: Vec<(String, String, i64, i64)> =
-        redis::cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(1_000_000).query(conn).unwrap();
     let pending: std::collections::HashSet<String> = pending.into_iter().map(|p| p.0).collect();
-    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO").arg("GROUPS").arg(stream).query(conn).unwrap();
     let group_info = groups.iter().find(|g| g["name"] == redis::Value::BulkString(group.as_bytes().to_vec())).unwrap();
     let last_delivered: String = redis::from_redis_value_ref(&group_info["last-delivered-id"]).unwrap();
     let id_key = |id: &str| {
@@ -102,7 +121,7 @@ pub fn failover_ledger(conn: &mut impl redis::ConnectionLike, stream: &str, dlq:
     };
     let (mut acknowledged, mut open) = (0, 0);
     let mut seen = std::collections::HashSet::new();
-    for (id, flat) in range(conn, stream) {
+    for (id, flat) in entries {
         let n = n_of(&flat);
         assert!(seen.insert(n.clone()), "message {n} twice in the stream");
         let in_dlq = dead.get(&n).copied().unwrap_or(0);
