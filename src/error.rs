@@ -121,6 +121,11 @@ pub enum Error {
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
 
+    /// A script of Pelican's answered what this operator does not read: its keys written by something else (another
+    /// version of Pelican, a person), not a spec to fix.
+    #[error("{server} answered what this operator cannot read: {detail}")]
+    UnexpectedReply { server: String, detail: String },
+
     #[error("Kubernetes API error: {0}")]
     Kube(#[source] kube::Error),
 
@@ -167,6 +172,7 @@ impl Error {
             Error::ScriptingUnavailable { .. } => "ScriptingUnavailable",
             Error::ResourceConflict(_) => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
+            Error::UnexpectedReply { .. } => "UnexpectedReply",
             Error::CrossSlot(_) => "CrossSlot",
             Error::Kube(_) => "KubernetesApiError",
             Error::Finalizer(_) => "FinalizerError",
@@ -199,6 +205,7 @@ impl Error {
                 | Error::ScriptingUnavailable { .. }
                 | Error::ResourceConflict(_)
                 | Error::InvalidSpec(_)
+                | Error::UnexpectedReply { .. }
                 | Error::CrossSlot(_)
         )
     }

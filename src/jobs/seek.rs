@@ -102,11 +102,19 @@ impl From<RecordPosition> for GroupPosition {
     }
 }
 
-fn parse(reply: Vec<String>) -> Result<Outcome> {
+/// The script's answer. A record this operator cannot read means the seek ran (its uid is recorded) under a
+/// format not this version's, or the field was written by hand: never run again, and not the spec's fault.
+fn parse(server: &str, seeks: &str, uid: &str, reply: Vec<String>) -> Result<Outcome> {
     match reply.as_slice() {
         [done, record] if done == "done" => {
-            let record: Record = serde_json::from_str(record)
-                .map_err(|e| Error::InvalidSpec(format!("the seek script's record is unreadable ({e}): {record}")))?;
+            let record: Record = serde_json::from_str(record).map_err(|e| Error::UnexpectedReply {
+                server: server.to_string(),
+                detail: format!(
+                    "the record of this seek (field {uid} of {seeks}) is not one this version of Pelican writes \
+                     ({e}): {record}; it ran once and is not run again: read the group's position with XINFO \
+                     GROUPS, and create a new GroupSeek to move it"
+                ),
+            })?;
             Ok(Outcome::Done(Moved {
                 from: record.from.into(),
                 to: record.to.into(),
@@ -119,18 +127,22 @@ fn parse(reply: Vec<String>) -> Result<Outcome> {
         [refused, reason, message] if refused == "refused" => {
             Ok(Outcome::Refused { reason: reason.clone(), message: message.clone() })
         }
-        other => Err(Error::InvalidSpec(format!("the seek script answered {other:?}"))),
+        other => Err(Error::UnexpectedReply {
+            server: server.to_string(),
+            detail: format!("the seek script answered {other:?}; nothing is known to have moved"),
+        }),
     }
 }
 
 /// Runs the seek on the server: refused, planned (`dry_run`) or done, once per uid.
 pub async fn run(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, seek: &Seek) -> Result<Outcome> {
     let (kind, value) = seek.target.args();
+    let seeks = seeks_key(keys.stream, keys.group);
     let reply: Vec<String> = SEEK
         .key(keys.stream)
         .key(keys.dead_letter)
         .key(totals_key(keys.stream, keys.group))
-        .key(seeks_key(keys.stream, keys.group))
+        .key(&seeks)
         .key(redrive_lock_key(keys.dead_letter))
         .arg(keys.group)
         .arg(&seek.uid)
@@ -144,7 +156,7 @@ pub async fn run(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, seek: &See
         .invoke_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
-    parse(reply)
+    parse(server, &seeks, &seek.uid, reply)
 }
 
 #[cfg(test)]
@@ -155,6 +167,7 @@ mod tests {
     fn the_record_reads_unknown_counts_as_absent() {
         let record = r#"{"from":{"id":"5-0","entriesRead":false,"lag":false},"to":{"id":"0-0","entriesRead":0,"lag":9},
             "redelivered":9,"skipped":0,"pendingHandled":2,"oldestAvailable":"1-0","dryRun":false}"#;
+        let parse = |reply| parse("redis://r:6379/0", "{o}:pelican:o:g:seeks", "u-1", reply);
         let Outcome::Done(moved) = parse(vec!["done".into(), record.into()]).unwrap() else { panic!() };
         assert_eq!(moved.from, GroupPosition { id: "5-0".into(), entries_read: None, lag: None });
         assert_eq!(moved.to, GroupPosition { id: "0-0".into(), entries_read: Some(0), lag: Some(9) });
@@ -162,5 +175,16 @@ mod tests {
         let refused = parse(vec!["refused".into(), "ConsumersActive".into(), "c1 (2s ago)".into()]).unwrap();
         assert_eq!(refused, Outcome::Refused { reason: "ConsumersActive".into(), message: "c1 (2s ago)".into() });
         assert!(parse(vec!["what".into()]).is_err());
+    }
+
+    #[test]
+    fn a_record_of_another_format_is_an_unexpected_reply_that_names_its_key_not_a_spec_error() {
+        let parse = |reply| parse("redis://r:6379/0", "{o}:pelican:o:g:seeks", "u-1", reply);
+        let error = parse(vec!["done".into(), r#"{"moved":12}"#.into()]).unwrap_err();
+        assert_eq!(error.reason(), "UnexpectedReply");
+        assert!(error.is_stalled(), "a record does not change by retrying");
+        let said = error.to_string();
+        assert!(said.contains("field u-1 of {o}:pelican:o:g:seeks") && said.contains("not run again"), "{said}");
+        assert_eq!(parse(vec!["what".into()]).unwrap_err().reason(), "UnexpectedReply");
     }
 }

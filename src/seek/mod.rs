@@ -131,7 +131,7 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
     let resolved = match ctx.shared.resolve(&policy).await {
         Ok(resolved) => resolved,
         Err(e) if e.is_stalled() => return ctx.fail(&object, status, e.reason(), e.to_string()).await,
-        Err(e) => return Err(e),
+        Err(e) => return ctx.retry(&object, &status, e).await,
     };
     // 3. Decide: one seek per stream at a time.
     let stream: StreamKey = (server_identity(&policy), policy.spec.stream.clone());
@@ -143,7 +143,7 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
     let (target, mut conn) = match ctx.shared.pools.connect_primary(&resolved.target).await {
         Ok(connected) => connected,
         Err(e) if e.is_stalled() => return ctx.fail(&object, status, e.reason(), e.to_string()).await,
-        Err(e) => return Err(e),
+        Err(e) => return ctx.retry(&object, &status, e).await,
     };
     let keys = GroupKeys {
         stream: &policy.spec.stream,
@@ -155,7 +155,7 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
         Ok(Outcome::Done(moved)) => ctx.succeed(&object, &policy, status, moved, started).await,
         Ok(Outcome::Refused { reason, message }) => ctx.fail(&object, status, &reason, message).await,
         Err(e) if e.is_stalled() => ctx.fail(&object, status, e.reason(), e.to_string()).await,
-        Err(e) => Err(e),
+        Err(e) => ctx.retry(&object, &status, e).await,
     }
 }
 
@@ -230,6 +230,16 @@ impl Seeks {
         }
         let mut next = status.clone();
         self.write(object, &mut next, SeekPhase::Pending, reason, &note).await
+    }
+
+    /// A transient error (the server unavailable, a failover under way): the seek stays `Pending`, its
+    /// `Reconciling` condition naming the error, and is retried by [`error_policy`]. The script records a seek that
+    /// ran, so a retry after an answer that was lost never moves twice. `Deferred` is no failure and not shown.
+    async fn retry(&self, object: &GroupSeek, status: &GroupSeekStatus, error: Error) -> Result<Action> {
+        if !matches!(error, Error::Deferred(_)) {
+            self.pending(object, status, error.reason(), error.to_string()).await?;
+        }
+        Err(error)
     }
 
     async fn fail(
@@ -335,5 +345,57 @@ mod tests {
         assert!(Moving::claim(&set, stream()).is_none());
         drop(first);
         assert!(Moving::claim(&set, stream()).is_some());
+    }
+
+    /// Reconciles against a scripted API server and a real, closed port.
+    mod scripted {
+        use super::super::*;
+        use crate::context::scripted::{self, expect};
+        use crate::leader::Leadership;
+        use http::Method;
+        use serde_json::json;
+
+        #[tokio::test]
+        async fn a_server_that_does_not_answer_keeps_the_seek_pending_with_the_reason() {
+            let (client, mut handle) = scripted::client();
+            let (shared, mut writers) =
+                Shared::new(client, None, Arc::default(), Leadership::always(), None, Default::default());
+            // A Ready policy whose server stopped listening: a port bound, then released.
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let policy: ConsumerGroupPolicy = serde_json::from_value(json!({
+                "apiVersion": "pelican.io/v1alpha1", "kind": "ConsumerGroupPolicy",
+                "metadata": {"name": "orders", "namespace": "apps", "uid": "uid-p"},
+                "spec": {"redis": {"url": format!("redis://127.0.0.1:{port}/0")}, "stream": "orders",
+                    "group": "billing", "deadLetter": {"stream": "orders:dlq"}},
+                "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "Reconciled", "message": "",
+                    "lastTransitionTime": "2026-12-03T00:00:00Z"}]},
+            }))
+            .unwrap();
+            writers.policies.apply_watcher_event(&watcher::Event::Apply(policy));
+            let seeks = Arc::new(Seeks { shared, sharded: false, moving: Mutex::default() });
+            let seek: GroupSeek = serde_json::from_value(json!({
+                "apiVersion": "pelican.io/v1alpha1", "kind": "GroupSeek",
+                "metadata": {"name": "back", "namespace": "apps", "uid": "uid-back", "generation": 1},
+                "spec": {"policyRef": {"name": "orders"}, "to": {"position": "Earliest"}},
+            }))
+            .unwrap();
+            let reply = serde_json::to_value(&seek).unwrap();
+            let server = tokio::spawn(async move { expect(&mut handle, reply).await });
+            let error = reconcile(Arc::new(seek), seeks).await.unwrap_err();
+            assert_eq!(error.reason(), "RedisUnavailable", "{error}");
+            // The status was written before the reconcile returned: the request is there, or it never comes.
+            let written = tokio::time::timeout(Duration::from_secs(1), server).await;
+            let (method, path, body) =
+                written.expect("no status written: the seek says nothing of why it waits").unwrap();
+            assert_eq!(method, Method::PATCH);
+            assert_eq!(path, "/apis/pelican.io/v1alpha1/namespaces/apps/groupseeks/back/status");
+            assert_eq!(body["status"]["phase"], "Pending");
+            let conditions = body["status"]["conditions"].as_array().unwrap();
+            let reconciling = conditions.iter().find(|c| c["type"] == "Reconciling").unwrap();
+            assert_eq!((&reconciling["status"], &reconciling["reason"]), (&"True".into(), &"RedisUnavailable".into()));
+            let message = reconciling["message"].as_str().unwrap();
+            assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+            assert!(conditions.iter().all(|c| c["type"] != "Failed" || c["status"] == "False"), "{conditions:?}");
+        }
     }
 }
