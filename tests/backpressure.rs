@@ -172,6 +172,9 @@ fn seed_002_the_bound_follows_the_policy_and_producers_see_refusals(flavor: Flav
     let (more, refused) = publish(&runtime, &producer, 15_000, 4_001);
     assert_eq!((more.len(), refused.len()), (4_000, 1));
     accepted.extend(more);
+    wait_status(&ns, "orders", "Saturated=True at the new bound", |p| {
+        condition(p, "Saturated") == Some(("True".into(), "BacklogFull".into())) && p["status"]["backlog"] == 12_000
+    });
 
     // Removing the bound makes the stream unbounded again, and the condition and its Event say so.
     patch_policy(&ns, "orders", "json", r#"[{"op":"remove","path":"/spec/backlog"}]"#);
@@ -181,8 +184,8 @@ fn seed_002_the_bound_follows_the_policy_and_producers_see_refusals(flavor: Flav
     accepted.extend(more);
     wait_status(&ns, "orders", "the Saturated condition to go", |p| condition(p, "Saturated").is_none());
     // Each time the bound was found full was cleared once: the last by the removal. Whether the operator looked
-    // between the drain and the second bound (backlog 8,000, below it: cleared, then full again at 12,000) depends
-    // on when its refresh fell, so there were one or two of each.
+    // between the drain and the second bound (backlog 7,000 to 8,000, below it: cleared, then full again at 12,000)
+    // depends on when its refresh fell, so there were one or two of each.
     let (full, cleared) = (events(&ns, "BacklogFull"), events(&ns, "BacklogCleared"));
     let said = |e: &serde_json::Value| e["message"].as_str().unwrap_or_default().to_string();
     let cleared_said: Vec<String> = cleared.iter().map(said).collect();
