@@ -1,6 +1,6 @@
 //! `GroupSeek` against real servers: a replay by time of 100,000 entries counted by id, skips, shifts, an id the
 //! stream does not hold, each pending handling with a ledger of the PEL, each refusal with nothing changed on the
-//! server, and seeks that run once across operator restarts and kills.
+//! server, seeks that run once across operator restarts and kills, and a record this version cannot read.
 
 #[macro_use]
 mod common;
@@ -296,4 +296,44 @@ fn a_seek_runs_once_whatever_happens_to_the_operator(flavor: Flavor) {
     assert_eq!(position(&mut conn), end, "a finished seek ran again");
     let records: usize = redis::cmd("HLEN").arg("{s}:pelican:s:g:seeks").query(&mut conn).unwrap();
     assert_eq!(records, 10, "one record per seek");
+}
+
+/// A record of the seek on the server that this version cannot read (another version's format, or written by hand):
+/// the seek fails `UnexpectedReply` naming the key and field, and moves nothing.
+#[test]
+fn a_record_this_version_cannot_read_fails_the_seek_naming_it() {
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    let start = server_ms(&mut conn) - 600_000;
+    publish_at(&mut conn, (0..10).map(|i| start + i * 1000));
+    let ns = namespace("seekrecord");
+    let _operator = Operator::start(&ns);
+    // The seek first: its policy does not exist yet, so it waits, and its uid is known before it can run.
+    let (ok, out) = kubectl_apply(&ns, &seek("odd", "{position: Earliest}", ""));
+    assert!(ok, "{out}");
+    let path = "jsonpath={.status.conditions[?(@.type==\"Reconciling\")].reason}";
+    wait_for("the seek to wait for its policy", Duration::from_secs(30), || {
+        let reason = kubectl_ok(&["get", "seek", "odd", "-n", &ns, "-o", path]);
+        if reason == "PolicyNotFound" { Ok(()) } else { Err(reason) }
+    });
+    let uid = kubectl_ok(&["get", "seek", "odd", "-n", &ns, "-o", "jsonpath={.metadata.uid}"]);
+    let _: i64 =
+        redis::cmd("HSET").arg("{s}:pelican:s:g:seeks").arg(&uid).arg(r#"{"moved":12}"#).query(&mut conn).unwrap();
+    let (ok, out) = kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", ""));
+    assert!(ok, "{out}");
+    let status = wait_for("seek odd finished", Duration::from_secs(30), || {
+        let seek: Value = serde_json::from_str(&kubectl_ok(&["get", "seek", "odd", "-n", &ns, "-o", "json"])).unwrap();
+        match seek["status"]["phase"].as_str() {
+            Some("Succeeded" | "Failed") => Ok(seek["status"].clone()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(failed_reason(&status), "UnexpectedReply", "{status}");
+    let message = status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Failed").unwrap()["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(message.contains(&format!("field {uid} of {{s}}:pelican:s:g:seeks")), "{message}");
+    assert_eq!(position(&mut conn).0, "0-0", "the group stays where the policy created it");
+    println!("{message}");
 }

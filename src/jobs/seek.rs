@@ -111,8 +111,8 @@ fn parse(server: &str, seeks: &str, uid: &str, reply: Vec<String>) -> Result<Out
                 server: server.to_string(),
                 detail: format!(
                     "the record of this seek (field {uid} of {seeks}) is not one this version of Pelican writes \
-                     ({e}): {record}; it ran once and is not run again: read the group's position with XINFO \
-                     GROUPS, and create a new GroupSeek to move it"
+                     ({e}): {record}; a seek whose uid is recorded never runs again: read the group's position \
+                     with XINFO GROUPS, and create a new GroupSeek to move it"
                 ),
             })?;
             Ok(Outcome::Done(Moved {
@@ -184,7 +184,7 @@ mod tests {
         assert_eq!(error.reason(), "UnexpectedReply");
         assert!(error.is_stalled(), "a record does not change by retrying");
         let said = error.to_string();
-        assert!(said.contains("field u-1 of {o}:pelican:o:g:seeks") && said.contains("not run again"), "{said}");
+        assert!(said.contains("field u-1 of {o}:pelican:o:g:seeks") && said.contains("never runs again"), "{said}");
         assert_eq!(parse(vec!["what".into()]).unwrap_err().reason(), "UnexpectedReply");
     }
 }
