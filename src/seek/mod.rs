@@ -5,10 +5,12 @@
 //! 2. resolve: the policy (from the policy controller's store, so a shard handles the seeks of its own policies),
 //!    whether it is Ready, the target, its server and credentials (tenancy applies);
 //! 3. decide: one seek per stream at a time in this process (the server refuses one beside a running redrive);
-//! 4. act: one call of the seek script ([`crate::jobs::seek`]), then the status, the Events and the metric.
+//! 4. act: the seek script's bounded steps ([`crate::jobs::seek`]), then the status, the Events and the metric.
 //!
-//! The script records each seek's result on the server under its uid, so an operator killed between the move and
-//! the status write finds it done and writes the recorded result: a seek happens once or not at all.
+//! The script records each seek's progress and result on the server under its namespace/name, so an operator
+//! killed between two steps resumes where the last ended, one killed between the move and the status write finds
+//! it done and writes the recorded result, and the same manifest applied again after a delete is told the group
+//! moved before (`AlreadyFinished`): a seek happens once or not at all.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -151,8 +153,10 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
         dead_letter: &policy.spec.dead_letter.stream,
     };
     let started = Timestamp::now().to_string();
-    match seek::run(&mut conn, &target.server(), &keys, &plan).await {
+    let go_on = || ctx.shared.leadership.may_write();
+    match seek::run(&mut conn, &target.server(), &keys, &plan, go_on).await {
         Ok(Outcome::Done(moved)) => ctx.succeed(&object, &policy, status, moved, started).await,
+        Ok(Outcome::Finished { moved, uid }) => ctx.already_finished(&object, status, moved, &uid).await,
         Ok(Outcome::Refused { reason, message }) => ctx.fail(&object, status, &reason, message).await,
         Err(e) if e.is_stalled() => ctx.fail(&object, status, e.reason(), e.to_string()).await,
         Err(e) => ctx.retry(&object, &status, e).await,
@@ -169,6 +173,7 @@ fn error_policy(object: Arc<GroupSeek>, error: &Error, _ctx: Arc<Seeks>) -> Acti
 fn plan(object: &GroupSeek, policy: &ConsumerGroupPolicy) -> std::result::Result<seek::Seek, String> {
     let idle = parse_duration(&object.spec.consumers_idle_for).map_err(|e| format!("spec.consumersIdleFor: {e}"))?;
     Ok(seek::Seek {
+        name: format!("{}/{}", object.namespace().unwrap_or_default(), object.name_any()),
         uid: object.uid().unwrap_or_default(),
         target: target(&object.spec.to)?,
         pending: object.spec.pending,
@@ -180,11 +185,18 @@ fn plan(object: &GroupSeek, policy: &ConsumerGroupPolicy) -> std::result::Result
 
 fn target(to: &SeekTarget) -> std::result::Result<Target, String> {
     match (&to.time, &to.id, to.position, to.shift) {
-        (Some(time), None, None, None) => time
-            .parse::<Timestamp>()
-            .map(|t| Target::Time(t.as_millisecond()))
-            .map_err(|e| format!("spec.to.time {time:?} is no RFC 3339 time ({e})")),
-        (None, Some(id), None, None) => Ok(Target::Id(id.clone())),
+        (Some(time), None, None, None) => match time.parse::<Timestamp>() {
+            Ok(t) if t.as_millisecond() >= 0 => Ok(Target::Time(t.as_millisecond())),
+            Ok(_) => Err(format!("spec.to.time {time:?} lies before 1970-01-01T00:00:00Z, where stream ids begin")),
+            Err(e) => Err(format!("spec.to.time {time:?} is no RFC 3339 time ({e})")),
+        },
+        (None, Some(id), None, None) => match id.split_once('-').unwrap_or((id, "0")) {
+            (ms, seq) if ms.parse::<u64>().is_ok() && seq.parse::<u64>().is_ok() => Ok(Target::Id(id.clone())),
+            _ => Err(format!(
+                "spec.to.id {id:?} is no stream id: <milliseconds>-<sequence> (or <milliseconds>), each a whole \
+                 number up to 18446744073709551615"
+            )),
+        },
         (None, None, Some(SeekPosition::Earliest), None) => Ok(Target::Earliest),
         (None, None, Some(SeekPosition::Latest), None) => Ok(Target::Latest),
         (None, None, None, Some(shift)) if shift != 0 => Ok(Target::Shift(shift)),
@@ -218,6 +230,16 @@ fn summary(moved: &Moved) -> String {
         "{} -> {}: {} redelivered, {} skipped, {} pending handled",
         moved.from.id, moved.to.id, moved.redelivered, moved.skipped, moved.pending_handled
     )
+}
+
+/// What the seek did (or plans), into its status.
+fn record(status: &mut GroupSeekStatus, moved: Moved) {
+    status.from = Some(moved.from);
+    status.to = Some(moved.to);
+    status.redelivered = Some(moved.redelivered);
+    status.skipped = Some(moved.skipped);
+    status.pending_handled = Some(moved.pending_handled);
+    status.oldest_available = moved.oldest_available;
 }
 
 impl Seeks {
@@ -257,6 +279,29 @@ impl Seeks {
         Ok(Action::await_change())
     }
 
+    /// The manifest applied again (another object of this name, after a delete): the group moved once, by the
+    /// object `uid`; this one says what that did and moves nothing.
+    async fn already_finished(
+        &self,
+        object: &GroupSeek,
+        mut status: GroupSeekStatus,
+        moved: Moved,
+        uid: &str,
+    ) -> Result<Action> {
+        let note = format!(
+            "a GroupSeek of this name (uid {uid}) already moved this group ({}); nothing moved again. To move the \
+             group again on purpose, create a GroupSeek with another name",
+            summary(&moved)
+        );
+        record(&mut status, moved);
+        status.completion_time = Some(Timestamp::now().to_string());
+        info!("{note}");
+        self.write(object, &mut status, SeekPhase::Succeeded, "AlreadyFinished", &note).await?;
+        self.shared.metrics.seek_finished("AlreadyFinished");
+        self.publish(&object.object_ref(&()), EventType::Normal, "AlreadyFinished", note).await;
+        Ok(Action::await_change())
+    }
+
     async fn succeed(
         &self,
         object: &GroupSeek,
@@ -267,12 +312,7 @@ impl Seeks {
     ) -> Result<Action> {
         let dry_run = object.spec.dry_run;
         let said = summary(&moved);
-        status.from = Some(moved.from);
-        status.to = Some(moved.to);
-        status.redelivered = Some(moved.redelivered);
-        status.skipped = Some(moved.skipped);
-        status.pending_handled = Some(moved.pending_handled);
-        status.oldest_available = moved.oldest_available;
+        record(&mut status, moved);
         status.start_time = status.start_time.or(Some(started));
         status.completion_time = Some(Timestamp::now().to_string());
         let (reason, note) = match dry_run {

@@ -17,6 +17,13 @@ pub fn xrange(conn: &mut redis::Connection, stream: &str) -> Vec<RawEntry> {
         .collect()
 }
 
+/// The ids of up to `count` entries from `from` (`-`, an id, or `(` and an id), one XRANGE.
+pub fn xrange_page(conn: &mut redis::Connection, stream: &str, from: &str, count: usize) -> Vec<String> {
+    let reply: Vec<(String, Vec<Vec<u8>>)> =
+        redis::cmd("XRANGE").arg(stream).arg(from).arg("+").arg("COUNT").arg(count).query(conn).unwrap();
+    reply.into_iter().map(|(id, _)| id).collect()
+}
+
 /// (id, consumer, idle ms, deliveries) of every PEL entry.
 pub fn pel(conn: &mut redis::Connection, stream: &str, group: &str) -> Vec<(String, String, i64, i64)> {
     redis::cmd("XPENDING").arg(stream).arg(group).arg("-").arg("+").arg(1_000_000).query(conn).unwrap()
