@@ -649,3 +649,39 @@ fn a_requeued_copy_keeps_the_last_error_until_a_delivery_records_another(flavor:
     let left: i64 = redis::cmd("HLEN").arg(&errors).query(&mut conn).unwrap();
     assert_eq!(left, 0, "the field left with the dead letter");
 }
+
+/// Defect (issue 48.3): the expiry deleted every idle consumer in one script call: a group with 100,000 consumers
+/// left by workers that name themselves per Pod start held the server about half a second. Now a pass deletes at
+/// most 1,000, a hundred per call, each checked again in the call that deletes it; nothing reaches the SLOWLOG at
+/// 200 ms, and the consumer that owns a pending entry stays.
+#[test]
+fn a_hundred_thousand_idle_consumers_expire_over_passes_in_short_calls() {
+    let server = Server::start(Flavor::Redis);
+    seed(&server, &plain(1));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "holds-one", 1);
+    for chunk in (0..100_000).collect::<Vec<_>>().chunks(10_000) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.cmd("XGROUP").arg("CREATECONSUMER").arg(STREAM).arg(GROUP).arg(format!("worker-{i}")).ignore();
+        }
+        pipe.query::<()>(&mut conn).unwrap();
+    }
+    std::thread::sleep(IDLE * 2);
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(200_000).query(&mut conn).unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    let expire = || {
+        runtime().block_on(async {
+            let mut c = connect(&server).await;
+            jobs::expire_consumers(&mut c, "test", &keys(), IDLE).await.unwrap()
+        })
+    };
+    assert_eq!(expire(), 1000, "one pass deletes at most 1,000");
+    assert_eq!(expire(), 1000);
+    let slow: Vec<redis::Value> = redis::cmd("SLOWLOG").arg("GET").arg(10).query(&mut conn).unwrap();
+    assert!(slow.is_empty(), "calls slower than 200 ms: {slow:?}");
+    let groups = xinfo_groups(&mut conn, STREAM);
+    assert_eq!(group_field::<i64>(&groups[0], "consumers"), 100_001 - 2000);
+    assert_eq!(pel(&mut conn, STREAM, GROUP).len(), 1, "the pending entry survives");
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "consumersExpired"), 2000);
+}

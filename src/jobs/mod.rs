@@ -13,7 +13,7 @@ use redis::Script;
 
 use crate::api::ReclaimStrategy;
 use crate::keys::{ERROR_TEXT_MAX, OPERATOR_CONSUMER, errors_key, terminal_key, totals_key};
-use crate::redis::{Conn, GroupKeys};
+use crate::redis::{Conn, GroupKeys, reply};
 use crate::{Error, Result};
 
 static RECLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/reclaim.lua")));
@@ -293,21 +293,50 @@ async fn reclaim_call(
     Ok(Call { report, position, reached_end: count(10) == 1, known: text(11), waiting })
 }
 
-/// Deletes consumers inactive for `expire_after` that own no pending entry; returns how many.
+/// Most consumers one call of `expire_consumers.lua` deletes, and one pass: a group that gained hundreds of
+/// thousands of consumers (workers naming themselves per Pod start) is cleared over several passes, each call short.
+const EXPIRE_BATCH: usize = 100;
+const EXPIRE_PER_PASS: usize = 1000;
+
+/// Deletes consumers idle for `expire_after` that own no pending entry; returns how many. The candidates come
+/// from one `XINFO CONSUMERS` (a command, not a script: the server lists 300,000 consumers in about 50 ms); the
+/// script checks each again and deletes it, [`EXPIRE_BATCH`] a call, [`EXPIRE_PER_PASS`] a pass.
 pub async fn expire_consumers(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     expire_after: Duration,
 ) -> Result<u64> {
-    EXPIRE_CONSUMERS
-        .key(keys.stream)
-        .key(totals_key(keys.stream, keys.group))
+    let listed: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(keys.stream)
         .arg(keys.group)
-        .arg(expire_after.as_millis() as u64)
-        .invoke_async(conn)
+        .query_async(conn)
         .await
-        .map_err(|e| Error::from_redis(server, e))
+        .map_err(|e| Error::from_redis(server, e))?;
+    let idle_ms = expire_after.as_millis() as i64;
+    let candidates: Vec<String> = listed
+        .into_iter()
+        .filter_map(reply::fields)
+        .filter(|c| {
+            reply::get::<i64>(c, "pending") == Some(0)
+                && reply::get::<i64>(c, "idle").is_some_and(|idle| idle >= idle_ms)
+        })
+        .filter_map(|c| reply::get::<String>(&c, "name"))
+        .take(EXPIRE_PER_PASS)
+        .collect();
+    let mut deleted = 0;
+    for batch in candidates.chunks(EXPIRE_BATCH) {
+        deleted += EXPIRE_CONSUMERS
+            .key(keys.stream)
+            .key(totals_key(keys.stream, keys.group))
+            .arg(keys.group)
+            .arg(batch)
+            .invoke_async::<u64>(conn)
+            .await
+            .map_err(|e| Error::from_redis(server, e))?;
+    }
+    Ok(deleted)
 }
 
 /// What one retention trim did, and who stopped it from doing more.

@@ -9,7 +9,7 @@ use redis::{Script, Value, pipe};
 
 use super::Conn;
 use super::reply::{self, Fields};
-use crate::keys::{OPERATOR_CONSUMER, bounds_key, legacy_keys, rejected_key, terminal_key, totals_key};
+use crate::keys::{bounds_key, legacy_keys, rejected_key, terminal_key, totals_key};
 use crate::{Error, Result};
 
 static CARRY_OVER_COUNTERS: LazyLock<Script> =
@@ -329,10 +329,9 @@ pub async fn oldest_unread_ms(
     Ok(next.first().and_then(|(id, _)| id_millis(id)))
 }
 
-/// XINFO STREAM, XINFO GROUPS, XINFO CONSUMERS, XPENDING - + 1, XLEN, HGETALL x2, HGET x2, TIME.
+/// XINFO STREAM, XINFO GROUPS, XPENDING - + 1, XLEN, HGETALL x2, HGET x2, TIME.
 type ProbeReply = (
     Value,
-    Vec<Value>,
     Vec<Value>,
     Vec<Value>,
     i64,
@@ -357,40 +356,35 @@ pub async fn probe_group(
     keys: &GroupKeys<'_>,
     previous: Option<&Unread>,
 ) -> Result<GroupFacts> {
-    let (stream_info, groups, consumers, oldest, dead_letter_length, totals, terminal, rejected, bound, time): ProbeReply =
-        pipe()
-            .cmd("XINFO")
-            .arg("STREAM")
-            .arg(keys.stream)
-            .cmd("XINFO")
-            .arg("GROUPS")
-            .arg(keys.stream)
-            .cmd("XINFO")
-            .arg("CONSUMERS")
-            .arg(keys.stream)
-            .arg(keys.group)
-            .cmd("XPENDING")
-            .arg(keys.stream)
-            .arg(keys.group)
-            .arg("-")
-            .arg("+")
-            .arg(1)
-            .cmd("XLEN")
-            .arg(keys.dead_letter)
-            .cmd("HGETALL")
-            .arg(totals_key(keys.stream, keys.group))
-            .cmd("HGETALL")
-            .arg(terminal_key(keys.stream, keys.group))
-            .cmd("HGET")
-            .arg(rejected_key(keys.stream))
-            .arg(keys.group)
-            .cmd("HGET")
-            .arg(bounds_key(keys.stream))
-            .arg(keys.group)
-            .cmd("TIME")
-            .query_async(conn)
-            .await
-            .map_err(|e| Error::from_redis(server, e))?;
+    let (stream_info, groups, oldest, dead_letter_length, totals, terminal, rejected, bound, time): ProbeReply = pipe()
+        .cmd("XINFO")
+        .arg("STREAM")
+        .arg(keys.stream)
+        .cmd("XINFO")
+        .arg("GROUPS")
+        .arg(keys.stream)
+        .cmd("XPENDING")
+        .arg(keys.stream)
+        .arg(keys.group)
+        .arg("-")
+        .arg("+")
+        .arg(1)
+        .cmd("XLEN")
+        .arg(keys.dead_letter)
+        .cmd("HGETALL")
+        .arg(totals_key(keys.stream, keys.group))
+        .cmd("HGETALL")
+        .arg(terminal_key(keys.stream, keys.group))
+        .cmd("HGET")
+        .arg(rejected_key(keys.stream))
+        .arg(keys.group)
+        .cmd("HGET")
+        .arg(bounds_key(keys.stream))
+        .arg(keys.group)
+        .cmd("TIME")
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
 
     let stream_info = reply::fields(stream_info).unwrap_or_default();
     let (mut group, mut other_groups) = (Fields::default(), Vec::new());
@@ -401,11 +395,6 @@ pub async fn probe_group(
             None => {}
         }
     }
-    let consumers = consumers
-        .into_iter()
-        .filter_map(reply::fields)
-        .filter(|c| reply::get::<String>(c, "name").as_deref() != Some(OPERATOR_CONSUMER))
-        .count() as i64;
     let oldest_pending = oldest.into_iter().next().and_then(|entry| {
         let (id, consumer, idle_ms, deliveries): (String, String, i64, i64) = redis::from_redis_value(entry).ok()?;
         Some(OldestPending { id, consumer, idle_ms, deliveries })
@@ -438,7 +427,8 @@ pub async fn probe_group(
         lag,
         pending: reply::get(&group, "pending").unwrap_or(0),
         oldest_pending,
-        consumers,
+        // From XINFO GROUPS: listing the consumers only to count them cost the server as much as there are.
+        consumers: reply::get(&group, "consumers").unwrap_or(0),
         dead_letter_length,
         totals: counts(totals),
         terminal: counts(terminal),

@@ -5,7 +5,7 @@ pub mod features;
 mod group;
 mod health;
 mod pool;
-mod reply;
+pub(crate) mod reply;
 
 pub use backlog::{Backlog, Readings, probe_backlog};
 pub use features::Features;
