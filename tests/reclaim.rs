@@ -685,3 +685,48 @@ fn a_hundred_thousand_idle_consumers_expire_over_passes_in_short_calls() {
     assert_eq!(pel(&mut conn, STREAM, GROUP).len(), 1, "the pending entry survives");
     assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "consumersExpired"), 2000);
 }
+
+/// Defect (issue 48.2): the byte budget counted bytes copied, not bytes read. A PEL with one pending entry in 64
+/// (16 KB entries: a poison storm) had each run read 64 entries to use one, so a call read ~64 times its budget.
+/// Every byte read counts now and the read-ahead follows the PEL's gaps: the longest call stays short.
+#[test]
+fn a_sparse_pel_of_large_entries_costs_a_call_its_budget_not_sixty_four_times_it() {
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    let body = vec![b'x'; 16 << 10];
+    seed(&server, &[]);
+    let mut pending = Vec::new();
+    for chunk in 0..256 {
+        let mut pipe = redis::pipe();
+        for _ in 0..64 {
+            pipe.cmd("XADD").arg(STREAM).arg("*").arg("body").arg(&body);
+        }
+        let ids: Vec<String> = pipe.query(&mut conn).unwrap();
+        // Read all 64, acknowledge all but the first: it stays pending, 63 entries from the next.
+        assert_eq!(read_new(&mut conn, STREAM, GROUP, "crashed", 64), ids);
+        let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids[1..]).query(&mut conn).unwrap();
+        pending.push(ids[0].clone());
+        assert_eq!(pel(&mut conn, STREAM, GROUP).len(), chunk + 1);
+    }
+    std::thread::sleep(IDLE * 2);
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("slowlog-log-slower-than").arg(0).query(&mut conn).unwrap();
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("slowlog-max-len").arg(10_000).query(&mut conn).unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    let report = pass(&server, &settings(ReclaimStrategy::DeadLetterOnly, 1));
+    assert_eq!(report.dead_lettered, 256, "{report:?}");
+    // SLOWLOG entries: id, time, microseconds, the command, and (since 4.0) the client.
+    let slow: Vec<Vec<redis::Value>> = redis::cmd("SLOWLOG").arg("GET").arg(10_000).query(&mut conn).unwrap();
+    let longest = slow
+        .iter()
+        .filter(|entry| matches!(&entry[3], redis::Value::Array(c) if matches!(&c[0], redis::Value::BulkString(name) if name.starts_with(b"EVAL"))))
+        .map(|entry| redis::from_redis_value::<i64>(entry[2].clone()).unwrap())
+        .max()
+        .unwrap();
+    println!("256 pending entries 64 apart, 16 KB each: the longest reclaim call took {longest} us");
+    assert!(longest < 100_000, "a reclaim call held the server {longest} us");
+    let letters: Vec<String> = xrange(&mut conn, DLQ)
+        .iter()
+        .map(|e| String::from_utf8(field(e, "pelican-source-id").unwrap().to_vec()).unwrap())
+        .collect();
+    assert_eq!(letters, pending, "each pending entry dead-lettered once, in order");
+}

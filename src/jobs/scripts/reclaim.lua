@@ -5,7 +5,7 @@
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
--- ARGV[8] byte budget: after copying this many bytes the script stops, and the next call goes on from there
+-- ARGV[8] byte budget: after reading this many bytes the script stops, and the next call goes on from there
 -- ARGV[9] backoff factor   ARGV[10] backoff max (ms; 0: no backoff)   ARGV[11] most bytes of an error text kept
 -- ARGV[12] where the page starts: '-' (the PEL's first entry) or '(' followed by the last id already looked at
 -- ARGV[13] most PEL entries to look at
@@ -22,9 +22,10 @@
 --
 -- The scan is plain extended XPENDING from the position, never the IDLE filter, which walks the whole PEL on the
 -- server: a call costs the same on a PEL of a thousand entries or a million. Entries are read a run at a time
--- with one XRANGE from the first one needed, as many as the byte budget allows (one until the first entry tells
--- their size): a drain's PEL is mostly consecutive entries, so one read serves many, and an id the run does not
--- hold is read on its own. The originals the call moved are acknowledged with one XACK at the end.
+-- with one XRANGE from the first one needed, as many as the rest of the byte budget allows (one until the first
+-- entry tells their size) and no more than the last run served: a drain's PEL is mostly consecutive entries, so
+-- one read serves many, while a PEL whose entries lie apart in the stream is read an entry at a time. Every byte
+-- read is charged to the budget, whether it was moved, read ahead for nothing or too large to move. The originals the call moved are acknowledged with one XACK at the end.
 --
 -- Backoff: an entry is taken once idle min(max, minIdle * factor^(n-1)), n counting every delivery of the message
 -- (a requeued copy's `pelican-deliveries` plus its own count). The scan knows the entry's own count, plus what
@@ -94,7 +95,7 @@ sanitize(totals, {'requeued', 'reassigned', 'deadLettered', 'payloadDeleted', 'd
 sanitize(terminal, {'MaxDeliveriesExceeded', 'InvalidDeliveryCount', 'PayloadDeleted'})
 
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, invalid_counts = 0, 0, 0, 0, 0, 0, 0
-local scanned, idle, evicted, copied = 0, 0, 0, 0
+local scanned, idle, evicted = 0, 0, 0
 -- The originals to acknowledge at the end: `src`, `group`, then ids.
 local acks = {src, group}
 -- Requeued copies not due: id, earlier deliveries, ...
@@ -145,22 +146,34 @@ local has_errors = redis.call('EXISTS', errors) == 1
 
 -- The entries read so far (id -> fields) from the last run, and what the reads told of their size.
 local run, read_bytes, read_entries = {}, 0, 0
+-- How many entries the next run reads ahead, and how many of the last run's were wanted: a PEL whose entries lie
+-- far apart in the stream (one pending in 64: a poison storm) reads one entry a run, not 64 to use one.
+local ahead, run_size, run_used = RUN, 0, 0
 -- The fields of entry `id`, or nil when the stream no longer holds it. `last` is the page's last id: no run reads
 -- past it.
 local function fields_of(id, last)
   local fields = run[id]
-  if fields then return fields end
+  if fields then
+    run_used = run_used + 1
+    return fields
+  end
+  if run_size > 0 then
+    -- The read-ahead follows the PEL's own gaps: it halves to what the last run served and doubles while it
+    -- served every entry it read.
+    if run_used < run_size then ahead = math.max(1, run_used) else ahead = math.min(RUN, ahead * 2) end
+  end
   -- As many entries as the rest of the budget holds at the size seen so far; one until a size was seen.
   local count = 1
   if read_entries > 0 then
     local average = math.max(1, math.floor(read_bytes / read_entries))
-    count = math.max(1, math.min(RUN, math.floor((byte_budget - copied) / average)))
+    count = math.max(1, math.min(ahead, math.floor((byte_budget - read_bytes) / average)))
   end
-  run = {}
+  run, run_size, run_used = {}, 0, 1
   for _, entry in ipairs(redis.call('XRANGE', src, id, last, 'COUNT', count)) do
     local f = entry[2]
     for i = 1, #f do read_bytes = read_bytes + #f[i] end
     read_entries = read_entries + 1
+    run_size = run_size + 1
     run[entry[1]] = f
   end
   return run[id]
@@ -170,7 +183,8 @@ end
 local position = ''
 local function move_page()
 for _, pending in ipairs(page) do
-  if idle > 0 and copied >= byte_budget then return end
+  -- Every byte read counts, also of entries read ahead and not pending, and of entries too large to move.
+  if idle > 0 and read_bytes >= byte_budget then return end
   local id, owner, idle_ms, deliveries = pending[1], pending[2], pending[3], pending[4]
   scanned = scanned + 1
   position = id
@@ -199,9 +213,6 @@ for _, pending in ipairs(page) do
       end
       local total = earlier + deliveries
       if invalid or total >= MAX_COUNT then invalid, total = true, max_deliveries end
-      if n <= max_fields then
-        for f = 1, n do copied = copied + #fields[f] end
-      end
       if idle_ms < threshold(total) then
         -- Backoff: not due yet.
         skipped = skipped + 1

@@ -121,11 +121,12 @@ end
 local function step()
   while moved < budget do
     if copied >= byte_budget or read_entries >= READ_MAX or read_bytes >= byte_budget then return end
-    -- One entry until a size was seen; then as many as the rest of the byte budget holds, at most RUN.
+    -- One entry until a size was seen; then as many as the rest of the byte budget holds (every byte read counts,
+    -- also of entries the filter leaves), at most RUN.
     local count = 1
     if read_entries > 0 then
       local average = math.max(1, math.floor(read_bytes / read_entries))
-      count = math.max(1, math.min(RUN, math.floor((byte_budget - copied) / average)))
+      count = math.max(1, math.min(RUN, math.floor((byte_budget - read_bytes) / average)))
     end
     -- Without a filter every entry read is moved (or stops the call): read no more than the budget needs.
     if not reasons then count = math.min(count, budget - moved) end
