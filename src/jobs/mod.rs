@@ -5,8 +5,10 @@ pub mod redrive;
 pub mod seek;
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 use std::ops::Bound::{Excluded, Unbounded};
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use redis::Script;
@@ -111,16 +113,61 @@ impl PassReport {
     }
 }
 
+/// What all the cursors of a process may remember of waiting copies together: 400,000 entries, about 20 MB (an
+/// entry costs about 49 bytes). Forty policies waiting out an outage under backoff would otherwise keep 100,000
+/// each (196 MB, most of the chart's 256 Mi): past this bound a cursor remembers no more, and the copies it does
+/// not remember are read when the scan meets them and found not due there (more reading, the same outcome).
+pub static REMEMBERED: Remembered = Remembered::new(400_000);
+
+/// A count of remembered copies shared by cursors, with its bound.
+#[derive(Debug)]
+pub struct Remembered {
+    used: AtomicUsize,
+    max: usize,
+}
+
+impl Remembered {
+    pub const fn new(max: usize) -> Remembered {
+        Remembered { used: AtomicUsize::new(0), max }
+    }
+
+    /// Copies remembered now, by every cursor on this count.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn take_one(&self) -> bool {
+        self.used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < self.max).then_some(n + 1)).is_ok()
+    }
+
+    fn give_back(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
 /// Where a sweep of the PEL is, kept by the caller from one pass to the next.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug)]
 pub struct Cursor {
     /// The last entry id looked at; `None` at the start of a sweep.
     pub position: Option<String>,
     /// With backoff: requeued copies found not due, by id, with the deliveries each carries from before it was
     /// requeued (the scan sees only a copy's own count). Sent with the call whose page holds them, so the script
     /// leaves them alone without reading them until they are due. Bounded: cleared when it grows past
-    /// [`Cursor::EARLIER_MAX`].
+    /// [`Cursor::EARLIER_MAX`], and by what `remembered` has left for all cursors together.
     earlier: BTreeMap<StreamOrder, i64>,
+    remembered: &'static Remembered,
+}
+
+impl Default for Cursor {
+    fn default() -> Cursor {
+        Cursor::sharing(&REMEMBERED)
+    }
+}
+
+impl Drop for Cursor {
+    fn drop(&mut self) {
+        self.remembered.give_back(self.earlier.len());
+    }
 }
 
 /// An entry id as the stream orders it (`ms-seq`, numerically).
@@ -133,6 +180,11 @@ fn order(id: &str) -> StreamOrder {
 
 impl Cursor {
     const EARLIER_MAX: usize = 100_000;
+
+    /// A cursor at the start, whose remembered copies count against `remembered`.
+    pub fn sharing(remembered: &'static Remembered) -> Cursor {
+        Cursor { position: None, earlier: BTreeMap::new(), remembered }
+    }
 
     /// At the start of a sweep (the last pass reached the end of the PEL, or none ran yet).
     pub fn at_start(&self) -> bool {
@@ -156,14 +208,21 @@ impl Cursor {
         for ((id, _), fate) in known.iter().zip(call.known.bytes()) {
             let id = order(id);
             let covered = call.reached_end || end.is_some_and(|end| id <= end);
-            if fate == b't' || (fate == b'-' && covered) {
-                self.earlier.remove(&id);
+            if (fate == b't' || (fate == b'-' && covered)) && self.earlier.remove(&id).is_some() {
+                self.remembered.give_back(1);
             }
         }
         if self.earlier.len() + call.waiting.len() > Cursor::EARLIER_MAX {
+            self.remembered.give_back(self.earlier.len());
             self.earlier.clear();
         }
-        self.earlier.extend(call.waiting.iter().map(|(id, earlier)| (order(id), *earlier)));
+        for (id, earlier) in &call.waiting {
+            match self.earlier.entry(order(id)) {
+                Entry::Occupied(mut known) => *known.get_mut() = *earlier,
+                Entry::Vacant(slot) if self.remembered.take_one() => _ = slot.insert(*earlier),
+                Entry::Vacant(_) => break,
+            }
+        }
         if call.reached_end {
             self.position = None;
         } else if call.position.is_some() {
@@ -442,5 +501,27 @@ mod tests {
         cursor.advance(&known, call(None, true, "-", &[]));
         assert!(cursor.at_start());
         assert_eq!(ids(&cursor.known(10)), ["4-0"]);
+    }
+
+    #[test]
+    fn cursors_together_remember_no_more_than_their_shared_bound() {
+        static SHARED: Remembered = Remembered::new(5);
+        let waiting = |ids: &[&'static str]| ids.iter().map(|id| (*id, 2)).collect::<Vec<_>>();
+        let mut first = Cursor::sharing(&SHARED);
+        first.advance(&[], call(Some("9-0"), false, "", &waiting(&["1-0", "2-0", "3-0"])));
+        let mut second = Cursor::sharing(&SHARED);
+        second.advance(&[], call(Some("9-0"), false, "", &waiting(&["4-0", "5-0", "6-0", "7-0"])));
+        assert_eq!(SHARED.used(), 5);
+        second.position = None;
+        assert_eq!(ids(&second.known(10)), ["4-0", "5-0"], "the second remembers what was left, in stream order");
+        // A copy read leaves the cursor and frees its place; a cursor dropped frees all of its.
+        first.position = None;
+        let known = first.known(10);
+        first.advance(&known, call(Some("1-0"), false, "t", &[]));
+        assert_eq!(SHARED.used(), 4);
+        drop(first);
+        assert_eq!(SHARED.used(), 2);
+        second.advance(&[], call(Some("9-0"), false, "", &waiting(&["8-0"])));
+        assert_eq!(SHARED.used(), 3);
     }
 }
