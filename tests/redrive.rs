@@ -514,3 +514,58 @@ fn a_redrive_deleted_and_created_again_while_running_is_counted_once() {
     assert_eq!(moved_now, (0..120).map(|n| (n, 1)).collect(), "every dead letter moved once");
     assert!(xrange(&mut conn, "again:dlq").is_empty());
 }
+
+/// Defect (issue 48.8): a running redrive deleted left its lock on the stream, and every seek of that stream was
+/// refused `SeekInProgress`, naming the deleted redrive, until another redrive ran to completion. The task releases
+/// the lock when it finds its object gone, and a seek takes over a lock whose redrive no longer exists.
+#[test]
+fn a_deleted_redrive_leaves_no_lock_that_refuses_a_seek() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, operator) = ready_policy("redrive-gone", &policy("gone", &server.url(), "gone", "workers", ""), "gone");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "gone:dlq", "gone", 100, |_| "MaxDeliveriesExceeded");
+    let seek = |name: &str| {
+        format!(
+            "apiVersion: pelican.io/v1alpha1\nkind: GroupSeek\nmetadata:\n  name: {name}\nspec:\n  policyRef: {{name: \
+             gone}}\n  to: {{position: Latest}}\n  consumersIdleFor: 0s\n  dryRun: true\n"
+        )
+    };
+    let seek_phase = |name: &str| {
+        assert!(kubectl_apply(&ns, &seek(name)).0);
+        wait_for(&format!("seek {name} finished"), Duration::from_secs(30), || {
+            let status: Value =
+                serde_json::from_str(&kubectl_ok(&["get", "seek", name, "-n", &ns, "-o", "jsonpath={.status}"]))
+                    .unwrap_or_default();
+            match status["phase"].as_str() {
+                Some("Succeeded" | "Failed") => Ok(status),
+                other => Err(format!("{other:?}")),
+            }
+        })
+    };
+    let lock = "{gone:dlq}:pelican:gone:dlq:redrive-lock";
+
+    // Deleted while it runs: the task lets go of the stream.
+    assert!(kubectl_apply(&ns, &redrive("slow", "gone", "  ratePerSecond: 2\n")).0);
+    wait_for("the redrive to move one", Duration::from_secs(30), || {
+        let moved = get_redrive(&ns, "slow")["status"]["moved"].as_i64().unwrap_or(0);
+        if moved >= 1 { Ok(()) } else { Err(format!("moved {moved}")) }
+    });
+    kubectl_ok(&["delete", "dlr", "slow", "-n", &ns]);
+    let status = seek_phase("after-delete");
+    assert_eq!(status["phase"], "Succeeded", "{status}");
+
+    // Deleted while no operator runs (its task cannot let go): the seek takes over the lock of a redrive gone.
+    assert!(kubectl_apply(&ns, &redrive("slower", "gone", "  ratePerSecond: 2\n")).0);
+    wait_for("the second redrive to hold the stream", Duration::from_secs(30), || {
+        let holder: Option<String> = redis::cmd("HGET").arg(lock).arg("name").query(&mut conn).unwrap();
+        holder.filter(|h| h.ends_with("/slower")).ok_or_else(|| "no lock".to_string())
+    });
+    let mut operator = operator;
+    operator.kill9();
+    kubectl_ok(&["delete", "dlr", "slower", "-n", &ns]);
+    let _operator = Operator::start(&ns);
+    let status = seek_phase("after-restart");
+    assert_eq!(status["phase"], "Succeeded", "{status}");
+    let holder: Option<String> = redis::cmd("HGET").arg(lock).arg("name").query(&mut conn).unwrap();
+    assert_eq!(holder, None, "the lock of the deleted redrive is gone");
+}

@@ -259,20 +259,39 @@ pub struct LockOwner {
 /// Takes the dead-letter stream's lock for this redrive, when nobody holds it, it holds it already, or its holder
 /// is `gone` (the caller checked that redrive no longer runs). Returns who holds it after the call.
 pub async fn claim(conn: &mut Conn, server: &str, plan: &Plan, gone: Option<&str>) -> Result<LockOwner> {
-    lock(conn, server, plan, "claim", gone.unwrap_or_default()).await
+    let me = LockOwner { uid: plan.uid.clone(), name: plan.full_name.clone() };
+    lock(conn, server, &plan.lock_key, "claim", &me, gone.unwrap_or_default()).await
 }
 
-/// Lets go of the lock, when this redrive holds it (it failed).
+/// Lets go of the lock, when this redrive holds it (it failed, or its object is gone).
 pub async fn release(conn: &mut Conn, server: &str, plan: &Plan) -> Result<()> {
-    lock(conn, server, plan, "release", "").await.map(|_| ())
+    let me = LockOwner { uid: plan.uid.clone(), name: plan.full_name.clone() };
+    release_of(conn, server, &plan.lock_key, &me).await
 }
 
-async fn lock(conn: &mut Conn, server: &str, plan: &Plan, op: &str, gone: &str) -> Result<LockOwner> {
+/// Lets go of the lock of `owner` (a redrive the caller found gone), when it still holds it.
+pub async fn release_of(conn: &mut Conn, server: &str, lock_key: &str, owner: &LockOwner) -> Result<()> {
+    lock(conn, server, lock_key, "release", owner, "").await.map(|_| ())
+}
+
+/// Who holds the lock `lock_key` now, if anyone.
+pub async fn holder(conn: &mut Conn, server: &str, lock_key: &str) -> Result<Option<LockOwner>> {
+    let (uid, name): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg(lock_key)
+        .arg("uid")
+        .arg("name")
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(uid.map(|uid| LockOwner { uid, name: name.unwrap_or_default() }))
+}
+
+async fn lock(conn: &mut Conn, server: &str, key: &str, op: &str, who: &LockOwner, gone: &str) -> Result<LockOwner> {
     let (uid, name): (String, String) = REDRIVE_LOCK
-        .key(&plan.lock_key)
+        .key(key)
         .arg(op)
-        .arg(&plan.uid)
-        .arg(&plan.full_name)
+        .arg(&who.uid)
+        .arg(&who.name)
         .arg(gone)
         .invoke_async(conn)
         .await

@@ -40,8 +40,12 @@ pub async fn run(ctx: Arc<Redrives>, redrive: Arc<DeadLetterRedrive>, mut work: 
         match drive(&ctx, &redrive, &mut work, &mut status).await.map_err(|e| range_refused(&redrive, e)) {
             Ok(()) => return,
             Err(e) if ends_the_redrive(&e) => return fail(&ctx, &redrive, &mut work, &mut status, e).await,
-            // The object is gone, or is another object of the same name now (the uid in the status patch).
-            Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 || response.code == 409 => return,
+            // The object is gone, or is another object of the same name now (the uid in the status patch): the
+            // stream is let go, or every seek of it would be refused until another redrive ran to its end.
+            Err(Error::Kube(kube::Error::Api(response))) if response.code == 404 || response.code == 409 => {
+                let _ = moves::release(&mut work.conn, &work.server, &work.plan).await;
+                return;
+            }
             Err(e) => {
                 // The server restarting, a failover, a password rotated, the API server unreachable: the record on
                 // the server is exact, so the next attempt, on the policy's current target, resumes after the last

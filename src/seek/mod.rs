@@ -27,12 +27,15 @@ use kube::{Resource, ResourceExt};
 use tracing::{info, instrument, warn};
 
 use crate::api::{
-    ConsumerGroupPolicy, GroupSeek, GroupSeekStatus, READY, SeekPhase, SeekPosition, SeekTarget, parse_duration,
+    ConsumerGroupPolicy, DeadLetterRedrive, GroupSeek, GroupSeekStatus, READY, SeekPhase, SeekPosition, SeekTarget,
+    parse_duration,
 };
 use crate::context::Shared;
 use crate::context::conditions::{JobState, job_conditions};
+use crate::jobs::redrive as redrive_moves;
 use crate::jobs::seek::{self, Moved, Outcome, Target};
-use crate::redis::{GroupKeys, server_identity};
+use crate::keys::redrive_lock_key;
+use crate::redis::{Conn, GroupKeys, server_identity};
 use crate::{Error, Result};
 
 /// How soon a seek that waits (for its policy to exist or be reconciled, for its server) looks again.
@@ -152,6 +155,9 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
         group: &policy.spec.group,
         dead_letter: &policy.spec.dead_letter.stream,
     };
+    if let Err(e) = ctx.release_stale_redrive_lock(&mut conn, &target.server(), &keys).await {
+        return ctx.retry(&object, &status, e).await;
+    }
     let started = Timestamp::now().to_string();
     let go_on = || ctx.shared.leadership.may_write();
     match seek::run(&mut conn, &target.server(), &keys, &plan, go_on).await {
@@ -243,6 +249,34 @@ fn record(status: &mut GroupSeekStatus, moved: Moved) {
 }
 
 impl Seeks {
+    /// A redrive deleted while no operator ran (its task could not let go) leaves its lock on the dead-letter
+    /// stream, and the seek script refuses every seek beside it: the lock of a redrive that no longer exists (or
+    /// finished) is released here first.
+    async fn release_stale_redrive_lock(&self, conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<()> {
+        let lock_key = redrive_lock_key(keys.dead_letter);
+        let Some(owner) = redrive_moves::holder(conn, server, &lock_key).await? else { return Ok(()) };
+        let Some((namespace, name)) = owner.name.split_once('/') else { return Ok(()) };
+        let api: Api<DeadLetterRedrive> = Api::namespaced(self.shared.client.clone(), namespace);
+        // Not known (the namespace not watched, the API server not answering): the lock stands, and the script
+        // says which redrive holds it.
+        let found = match api.get_opt(name).await {
+            Ok(found) => found,
+            Err(e) => {
+                warn!(redrive = owner.name, error = %e, "cannot tell whether the DeadLetterRedrive holding the stream runs");
+                return Ok(());
+            }
+        };
+        let running = found.is_some_and(|redrive| {
+            redrive.uid().as_deref() == Some(owner.uid.as_str())
+                && !redrive.status.as_ref().is_some_and(|s| s.phase.is_finished())
+        });
+        if !running {
+            info!(redrive = owner.name, "releasing the lock of a DeadLetterRedrive that no longer runs");
+            redrive_moves::release_of(conn, server, &lock_key, &owner).await?;
+        }
+        Ok(())
+    }
+
     /// `Pending` with the reason it waits, written only when the reason or message changed.
     async fn pending(&self, object: &GroupSeek, status: &GroupSeekStatus, reason: &str, note: String) -> Result<()> {
         let already =
