@@ -74,6 +74,7 @@ fn one_pass(runtime: &tokio::runtime::Runtime, server: &Server) -> f64 {
             strategy: ReclaimStrategy::Requeue,
             dead_letter_max_len: None,
             backoff: None,
+            handover_grace: Duration::ZERO,
         };
         let start = Instant::now();
         let report =

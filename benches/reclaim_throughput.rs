@@ -48,6 +48,7 @@ async fn pelican_pass(conn: &mut Conn, size: usize, strategy: ReclaimStrategy, m
         strategy,
         dead_letter_max_len: None,
         backoff: None,
+        handover_grace: Duration::ZERO,
     };
     let start = Instant::now();
     let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut Cursor::default(), &|| true).await.unwrap();
@@ -130,6 +131,7 @@ async fn idle_scan(conn: &mut Conn, pel: usize) -> Duration {
         strategy: ReclaimStrategy::Requeue,
         dead_letter_max_len: None,
         backoff: None,
+        handover_grace: Duration::ZERO,
     };
     let mut best = Duration::MAX;
     let mut cursor = Cursor::default();
@@ -184,6 +186,7 @@ async fn backoff_passes(conn: &mut Conn, size: usize) -> (f64, f64, f64, u64, u6
         strategy: ReclaimStrategy::Requeue,
         dead_letter_max_len: None,
         backoff: None,
+        handover_grace: Duration::ZERO,
     };
     let backoff = PassSettings {
         min_idle: Duration::from_secs(5),

@@ -38,6 +38,17 @@ pub fn errors_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:errors", hash_tag(stream))
 }
 
+/// `{T}:pelican:<stream>:<group>:handovers`: pending entry id -> when `Reassign` last handed it over (ms), so that
+/// the new owner gets [`HANDOVER_GRACE`] to take it up before it is handed over (and counted) again; removed when
+/// the entry leaves the PEL.
+pub fn handovers_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:handovers", hash_tag(stream))
+}
+
+/// How long an entry `Reassign` handed over is left to its new owner: twice the SDK's `pel_check_interval` (30 s),
+/// so an SDK worker always looks at its PEL before the entry could be handed over again.
+pub const HANDOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// `{T}:pelican:<stream>:<group>:totals`: the operator's own counters.
 pub fn totals_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))
@@ -67,8 +78,8 @@ pub fn redrive_lock_key(dead_letter: &str) -> String {
     format!("{{{}}}:pelican:{dead_letter}:redrive-lock", hash_tag(dead_letter))
 }
 
-/// `{T}:pelican:<stream>:<group>:seeks`: seek uid -> the result of the `GroupSeek` that ran (`scripts/seek.lua`),
-/// so that a seek never runs twice.
+/// `{T}:pelican:<stream>:<group>:seeks`: `<namespace>/<name>` of a `GroupSeek` -> its record (`scripts/seek.lua`):
+/// where it is while it runs, its result once it ran, so that a seek never moves the group twice.
 pub fn seeks_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:seeks", hash_tag(stream))
 }
@@ -88,6 +99,7 @@ pub fn group_keys(stream: &str, group: &str) -> Vec<String> {
         totals_key(stream, group),
         terminal_key(stream, group),
         errors_key(stream, group),
+        handovers_key(stream, group),
         seeks_key(stream, group),
         bounds_key(stream),
         rejected_key(stream),

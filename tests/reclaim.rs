@@ -23,6 +23,7 @@ on_both_servers!(
     lost_script_cache_is_reloaded,
     pass_on_a_big_pel_with_nothing_idle_looks_at_max_per_pass_entries,
     reassign_gives_the_entry_to_the_least_loaded_live_consumer,
+    reassign_hands_back_to_a_lone_owner_once_per_grace,
     consumer_expiry_never_destroys_a_pending_entry,
     reassigned_entry_nobody_rereads_reaches_the_cap_and_is_dead_lettered,
     a_batch_of_large_entries_never_makes_other_clients_wait_busy,
@@ -52,6 +53,7 @@ fn settings(strategy: ReclaimStrategy, max_deliveries: u32) -> PassSettings {
         strategy,
         dead_letter_max_len: None,
         backoff: None,
+        handover_grace: Duration::ZERO,
     }
 }
 
@@ -729,4 +731,47 @@ fn a_sparse_pel_of_large_entries_costs_a_call_its_budget_not_sixty_four_times_it
         .map(|e| String::from_utf8(field(e, "pelican-source-id").unwrap().to_vec()).unwrap())
         .collect();
     assert_eq!(letters, pending, "each pending entry dead-lettered once, in order");
+}
+
+/// Defects (issue 48.9 and 48.10): `Reassign` handed an entry only to a live consumer other than its owner, so with
+/// one worker (which leaves its failures to the pass) a failed message was never retried; and it handed an entry
+/// over again every `minIdle`, each time a delivery, faster than an SDK worker looks at its PEL (every 30 s), so a
+/// message was dead-lettered after one real attempt. Now the lone owner gets it back, and an entry handed over is
+/// not handed over (nor counted) again within the grace.
+fn reassign_hands_back_to_a_lone_owner_once_per_grace(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(2));
+    let mut conn = server.conn();
+    // "only" failed the first message and goes on reading new ones: alive, and the only consumer.
+    let failed = read_new(&mut conn, STREAM, GROUP, "only", 1);
+    std::thread::sleep(IDLE * 2);
+    let done = read_new(&mut conn, STREAM, GROUP, "only", 1);
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&done).query(&mut conn).unwrap();
+    let grace = Duration::from_secs(3);
+    let s = PassSettings { handover_grace: grace, ..settings(ReclaimStrategy::Reassign, 5) };
+    assert_eq!(pass(&server, &s).reassigned, 1, "handed back to its owner, the only live consumer");
+    let owners: Vec<(String, String, i64)> =
+        pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.0, p.1, p.3)).collect();
+    assert_eq!(owners, [(failed[0].clone(), "only".to_string(), 2)]);
+    // Idle again (the worker has not looked at its PEL yet): within the grace nothing is handed over or counted.
+    for _ in 0..3 {
+        std::thread::sleep(IDLE * 2);
+        let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("filler").arg(1).query(&mut conn).unwrap();
+        let ids = read_new(&mut conn, STREAM, GROUP, "only", 1);
+        let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
+        assert_eq!(pass(&server, &s).reassigned, 0);
+    }
+    assert_eq!(pel(&mut conn, STREAM, GROUP)[0].3, 2, "the count grows no faster than the owner takes it up");
+    // After the grace it is handed over again, and counted.
+    std::thread::sleep(grace);
+    let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("filler").arg(1).query(&mut conn).unwrap();
+    let ids = read_new(&mut conn, STREAM, GROUP, "only", 1);
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
+    assert_eq!(pass(&server, &s).reassigned, 1);
+    assert_eq!(pel(&mut conn, STREAM, GROUP)[0].3, 3);
+    // Acknowledged by its owner: the record of its hand-over goes with the next passes.
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&failed).query(&mut conn).unwrap();
+    pass(&server, &s);
+    let left: i64 = redis::cmd("HLEN").arg("{jobs}:pelican:{jobs}:in:workers:handovers").query(&mut conn).unwrap();
+    assert_eq!(left, 0);
 }

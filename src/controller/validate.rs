@@ -8,7 +8,7 @@ use kube::ResourceExt;
 
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RetentionMode, parse_duration};
 use crate::jobs::{Backoff, PassSettings};
-use crate::keys;
+use crate::keys::{self, HANDOVER_GRACE};
 use crate::redis::server_identity;
 use crate::{Error, Result};
 
@@ -46,6 +46,7 @@ impl Schedule {
                         })
                     })
                     .transpose()?,
+                handover_grace: HANDOVER_GRACE,
             },
             expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,
             retention: match &spec.retention {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use redis::Script;
 
 use crate::api::ReclaimStrategy;
-use crate::keys::{ERROR_TEXT_MAX, OPERATOR_CONSUMER, errors_key, terminal_key, totals_key};
+use crate::keys::{ERROR_TEXT_MAX, OPERATOR_CONSUMER, errors_key, handovers_key, terminal_key, totals_key};
 use crate::redis::{Conn, GroupKeys, reply};
 use crate::{Error, Result};
 
@@ -46,6 +46,8 @@ pub struct PassSettings {
     pub dead_letter_max_len: Option<u64>,
     /// `retry.backoff`: the idle threshold grows by `factor` per delivery, up to `max`.
     pub backoff: Option<Backoff>,
+    /// `Reassign`: an entry handed over is not handed over again sooner ([`crate::keys::HANDOVER_GRACE`] in the operator).
+    pub handover_grace: Duration,
 }
 
 /// Exponential spacing of retries.
@@ -300,6 +302,7 @@ async fn reclaim_call(
         .key(totals_key(keys.stream, keys.group))
         .key(terminal_key(keys.stream, keys.group))
         .key(errors_key(keys.stream, keys.group))
+        .key(handovers_key(keys.stream, keys.group))
         .arg(keys.group)
         .arg(settings.min_idle.as_millis() as u64)
         .arg(settings.max_deliveries)
@@ -313,6 +316,7 @@ async fn reclaim_call(
         .arg(ERROR_TEXT_MAX)
         .arg(after.map_or_else(|| "-".to_string(), |id| format!("({id}")))
         .arg(limit)
+        .arg(settings.handover_grace.as_millis() as u64)
         .arg(known)
         .invoke_async(conn)
         .await

@@ -2,6 +2,7 @@
 --
 -- KEYS[1] source stream    KEYS[2] dead-letter stream    KEYS[3] totals hash    KEYS[4] terminal hash
 -- KEYS[5] errors hash: entry id -> the text of its last failure, written by workers
+-- KEYS[6] hand-overs hash: entry id -> when Reassign last handed it over (ms)
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
@@ -9,14 +10,15 @@
 -- ARGV[9] backoff factor   ARGV[10] backoff max (ms; 0: no backoff)   ARGV[11] most bytes of an error text kept
 -- ARGV[12] where the page starts: '-' (the PEL's first entry) or '(' followed by the last id already looked at
 -- ARGV[13] most PEL entries to look at
--- ARGV[14..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
+-- ARGV[14] hand-over grace (ms): an entry Reassign handed over is not handed over again sooner
+-- ARGV[15..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
 --           calls found them (see Backoff)
 --
 -- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, scanned, deadLetterEvicted, idle,
 -- position, reachedEnd, known, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
 -- including `position` (the next call starts after it; '' when none was), of which `idle` were idle long enough to
 -- be taken and `skipped` of those were left alone; `reachedEnd` is 1 when the page was the PEL's last. `known` has
--- one character per pair of ARGV[14..]: 'w' the copy is in the page and still waits, 't' it was in the page and
+-- one character per pair of ARGV[15..]: 'w' the copy is in the page and still waits, 't' it was in the page and
 -- read (moved, or returned again below), '-' not in the part of the page looked at. The pairs name the requeued
 -- copies read and found not due, with the deliveries each carries from before.
 --
@@ -51,7 +53,7 @@
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
 -- when the new owner never re-reads its PEL.
 
-local src, dlq, totals, terminal, errors = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local src, dlq, totals, terminal, errors, handovers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local group = ARGV[1]
 local min_idle = tonumber(ARGV[2])
 local max_deliveries = tonumber(ARGV[3])
@@ -61,10 +63,10 @@ local operator = ARGV[6]
 local max_fields = tonumber(ARGV[7])
 local byte_budget = tonumber(ARGV[8])
 local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
-local start, limit = ARGV[12], tonumber(ARGV[13])
--- Copy id -> index of its pair (from ARGV[14]); what became of each, as the reply tells it.
+local start, limit, grace = ARGV[12], tonumber(ARGV[13]), tonumber(ARGV[14])
+-- Copy id -> index of its pair (from ARGV[15]); what became of each, as the reply tells it.
 local known, fate = {}, {}
-for i = 14, #ARGV, 2 do known[ARGV[i]] = i end
+for i = 15, #ARGV, 2 do known[ARGV[i]] = i end
 -- The most entries one XRANGE reads.
 local RUN = 64
 
@@ -76,6 +78,7 @@ local function expect_type(key, wanted)
 end
 local bad = expect_type(src, 'stream') or expect_type(dlq, 'stream')
   or expect_type(totals, 'hash') or expect_type(terminal, 'hash') or expect_type(errors, 'hash')
+  or expect_type(handovers, 'hash')
 if bad then return bad end
 -- Raises NOGROUP before any write when the group is gone.
 local page = redis.call('XPENDING', src, group, start, '+', limit)
@@ -114,11 +117,14 @@ local function least_loaded(except)
       end
     end
   end
-  local best
+  local best, owner
   for _, c in ipairs(live) do
+    if c.name == except then owner = c end
     if c.name ~= except and (best == nil or c.pending < best.pending) then best = c end
   end
-  return best
+  -- With the owner the only live consumer, the entry goes back to it: a worker that reads only new entries (the
+  -- SDK leaves its failures to the pass) takes what it is handed at its next look at its PEL.
+  return best or owner
 end
 
 -- The idle time an entry delivered n times must reach before it is taken: min(max, minIdle * factor^(n-1)), in
@@ -141,8 +147,9 @@ local function delivery_count(text)
   return n
 end
 
--- Most streams have no errors hash (no worker records errors): then no entry costs a lookup.
+-- Most streams have no errors hash (no worker records errors): then no entry costs a lookup. Likewise hand-overs.
 local has_errors = redis.call('EXISTS', errors) == 1
+local has_handovers = redis.call('EXISTS', handovers) == 1
 
 -- The entries read so far (id -> fields) from the last run, and what the reads told of their size.
 local run, read_bytes, read_entries = {}, 0, 0
@@ -270,11 +277,18 @@ for _, pending in ipairs(page) do
         end
         requeued = requeued + 1
       elseif strategy == 'Reassign' then
+        local handed = has_handovers and tonumber(redis.call('HGET', handovers, id))
         local target = least_loaded(owner)
-        if target then
+        if handed and tonumber(now_ms) - handed < grace then
+          -- Handed over within the grace: its owner has not had its look at its PEL yet.
+          skipped = skipped + 1
+        elseif target then
           -- A hand-over is a delivery: without RETRYCOUNT, JUSTID leaves the count as it was, and an entry handed
-          -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap.
+          -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap. It is
+          -- not handed over again within the grace, so the count grows no faster than the owner can take it up.
           redis.call('XCLAIM', src, group, target.name, min_idle, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
+          redis.call('HSET', handovers, id, now_ms)
+          has_handovers = true
           target.pending = target.pending + 1
           reassigned = reassigned + 1
         else
@@ -329,9 +343,22 @@ end
 -- The acknowledgements and the counters are written once per call, for everything moved, also when a command
 -- failed half way through (an out-of-memory XADD, say): the moves before the failure stand, since scripts are
 -- not rolled back.
+-- Hand-overs of entries no longer pending (their owner acknowledged them): a few per call.
+local function prune_handovers()
+  if not has_handovers then return end
+  for _, id in ipairs(redis.call('HRANDFIELD', handovers, 16)) do
+    local entry = redis.pcall('XPENDING', src, group, id, id, 1)
+    if entry.err ~= nil or entry[1] == nil then redis.call('HDEL', handovers, id) end
+  end
+end
+
 local ok, failure = pcall(move_page)
 if ok then ok, failure = pcall(prune_errors) end
-if #acks > 2 then redis.call('XACK', unpack(acks)) end
+if ok then ok, failure = pcall(prune_handovers) end
+if #acks > 2 then
+  redis.call('XACK', unpack(acks))
+  if has_handovers then redis.call('HDEL', handovers, unpack(acks, 3)) end
+end
 local function count(key, field, n)
   if n > 0 then redis.call('HINCRBY', key, field, n) end
 end
@@ -350,7 +377,7 @@ local reached_end = (scanned == #page and #page < limit) and 1 or 0
 local reply = {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, scanned, evicted, idle,
   position, reached_end}
 local fates = {}
-for i = 14, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
+for i = 15, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
 reply[12] = table.concat(fates)
 for _, v in ipairs(waiting) do reply[#reply + 1] = v end
 return reply
