@@ -378,3 +378,69 @@ fn the_roles_for_people_aggregate_into_edit_and_view_without_servers() {
     let off = render("people", "pelican-system", &["rbac.aggregateToDefaultRoles=false"]);
     assert!(!off.contains("aggregate-to-edit"), "{off}");
 }
+
+/// The last commit whose chart was 0.1.0: the release an upgrade to this one starts from.
+const PREVIOUS_CHART_COMMIT: &str = "2916df0~1";
+
+/// Defect (issue 48.13): the upgrade as installing.md wrote it (`helm upgrade ... --reuse-values`) failed from the
+/// 0.1 chart: the old release's values lack `topologySpread` (`nil pointer evaluating interface {}.enabled`), and
+/// past that the 0.1 default image repository would have been kept. The test takes the command from the page as
+/// written, installs the 0.1 chart from git history with one value of the user's own, and upgrades: the new
+/// defaults apply, the user's value stays.
+#[test]
+fn the_documented_upgrade_from_the_previous_chart_keeps_the_users_values_and_takes_the_new_defaults() {
+    let old = tempfile::tempdir().unwrap();
+    let archive = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "git -C {} archive {PREVIOUS_CHART_COMMIT} charts/pelican | tar -x -C {}",
+            env!("CARGO_MANIFEST_DIR"),
+            old.path().display()
+        ))
+        .output()
+        .unwrap();
+    assert!(archive.status.success(), "{}", String::from_utf8_lossy(&archive.stderr));
+    let old_chart = old.path().join("charts/pelican");
+    let ns = namespace("chart-upgrade");
+    let release = format!("up{}", &ns[ns.len() - 8..]);
+    let (ok, out) = helm(&["install", &release, old_chart.to_str().unwrap(), "-n", &ns, "--set", "logLevel=debug"]);
+    assert!(ok, "{out}");
+
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/installing.md")).unwrap();
+    let documented =
+        page.lines().map(str::trim).find(|l| l.starts_with("helm upgrade pelican charts/pelican")).unwrap();
+    let args: Vec<String> = documented
+        .split_whitespace()
+        .skip(1)
+        .map(|word| match word {
+            "pelican" => release.clone(),
+            "charts/pelican" => CHART.to_string(),
+            "pelican-system" => ns.clone(),
+            other => other.to_string(),
+        })
+        .collect();
+    let (ok, out) = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "`{documented}` failed from the 0.1 chart: {out}");
+
+    let deployment: serde_json::Value = serde_json::from_str(&kubectl_ok(&[
+        "get",
+        "deploy",
+        "-n",
+        &ns,
+        "-l",
+        &format!("app.kubernetes.io/instance={release}"),
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let pod = &deployment["items"][0]["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(container["image"], format!("localhost/pelican:{version}"), "the new default image");
+    let env = container["env"].as_array().unwrap();
+    let log = env.iter().find(|e| e["name"] == "RUST_LOG").unwrap();
+    assert_eq!(log["value"], "debug", "the user's logLevel kept");
+    assert!(pod["topologySpreadConstraints"].is_array(), "the new default spread: {pod}");
+    let (ok, out) = helm(&["uninstall", &release, "-n", &ns]);
+    assert!(ok, "{out}");
+}

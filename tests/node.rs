@@ -444,7 +444,7 @@ fn helm_upgrade_rolls_the_pods_with_never_two_leaders_at_once() {
         installed.chart,
         "-n",
         system,
-        "--reuse-values",
+        "--reset-then-reuse-values",
         "--set",
         "maxConcurrentReconciles=16",
     ]);
