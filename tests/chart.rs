@@ -444,3 +444,14 @@ fn the_documented_upgrade_from_the_previous_chart_keeps_the_users_values_and_tak
     let (ok, out) = helm(&["uninstall", &release, "-n", &ns]);
     assert!(ok, "{out}");
 }
+
+/// Defect (issue 48.15): with leader election off and one replica a rolling update never completed: the new pod
+/// found the Lease held by the old one and exited, and the old one was never replaced. The Deployment is
+/// `Recreate` then; with election on it rolls (the old leader lets go of the Lease on SIGTERM).
+#[test]
+fn without_leader_election_the_deployment_is_recreated_not_rolled() {
+    let off = render("x", "pelican-system", &["leaderElection.enabled=false", "replicaCount=1"]);
+    assert!(off.contains("strategy:\n    type: Recreate"), "{off}");
+    let on = render("x", "pelican-system", &[]);
+    assert!(!on.contains("type: Recreate"), "{on}");
+}
