@@ -414,3 +414,31 @@ fn the_built_book_has_its_tables_anchors_and_links() {
     assert!(links > 500, "only {links} links in {} pages: did the book's shape change?", pages.len());
     assert!(broken.is_empty(), "the built book has broken parts:\n{}", broken.join("\n"));
 }
+
+/// Every label a query in the book or the chart puts on a Pelican metric is one the code writes: a runbook that
+/// queries a label the metric does not have finds nothing at 3 a.m. (the oldest-pending runbook asked for
+/// `pelican_job_failures_total{job="pass"}`). Prometheus' target label `job` passes only where it names the scrape job.
+#[test]
+fn labels_in_queries_are_labels_the_code_writes() {
+    let code = read(&Path::new(ROOT).join("src/telemetry/metrics.rs"));
+    let written: BTreeSet<String> =
+        Regex::new(r#"\("([a-z_]+)", "#).unwrap().captures_iter(&code).map(|c| c[1].to_string()).collect();
+    let query = Regex::new(r"(pelican_[a-z_]+)\{([^}]*)\}").unwrap();
+    let name = Regex::new(r"^\s*([a-z_]+)\s*(=|!=|=~|!~)?\s*(.*)$").unwrap();
+    let mut files = files_below(&Path::new(ROOT).join("docs/src"), ".md");
+    files.extend(files_below(&Path::new(ROOT).join("charts/pelican"), ".yaml"));
+    files.extend(files_below(&Path::new(ROOT).join("charts/pelican"), ".json"));
+    let mut unknown = Vec::new();
+    for file in &files {
+        for found in query.captures_iter(&read(file)) {
+            for item in found[2].split(',') {
+                let Some(label) = name.captures(item) else { continue };
+                let scrape_job = &label[1] == "job" && (label[3].contains("$job") || label[3].contains("alerts.job"));
+                if !written.contains(&label[1]) && &label[1] != "le" && !scrape_job {
+                    unknown.push(format!("{}: {}{{{}}}", file.display(), &found[1], &found[2]));
+                }
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "queries on labels no Pelican metric has:\n{}", unknown.join("\n"));
+}

@@ -302,7 +302,7 @@ fn a_failing_job_is_visible_and_the_others_go_on() {
     wait_for("the failures counted", Duration::from_secs(10), || {
         let metrics = operator.metrics();
         let series = format!(
-            "pelican_job_failures_total{{namespace=\"{ns}\",policy=\"jf\",job=\"retention\",reason=\"PermissionDenied\"}}"
+            "pelican_job_failures_total{{namespace=\"{ns}\",policy=\"jf\",task=\"retention\",reason=\"PermissionDenied\"}}"
         );
         if metrics.contains(&series) { Ok(()) } else { Err(metrics) }
     });

@@ -387,8 +387,8 @@ impl Collector for PolicySeries {
     }
 }
 
-/// `pelican_job_failures_total{namespace, policy, job, reason}`: kept per policy so that a deleted policy's series go
-/// with it.
+/// `pelican_job_failures_total{namespace, policy, task, reason}` (`task`, not `job`: that is Prometheus' own target
+/// label): kept per policy so that a deleted policy's series go with it.
 #[derive(Debug, Default)]
 struct JobFailureSeries(Mutex<BTreeMap<(PolicyKey, &'static str, &'static str), u64>>);
 
@@ -405,7 +405,7 @@ impl Collector for JobFailureSeries {
             let labels: Labels = vec![
                 ("namespace", namespace.clone()),
                 ("policy", policy.clone()),
-                ("job", job.to_string()),
+                ("task", job.to_string()),
                 ("reason", reason.to_string()),
             ];
             ConstCounter::new(*count).encode(metric.encode_family(&labels)?)?;
