@@ -414,7 +414,8 @@ pub struct ConsumerGroupPolicyStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `Reconciling`, `Stalled` (kstatus), and `Saturated` when `spec.backlog` is set.
+    /// `Ready`, `Reconciling`, `Stalled` (kstatus), `Saturated` when `spec.backlog` is set, and `Consuming`
+    /// (whether the consumers make progress; not part of `Ready`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
