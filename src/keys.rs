@@ -49,6 +49,12 @@ pub fn handovers_key(stream: &str, group: &str) -> String {
 /// so an SDK worker always looks at its PEL before the entry could be handed over again.
 pub const HANDOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// `{T}:pelican:<stream>:<group>:creator`: the uid of the policy that created the group, so that `deletionPolicy:
+/// Delete` destroys only a group its policy made (or one it says it adopts).
+pub fn creator_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:creator", hash_tag(stream))
+}
+
 /// `{T}:pelican:<stream>:<group>:totals`: the operator's own counters.
 pub fn totals_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))
@@ -100,6 +106,7 @@ pub fn group_keys(stream: &str, group: &str) -> Vec<String> {
         terminal_key(stream, group),
         errors_key(stream, group),
         handovers_key(stream, group),
+        creator_key(stream, group),
         seeks_key(stream, group),
         bounds_key(stream),
         rejected_key(stream),

@@ -362,3 +362,44 @@ fn a_churn_of_a_thousand_policies_leaves_nothing_behind() {
     }
     assert!(rss[1] <= rss[0] + rss[0] / 10, "memory grew from round to round: {rss:?} KiB");
 }
+
+/// Defect (issue 48.18): a policy with `deletionPolicy: Delete` that found an existing group (someone else's) and was
+/// deleted destroyed it, pending entries included. `Delete` now destroys only a group the policy created: the group
+/// made by hand stays with its PEL and an Event says why; with `adoptGroup: true` it goes.
+#[test]
+fn delete_destroys_only_a_group_the_policy_created_or_adopts() {
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    for stream in ["theirs", "adopted"] {
+        let _: () =
+            redis::cmd("XGROUP").arg("CREATE").arg(stream).arg("g").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+        let _: String = redis::cmd("XADD").arg(stream).arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+        let read: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("someone")
+            .arg("STREAMS")
+            .arg(stream)
+            .arg(">")
+            .query(&mut conn)
+            .unwrap();
+        assert_ne!(read, redis::Value::Nil);
+    }
+    let ns = namespace("adopt");
+    let _operator = Operator::start(&ns);
+    let theirs = policy("theirs", &server.url(), "theirs", "g", "  deletionPolicy: Delete\n");
+    let adopted = policy("adopted", &server.url(), "adopted", "g", "  deletionPolicy: Delete\n  adoptGroup: true\n");
+    assert!(kubectl_apply(&ns, &format!("{theirs}\n---\n{adopted}")).0);
+    wait_condition(&ns, "theirs", "Ready", "True", "Reconciled");
+    wait_condition(&ns, "adopted", "Ready", "True", "Reconciled");
+    kubectl_ok(&["delete", "cgp", "theirs", "adopted", "-n", &ns, "--timeout=30s"]);
+
+    assert_eq!(group_names(&mut server.conn(), "theirs"), ["g"], "a group the policy did not create stays");
+    let summary: (i64, redis::Value, redis::Value, redis::Value) =
+        redis::cmd("XPENDING").arg("theirs").arg("g").query(&mut conn).unwrap();
+    assert_eq!(summary.0, 1, "with its pending entry");
+    let retained = events(&ns, "GroupRetained");
+    let note = retained.iter().map(|e| e["message"].as_str().unwrap_or_default()).collect::<Vec<_>>().join("\n");
+    assert!(note.contains("not by a policy") && note.contains("adoptGroup"), "{retained:?}");
+    assert!(group_names(&mut server.conn(), "adopted").is_empty(), "adoptGroup: true destroys it");
+}

@@ -85,7 +85,7 @@ fn mutual_tls_uses_the_client_certificate_and_never_shows_the_key() {
             let attempt = |target: pelican::redis::Target| async move {
                 let keys = pelican::redis::GroupKeys { stream: "s", group: "g", dead_letter: "s:dlq" };
                 let mut conn = pelican::redis::Pools::default().get(&target).await?;
-                pelican::redis::ensure_group(&mut conn, "test", &keys, "0", false).await
+                pelican::redis::ensure_group(&mut conn, "test", &keys, "0", false, "test").await
             };
             (attempt(anonymous).await, attempt(with_certificate).await)
         });

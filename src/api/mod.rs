@@ -119,9 +119,15 @@ pub struct ConsumerGroupPolicySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumers: Option<ConsumersSpec>,
     /// What deleting the policy does in Redis: `Retain` (default) leaves the group and its data; `Delete` destroys
-    /// the group (`XGROUP DESTROY`; the streams themselves are never deleted).
+    /// the group (`XGROUP DESTROY`; the streams themselves are never deleted) when this policy created it, or when
+    /// `adoptGroup` is true.
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// `true`: a group that existed before this policy (made by hand, by another tool, by an earlier policy) is
+    /// this policy's too, and `deletionPolicy: Delete` destroys it with its pending entries. Default `false`:
+    /// `Delete` destroys only a group this policy created.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adopt_group: bool,
     /// A bound on what the group has not acknowledged yet, enforced on producers that publish through the
     /// bounded-publish script.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -18,7 +18,7 @@ use super::validate::{self, Schedule};
 use super::{Context, id, publish};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
 use crate::context::policy_id;
-use crate::redis::{self as redis_ops, Features, GroupFacts, GroupKeys, ServerInfo, Target};
+use crate::redis::{self as redis_ops, Destroyed, Features, GroupFacts, GroupKeys, ServerInfo, Target};
 use crate::runner::Job;
 use crate::{Error, Result};
 
@@ -65,7 +65,8 @@ pub async fn converge(
         ctx.shared.pools.features.forget(&server);
         return Err(Error::ScriptingUnavailable { server, version: features.version });
     }
-    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over)
+    let uid = policy.uid().unwrap_or_default();
+    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over, &uid)
         .await
         .map_err(|e| if target.cluster { e } else { e.for_standalone() });
     if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
@@ -244,10 +245,23 @@ async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy:
     if !destroy {
         return Ok(());
     }
-    let destroyed = redis_ops::destroy_group(&mut conn, &server, &policy.spec.stream, &policy.spec.group).await?;
-    if destroyed {
-        let note = format!("destroyed group {:?} on stream {:?}", policy.spec.group, policy.spec.stream);
-        publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
+    let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+    let uid = policy.uid().unwrap_or_default();
+    match redis_ops::destroy_group(&mut conn, &server, stream, group, &uid, policy.spec.adopt_group).await? {
+        Destroyed::Destroyed => {
+            let note = format!("destroyed group {group:?} on stream {stream:?}");
+            publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
+        }
+        Destroyed::Retained { creator } => {
+            let by =
+                if creator.is_empty() { "not by a policy".to_string() } else { format!("by policy uid {creator}") };
+            let note = format!(
+                "group {group:?} on stream {stream:?} not destroyed: it was created {by}, not by this policy, which \
+                 does not adopt it (spec.adoptGroup); its pending entries are still there"
+            );
+            publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
+        }
+        Destroyed::Absent => {}
     }
     Ok(())
 }

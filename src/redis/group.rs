@@ -9,11 +9,12 @@ use redis::{Script, Value, pipe};
 
 use super::Conn;
 use super::reply::{self, Fields};
-use crate::keys::{bounds_key, legacy_keys, rejected_key, terminal_key, totals_key};
+use crate::keys::{bounds_key, creator_key, legacy_keys, rejected_key, terminal_key, totals_key};
 use crate::{Error, Result};
 
 static CARRY_OVER_COUNTERS: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/carry_over_counters.lua")));
+static DESTROY_GROUP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/destroy_group.lua")));
 
 /// Which server answers, from `INFO server`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,13 +75,15 @@ pub struct GroupSetup {
 
 /// Checks the server and the key types before any write, carries the 0.1 counters over when `carry_over` says no
 /// other policy could own them, then creates the group if it is missing
-/// (`XGROUP CREATE <stream> <group> <startId> MKSTREAM`).
+/// (`XGROUP CREATE <stream> <group> <startId> MKSTREAM`) and records `creator` (the policy's uid) as the one who made
+/// it ([`creator_key`]).
 pub async fn ensure_group(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     start_id: &str,
     carry_over: bool,
+    creator: &str,
 ) -> Result<GroupSetup> {
     let totals = totals_key(keys.stream, keys.group);
     let terminal = terminal_key(keys.stream, keys.group);
@@ -146,7 +149,17 @@ pub async fn ensure_group(
         .query_async(conn)
         .await;
     match created {
-        Ok(()) => Ok(GroupSetup { server: info, created: true, carried_over }),
+        Ok(()) => {
+            // After the create: an operator stopped in between leaves a group with no creator, which a `Delete`
+            // policy then retains (the safe side).
+            redis::cmd("SET")
+                .arg(creator_key(keys.stream, keys.group))
+                .arg(creator)
+                .query_async::<()>(conn)
+                .await
+                .map_err(|e| Error::from_redis(server, e))?;
+            Ok(GroupSetup { server: info, created: true, carried_over })
+        }
         // Another writer created it between our check and our create: it exists, which is all we want.
         Err(e) if e.code() == Some("BUSYGROUP") => Ok(GroupSetup { server: info, created: false, carried_over }),
         // Keys and types were checked above: a plain ERR here is about the id (out of the range of stream ids).
@@ -198,21 +211,47 @@ async fn group_names(conn: &mut Conn, server: &str, stream: &str) -> Result<Vec<
     Ok(groups.into_iter().filter_map(reply::fields).filter_map(|g| reply::get::<String>(&g, "name")).collect())
 }
 
-/// `XGROUP DESTROY`, for `deletionPolicy: Delete`. The streams themselves are never deleted.
-pub async fn destroy_group(conn: &mut Conn, server: &str, stream: &str, group: &str) -> Result<bool> {
-    let stream_type: String =
-        redis::cmd("TYPE").arg(stream).query_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
-    if stream_type != "stream" {
-        return Ok(false);
-    }
-    let destroyed: i64 = redis::cmd("XGROUP")
-        .arg("DESTROY")
-        .arg(stream)
+/// `XGROUP DESTROY` of the group of a deleted policy with `deletionPolicy: Delete` (`uid`), when that policy created
+/// the group or `adopt`s it (`scripts/destroy_group.lua`). The streams themselves are never deleted.
+pub async fn destroy_group(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    group: &str,
+    uid: &str,
+    adopt: bool,
+) -> Result<Destroyed> {
+    let reply: Vec<String> = DESTROY_GROUP
+        .key(stream)
+        .key(creator_key(stream, group))
         .arg(group)
-        .query_async(conn)
+        .arg(uid)
+        .arg(if adopt { "1" } else { "0" })
+        .invoke_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
-    Ok(destroyed == 1)
+    match reply.as_slice() {
+        [done] if done == "destroyed" => Ok(Destroyed::Destroyed),
+        [absent] if absent == "absent" => Ok(Destroyed::Absent),
+        [retained, creator] if retained == "retained" => Ok(Destroyed::Retained { creator: creator.clone() }),
+        other => Err(Error::UnexpectedReply {
+            server: server.to_string(),
+            detail: format!("the group-destroy script answered {other:?}"),
+        }),
+    }
+}
+
+/// What `destroy_group` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Destroyed {
+    Destroyed,
+    /// No such stream or group.
+    Absent,
+    /// Not made by this policy, which does not adopt it: left as it is. `creator` is the uid of the policy that
+    /// made it, or empty when none did.
+    Retained {
+        creator: String,
+    },
 }
 
 /// Sets the group's field of the stream's bounds hash to `backlog.maxLength`: `HSET` when the policy
