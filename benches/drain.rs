@@ -75,6 +75,7 @@ fn one_pass(runtime: &tokio::runtime::Runtime, server: &Server) -> f64 {
             dead_letter_max_len: None,
             backoff: None,
             handover_grace: Duration::ZERO,
+            slice: Duration::MAX,
         };
         let start = Instant::now();
         let report =

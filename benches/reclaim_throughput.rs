@@ -49,6 +49,7 @@ async fn pelican_pass(conn: &mut Conn, size: usize, strategy: ReclaimStrategy, m
         dead_letter_max_len: None,
         backoff: None,
         handover_grace: Duration::ZERO,
+        slice: Duration::MAX,
     };
     let start = Instant::now();
     let report = jobs::reclaim_pass(conn, "bench", &keys, &settings, &mut Cursor::default(), &|| true).await.unwrap();
@@ -132,6 +133,7 @@ async fn idle_scan(conn: &mut Conn, pel: usize) -> Duration {
         dead_letter_max_len: None,
         backoff: None,
         handover_grace: Duration::ZERO,
+        slice: Duration::MAX,
     };
     let mut best = Duration::MAX;
     let mut cursor = Cursor::default();
@@ -187,6 +189,7 @@ async fn backoff_passes(conn: &mut Conn, size: usize) -> (f64, f64, f64, u64, u6
         dead_letter_max_len: None,
         backoff: None,
         handover_grace: Duration::ZERO,
+        slice: Duration::MAX,
     };
     let backoff = PassSettings {
         min_idle: Duration::from_secs(5),

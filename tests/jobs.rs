@@ -407,3 +407,81 @@ fn server_restarted_mid_pass_loses_and_duplicates_nothing(flavor: Flavor) {
         }
     });
 }
+
+/// Defect (a review's item 4): a pass held one of its server's two permits for up to `maxPerPass` entries, a second
+/// or more of wide entries. Two tenants with large PELs held both, and every other policy on that server waited a
+/// whole pass for its turn. A pass now gives its permit back after `PASS_SLICE` (100 ms).
+#[test]
+fn a_poison_message_beside_two_large_pels_is_dead_lettered_without_waiting_their_passes() {
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    // Two tenants whose workers died holding 200,000 entries of 50 fields each, below their cap: every pass of
+    // theirs looks at 100,000 of them, for as long as the workers stay away.
+    let large = |name: &str| {
+        policy(name, &server.url(), name, "workers", "  retry:\n    maxDeliveries: 100\n").replace(
+            "    interval: 1s\n",
+            "    interval: 1s\n    minIdle: 1s\n    maxPerPass: 100000\n    strategy: DeadLetterOnly\n",
+        )
+    };
+    for stream in ["large-a", "large-b"] {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(stream)
+            .arg("workers")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query(&mut conn)
+            .unwrap();
+        // Written and read on the server (a debug-built client takes a minute to parse 200,000 wide entries).
+        let fill = "for i = 1, 2000 do local e = {'n', i} for f = 1, 49 do e[#e + 1] = 'attribute-' .. f; e[#e + 1] = f end \
+                    redis.call('XADD', KEYS[1], '*', unpack(e)) end";
+        for _ in 0..100 {
+            let _: () = redis::cmd("EVAL").arg(fill).arg(1).arg(stream).query(&mut conn).unwrap();
+        }
+        let read = "return #redis.call('XREADGROUP', 'GROUP', 'workers', 'gone', 'STREAMS', KEYS[1], '>')[1][2]";
+        let taken: u64 = redis::cmd("EVAL").arg(read).arg(1).arg(stream).query(&mut conn).unwrap();
+        assert_eq!(taken, 200_000);
+    }
+    let poison = jobs_policy("poison", &server, "poison", "  retry:\n    maxDeliveries: 1\n");
+    let (ns, operator) = ready_policy("slices", &poison, "poison");
+    assert!(kubectl_apply(&ns, &format!("{}\n---\n{}", large("large-a"), large("large-b"))).0);
+    wait_condition(&ns, "large-a", "Ready", "True", "Reconciled");
+    wait_condition(&ns, "large-b", "Ready", "True", "Reconciled");
+
+    // How late passes started (`pelican_pass_delay_seconds`): (passes, passes that waited more than 512 ms).
+    let late = || {
+        let metrics = operator.metrics();
+        let value = |prefix: &str| -> f64 {
+            let line = metrics.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("{prefix}: {metrics}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        let count = value("pelican_pass_delay_seconds_count");
+        (count, count - value("pelican_pass_delay_seconds_bucket{le=\"0.512\"}"))
+    };
+    let before = late();
+    let mut latencies = Vec::new();
+    for n in 0..5 {
+        let _: String = redis::cmd("XADD").arg("poison").arg("*").arg("n").arg(n).query(&mut conn).unwrap();
+        assert_eq!(read_new(&mut conn, "poison", "workers", "worker", 1).len(), 1);
+        // Due once idle for minIdle (1 s); its policy's passes come every interval (1 s).
+        let due = Instant::now() + Duration::from_secs(1);
+        wait_for("the poison message to be dead-lettered", Duration::from_secs(30), || {
+            let dead: u64 = redis::cmd("XLEN").arg("poison:dlq").query(&mut conn).unwrap();
+            if dead > n { Ok(()) } else { Err(dead.to_string()) }
+        });
+        latencies.push(due.elapsed());
+    }
+    let after = late();
+    let (passes, waited) = (after.0 - before.0, after.1 - before.1);
+    eprintln!("poison dead-lettered {latencies:?} after due; {passes} passes, {waited} of them waited over 512 ms");
+    // Within an interval of being due, give or take a slice and a call.
+    assert!(latencies.iter().all(|l| *l < Duration::from_secs(2)), "{latencies:?}");
+    assert_eq!(waited, 0.0, "{waited} of {passes} passes waited over 512 ms for a permit");
+    let pending: u64 = redis::cmd("XPENDING")
+        .arg("large-a")
+        .arg("workers")
+        .query::<(u64, redis::Value, redis::Value, redis::Value)>(&mut conn)
+        .unwrap()
+        .0;
+    assert_eq!(pending, 200_000, "the large PELs are below their cap and stay pending");
+}

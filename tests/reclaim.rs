@@ -54,6 +54,7 @@ fn settings(strategy: ReclaimStrategy, max_deliveries: u32) -> PassSettings {
         dead_letter_max_len: None,
         backoff: None,
         handover_grace: Duration::ZERO,
+        slice: Duration::MAX,
     }
 }
 

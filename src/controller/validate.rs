@@ -47,6 +47,7 @@ impl Schedule {
                     })
                     .transpose()?,
                 handover_grace: HANDOVER_GRACE,
+                slice: crate::runner::PASS_SLICE,
             },
             expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,
             retention: match &spec.retention {

@@ -48,6 +48,9 @@ pub struct PassSettings {
     pub backoff: Option<Backoff>,
     /// `Reassign`: an entry handed over is not handed over again sooner ([`crate::keys::HANDOVER_GRACE`] in the operator).
     pub handover_grace: Duration,
+    /// A pass ends after the script call during which this much time went by, its cursor kept for the next pass
+    /// ([`crate::runner::PASS_SLICE`] in the operator): a server's pass permits change hands at least this often.
+    pub slice: Duration,
 }
 
 /// Exponential spacing of retries.
@@ -249,7 +252,8 @@ pub async fn reclaim_pass(
     may_write: &(dyn Fn() -> bool + Sync),
 ) -> Result<PassReport> {
     let mut report = PassReport::default();
-    while report.scanned < settings.max_per_pass {
+    let started = std::time::Instant::now();
+    while report.scanned < settings.max_per_pass && started.elapsed() < settings.slice {
         if !may_write() {
             report.interrupted = true;
             return Ok(report);

@@ -8,7 +8,9 @@
 //!   sweep's Events and log lines come once, when it ends.
 //! - **Fairness.** A pass needs one of [`PASSES_PER_SERVER`] permits of its server; permits are handed out first
 //!   come, first served, and released after every pass, so a policy with a million idle entries takes its turn
-//!   between the passes of its small neighbours instead of before all of them.
+//!   between the passes of its small neighbours instead of before all of them. A pass ends at `maxPerPass`
+//!   entries or after [`PASS_SLICE`], whichever comes first (the rest of the sweep follows at once, behind
+//!   whoever waits), so no one holds a permit longer than that.
 //! - **Leadership.** No pass starts, and a running pass stops between two script calls, once this replica may no
 //!   longer write ([`Leadership`]).
 //! - **Retention.** When the stream's retention is `Acknowledged`, a sweep that reached the end of the PEL is
@@ -38,6 +40,9 @@ use crate::telemetry::{Events, Metrics};
 /// Passes running at once against one server. The server runs scripts one at a time anyway; two keep it busy
 /// while the other pass waits on the network.
 pub const PASSES_PER_SERVER: usize = 2;
+/// The longest a pass holds its permit, give or take one script call (a few ms): a policy draining a million entries
+/// then lets its neighbours' passes in every 100 ms, not every `maxPerPass` entries (a second or more of wide entries).
+pub const PASS_SLICE: Duration = Duration::from_millis(100);
 /// The longest wait between attempts after failed passes.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
@@ -286,10 +291,11 @@ impl PolicyTask {
                 due = Instant::now() + Duration::from_millis(500);
                 continue;
             }
+            // From the moment the pass was due (its interval elapsed, or the previous pass of its sweep ended), or
+            // later when a sweep outlasted its interval, to the moment it got a permit of its server.
+            let asking = Instant::now();
             let Ok(permit) = self.permits.clone().acquire_owned().await else { return };
-            // From the moment the pass was due (its interval elapsed, or the previous pass of its sweep ended) to
-            // the moment it got a permit of its server.
-            self.metrics.pass_started(due.elapsed());
+            self.metrics.pass_started(asking.elapsed());
             let sweep_start = cursor.at_start();
             // Boxed: a sleeping task then holds only its small loop state, not the largest state of a pass (10,000
             // policies mean 10,000 sleeping tasks).

@@ -64,7 +64,7 @@ impl Default for Metrics {
         let pass_delay = Histogram::new(exponential_buckets(0.001, 2.0, 17));
         registry.register(
             "pelican_pass_delay_seconds",
-            "Time from a reclaim pass being due to its start (waiting for the server's pass permits)",
+            "Time a reclaim pass waited for one of its server's pass permits",
             pass_delay.clone(),
         );
         let passes = Counter::default();
