@@ -136,19 +136,20 @@ async fn main() -> anyhow::Result<()> {
                 // A restarted leader's Pod keeps its labels: KEDA must not be sent here before this replica leads.
                 pelican::scaler::label_pod(&client, false).await;
             }
+            let lease_namespace =
+                leader_election_namespace.or_else(|| namespace.clone()).unwrap_or_else(|| "default".into());
+            let lease_name = leader_election_lease
+                .unwrap_or_else(|| pelican::leader::default_lease_name(watch_label_selector.as_deref()));
+            let identity = pelican::leader::identity(instance.as_deref());
+            let lease = format!("{lease_namespace}/{lease_name}");
             let settings = pelican::controller::Settings {
                 namespace,
                 readiness: readiness.clone(),
                 label_selector: watch_label_selector,
                 concurrency: max_concurrent_reconciles,
                 secret_namespaces: (!secret_namespaces.is_empty()).then(|| secret_namespaces.into_iter().collect()),
+                install: lease.clone(),
             };
-            let lease_namespace =
-                leader_election_namespace.or_else(|| settings.namespace.clone()).unwrap_or_else(|| "default".into());
-            let lease_name = leader_election_lease
-                .unwrap_or_else(|| pelican::leader::default_lease_name(settings.label_selector.as_deref()));
-            let identity = pelican::leader::identity(instance.as_deref());
-            let lease = format!("{lease_namespace}/{lease_name}");
             let holder = pelican::leader::live_holder(&client, &lease_namespace, &lease_name, &identity).await;
             let holder = holder.map_err(|e| anyhow::anyhow!("could not read the leader Lease {lease}: {e}"))?;
             if let (false, Some(holder)) = (leader_elect, holder) {

@@ -100,6 +100,41 @@ fn a_second_copy_without_leader_election_exits_and_a_restart_takes_over_at_once(
     });
 }
 
+/// Defect (issue 48.14): a second install in another namespace elects on its own Lease, so both ran passes and wrote
+/// status and nothing said so (the troubleshooting page even advised another namespace). Each install now writes its
+/// name (its Lease) in `status.operator`; one that finds another's name after writing its own says so: a Warning Event
+/// `AnotherPelican` on the policy and a warning in its log, from both installs.
+#[test]
+fn a_second_install_in_another_namespace_is_named_on_the_policy_and_in_both_logs() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("twoinstalls");
+    let elsewhere = namespace("twoinstalls-other");
+    let first = Operator::start(&ns);
+    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", "")).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    assert_eq!(get_policy(&ns, "p")["status"]["operator"], format!("{ns}/pelican-leader"));
+
+    let second = Operator::start_with(&ns, &["--leader-election-namespace", &elsewhere]);
+    let warned = |operator: &Operator, other: &str| {
+        operator.logs().contains(&format!("another Pelican install (leader Lease {other}) wrote this policy's status"))
+    };
+    wait_for("both installs to name the other", Duration::from_secs(60), || {
+        match (warned(&first, &format!("{elsewhere}/pelican-leader")), warned(&second, &format!("{ns}/pelican-leader")))
+        {
+            (true, true) => Ok(()),
+            seen => Err(format!("{seen:?}")),
+        }
+    });
+    let events = events(&ns, "AnotherPelican");
+    let event = events.first().unwrap_or_else(|| panic!("no AnotherPelican Event in {ns}"));
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["involvedObject"]["name"], "p");
+    let message = event["message"].as_str().unwrap();
+    assert!(message.contains("Uninstall one, or split the policies"), "{message}");
+    let operator = get_policy(&ns, "p")["status"]["operator"].as_str().unwrap().to_string();
+    assert!([format!("{ns}/pelican-leader"), format!("{elsewhere}/pelican-leader")].contains(&operator), "{operator}");
+}
+
 #[test]
 fn sigterm_releases_the_lease_and_a_standby_takes_over() {
     let ns = namespace("handover");

@@ -428,6 +428,10 @@ pub struct ConsumerGroupPolicyStatus {
     /// `mode: Sentinel`: the primary (`host:port`) the sentinels named at the last reconcile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub primary: Option<String>,
+    /// The Pelican install that wrote this status, named by its leader Lease (`<namespace>/<name>`). Another name
+    /// here after this install wrote it means two installs serve the policy (Warning `AnotherPelican`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operator: Option<String>,
     /// The server's flavor and version, e.g. `redis 7.0.15` or `valkey 9.1.2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_version: Option<String>,

@@ -147,6 +147,7 @@ pub fn forget(ctx: &Context, key: &ObjectRef<ConsumerGroupPolicy>) {
     ctx.runner.stop(&id(&namespace, &key.name));
     ctx.failures.lock().expect("failures lock").remove(key);
     ctx.progress.lock().expect("progress lock").remove(key);
+    ctx.wrote.lock().expect("wrote lock").remove(key);
     ctx.shared.metrics.forget_policy(&(namespace, key.name.clone()));
     ctx.shared.pools.assign(&ctx.pool_users, key, None);
 }

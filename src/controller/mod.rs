@@ -19,7 +19,7 @@ mod report;
 mod status;
 mod validate;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -76,6 +76,10 @@ pub struct Context {
     terminating: Mutex<HashMap<String, (bool, Instant)>>,
     /// Each policy's latest samples of its group's counters, for the `Consuming` verdict and the rates.
     progress: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, progress::Window>>,
+    /// [`Settings::install`].
+    install: String,
+    /// The policies whose status this process wrote: one that names another install since was written by it.
+    wrote: Mutex<HashSet<ObjectRef<ConsumerGroupPolicy>>>,
 }
 
 /// The uids of recently deleted policies. A reconcile lasts seconds (a slow server), so a uid is kept
@@ -171,6 +175,9 @@ pub struct Settings {
     pub concurrency: u16,
     /// Watch Secrets only in these namespaces (the operator's RBAC); all watched namespaces when `None`.
     pub secret_namespaces: Option<BTreeSet<String>>,
+    /// This install, named by its leader Lease (`<namespace>/<name>`): written in each policy's status, where
+    /// another install's name shows that two serve it.
+    pub install: String,
 }
 
 /// Up to `max`, at random: spreads out retries that would otherwise come due together.
@@ -218,6 +225,8 @@ pub async fn run(
         failure_lane: tokio::sync::Semaphore::new(FAILURE_LANE),
         terminating: Mutex::default(),
         progress: Mutex::default(),
+        install: settings.install.clone(),
+        wrote: Mutex::default(),
     });
     let sweep_ctx = Arc::downgrade(&ctx);
     tokio::spawn(async move {
@@ -537,6 +546,8 @@ mod tests {
             failure_lane: tokio::sync::Semaphore::new(FAILURE_LANE),
             terminating: Mutex::default(),
             progress: Mutex::default(),
+            install: "pelican-system/pelican-leader".into(),
+            wrote: Mutex::default(),
         };
         (Arc::new(ctx), handle)
     }

@@ -5,6 +5,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::events::EventType;
+use kube::runtime::reflector::ObjectRef;
 use tracing::{info, warn};
 
 use super::act::Observation;
@@ -42,7 +43,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             });
             let window = {
                 let mut windows = ctx.progress.lock().expect("progress lock");
-                let window = windows.entry(kube::runtime::reflector::ObjectRef::from_obj(policy)).or_default();
+                let window = windows.entry(ObjectRef::from_obj(policy)).or_default();
                 window.push(Sample::of(&seen.facts), seen.interval.as_millis() as i64 * 9 / 10);
                 window.unread = seen.facts.unread.clone();
                 window.clone()
@@ -62,7 +63,9 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     let max_length = policy.spec.backlog.as_ref().map(|b| b.max_length);
     conditions.extend(status::saturated(&previous.conditions, &status, max_length, generation, now));
     conditions.extend(consuming);
-    let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, ..status };
+    let operator = Some(ctx.install.clone());
+    let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, operator, ..status };
+    announce_another_install(policy, ctx, &previous).await;
     let insecure = policy
         .spec
         .redis
@@ -89,7 +92,26 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     if status::worth_writing(policy.status.as_ref(), &status) {
         ctx.shared.apply_status(policy, &status).await?;
     }
+    ctx.wrote.lock().expect("wrote lock").insert(ObjectRef::from_obj(policy));
     Ok(())
+}
+
+/// Warning `AnotherPelican` (and a log line) when the status this install wrote was written since by another one:
+/// two installs (each with its own Lease, in another namespace or under another name) serve the policy. The first
+/// look after a start, or at a status an install removed since left, is a hand-over and says nothing.
+async fn announce_another_install(policy: &ConsumerGroupPolicy, ctx: &Context, previous: &ConsumerGroupPolicyStatus) {
+    let Some(other) = previous.operator.as_deref().filter(|other| *other != ctx.install) else { return };
+    if !ctx.wrote.lock().expect("wrote lock").contains(&ObjectRef::from_obj(policy)) {
+        return;
+    }
+    let note = format!(
+        "another Pelican install (leader Lease {other}) wrote this policy's status after this one ({}) did: both \
+         serve it, each running its passes and writing its status. Uninstall one, or split the policies between them \
+         (watchNamespace, or sharding's watchLabelSelector); a second install in another namespace is a second writer",
+        ctx.install
+    );
+    warn!(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any(), other, "{note}");
+    publish(ctx, policy, EventType::Warning, "AnotherPelican", note).await;
 }
 
 /// Whether reporting `error` would change nothing: the Ready condition already says it, for this generation.
