@@ -55,6 +55,43 @@ pub fn creator_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:creator", hash_tag(stream))
 }
 
+/// `{T}:pelican:<stream>:<group>:settings`: the group's retry settings as the operator applies them, for workers to
+/// read ([`WorkerSettings`]): `minIdleMs` (an entry idle this long is taken), `retryAfterMs` (an idle every retry
+/// threshold of the policy allows: what a worker sets on an entry it gives back), `maxDeliveries`. Written by the
+/// operator only when they differ.
+pub fn settings_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:settings", hash_tag(stream))
+}
+
+/// The fields of [`settings_key`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerSettings {
+    pub min_idle_ms: u64,
+    pub retry_after_ms: u64,
+    pub max_deliveries: u32,
+}
+
+impl WorkerSettings {
+    /// Field and value pairs, as `HSET` writes them.
+    pub fn fields(&self) -> [(&'static str, String); 3] {
+        [
+            ("minIdleMs", self.min_idle_ms.to_string()),
+            ("retryAfterMs", self.retry_after_ms.to_string()),
+            ("maxDeliveries", self.max_deliveries.to_string()),
+        ]
+    }
+
+    /// The settings a hash holds, when it holds all three as numbers.
+    pub fn from_fields(hash: &std::collections::BTreeMap<String, String>) -> Option<WorkerSettings> {
+        let field = |name: &str| hash.get(name)?.parse::<u64>().ok();
+        Some(WorkerSettings {
+            min_idle_ms: field("minIdleMs")?,
+            retry_after_ms: field("retryAfterMs")?,
+            max_deliveries: u32::try_from(field("maxDeliveries")?).ok()?,
+        })
+    }
+}
+
 /// `{T}:pelican:<stream>:<group>:totals`: the operator's own counters.
 pub fn totals_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))
@@ -107,6 +144,7 @@ pub fn group_keys(stream: &str, group: &str) -> Vec<String> {
         errors_key(stream, group),
         handovers_key(stream, group),
         creator_key(stream, group),
+        settings_key(stream, group),
         seeks_key(stream, group),
         bounds_key(stream),
         rejected_key(stream),

@@ -111,6 +111,11 @@ pub async fn converge(
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
+    // Only when they differ: workers read them at start and every half minute.
+    let settings = schedule.pass.worker_settings();
+    if facts.settings != Some(settings) {
+        redis_ops::set_settings(&mut conn, &server, keys.stream, keys.group, settings).await?;
+    }
     let interval = schedule.interval;
     Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary, features, interval })
 }

@@ -14,7 +14,9 @@ use std::time::Duration;
 use redis::Script;
 
 use crate::api::ReclaimStrategy;
-use crate::keys::{ERROR_TEXT_MAX, OPERATOR_CONSUMER, errors_key, handovers_key, terminal_key, totals_key};
+use crate::keys::{
+    ERROR_TEXT_MAX, OPERATOR_CONSUMER, WorkerSettings, errors_key, handovers_key, terminal_key, totals_key,
+};
 use crate::redis::{Conn, GroupKeys, reply};
 use crate::{Error, Result};
 
@@ -51,6 +53,20 @@ pub struct PassSettings {
     /// A pass ends after the script call during which this much time went by, its cursor kept for the next pass
     /// ([`crate::runner::PASS_SLICE`] in the operator): a server's pass permits change hands at least this often.
     pub slice: Duration,
+}
+
+impl PassSettings {
+    /// What workers read of these settings ([`crate::keys::settings_key`]): `retryAfterMs` is an idle time every
+    /// threshold of the backoff allows, so an entry given back with it is taken by the next pass.
+    pub fn worker_settings(&self) -> WorkerSettings {
+        let min_idle = self.min_idle.as_millis() as u64;
+        let longest = self.backoff.map_or(0, |b| b.max.as_millis() as u64);
+        WorkerSettings {
+            min_idle_ms: min_idle,
+            retry_after_ms: min_idle.max(longest),
+            max_deliveries: self.max_deliveries,
+        }
+    }
 }
 
 /// Exponential spacing of retries.

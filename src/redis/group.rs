@@ -9,7 +9,9 @@ use redis::{Script, Value, pipe};
 
 use super::Conn;
 use super::reply::{self, Fields};
-use crate::keys::{bounds_key, creator_key, legacy_keys, rejected_key, terminal_key, totals_key};
+use crate::keys::{
+    WorkerSettings, bounds_key, creator_key, legacy_keys, rejected_key, settings_key, terminal_key, totals_key,
+};
 use crate::{Error, Result};
 
 static CARRY_OVER_COUNTERS: LazyLock<Script> =
@@ -224,6 +226,7 @@ pub async fn destroy_group(
     let reply: Vec<String> = DESTROY_GROUP
         .key(stream)
         .key(creator_key(stream, group))
+        .key(settings_key(stream, group))
         .arg(group)
         .arg(uid)
         .arg(if adopt { "1" } else { "0" })
@@ -269,6 +272,20 @@ pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str,
     cmd.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
 }
 
+/// Publishes the group's retry settings for workers ([`settings_key`]), replacing what was there, in one `MULTI`.
+pub async fn set_settings(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    group: &str,
+    settings: WorkerSettings,
+) -> Result<()> {
+    let key = settings_key(stream, group);
+    let mut pipe = pipe();
+    pipe.atomic().del(&key).ignore().hset_multiple(&key, &settings.fields()).ignore();
+    pipe.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
+}
+
 /// The oldest entry of the group's PEL.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OldestPending {
@@ -302,6 +319,8 @@ pub struct GroupFacts {
     pub publish_rejected: i64,
     /// The group's field of the stream's bounds hash, as stored.
     pub bound: Option<String>,
+    /// The settings published for workers, as stored (none when a field is missing or no number).
+    pub settings: Option<WorkerSettings>,
     /// The stream's other groups, by name.
     pub other_groups: Vec<String>,
     pub server_time_ms: i64,
@@ -378,6 +397,7 @@ type ProbeReply = (
     BTreeMap<String, String>,
     Option<String>,
     Option<String>,
+    BTreeMap<String, String>,
     (String, String),
 );
 
@@ -395,7 +415,8 @@ pub async fn probe_group(
     keys: &GroupKeys<'_>,
     previous: Option<&Unread>,
 ) -> Result<GroupFacts> {
-    let (stream_info, groups, oldest, dead_letter_length, totals, terminal, rejected, bound, time): ProbeReply = pipe()
+    let (stream_info, groups, oldest, dead_letter_length, totals, terminal, rejected, bound, settings, time): ProbeReply =
+        pipe()
         .cmd("XINFO")
         .arg("STREAM")
         .arg(keys.stream)
@@ -420,6 +441,8 @@ pub async fn probe_group(
         .cmd("HGET")
         .arg(bounds_key(keys.stream))
         .arg(keys.group)
+        .cmd("HGETALL")
+        .arg(settings_key(keys.stream, keys.group))
         .cmd("TIME")
         .query_async(conn)
         .await
@@ -473,6 +496,7 @@ pub async fn probe_group(
         terminal: counts(terminal),
         publish_rejected: rejected.and_then(|n| n.parse().ok()).unwrap_or(0),
         bound,
+        settings: WorkerSettings::from_fields(&settings),
         other_groups,
         server_time_ms,
         entries_added: reply::get(&stream_info, "entries-added"),

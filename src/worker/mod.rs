@@ -10,6 +10,17 @@
 //!   operator's reclaim, which carries the text to the requeued copy or into the dead letter (`pelican-last-error`).
 //!   A later ACK or terminal ACK removes the field.
 //!
+//! - `Ok(Outcome::Retry)` -> the entry is given back to the operator's pass at once (its idle time set to the group's
+//!   `minIdle`, the delivery counted): the next pass retries it under the policy's backoff and cap.
+//!
+//! While a handler runs, the worker holds a lease on its entry: every third of the group's `minIdle` (which the
+//! operator publishes in `{T}:pelican:<stream>:<group>:settings`, read at start and at every look at the PEL) it
+//! extends the entries in flight with the owner's `XCLAIM <id> JUSTID` (`lease.lua`: idle back to 0, the count
+//! unchanged), so a handler slower than `minIdle` is never taken for abandoned and handled twice. A lease lasts at
+//! most `max_handling`; past it the worker stops extending, says so, and the pass may retry the message. On shutdown,
+//! what did not finish within `shutdown_grace` is given back (`give_back.lua`: idle set so that the next pass takes
+//! it, the aborted delivery not counted).
+//!
 //! Every `pel_check_interval` it looks at its own PEL again for entries the operator handed to it (`strategy:
 //! Reassign`, whose `XCLAIM ... RETRYCOUNT` counted the delivery): it takes each with `XCLAIM ... JUSTID` (its idle
 //! time starts again, its count stays) and reads it with `XRANGE`. Entries whose handler failed here are never
@@ -30,7 +41,7 @@ pub use producer::{
 };
 pub use reason::{InvalidReason, Reason};
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,9 +56,11 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{error, warn};
 
-use crate::keys::{DELIVERIES_FIELD, ERROR_TEXT_MAX, errors_key, terminal_key};
+use crate::keys::{DELIVERIES_FIELD, ERROR_TEXT_MAX, WorkerSettings, errors_key, settings_key, terminal_key};
 
 static TERMINAL_ACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("terminal_ack.lua")));
+static LEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lease.lua")));
+static GIVE_BACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("give_back.lua")));
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -77,6 +90,9 @@ pub enum Outcome {
     Done,
     /// Will never succeed (the record it refers to is gone, say): acknowledge and count under this reason.
     Terminal(Reason),
+    /// Failed, and should be retried without waiting out `minIdle`: given back to the operator's pass, which retries
+    /// it under the policy's backoff (the delivery counts towards `maxDeliveries`).
+    Retry,
 }
 
 impl Outcome {
@@ -104,6 +120,9 @@ pub struct WorkerConfig {
     /// How often the worker looks at its own PEL for entries the operator reassigned to it. Entries that failed
     /// here are left to the operator's retries, whatever this interval.
     pub pel_check_interval: Duration,
+    /// How long the worker keeps a message it is handling from looking idle (its lease). Past it the worker stops
+    /// extending the lease and logs so: a handler stuck that long lets the operator's pass retry the message.
+    pub max_handling: Duration,
 }
 
 impl WorkerConfig {
@@ -116,6 +135,7 @@ impl WorkerConfig {
             block: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
             pel_check_interval: Duration::from_secs(30),
+            max_handling: Duration::from_secs(30 * 60),
         }
     }
 }
@@ -127,7 +147,9 @@ pub struct WorkerStats {
     pub terminal: u64,
     /// Handler errors and panics: left pending.
     pub failed: u64,
-    /// Still running when the shutdown grace ran out: left pending.
+    /// `Outcome::Retry`: given back to the operator's pass, counted as a delivery.
+    pub retried: u64,
+    /// Still running when the shutdown grace ran out: given back to the operator's pass, not counted.
     pub abandoned: u64,
 }
 
@@ -136,6 +158,9 @@ struct Counters {
     done: AtomicU64,
     terminal: AtomicU64,
     failed: AtomicU64,
+    retried: AtomicU64,
+    /// The group's settings as the operator published them; `None` until read (or when no policy publishes any).
+    settings: Mutex<Option<WorkerSettings>>,
     /// Entries whose last error this worker recorded: their field goes with their ACK.
     errors_recorded: Mutex<HashSet<String>>,
     /// Entries whose handler failed here and that stay pending, with when: the operator's pass retries them, never
@@ -173,8 +198,13 @@ impl Worker {
     {
         let handler = Arc::new(handler);
         let counters = Arc::new(Counters::default());
+        self.read_settings(&counters).await;
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
-        let in_flight = Arc::new(Mutex::new(HashSet::<String>::new()));
+        // The entries being handled, with when their handler started.
+        let in_flight = Arc::new(Mutex::new(HashMap::<String, Instant>::new()));
+        // On the writer's connection: a lease sent before a give-back is served before it.
+        let leases =
+            tokio::spawn(hold_leases(self.config.clone(), self.writer.clone(), in_flight.clone(), counters.clone()));
         let mut tasks = JoinSet::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
@@ -192,8 +222,9 @@ impl Worker {
             let pel_check_due = own_pel_cursor.is_none() && Instant::now() >= next_pel_check;
             if pel_check_due {
                 next_pel_check = Instant::now() + self.config.pel_check_interval;
+                self.read_settings(&counters).await;
             }
-            let skip = in_flight.lock().expect("in-flight lock").clone();
+            let skip: HashSet<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
             let read =
                 self.read(batch_permits.len(), &mut own_pel_cursor, pel_check_due.then_some((&skip, &*counters)));
             let messages = tokio::select! {
@@ -218,7 +249,7 @@ impl Worker {
                 let (handler, counters, conn, config) =
                     (handler.clone(), counters.clone(), self.writer.clone(), self.config.clone());
                 let in_flight = in_flight.clone();
-                in_flight.lock().expect("in-flight lock").insert(message.id.clone());
+                in_flight.lock().expect("in-flight lock").insert(message.id.clone(), Instant::now());
                 tasks.spawn(async move {
                     let id = message.id.clone();
                     dispatch(&config, conn, &counters, message, handler.as_ref()).await;
@@ -228,20 +259,53 @@ impl Worker {
             }
             while tasks.try_join_next().is_some() {}
         }
-        let abandoned = match tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await {
+        // The leases go on while in-flight handlers finish: a slow one is not taken from under them.
+        let finished = tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await;
+        leases.abort();
+        let abandoned = match finished {
             Ok(()) => 0,
             Err(_) => {
-                let left = tasks.len() as u64;
                 tasks.abort_all();
                 drain(&mut tasks).await;
-                left
+                let left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
+                self.give_back_abandoned(&left, &counters).await;
+                left.len() as u64
             }
         };
         WorkerStats {
             done: counters.done.load(Ordering::Relaxed),
             terminal: counters.terminal.load(Ordering::Relaxed),
             failed: counters.failed.load(Ordering::Relaxed),
+            retried: counters.retried.load(Ordering::Relaxed),
             abandoned,
+        }
+    }
+
+    /// The group's settings as the operator published them. Best effort: without them (no policy, an older operator,
+    /// an ACL without `hgetall` on the key) leases are extended every second and give-backs use [`UNPUBLISHED_IDLE`].
+    async fn read_settings(&mut self, counters: &Counters) {
+        let key = settings_key(&self.config.stream, &self.config.group);
+        let read: RedisResult<BTreeMap<String, String>> =
+            redis::cmd("HGETALL").arg(&key).query_async(&mut self.writer).await;
+        match read {
+            Ok(hash) => *counters.settings.lock().expect("settings lock") = WorkerSettings::from_fields(&hash),
+            Err(e) => {
+                warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "could not read the group's settings; the last ones read stay")
+            }
+        }
+    }
+
+    /// Gives back what a shutdown cut off: the next pass retries it, and the cut-off delivery does not count.
+    async fn give_back_abandoned(&mut self, ids: &[String], counters: &Counters) {
+        let idle = counters.settings.lock().expect("settings lock").map(|s| s.retry_after_ms);
+        let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
+        match give_back(&mut self.writer, &self.config, ids, idle, false).await {
+            Ok(given) => {
+                warn!(stream = %self.config.stream, group = %self.config.group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
+            }
+            Err(e) => {
+                warn!(stream = %self.config.stream, group = %self.config.group, error = %e, left = ids.len(), "shutdown grace ran out and the messages still being handled could not be given back: they are retried after minIdle")
+            }
         }
     }
 
@@ -339,6 +403,80 @@ impl Worker {
         let entries = ranges.into_iter().flatten().map(|(id, flat)| (id, Some(pairs(flat)))).collect();
         Ok(messages(entries))
     }
+}
+
+/// The most entries one lease or give-back call carries.
+const LEASE_BATCH: usize = 100;
+
+/// The idle time given back entries get when the operator published no settings: Pelican's default `minIdle`.
+const UNPUBLISHED_IDLE: Duration = Duration::from_secs(5 * 60);
+
+/// How often the leases are extended: three times per `minIdle` (so an entry in flight is never idle half of it),
+/// every second when no settings are published.
+fn lease_interval(settings: Option<WorkerSettings>) -> Duration {
+    settings.map_or(Duration::from_secs(1), |s| {
+        Duration::from_millis(s.min_idle_ms / 3).clamp(Duration::from_millis(100), Duration::from_secs(60))
+    })
+}
+
+/// Extends the lease of every entry in flight for up to `max_handling`, until aborted. Past it, the entry is left to
+/// go idle, once, with a warning: the operator's pass may then retry it while its handler still runs.
+async fn hold_leases(
+    config: WorkerConfig,
+    mut conn: Connection,
+    in_flight: Arc<Mutex<HashMap<String, Instant>>>,
+    counters: Arc<Counters>,
+) {
+    let mut overdue = HashSet::<String>::new();
+    loop {
+        let settings = *counters.settings.lock().expect("settings lock");
+        tokio::time::sleep(lease_interval(settings)).await;
+        let now = Instant::now();
+        let ids: Vec<String> = {
+            let held = in_flight.lock().expect("in-flight lock");
+            overdue.retain(|id| held.contains_key(id));
+            let mut ids = Vec::with_capacity(held.len());
+            for (id, since) in held.iter() {
+                if now.saturating_duration_since(*since) < config.max_handling {
+                    ids.push(id.clone());
+                } else if overdue.insert(id.clone()) {
+                    warn!(stream = %config.stream, group = %config.group, entry_id = %id, max_handling = ?config.max_handling, "handler still running after max_handling: its lease is no longer extended, and the operator's pass may retry the message");
+                }
+            }
+            ids
+        };
+        for chunk in ids.chunks(LEASE_BATCH) {
+            let extended: RedisResult<Vec<String>> = LEASE
+                .key(&config.stream)
+                .arg(&config.group)
+                .arg(&config.consumer)
+                .arg(chunk)
+                .invoke_async(&mut conn)
+                .await;
+            if let Err(e) = extended {
+                warn!(stream = %config.stream, group = %config.group, error = %e, "could not extend the leases of the messages being handled; retrying");
+            }
+        }
+    }
+}
+
+/// Gives `ids` (this consumer's) back to the operator's pass with an idle time of `idle_ms`; `counted`: whether the
+/// delivery being given back counts towards `maxDeliveries`. Returns how many were still this consumer's.
+async fn give_back(
+    conn: &mut Connection,
+    config: &WorkerConfig,
+    ids: &[String],
+    idle_ms: u64,
+    counted: bool,
+) -> RedisResult<i64> {
+    let mut given = 0;
+    for chunk in ids.chunks(LEASE_BATCH) {
+        let uncount = if counted { 0 } else { 1 };
+        let mut call = GIVE_BACK.key(&config.stream);
+        call.arg(&config.group).arg(&config.consumer).arg(idle_ms).arg(uncount).arg(chunk);
+        given += call.invoke_async::<i64>(conn).await?;
+    }
+    Ok(given)
 }
 
 /// How much shorter than the time since an entry failed here its idle time must be for it to count as handed back to
@@ -478,6 +616,16 @@ async fn dispatch<H, Fut>(
                     counters.failed.fetch_add(1, Ordering::Relaxed)
                 }
             };
+        }
+        Ok(Ok(Outcome::Retry)) => {
+            // Not re-read here: the pass retries it (the give-back makes it look idle, not handed over).
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
+            let idle = counters.settings.lock().expect("settings lock").map(|s| s.min_idle_ms);
+            let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
+            if let Err(e) = give_back(&mut conn, config, std::slice::from_ref(&id), idle, true).await {
+                warn!(stream, group, entry_id = %id, error = %e, "could not give the message back for a retry: it is retried after minIdle");
+            }
+            counters.retried.fetch_add(1, Ordering::Relaxed);
         }
         Ok(Err(e)) => {
             warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for the operator's retry");

@@ -29,6 +29,10 @@
 -- one read serves many, while a PEL whose entries lie apart in the stream is read an entry at a time. Every byte
 -- read is charged to the budget, whether it was moved, read ahead for nothing or too large to move. The originals the call moved are acknowledged with one XACK at the end.
 --
+-- An entry delivered more than `max deliveries` times is taken whatever its idle time, and dead-lettered: only
+-- clients that read or claim it by themselves raise its count past the cap (Pelican's own hand-overs and the SDK's
+-- leases never do), and their claims keep it from going idle.
+--
 -- Backoff: an entry is taken once idle min(max, minIdle * factor^(n-1)), n counting every delivery of the message
 -- (a requeued copy's `pelican-deliveries` plus its own count). The scan knows the entry's own count, plus what
 -- the caller sends of a copy's earlier deliveries: a lower bound, and the exact check is made once the entry is
@@ -197,7 +201,9 @@ for _, pending in ipairs(page) do
   position = id
   local copy = known[id]
   local carried = copy and delivery_count(ARGV[copy + 1]) or 0
-  if idle_ms < threshold(deliveries + carried) then
+  -- Past the cap, an entry is taken whatever its idle time: a client that claims by itself (XAUTOCLAIM, or
+  -- XREADGROUP ... CLAIM, with a shorter idle than the policy's) keeps it from ever going idle, each claim a delivery.
+  if idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries then
     if copy then fate[copy] = 'w' end
   else
     if copy then fate[copy] = 't' end
@@ -220,7 +226,7 @@ for _, pending in ipairs(page) do
       end
       local total = earlier + deliveries
       if invalid or total >= MAX_COUNT then invalid, total = true, max_deliveries end
-      if idle_ms < threshold(total) then
+      if idle_ms < threshold(total) and total <= max_deliveries then
         -- Backoff: not due yet.
         skipped = skipped + 1
         if earlier > 0 then waiting[#waiting + 1] = id; waiting[#waiting + 1] = earlier end

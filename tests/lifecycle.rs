@@ -1,0 +1,253 @@
+//! Workers come and go (SPEC 18), through the operator against the real API server and real Redis 7.0 / Valkey 9.1:
+//! a handler slower than `minIdle` keeps its message with a lease (the SDK, and redis-py with the documented call), a
+//! worker that claims by itself cannot defeat the cap, what a shutdown cuts off is given back at once without
+//! counting, and `Outcome::Retry` is retried by the next pass.
+
+#[macro_use]
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use pelican::keys::{settings_key, totals_key};
+use pelican::worker::{Message, Outcome, Worker, WorkerConfig};
+
+on_both_servers!(
+    sdk_workers_slower_than_min_idle_handle_each_message_once,
+    a_redis_py_worker_with_the_lease_call_handles_each_message_once,
+    a_worker_claiming_every_second_cannot_defeat_the_cap,
+    a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted,
+    outcome_retry_is_retried_by_the_next_pass_and_counted,
+);
+
+/// A policy on `tasks` with `minIdle`, a pass every second, `maxDeliveries: 3`, `Requeue`.
+fn manifest(server: &Server, min_idle: &str) -> String {
+    policy("p", &server.url(), "tasks", "workers", "  retry:\n    maxDeliveries: 3\n")
+        .replace("    interval: 1s\n", &format!("    interval: 1s\n    minIdle: {min_idle}\n"))
+}
+
+fn publish(conn: &mut redis::Connection, count: usize) {
+    for n in 0..count {
+        let _: String = redis::cmd("XADD").arg("tasks").arg("*").arg("n").arg(n).query(conn).unwrap();
+    }
+}
+
+/// The operator's counters of the group.
+fn totals(conn: &mut redis::Connection) -> BTreeMap<String, i64> {
+    redis::cmd("HGETALL").arg(totals_key("tasks", "workers")).query(conn).unwrap()
+}
+
+/// What a user checks after slow handlers: nothing was copied, dead-lettered or left pending.
+fn assert_no_copies(conn: &mut redis::Connection, published: usize) {
+    let length: usize = redis::cmd("XLEN").arg("tasks").query(conn).unwrap();
+    let dead: usize = redis::cmd("XLEN").arg("tasks:dlq").query(conn).unwrap();
+    assert_eq!((length, dead), (published, 0), "requeue copies or dead letters; totals {:?}", totals(conn));
+    assert!(pel(conn, "tasks", "workers").is_empty());
+}
+
+/// Defect (issue 49): `idle minIdle` was taken for abandoned, so a handler slower than `minIdle` had its message
+/// requeued under it, handled again and again and dead-lettered although every run succeeded (the issue measured
+/// 36 runs and 12 dead letters for 12 messages). Two SDK workers, 12 messages, a handler of 6 s that always
+/// succeeds, `minIdle: 2s`: each message is handled once, no copy, no dead letter.
+fn sdk_workers_slower_than_min_idle_handle_each_message_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("lease-sdk", &manifest(&server, "2s"), "p");
+    let mut conn = server.conn();
+    let published: Option<BTreeMap<String, String>> =
+        redis::cmd("HGETALL").arg(settings_key("tasks", "workers")).query(&mut conn).ok();
+    assert_eq!(
+        published.unwrap_or_default().get("minIdleMs").map(String::as_str),
+        Some("2000"),
+        "the operator publishes the group's settings"
+    );
+    publish(&mut conn, 12);
+    let runs = Arc::new(Mutex::new(Vec::<String>::new()));
+    runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let mut workers = Vec::new();
+        for consumer in ["w1", "w2"] {
+            let worker = Worker::connect(&client, WorkerConfig::new("tasks", "workers", consumer)).await.unwrap();
+            let (runs, stop) = (runs.clone(), stop.clone());
+            let handler = move |message: Message| {
+                let runs = runs.clone();
+                async move {
+                    tokio::time::sleep(Duration::from_secs(6)).await;
+                    runs.lock().unwrap().push(message.field_str("n").unwrap_or("?").to_string());
+                    Ok(Outcome::Done)
+                }
+            };
+            workers.push(tokio::spawn(worker.run(handler, async move { stop.notified().await })));
+        }
+        let started = Instant::now();
+        while runs.lock().unwrap().len() < 12 && started.elapsed() < Duration::from_secs(40) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Two more passes: a copy made late would show.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        stop.notify_waiters();
+        for worker in workers {
+            worker.await.unwrap();
+        }
+    });
+    let mut runs = runs.lock().unwrap().clone();
+    eprintln!("{} handler runs for 12 messages; totals {:?}", runs.len(), totals(&mut conn));
+    runs.sort_by_key(|n| n.parse::<u32>().unwrap_or(u32::MAX));
+    assert_eq!(runs, (0..12).map(|n| n.to_string()).collect::<Vec<_>>(), "each message handled once");
+    assert_no_copies(&mut conn, 12);
+}
+
+/// `python3 <script> <args>` with the bed's redis-py.
+fn python(script: &str, args: &[&str]) -> std::process::Child {
+    Command::new("python3")
+        .arg(format!("{}/{script}", env!("CARGO_MANIFEST_DIR")))
+        .args(args)
+        .env("PYTHONPATH", bed().var("PELICAN_PYTHONPATH"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3")
+}
+
+/// The same with a worker in Python: `examples/workers/slow_worker.py` extends its messages with the call the workers
+/// page documents, at the interval it reads from the settings the operator publishes.
+fn a_redis_py_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("lease-py", &manifest(&server, "2s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 12);
+    let url = server.url();
+    let worker = python("examples/workers/slow_worker.py", &[&url, "tasks", "workers", "py-1", "6", "12"]);
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success(), "the Python worker failed");
+    let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
+    std::thread::sleep(Duration::from_secs(3));
+    eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
+    assert_eq!(handled, 12, "each message handled once");
+    assert_no_copies(&mut conn, 12);
+}
+
+/// Defect (issue 49): a worker that claims by itself with a shorter idle than the policy's (`XAUTOCLAIM` every
+/// second, as tutorials write it) kept the entry from ever going idle `minIdle`: delivered forever, never
+/// dead-lettered (the issue: 45 deliveries in 45 s). With `minIdle: 30s, maxDeliveries: 3` the message is
+/// dead-lettered once its deliveries pass 3, long before it could ever be idle 30 s.
+fn a_worker_claiming_every_second_cannot_defeat_the_cap(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("autoclaim", &manifest(&server, "30s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 1);
+    let url = server.url();
+    let worker = python("tests/python/autoclaim.py", &[&url, "tasks", "workers", "greedy", "12"]);
+    let started = Instant::now();
+    let dead = wait_for("the message to be dead-lettered", Duration::from_secs(20), || {
+        let dead = xrange(&mut conn, "tasks:dlq");
+        if dead.is_empty() { Err(format!("{:?}", pel(&mut conn, "tasks", "workers"))) } else { Ok(dead) }
+    });
+    let took = started.elapsed();
+    let output = worker.wait_with_output().unwrap();
+    let deliveries = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("delivery ")).count();
+    eprintln!("dead-lettered after {took:?}; the worker saw {deliveries} deliveries in 12 s");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
+    let counted: u64 = std::str::from_utf8(field(&dead[0], "pelican-deliveries").unwrap()).unwrap().parse().unwrap();
+    assert!(counted > 3, "dead-lettered with {counted} deliveries");
+    assert!(deliveries <= 5, "{deliveries} deliveries: the cap is 3 and a pass runs every second");
+}
+
+/// Defect (issue 49): a shutdown left what its grace cut off pending for `minIdle` (5 minutes by default), and the
+/// cut-off delivery counted. With `minIdle: 60s`, four messages whose handlers outlast a 1 s grace are requeued by
+/// the next pass after the worker stopped, each copy carrying the deliveries before the cut-off one (none).
+fn a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("give-back", &manifest(&server, "60s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 4);
+    let stats = runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let config =
+            WorkerConfig { shutdown_grace: Duration::from_secs(1), ..WorkerConfig::new("tasks", "workers", "w1") };
+        let worker = Worker::connect(&client, config).await.unwrap();
+        let handler = |_message: Message| async move {
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            Ok(Outcome::Done)
+        };
+        let mut probe = client.get_multiplexed_async_connection().await.unwrap();
+        let shutdown = async move {
+            loop {
+                let pending: Vec<redis::Value> =
+                    redis::cmd("XPENDING").arg("tasks").arg("workers").query_async(&mut probe).await.unwrap();
+                if redis::from_redis_value::<i64>(pending[0].clone()).unwrap() == 4 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        worker.run(handler, shutdown).await
+    });
+    let stopped = Instant::now();
+    assert_eq!(stats.abandoned, 4, "{stats:?}");
+    let copies = wait_for("the given-back messages to be requeued", Duration::from_secs(10), || {
+        let copies: Vec<RawEntry> =
+            xrange(&mut conn, "tasks").into_iter().filter(|e| field(e, "pelican-origin-id").is_some()).collect();
+        if copies.len() == 4 { Ok(copies) } else { Err(format!("{} copies", copies.len())) }
+    });
+    eprintln!("requeued {:?} after the worker stopped (minIdle 60 s)", stopped.elapsed());
+    for copy in &copies {
+        assert_eq!(field(copy, "pelican-deliveries"), Some(&b"0"[..]), "the cut-off delivery does not count");
+    }
+    assert!(pel(&mut conn, "tasks", "workers").is_empty());
+}
+
+/// `Outcome::Retry`: the message is given back at once and retried by the next pass (not after `minIdle: 60s`),
+/// the delivery counted: the copy the handler sees next carries one delivery.
+fn outcome_retry_is_retried_by_the_next_pass_and_counted(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("retry-now", &manifest(&server, "60s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 1);
+    let seen = Arc::new(Mutex::new(Vec::<(Option<String>, Instant)>::new()));
+    let stats = runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let worker = Worker::connect(&client, WorkerConfig::new("tasks", "workers", "w1")).await.unwrap();
+        let handler = {
+            let seen = seen.clone();
+            move |message: Message| {
+                let seen = seen.clone();
+                async move {
+                    let deliveries = message.field_str("pelican-deliveries").map(str::to_string);
+                    let first = deliveries.is_none();
+                    seen.lock().unwrap().push((deliveries, Instant::now()));
+                    Ok(if first { Outcome::Retry } else { Outcome::Done })
+                }
+            }
+        };
+        let done = {
+            let seen = seen.clone();
+            async move {
+                let started = Instant::now();
+                while seen.lock().unwrap().len() < 2 && started.elapsed() < Duration::from_secs(20) {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        };
+        worker.run(handler, done).await
+    });
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "handled once, retried once: {seen:?}");
+    let after = seen[1].1 - seen[0].1;
+    eprintln!("retried {after:?} after Outcome::Retry (minIdle 60 s); {stats:?}");
+    assert_eq!(seen[1].0.as_deref(), Some("1"), "the retried delivery counts");
+    assert!(after < Duration::from_secs(10), "retried after {after:?}");
+    assert_eq!((stats.retried, stats.done), (1, 1), "{stats:?}");
+    assert_no_copies_left(&mut conn);
+}
+
+fn assert_no_copies_left(conn: &mut redis::Connection) {
+    assert!(pel(conn, "tasks", "workers").is_empty());
+    let dead: usize = redis::cmd("XLEN").arg("tasks:dlq").query(conn).unwrap();
+    assert_eq!(dead, 0);
+}
