@@ -203,7 +203,7 @@ fn match_from(mut pattern: &[u8], mut key: &[u8], skip_longer: &mut bool, nestin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{KeyPattern, NamespaceName, NamespaceSelector, RedisMode, RedisServerSpec, Tenant};
+    use crate::api::{KeyPattern, LabelSelectorSpec, NamespaceName, RedisMode, RedisServerSpec, Tenant};
 
     fn server(tenants: Vec<Tenant>) -> RedisServer {
         let mut server = RedisServer::new(
@@ -258,7 +258,7 @@ mod tests {
     fn a_label_selector_admits_by_the_namespaces_labels_and_unknown_labels_admit_nothing() {
         let mut data = tenant(&[], &["data.*"]);
         data.namespace_selector =
-            Some(NamespaceSelector { match_labels: [("team".into(), "data".into())].into(), ..Default::default() });
+            Some(LabelSelectorSpec { match_labels: [("team".into(), "data".into())].into(), ..Default::default() });
         let s = server(vec![data, tenant(&["ops"], &["ops.*"])]);
         let labels: BTreeMap<String, String> = [("team".into(), "data".into())].into();
         assert!(admit(&s, "etl", Some(&labels)).unwrap().check("spec.stream", "data.raw").is_ok());

@@ -21,6 +21,7 @@ on_both_servers!(
     a_worker_claiming_every_second_cannot_defeat_the_cap,
     a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted,
     outcome_retry_is_retried_by_the_next_pass_and_counted,
+    a_deleted_pods_messages_are_retried_at_once_and_its_consumer_removed,
 );
 
 /// A policy on `tasks` with `minIdle`, a pass every second, `maxDeliveries: 3`, `Requeue`.
@@ -250,4 +251,64 @@ fn assert_no_copies_left(conn: &mut redis::Connection) {
     assert!(pel(conn, "tasks", "workers").is_empty());
     let dead: usize = redis::cmd("XLEN").arg("tasks:dlq").query(conn).unwrap();
     assert_eq!(dead, 0);
+}
+
+/// A Pod object that never runs (bound to a node that does not exist): what the operator sees of a worker's Pod.
+fn pod(name: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels:\n    app: workers\nspec:\n  nodeName: \
+         no-such-node\n  containers:\n    - name: worker\n      image: localhost/pelican-consumer:none\n"
+    )
+}
+
+/// Defect (issue 49): a worker Pod deleted with messages in flight left them pending for `minIdle` (5 minutes by
+/// default) before anyone retried them. With `spec.consumers.pods` and `minIdle: 60s`: the deleted Pod's three
+/// messages are requeued within a few passes (each copy counting the delivery the Pod had), its consumer is removed
+/// from the group, and the other Pod's two messages stay with it.
+fn a_deleted_pods_messages_are_retried_at_once_and_its_consumer_removed(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ns = namespace("pods");
+    let _operator = Operator::start(&ns);
+    // The bed without its node runs no controller that makes the namespace's default ServiceAccount.
+    assert!(kubectl_apply(&ns, "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: default\n").0);
+    for name in ["worker-a", "worker-b"] {
+        assert!(kubectl_apply(&ns, &pod(name)).0);
+    }
+    let pods = "  consumers:\n    pods:\n      matchLabels:\n        app: workers\n";
+    assert!(kubectl_apply(&ns, &format!("{}{pods}", manifest(&server, "60s"))).0);
+    wait_condition(&ns, "p", "Ready", "True", "Reconciled");
+    let mut conn = server.conn();
+    publish(&mut conn, 5);
+    assert_eq!(read_new(&mut conn, "tasks", "workers", "worker-a", 3).len(), 3);
+    assert_eq!(read_new(&mut conn, "tasks", "workers", "worker-b", 2).len(), 2);
+    // Both Pods exist: several passes leave their messages alone.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(pel(&mut conn, "tasks", "workers").len(), 5);
+
+    kubectl_ok(&["delete", "pod", "worker-a", "-n", &ns, "--grace-period=0", "--force"]);
+    let deleted = Instant::now();
+    let copies = wait_for("the deleted Pod's messages to be requeued", Duration::from_secs(20), || {
+        let copies: Vec<RawEntry> =
+            xrange(&mut conn, "tasks").into_iter().filter(|e| field(e, "pelican-origin-id").is_some()).collect();
+        if copies.len() == 3 { Ok(copies) } else { Err(format!("{} copies", copies.len())) }
+    });
+    let took = deleted.elapsed();
+    eprintln!("the deleted Pod's messages were requeued {took:?} after its deletion (minIdle 60 s)");
+    for copy in &copies {
+        assert_eq!(field(copy, "pelican-deliveries"), Some(&b"1"[..]), "the Pod's delivery counts");
+    }
+    wait_for("the consumer to be removed", Duration::from_secs(10), || {
+        let consumers: Vec<redis::Value> =
+            redis::cmd("XINFO").arg("CONSUMERS").arg("tasks").arg("workers").query(&mut conn).unwrap();
+        let text = format!("{consumers:?}");
+        if text.contains("worker-a") { Err(text) } else { Ok(()) }
+    });
+    let owners: Vec<String> = pel(&mut conn, "tasks", "workers").into_iter().map(|(_, owner, ..)| owner).collect();
+    assert_eq!(owners, ["worker-b", "worker-b"], "the live Pod keeps its messages");
+    let removed = events(&ns, "ConsumersRemoved");
+    assert!(
+        removed.iter().any(|e| e["message"].as_str().is_some_and(|m| m.contains("worker-a"))),
+        "a ConsumersRemoved Event names the consumer: {removed:?}"
+    );
+    assert!(took < Duration::from_secs(10), "requeued {took:?} after the Pod's deletion");
 }

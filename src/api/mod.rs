@@ -369,6 +369,13 @@ pub struct ConsumersSpec {
     #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1s')").message("spec.consumers.expireAfter must be at least 1s"))]
     pub expire_after: Option<String>,
+    /// The Pods that run this group's consumers, in the policy's namespace: a consumer is matched to the Pod of the
+    /// same name (the SDK's consumer name defaults to the Pod's). When a consumer's Pod is gone (deleted, evicted,
+    /// its node lost), the next pass retries its pending entries without waiting `minIdle` (counted: a Pod may have
+    /// died of its message), and the consumer is removed from the group once it holds nothing. Every consumer of the
+    /// group is then expected to be named after such a Pod. Needs the operator to read Pods (the chart grants it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods: Option<LabelSelectorSpec>,
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -428,6 +435,10 @@ pub struct ConsumerGroupPolicyStatus {
     /// `mode: Sentinel`: the primary (`host:port`) the sentinels named at the last reconcile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub primary: Option<String>,
+    /// `spec.consumers.pods`: consumers whose Pod is gone, as the last pass saw them (at most 10 named; their
+    /// entries are retried and they are removed once they hold nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers_without_pod: Option<Vec<String>>,
     /// The Pelican install that wrote this status, named by its leader Lease (`<namespace>/<name>`). Another name
     /// here after this install wrote it means two installs serve the policy (Warning `AnotherPelican`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

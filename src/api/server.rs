@@ -82,7 +82,7 @@ pub struct Tenant {
     /// Namespaces admitted by their labels (`matchLabels`, `matchExpressions`, as a Deployment's selector); `{}`
     /// admits every namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub namespace_selector: Option<NamespaceSelector>,
+    pub namespace_selector: Option<LabelSelectorSpec>,
     /// Glob patterns a key must match: the policy's stream and dead-letter stream and a redrive's target.
     #[schemars(length(min = 1, max = 64))]
     pub keys: Vec<KeyPattern>,
@@ -100,14 +100,15 @@ pub struct NamespaceName(#[schemars(length(min = 1, max = 63))] pub String);
 #[serde(transparent)]
 pub struct KeyPattern(#[schemars(length(min = 1, max = 1024))] pub String);
 
-/// A label selector over namespaces: every `matchLabels` pair and every `matchExpressions` requirement must hold.
+/// A label selector (over namespaces, or Pods): every `matchLabels` pair and every `matchExpressions` requirement must
+/// hold.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
-pub struct NamespaceSelector {
-    /// Labels the namespace must have, with these values.
+pub struct LabelSelectorSpec {
+    /// Labels the object must have, with these values.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub match_labels: BTreeMap<String, String>,
-    /// Requirements on the namespace's labels.
+    /// Requirements on the labels.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub match_expressions: Vec<LabelRequirement>,
 }
@@ -129,8 +130,8 @@ pub struct LabelRequirement {
 #[serde(transparent)]
 pub struct LabelValue(pub String);
 
-impl From<&NamespaceSelector> for LabelSelector {
-    fn from(selector: &NamespaceSelector) -> LabelSelector {
+impl From<&LabelSelectorSpec> for LabelSelector {
+    fn from(selector: &LabelSelectorSpec) -> LabelSelector {
         LabelSelector {
             match_labels: Some(selector.match_labels.clone()),
             match_expressions: Some(

@@ -210,6 +210,16 @@ fn rates(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
     )
 }
 
+/// The count, and the consumers whose Pod is gone (`spec.consumers.pods`) when there are any.
+fn consumers(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
+    match &s.consumers_without_pod {
+        Some(gone) if !gone.is_empty() => {
+            format!("{} ({} without a Pod, retried and removed: {})", cell(s.consumers), gone.len(), gone.join(", "))
+        }
+        _ => cell(s.consumers),
+    }
+}
+
 fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
     let s = &report.status;
     let totals = s.totals.clone().unwrap_or_default();
@@ -222,7 +232,7 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
         ("Pending", cell(s.pending)),
         ("Lag", format!("{} (the oldest unread entry: {})", cell(s.lag), lag_age(s))),
         ("Rates", rates(s)),
-        ("Consumers", cell(s.consumers)),
+        ("Consumers", consumers(s)),
         ("Stream length", cell(s.stream_length)),
         ("Dead letters", cell(s.dead_letter_length)),
         (

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::Api;
+use kube::core::Selector;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
@@ -19,7 +21,7 @@ use super::{Context, id, publish};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
 use crate::context::policy_id;
 use crate::redis::{self as redis_ops, Destroyed, Features, GroupFacts, GroupKeys, ServerInfo, Target};
-use crate::runner::Job;
+use crate::runner::{Job, PodsOf};
 use crate::{Error, Result};
 
 /// What one reconcile saw on the server.
@@ -99,6 +101,7 @@ pub async fn converge(
                 acked_trim: features.has("XTRIM ACKED"),
                 object: policy.object_ref(&()),
                 sentinel_source: original.sentinel.is_some().then(|| original.clone()),
+                pods: pods_of(policy, ctx)?,
             };
             ctx.runner.run(&id, job);
         }
@@ -118,6 +121,14 @@ pub async fn converge(
     }
     let interval = schedule.interval;
     Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary, features, interval })
+}
+
+/// `spec.consumers.pods`, for the passes: the selector, and the operator's store of Pod metadata.
+fn pods_of(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Option<PodsOf>> {
+    let Some(selector) = policy.spec.consumers.as_ref().and_then(|c| c.pods.as_ref()) else { return Ok(None) };
+    let selector = Selector::try_from(LabelSelector::from(selector))
+        .map_err(|e| Error::InvalidSpec(format!("spec.consumers.pods: {e}")))?;
+    Ok(Some(PodsOf { store: ctx.pods(), namespace: policy.namespace().unwrap_or_default(), selector }))
 }
 
 /// Logs and publishes what a step of the plan announces.

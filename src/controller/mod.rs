@@ -20,17 +20,17 @@ mod status;
 mod validate;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
 use kube::{Resource, ResourceExt};
 use tracing::{debug, instrument, warn};
@@ -80,6 +80,41 @@ pub struct Context {
     install: String,
     /// The policies whose status this process wrote: one that names another install since was written by it.
     wrote: Mutex<HashSet<ObjectRef<ConsumerGroupPolicy>>>,
+    /// The watched namespace (`--namespace`), for the Pod watch.
+    watch_namespace: Option<String>,
+    /// Pod metadata of the watched namespaces, watched from the first policy with `spec.consumers.pods` on (an
+    /// install whose policies never name Pods never reads them).
+    pods: OnceLock<Store<PartialObjectMeta<Pod>>>,
+}
+
+impl Context {
+    /// The store of Pod metadata, its watch started on first use.
+    fn pods(&self) -> Store<PartialObjectMeta<Pod>> {
+        self.pods
+            .get_or_init(|| {
+                let client = self.shared.client.clone();
+                let api: Api<PartialObjectMeta<Pod>> = match &self.watch_namespace {
+                    Some(ns) => Api::namespaced(client, ns),
+                    None => Api::all(client),
+                };
+                let (store, writer) = reflector::store();
+                let watch = watcher(api, watcher::Config::default())
+                    .default_backoff()
+                    .modify(|pod| {
+                        pod.managed_fields_mut().clear();
+                        pod.annotations_mut().clear();
+                    })
+                    .reflect(writer)
+                    .for_each(|event| async move {
+                        if let Err(e) = event {
+                            warn!(error = %e, "watching Pods for spec.consumers.pods failed; retrying (the operator needs list and watch on pods)");
+                        }
+                    });
+                tokio::spawn(watch);
+                store
+            })
+            .clone()
+    }
 }
 
 /// The uids of recently deleted policies. A reconcile lasts seconds (a slow server), so a uid is kept
@@ -227,6 +262,8 @@ pub async fn run(
         progress: Mutex::default(),
         install: settings.install.clone(),
         wrote: Mutex::default(),
+        watch_namespace: settings.namespace.clone(),
+        pods: OnceLock::new(),
     });
     let sweep_ctx = Arc::downgrade(&ctx);
     tokio::spawn(async move {
@@ -548,6 +585,8 @@ mod tests {
             progress: Mutex::default(),
             install: "pelican-system/pelican-leader".into(),
             wrote: Mutex::default(),
+            watch_namespace: None,
+            pods: OnceLock::new(),
         };
         (Arc::new(ctx), handle)
     }

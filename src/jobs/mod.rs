@@ -177,7 +177,13 @@ pub struct Cursor {
     /// [`Cursor::EARLIER_MAX`], and by what `remembered` has left for all cursors together.
     earlier: BTreeMap<StreamOrder, i64>,
     remembered: &'static Remembered,
+    /// `spec.consumers.pods`: the consumers whose Pod is gone, as the sweep's start found them (at most
+    /// [`GONE_MAX`]): their entries are taken whatever their idle time, and nothing is handed to them.
+    pub gone: Vec<String>,
 }
+
+/// The most consumers without a Pod one sweep retries for; the next sweeps take the rest.
+pub const GONE_MAX: usize = 100;
 
 impl Default for Cursor {
     fn default() -> Cursor {
@@ -204,7 +210,7 @@ impl Cursor {
 
     /// A cursor at the start, whose remembered copies count against `remembered`.
     pub fn sharing(remembered: &'static Remembered) -> Cursor {
-        Cursor { position: None, earlier: BTreeMap::new(), remembered }
+        Cursor { position: None, earlier: BTreeMap::new(), remembered, gone: Vec::new() }
     }
 
     /// At the start of a sweep (the last pass reached the end of the PEL, or none ran yet).
@@ -276,7 +282,8 @@ pub async fn reclaim_pass(
         }
         let limit = (settings.max_per_pass - report.scanned).min(SCAN);
         let known = cursor.known(limit);
-        let call = reclaim_call(conn, server, keys, settings, cursor.position.as_deref(), limit, &known).await?;
+        let page = Page { after: cursor.position.as_deref(), limit, gone: &cursor.gone, known: &known };
+        let call = reclaim_call(conn, server, keys, settings, page).await?;
         report.merge(&call.report);
         let reached_end = call.reached_end;
         cursor.advance(&known, call);
@@ -299,17 +306,24 @@ struct Call {
     waiting: Vec<(String, i64)>,
 }
 
-/// One script call: the page of at most `limit` PEL entries after `after` (from the PEL's start when `None`), with
-/// the copies known to carry earlier deliveries.
+/// What one script call looks at: at most `limit` PEL entries after `after` (from the PEL's start when `None`), with
+/// the consumers whose Pod is gone and the copies known to carry earlier deliveries.
+struct Page<'a> {
+    after: Option<&'a str>,
+    limit: usize,
+    gone: &'a [String],
+    known: &'a [(String, i64)],
+}
+
+/// One script call, over one [`Page`].
 async fn reclaim_call(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     settings: &PassSettings,
-    after: Option<&str>,
-    limit: usize,
-    known: &[(String, i64)],
+    page: Page<'_>,
 ) -> Result<Call> {
+    let Page { after, limit, gone, known } = page;
     let strategy = match settings.strategy {
         ReclaimStrategy::Requeue => "Requeue",
         ReclaimStrategy::Reassign => "Reassign",
@@ -337,6 +351,8 @@ async fn reclaim_call(
         .arg(after.map_or_else(|| "-".to_string(), |id| format!("({id}")))
         .arg(limit)
         .arg(settings.handover_grace.as_millis() as u64)
+        .arg(gone.len())
+        .arg(gone)
         .arg(known)
         .invoke_async(conn)
         .await
@@ -374,6 +390,32 @@ async fn reclaim_call(
         interrupted: false,
     };
     Ok(Call { report, position, reached_end: count(10) == 1, known: text(11), waiting })
+}
+
+/// The consumers of the group (the operator's own left out), from one `XINFO CONSUMERS`.
+pub async fn consumers(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<Vec<String>> {
+    let listed: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(keys.stream)
+        .arg(keys.group)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    let names = listed.into_iter().filter_map(reply::fields).filter_map(|c| reply::get::<String>(&c, "name"));
+    Ok(names.filter(|name| name != OPERATOR_CONSUMER).collect())
+}
+
+/// Removes the named consumers that own no pending entry (`expire_consumers.lua`, which checks each again);
+/// returns how many. At most [`GONE_MAX`] names.
+pub async fn remove_consumers(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>, names: &[String]) -> Result<u64> {
+    EXPIRE_CONSUMERS
+        .key(keys.stream)
+        .key(totals_key(keys.stream, keys.group))
+        .arg(keys.group)
+        .arg(names)
+        .invoke_async::<u64>(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))
 }
 
 /// Most consumers one call of `expire_consumers.lua` deletes, and one pass: a group that gained hundreds of

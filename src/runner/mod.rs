@@ -15,18 +15,26 @@
 //!   longer write ([`Leadership`]).
 //! - **Retention.** When the stream's retention is `Acknowledged`, a sweep that reached the end of the PEL is
 //!   followed, under the same permit, by one trim of what every group acknowledged.
+//! - **Pods.** With `spec.consumers.pods`, each sweep starts by matching the group's consumers to the Pods the
+//!   selector names ([`PodsOf`]): a consumer whose Pod was missing at two sweeps in a row (so a Pod created a moment
+//!   ago and not yet in the watch is never taken for gone) has its entries retried by the sweep whatever their idle
+//!   time, and is removed from the group once it holds nothing.
 //! - **Failures.** Each job (pass, trim, consumer expiry) fails on its own: a failed trim or expiry takes nothing
 //!   from the pass, and the next sweep runs them again. A failed pass is retried after 1 s, 2 s, 4 s ... 60 s. Every
 //!   failure is logged, counted (`pelican_job_failures_total`) and kept in [`JobState::failures`] until that job
 //!   succeeds, for the controller's Ready condition and Event.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
+use futures::FutureExt;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
+use kube::core::{PartialObjectMeta, Selector, SelectorExt};
 use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::Store;
+use kube::{Resource, ResourceExt};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -69,6 +77,34 @@ pub struct Job {
     /// `mode: Sentinel`: the sentinel target, asked again for the primary after a failed pass, so the jobs follow
     /// a failover at once instead of at the next reconcile.
     pub sentinel_source: Option<Target>,
+    /// `spec.consumers.pods`.
+    pub pods: Option<PodsOf>,
+}
+
+/// Where a policy's consumers run (`spec.consumers.pods`): the Pods of `namespace` that `selector` matches, as the
+/// operator's watch of Pod metadata holds them.
+#[derive(Clone)]
+pub struct PodsOf {
+    pub store: Store<PartialObjectMeta<Pod>>,
+    pub namespace: String,
+    pub selector: Selector,
+}
+
+impl PartialEq for PodsOf {
+    fn eq(&self, other: &PodsOf) -> bool {
+        self.namespace == other.namespace && self.selector == other.selector
+    }
+}
+
+impl PodsOf {
+    /// The names of the Pods the selector matches (a terminating Pod still counts: its worker gives back what it
+    /// will not finish); `None` while the watch has not listed the Pods yet.
+    fn names(&self) -> Option<BTreeSet<String>> {
+        self.store.wait_until_ready().now_or_never()?.ok()?;
+        let pods = self.store.state();
+        let here = pods.iter().filter(|pod| pod.meta().namespace.as_deref() == Some(self.namespace.as_str()));
+        Some(here.filter(|pod| self.selector.matches(pod.labels())).map(|pod| pod.name_any()).collect())
+    }
 }
 
 impl Job {
@@ -90,12 +126,18 @@ impl Job {
             && self.retention == other.retention
             && self.acked_trim == other.acked_trim
             && self.sentinel_source == other.sentinel_source
+            && self.pods == other.pods
     }
 }
+
+/// How many consumers without a Pod the status names.
+const WITHOUT_POD_SHOWN: usize = 10;
 
 /// What the controller shows of a policy's jobs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct JobState {
+    /// `spec.consumers.pods`: consumers whose Pod is gone, as the last sweep found them (the first few).
+    pub without_pod: Vec<String>,
     /// When the last pass ended.
     pub last_pass: Option<Timestamp>,
     /// What the last retention trim did.
@@ -263,6 +305,8 @@ impl PolicyTask {
         // What the passes of the current sweep did, announced once when the sweep ends.
         let mut sweep = PassReport::default();
         let mut followed: Option<Followed> = None;
+        // Consumers whose Pod was missing at the last sweep's start: missing again, they are gone.
+        let mut suspects = BTreeSet::new();
         loop {
             tokio::select! {
                 _ = until(due) => {}
@@ -297,6 +341,12 @@ impl PolicyTask {
             let Ok(permit) = self.permits.clone().acquire_owned().await else { return };
             self.metrics.pass_started(asking.elapsed());
             let sweep_start = cursor.at_start();
+            if sweep_start {
+                cursor.gone = match &job.pods {
+                    Some(pods) => Box::pin(self.without_pods(&job, pods, &mut suspects)).await,
+                    None => Vec::new(),
+                };
+            }
             // Boxed: a sleeping task then holds only its small loop state, not the largest state of a pass (10,000
             // policies mean 10,000 sleeping tasks).
             let result = Box::pin(self.pass(&job, &mut cursor)).await;
@@ -322,6 +372,9 @@ impl PolicyTask {
                     let mid_sweep = !cursor.at_start() && !report.interrupted;
                     if !mid_sweep {
                         Box::pin(self.announce(&job, &std::mem::take(&mut sweep))).await;
+                        if !cursor.gone.is_empty() && self.leadership.may_write() {
+                            Box::pin(self.remove_gone(&job, &cursor.gone)).await;
+                        }
                     }
                     due = if mid_sweep { Instant::now() } else { next_sweep };
                 }
@@ -347,6 +400,33 @@ impl PolicyTask {
                     self.publish(&job, EventType::Normal, "ConsumersExpired", note).await;
                 }
             }
+        }
+    }
+
+    /// The consumers whose Pod is gone: missing from the Pods the selector matches now and at the last sweep's start
+    /// (`suspects`, replaced by what is missing now). None while the watch has not listed the Pods, or when the
+    /// consumers cannot be listed (the pass says why).
+    async fn without_pods(&self, job: &Job, pods: &PodsOf, suspects: &mut BTreeSet<String>) -> Vec<String> {
+        let Some(live) = pods.names() else { return Vec::new() };
+        let mut conn = job.conn.clone();
+        let Ok(consumers) = jobs::consumers(&mut conn, &job.server, &job.keys()).await else { return Vec::new() };
+        let missing: BTreeSet<String> = consumers.into_iter().filter(|c| !live.contains(c)).collect();
+        let gone: Vec<String> = missing.intersection(suspects).take(jobs::GONE_MAX).cloned().collect();
+        *suspects = missing;
+        self.update_state(|state| state.without_pod = gone.iter().take(WITHOUT_POD_SHOWN).cloned().collect());
+        gone
+    }
+
+    /// Removes the consumers without a Pod that hold nothing any more (the sweep retried their entries).
+    async fn remove_gone(&self, job: &Job, gone: &[String]) {
+        let mut conn = job.conn.clone();
+        let removed = jobs::remove_consumers(&mut conn, &job.server, &job.keys(), gone).await;
+        self.outcome(JobKind::ConsumerExpiry, &removed);
+        if let Ok(removed @ 1..) = removed {
+            let names = gone.iter().take(WITHOUT_POD_SHOWN).cloned().collect::<Vec<_>>().join(", ");
+            let note =
+                format!("removed {removed} consumers whose Pod is gone and that held nothing any more ({names})");
+            self.publish(job, EventType::Normal, "ConsumersRemoved", note).await;
         }
     }
 

@@ -2,7 +2,8 @@
 --
 -- KEYS[1] source stream    KEYS[2] totals hash
 -- ARGV[1] group            ARGV[2..] consumer names (at most EXPIRE_BATCH of them: the caller picked them from
---                          XINFO CONSUMERS as idle at least `expireAfter` and owning nothing)
+--                          XINFO CONSUMERS as idle at least `expireAfter` and owning nothing, or as consumers whose
+--                          Pod is gone, `spec.consumers.pods`; both are counted as `consumersExpired`)
 --
 -- Returns the number of consumers deleted.
 --

@@ -11,14 +11,15 @@
 -- ARGV[12] where the page starts: '-' (the PEL's first entry) or '(' followed by the last id already looked at
 -- ARGV[13] most PEL entries to look at
 -- ARGV[14] hand-over grace (ms): an entry Reassign handed over is not handed over again sooner
--- ARGV[15..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
+-- ARGV[15] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
+-- ARGV[16+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
 --           calls found them (see Backoff)
 --
 -- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, scanned, deadLetterEvicted, idle,
 -- position, reachedEnd, known, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
 -- including `position` (the next call starts after it; '' when none was), of which `idle` were idle long enough to
 -- be taken and `skipped` of those were left alone; `reachedEnd` is 1 when the page was the PEL's last. `known` has
--- one character per pair of ARGV[15..]: 'w' the copy is in the page and still waits, 't' it was in the page and
+-- one character per pair of ARGV[16+k..]: 'w' the copy is in the page and still waits, 't' it was in the page and
 -- read (moved, or returned again below), '-' not in the part of the page looked at. The pairs name the requeued
 -- copies read and found not due, with the deliveries each carries from before.
 --
@@ -28,6 +29,9 @@
 -- entry tells their size) and no more than the last run served: a drain's PEL is mostly consecutive entries, so
 -- one read serves many, while a PEL whose entries lie apart in the stream is read an entry at a time. Every byte
 -- read is charged to the budget, whether it was moved, read ahead for nothing or too large to move. The originals the call moved are acknowledged with one XACK at the end.
+--
+-- An entry owned by a consumer whose Pod is gone is taken whatever its idle time (its delivery counted as it is: a Pod
+-- may have died of its message), and no entry is handed over to such a consumer.
 --
 -- An entry delivered more than `max deliveries` times is taken whatever its idle time, and dead-lettered: only
 -- clients that read or claim it by themselves raise its count past the cap (Pelican's own hand-overs and the SDK's
@@ -68,9 +72,12 @@ local max_fields = tonumber(ARGV[7])
 local byte_budget = tonumber(ARGV[8])
 local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local start, limit, grace = ARGV[12], tonumber(ARGV[13]), tonumber(ARGV[14])
--- Copy id -> index of its pair (from ARGV[15]); what became of each, as the reply tells it.
+-- Consumers whose Pod is gone, by name.
+local gone, pairs_from = {}, 16 + tonumber(ARGV[15])
+for i = 16, pairs_from - 1 do gone[ARGV[i]] = true end
+-- Copy id -> index of its pair; what became of each, as the reply tells it.
 local known, fate = {}, {}
-for i = 15, #ARGV, 2 do known[ARGV[i]] = i end
+for i = pairs_from, #ARGV, 2 do known[ARGV[i]] = i end
 -- The most entries one XRANGE reads.
 local RUN = 64
 
@@ -116,7 +123,7 @@ local function least_loaded(except)
     for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', src, group)) do
       local info = {}
       for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
-      if info['name'] ~= operator and tonumber(info['idle']) < min_idle then
+      if info['name'] ~= operator and not gone[info['name']] and tonumber(info['idle']) < min_idle then
         live[#live + 1] = {name = info['name'], pending = tonumber(info['pending'])}
       end
     end
@@ -203,7 +210,8 @@ for _, pending in ipairs(page) do
   local carried = copy and delivery_count(ARGV[copy + 1]) or 0
   -- Past the cap, an entry is taken whatever its idle time: a client that claims by itself (XAUTOCLAIM, or
   -- XREADGROUP ... CLAIM, with a shorter idle than the policy's) keeps it from ever going idle, each claim a delivery.
-  if idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries then
+  local orphan = gone[owner] == true
+  if idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries and not orphan then
     if copy then fate[copy] = 'w' end
   else
     if copy then fate[copy] = 't' end
@@ -226,7 +234,7 @@ for _, pending in ipairs(page) do
       end
       local total = earlier + deliveries
       if invalid or total >= MAX_COUNT then invalid, total = true, max_deliveries end
-      if idle_ms < threshold(total) and total <= max_deliveries then
+      if idle_ms < threshold(total) and total <= max_deliveries and not orphan then
         -- Backoff: not due yet.
         skipped = skipped + 1
         if earlier > 0 then waiting[#waiting + 1] = id; waiting[#waiting + 1] = earlier end
@@ -383,7 +391,7 @@ local reached_end = (scanned == #page and #page < limit) and 1 or 0
 local reply = {requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, scanned, evicted, idle,
   position, reached_end}
 local fates = {}
-for i = 15, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
+for i = pairs_from, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
 reply[12] = table.concat(fates)
 for _, v in ipairs(waiting) do reply[#reply + 1] = v end
 return reply
