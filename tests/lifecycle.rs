@@ -22,6 +22,7 @@ on_both_servers!(
     a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted,
     outcome_retry_is_retried_by_the_next_pass_and_counted,
     a_deleted_pods_messages_are_retried_at_once_and_its_consumer_removed,
+    a_handler_past_max_handling_loses_its_lease,
 );
 
 /// A policy on `tasks` with `minIdle`, a pass every second, `maxDeliveries: 3`, `Requeue`.
@@ -311,4 +312,56 @@ fn a_deleted_pods_messages_are_retried_at_once_and_its_consumer_removed(flavor: 
         "a ConsumersRemoved Event names the consumer: {removed:?}"
     );
     assert!(took < Duration::from_secs(10), "requeued {took:?} after the Pod's deletion");
+}
+
+/// A lease lasts `max_handling`: a handler stuck past it is taken for stuck, and the pass retries its message once
+/// it has been idle `minIdle` (here 3 s + 2 s), while the handler still runs.
+fn a_handler_past_max_handling_loses_its_lease(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("max-handling", &manifest(&server, "2s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 1);
+    let started = Arc::new(Mutex::new(None::<Instant>));
+    let copy_after = runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let config = WorkerConfig {
+            max_handling: Duration::from_secs(3),
+            shutdown_grace: Duration::from_secs(1),
+            ..WorkerConfig::new("tasks", "workers", "w1")
+        };
+        let worker = Worker::connect(&client, config).await.unwrap();
+        let handler = {
+            let started = started.clone();
+            move |message: Message| {
+                let started = started.clone();
+                async move {
+                    if message.field("pelican-origin-id").is_none() {
+                        *started.lock().unwrap() = Some(Instant::now());
+                        tokio::time::sleep(Duration::from_secs(20)).await;
+                    }
+                    Ok(Outcome::Done)
+                }
+            }
+        };
+        let mut probe = client.get_multiplexed_async_connection().await.unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let watch = async move {
+            loop {
+                let length: usize = redis::cmd("XLEN").arg("tasks").query_async(&mut probe).await.unwrap();
+                let since = started.lock().unwrap().map(|at| at.elapsed());
+                if length == 2 || since.is_some_and(|s| s > Duration::from_secs(15)) {
+                    let _ = tx.send(since);
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        let stats = worker.run(handler, watch).await;
+        (rx.await.unwrap(), stats)
+    });
+    let (after, stats) = copy_after;
+    eprintln!("requeued {after:?} into a handler stuck past max_handling 3 s (minIdle 2 s); {stats:?}");
+    let after = after.expect("the handler never started");
+    assert!(after >= Duration::from_secs(3), "requeued after {after:?}: the lease held for max_handling");
+    assert!(after < Duration::from_secs(12), "still not retried {after:?} after the handler started");
 }
