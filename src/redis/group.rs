@@ -272,7 +272,7 @@ pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str,
     cmd.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
 }
 
-/// Publishes the group's retry settings for workers ([`settings_key`]), replacing what was there, in one `MULTI`.
+/// Publishes the group's retry settings for workers ([`settings_key`]), replacing what was there.
 pub async fn set_settings(
     conn: &mut Conn,
     server: &str,
@@ -280,10 +280,14 @@ pub async fn set_settings(
     group: &str,
     settings: WorkerSettings,
 ) -> Result<()> {
-    let key = settings_key(stream, group);
-    let mut pipe = pipe();
-    pipe.atomic().del(&key).ignore().hset_multiple(&key, &settings.fields()).ignore();
-    pipe.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
+    // One HSET of every field: the hash holds nothing else, so it needs neither a DEL nor MULTI (which the
+    // operator's documented ACL does not grant).
+    redis::cmd("HSET")
+        .arg(settings_key(stream, group))
+        .arg(&settings.fields())
+        .query_async::<()>(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))
 }
 
 /// The oldest entry of the group's PEL.
