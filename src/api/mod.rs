@@ -438,7 +438,7 @@ pub struct ConsumerGroupPolicyStatus {
     /// `spec.consumers.pods`: consumers whose Pod is gone, as the last pass saw them (at most 10 named; their
     /// entries are retried and they are removed once they hold nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub consumers_without_pod: Option<Vec<String>>,
+    pub consumers_without_pod: Option<Vec<ConsumerName>>,
     /// The Pelican install that wrote this status, named by its leader Lease (`<namespace>/<name>`). Another name
     /// here after this install wrote it means two installs serve the policy (Warning `AnotherPelican`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -517,6 +517,11 @@ pub struct ConsumerGroupPolicyStatus {
     #[schemars(extend("format" = "date-time"))]
     pub last_pass_time: Option<String>,
 }
+
+/// A consumer of the group, by the name its worker reads with.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct ConsumerName(pub String);
 
 /// A newer stream feature a server has, e.g. `XTRIM ACKED` or `XACKDEL`.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

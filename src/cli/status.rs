@@ -214,7 +214,12 @@ fn rates(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
 fn consumers(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
     match &s.consumers_without_pod {
         Some(gone) if !gone.is_empty() => {
-            format!("{} ({} without a Pod, retried and removed: {})", cell(s.consumers), gone.len(), gone.join(", "))
+            format!(
+                "{} ({} without a Pod, retried and removed: {})",
+                cell(s.consumers),
+                gone.len(),
+                gone.iter().map(|c| c.0.as_str()).collect::<Vec<_>>().join(", ")
+            )
         }
         _ => cell(s.consumers),
     }

@@ -34,7 +34,8 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             status.server_features =
                 seen.features.found.iter().map(|f| crate::api::ServerFeature(f.to_string())).collect();
             status.requeue_copies_to = status::requeue_copies_to(&policy.spec, &seen.facts);
-            status.consumers_without_pod = (!jobs.without_pod.is_empty()).then(|| jobs.without_pod.clone());
+            status.consumers_without_pod = (!jobs.without_pod.is_empty())
+                .then(|| jobs.without_pod.iter().map(|name| crate::api::ConsumerName(name.clone())).collect());
             if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
                 status.last_pass_time = Some(at.to_string());
             }
