@@ -17,6 +17,8 @@ fn the_status_lists_what_the_server_can_do(flavor: Flavor) {
     println!("{flavor:?} ({}): serverFeatures {features:?}", status["serverVersion"]);
     let expected: &[&str] = match flavor {
         Flavor::Redis82 => &["XACKDEL", "XDELEX", "XTRIM ACKED"],
+        // 8.4 added reads that claim, 8.6 idempotent production; XNACK is 8.8's.
+        Flavor::Redis86 => &["XACKDEL", "XADD IDMP", "XDELEX", "XREADGROUP CLAIM", "XTRIM ACKED"],
         _ => &[],
     };
     assert_eq!(features, expected);

