@@ -41,9 +41,8 @@ impl Features {
         };
         let mut found: BTreeSet<&'static str> =
             ["XACKDEL", "XDELEX", "XNACK"].into_iter().filter(|name| present(name)).collect();
-        let tokens = tokens_by_command(docs);
         for (command, token, feature) in ARGUMENTS {
-            if tokens.get(command).is_some_and(|t| t.contains(token)) {
+            if has_argument(docs, command, token) {
                 found.insert(feature);
             }
         }
@@ -99,6 +98,11 @@ fn tokens_by_command(docs: &Value) -> HashMap<String, HashSet<String>> {
             Some((text(name)?.to_ascii_lowercase(), found))
         })
         .collect()
+}
+
+/// Whether `COMMAND DOCS <command>`'s reply names `token` among the command's arguments.
+pub fn has_argument(docs: &Value, command: &str, token: &str) -> bool {
+    tokens_by_command(docs).get(command).is_some_and(|tokens| tokens.contains(token))
 }
 
 /// Asks the server. A refused `COMMAND` (an ACL without it) is no error: the features are then unknown, and

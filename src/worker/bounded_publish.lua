@@ -2,8 +2,12 @@
 --
 -- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:bounds    KEYS[3] {T}:pelican:<stream>:rejected
 -- ARGV    field1, value1, field2, value2, ...  (the entry, as for XADD)
+--         or IDMP, producer id, message id, field1, value1, ...: an idempotent publish (Redis 8.6+, `XADD ... IDMP`):
+--         the first publish of a (producer id, message id) pair within the stream's window adds the entry, every
+--         later one returns the first one's id and writes nothing (the server counts it in `iids-duplicates`). The
+--         odd number of arguments tells the two forms apart, so a field named IDMP is still a field.
 --
--- Reply: the new entry id. Refusal: the error `PELICAN_BACKLOG_FULL <group> <backlog> <max>`, nothing written but
+-- Reply: the new entry id (an idempotent publish already made: the first entry's id). Refusal: the error `PELICAN_BACKLOG_FULL <group> <backlog> <max>`, nothing written but
 -- one count under <group> in KEYS[3]. Any other error (a key of another type, an ACL that does not allow XINFO) is
 -- the server's, with nothing written.
 --
@@ -15,9 +19,14 @@
 -- only once the group has read up to the stream's last entry; the operator's status counts the same way.
 -- Invariant: an entry is added only when every bounded group's backlog is below its bound, so after the XADD no
 -- backlog exceeds its bound. Groups named in KEYS[2] that the stream does not have bound nothing. The operator's
--- own writes (requeue copies) do not go through this script and are never refused.
-if #ARGV == 0 or #ARGV % 2 ~= 0 then
-  return redis.error_reply('ERR bounded publish needs field value pairs as arguments, got ' .. #ARGV .. ' arguments')
+-- own writes (requeue copies) do not go through this script and are never refused. The check comes before the
+-- duplicate check the XADD makes: a repeated idempotent publish may be refused while the bound is full (this call
+-- wrote nothing; the first publish's entry is there, and the same key returns its id once there is room).
+local idmp = #ARGV % 2 == 1 and ARGV[1] == 'IDMP'
+local fields = idmp and 4 or 1
+if #ARGV < fields + 1 or (#ARGV - fields + 1) % 2 ~= 0 then
+  return redis.error_reply('ERR bounded publish needs field value pairs as arguments (after IDMP <producer> ' ..
+    '<message> for an idempotent one), got ' .. #ARGV .. ' arguments')
 end
 local bounds = redis.call('HGETALL', KEYS[2])
 if #bounds > 0 then
@@ -54,5 +63,8 @@ if #bounds > 0 then
       end
     end
   end
+end
+if idmp then
+  return redis.call('XADD', KEYS[1], 'IDMP', ARGV[2], ARGV[3], '*', unpack(ARGV, 4))
 end
 return redis.call('XADD', KEYS[1], '*', unpack(ARGV))

@@ -36,8 +36,8 @@ mod reason;
 
 pub use connection::{Connection, Source};
 pub use producer::{
-    BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH, BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, Producer, PublishError,
-    Published, Refusal,
+    BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH, BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, IdempotenceError,
+    IdempotentProducer, Producer, PublishError, Published, Refusal,
 };
 pub use reason::{InvalidReason, Reason};
 

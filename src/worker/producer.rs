@@ -120,16 +120,57 @@ impl Producer {
     /// A producer on a server, a Redis Cluster (the stream's keys share its slot), or the primary a sentinel names
     /// when it connects.
     pub async fn connect_to(source: &Source, stream: impl Into<String>) -> RedisResult<Producer> {
+        Producer::connect_with_timeout(source, stream, Duration::from_secs(10)).await
+    }
+
+    /// [`Producer::connect_to`] with how long a publish waits for its reply before it is `OutcomeUnknown` (10 s
+    /// there).
+    pub async fn connect_with_timeout(
+        source: &Source,
+        stream: impl Into<String>,
+        response: Duration,
+    ) -> RedisResult<Producer> {
         // A publish is never sent twice by the connection itself: whether to republish is the caller's call.
-        let conn = source.connect(Timeouts { response: Duration::from_secs(10), retries: 0 }).await?;
+        let conn = source.connect(Timeouts { response, retries: 0 }).await?;
         let stream = stream.into();
         Ok(Producer { bounds: bounds_key(&stream), rejected: rejected_key(&stream), stream, conn })
     }
 
     /// Adds one entry (field/value pairs, in order) and returns its id.
     pub async fn publish<K: ToRedisArgs, V: ToRedisArgs>(&self, fields: &[(K, V)]) -> Result<String, PublishError> {
+        self.invoke(None, fields).await
+    }
+
+    /// The same producer, its publishes made idempotent under `producer_id` (see [`IdempotentProducer`]). Fails
+    /// with [`IdempotenceError::Unsupported`] on a server without `XADD ... IDMP` (before Redis 8.6, every Valkey up
+    /// to 9.1): there a retried publish can duplicate, and the producer says so rather than pretend.
+    pub async fn idempotent(self, producer_id: impl Into<String>) -> Result<IdempotentProducer, IdempotenceError> {
+        let producer_id = producer_id.into();
+        if producer_id.is_empty() {
+            return Err(IdempotenceError::EmptyProducerId);
+        }
+        let docs: redis::Value = redis::cmd("COMMAND")
+            .arg("DOCS")
+            .arg("xadd")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(IdempotenceError::Redis)?;
+        if !crate::redis::features::has_argument(&docs, "xadd", "IDMP") {
+            return Err(IdempotenceError::Unsupported);
+        }
+        Ok(IdempotentProducer { producer: self, producer_id })
+    }
+
+    async fn invoke<K: ToRedisArgs, V: ToRedisArgs>(
+        &self,
+        key: Option<(&str, &str)>,
+        fields: &[(K, V)],
+    ) -> Result<String, PublishError> {
         let mut invocation = BOUNDED_PUBLISH.key(&self.stream);
         invocation.key(&self.bounds).key(&self.rejected);
+        if let Some((producer_id, message_id)) = key {
+            invocation.arg("IDMP").arg(producer_id).arg(message_id);
+        }
         for (field, value) in fields {
             invocation.arg(field).arg(value);
         }
@@ -176,6 +217,71 @@ impl Producer {
         &self.stream
     }
 }
+
+/// A producer whose every publish carries an idempotency key (`XADD ... IDMP <producer id> <message id>`, Redis
+/// 8.6+): within the stream's window (`spec.idempotence`; the server's default 100 s and 100 message ids per
+/// producer), a publish of a (producer id, message id) already published writes nothing and returns the first
+/// entry's id. So a publish that ended `OutcomeUnknown` is simply published again with the same message id.
+///
+/// The producer id must be stable across the producer's restarts (a StatefulSet Pod's name, a service's instance
+/// name), and unique among the stream's producers; the message id is the application's (an order number, an
+/// upstream event's id) or derived from the payload, never random per attempt. A `Refused` publish wrote nothing
+/// in this call; an earlier attempt of the same message may be in the stream, and publishing it again later returns
+/// that entry's id.
+#[derive(Clone)]
+pub struct IdempotentProducer {
+    producer: Producer,
+    producer_id: String,
+}
+
+impl IdempotentProducer {
+    /// Adds the entry unless `message_id` was published by this producer within the window; either way returns the
+    /// id of the one entry that holds it.
+    pub async fn publish<K: ToRedisArgs, V: ToRedisArgs>(
+        &self,
+        message_id: &str,
+        fields: &[(K, V)],
+    ) -> Result<String, PublishError> {
+        self.producer.invoke(Some((&self.producer_id, message_id)), fields).await
+    }
+
+    pub fn producer_id(&self) -> &str {
+        &self.producer_id
+    }
+
+    pub fn stream(&self) -> &str {
+        self.producer.stream()
+    }
+}
+
+/// Why a producer cannot publish idempotently.
+#[derive(Debug)]
+pub enum IdempotenceError {
+    /// The server has no `XADD ... IDMP` (Redis 8.6 added it; Valkey up to 9.1 has none).
+    Unsupported,
+    /// The producer id is empty.
+    EmptyProducerId,
+    /// Asking the server what it has failed (`COMMAND DOCS`; an ACL user needs `+command|docs`).
+    Redis(RedisError),
+}
+
+impl fmt::Display for IdempotenceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IdempotenceError::Unsupported => write!(
+                f,
+                "the server has no XADD ... IDMP (Redis 8.6 or later): a retried publish may duplicate; publish with \
+                 Producer::publish and reconcile by an id of your own in the entry's fields"
+            ),
+            IdempotenceError::EmptyProducerId => {
+                write!(f, "the producer id is empty: give one stable across restarts, e.g. the Pod's name")
+            }
+            IdempotenceError::Redis(e) => write!(f, "could not ask the server for XADD's arguments: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for IdempotenceError {}
 
 #[cfg(test)]
 mod tests {
