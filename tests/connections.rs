@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use common::*;
 
-/// Connections on `server` other than the test's own.
-fn operator_connections(server: &Server) -> usize {
+/// Connections on `server` other than the test's own, as `CLIENT LIST` lines.
+fn operator_connections(server: &Server) -> Vec<String> {
     let list: String = redis::cmd("CLIENT").arg("LIST").query(&mut server.conn()).unwrap();
-    list.lines().filter(|l| !l.contains("cmd=client|list") && !l.contains("cmd=client")).count()
+    list.lines().filter(|l| !l.contains("cmd=client|list") && !l.contains("cmd=client")).map(String::from).collect()
 }
 
 #[test]
@@ -28,7 +28,8 @@ fn sixty_policies_on_three_servers_use_one_connection_per_server() {
     assert!(kubectl_apply(&ns, &manifests.join("---\n")).0);
     wait_all_ready(&ns, 60, Duration::from_secs(60));
     for server in &servers {
-        assert_eq!(operator_connections(server), 1, "one shared connection per server");
+        let connections = operator_connections(server);
+        assert_eq!(connections.len(), 1, "one shared connection per server: {connections:#?}");
     }
 }
 
