@@ -1,7 +1,8 @@
-//! Idempotent production (`XADD ... IDMP`, Redis 8.6): the SDK's `IdempotentProducer` through the bounded-publish
-//! script, against every server of the bed. Where the server has `IDMP`, a publish whose reply timed out (the entry
-//! written meanwhile) is published again under the same key and the stream holds it once; where it has not, the
-//! producer refuses to pretend.
+//! Idempotent production (`XADD ... IDMP`, Redis 8.6), against every server of the bed: the SDK's
+//! `IdempotentProducer` through the bounded-publish script (a publish whose reply timed out, the entry written
+//! meanwhile, is published again under the same key and the stream holds it once), and `spec.idempotence` (the
+//! operator sets the stream's window once, shows what the server refused, and does not clear the server's record on
+//! a restart). Where the server has no `IDMP`, the producer refuses to pretend and the policy says so.
 
 #[macro_use]
 mod common;
@@ -10,9 +11,12 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use pelican::keys::bounds_key;
-use pelican::worker::{IdempotenceError, Producer, PublishError, Source};
+use pelican::worker::{IdempotenceError, IdempotentProducer, Producer, PublishError, Source};
 
-on_every_server!(a_publish_retried_after_a_timeout_is_written_once_where_the_server_has_idmp);
+on_every_server!(
+    a_publish_retried_after_a_timeout_is_written_once_where_the_server_has_idmp,
+    the_policy_sets_the_window_once_and_shows_the_duplicates_refused,
+);
 
 const STREAM: &str = "{orders}:in";
 
@@ -93,4 +97,80 @@ fn a_publish_retried_after_a_timeout_is_written_once_where_the_server_has_idmp(f
     assert!(first.0 < second && second < third, "{:?} {second} {third}", first.0);
     assert_eq!(xlen(&mut conn), 4);
     assert_eq!(stream_info(&mut conn, "pids-tracked"), 2);
+}
+
+fn idempotent_producer(runtime: &tokio::runtime::Runtime, url: &str, producer_id: &str) -> IdempotentProducer {
+    let source = Source::Server(redis::Client::open(url).unwrap());
+    runtime
+        .block_on(async { Producer::connect_to(&source, STREAM).await.unwrap().idempotent(producer_id).await.unwrap() })
+}
+
+/// `status.idempotence.<field>` of the policy, once the status shows it.
+fn shown(ns: &str, field: &str) -> Option<i64> {
+    get_policy(ns, "p")["status"]["idempotence"][field].as_i64()
+}
+
+fn the_policy_sets_the_window_once_and_shows_the_duplicates_refused(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    let manifest =
+        policy("p", &server.url(), STREAM, "billing", "  idempotence:\n    duration: 10m\n    maxSize: 1000\n");
+    let (ns, operator) = ready_policy("idmp", &manifest, "p");
+    if flavor != Flavor::Redis86 {
+        let policy = wait_condition(&ns, "p", "Idempotent", "False", "ServerWithoutIdmp");
+        let said =
+            policy["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Idempotent").unwrap();
+        println!("{flavor:?}: Idempotent False: {}", said["message"]);
+        assert!(said["message"].as_str().unwrap().contains("no XADD ... IDMP (Redis 8.6 or later)"), "{said}");
+        assert!(policy["status"]["idempotence"].is_null());
+        return;
+    }
+    wait_condition(&ns, "p", "Idempotent", "True", "WindowApplied");
+    assert_eq!((stream_info(&mut conn, "idmp-duration"), stream_info(&mut conn, "idmp-maxsize")), (600, 1000));
+    wait_for("the IdempotenceWindowSet Event", Duration::from_secs(30), || {
+        let set = events(&ns, "IdempotenceWindowSet");
+        if set.is_empty() { Err("none".into()) } else { Ok(()) }
+    });
+
+    // One message published three times: one entry, two duplicates refused, shown in status and metrics.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let producer = idempotent_producer(&runtime, &server.url(), "pod-0");
+    let ids: Vec<String> =
+        (0..3).map(|_| runtime.block_on(producer.publish("order-1", &[("order", "1")])).unwrap()).collect();
+    assert!(ids.iter().all(|id| *id == ids[0]), "{ids:?}");
+    wait_for("status.idempotence.duplicates 2", Duration::from_secs(30), || match shown(&ns, "duplicates") {
+        Some(2) => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+    let status = get_policy(&ns, "p")["status"]["idempotence"].clone();
+    println!("status.idempotence: {status}");
+    assert_eq!((shown(&ns, "durationSeconds"), shown(&ns, "maxSize")), (Some(600), Some(1000)));
+    assert_eq!((shown(&ns, "producers"), shown(&ns, "messageIds"), shown(&ns, "added")), (Some(1), Some(1), Some(1)));
+    wait_for("pelican_idempotent_duplicates_total 2", Duration::from_secs(30), || {
+        let metrics = operator.metrics();
+        let line = metrics.lines().find(|l| l.starts_with("pelican_idempotent_duplicates_total{")).unwrap_or("");
+        if line.ends_with(" 2") { Ok(()) } else { Err(line.to_string()) }
+    });
+
+    // A restarted operator finds the window in place and leaves the server's record alone: the retry after the
+    // restart is still refused.
+    drop(operator);
+    let operator = Operator::start(&ns);
+    wait_for("the restarted operator's first look", Duration::from_secs(60), || {
+        let metrics = operator.metrics();
+        if metrics.contains("pelican_idempotent_message_ids{") { Ok(()) } else { Err("no series yet".into()) }
+    });
+    assert_eq!(stream_info(&mut conn, "iids-tracked"), 1, "XCFGSET ran again and cleared the record");
+    let again = runtime.block_on(producer.publish("order-1", &[("order", "1")])).unwrap();
+    assert_eq!(again, ids[0]);
+    assert_eq!((xlen(&mut conn), stream_info(&mut conn, "iids-duplicates")), (1, 3));
+
+    // A changed window is set once more (and says that the record was cleared).
+    kubectl_ok(&["patch", "cgp", "p", "-n", &ns, "--type=merge", "-p", r#"{"spec":{"idempotence":{"maxSize":2000}}}"#]);
+    wait_for("idmp-maxsize 2000", Duration::from_secs(30), || match stream_info(&mut conn, "idmp-maxsize") {
+        2000 => Ok(()),
+        other => Err(other.to_string()),
+    });
+    assert_eq!(stream_info(&mut conn, "iids-tracked"), 0);
+    drop(operator);
 }

@@ -25,6 +25,8 @@ pub const SATURATED: &str = "Saturated";
 /// Whether the group's consumers make progress, judged over a window of samples; outside Ready (a slow consumer is
 /// no broken policy).
 pub const CONSUMING: &str = "Consuming";
+/// Whether the stream's window of idempotent production (`spec.idempotence`) is in place; only when one is declared.
+pub const IDEMPOTENT: &str = "Idempotent";
 pub const RECONCILING: &str = "Reconciling";
 pub const STALLED: &str = "Stalled";
 /// Reason on all three conditions when the last reconcile succeeded.
@@ -138,6 +140,10 @@ pub struct ConsumerGroupPolicySpec {
     /// Pause the reclaim and dead-letter jobs; status keeps refreshing.
     #[serde(default)]
     pub suspend: bool,
+    /// The stream's window of idempotent production (`XADD ... IDMP`, Redis 8.6+), applied with `XCFGSET` when the
+    /// server's differs. Policies of one stream share it: the longest duration and the largest size among them apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotence: Option<IdempotenceSpec>,
 }
 
 impl ConsumerGroupPolicy {
@@ -156,6 +162,19 @@ pub struct BacklogSpec {
     /// bounded-publish script that would exceed it is refused with `PELICAN_BACKLOG_FULL`.
     #[schemars(range(min = 1, max = 1000000000000_i64))]
     pub max_length: i64,
+}
+
+/// How long, and how many message ids per producer, the server remembers to refuse a publish it already has. Setting
+/// it (`XCFGSET`) clears the server's record of producers and message ids, so Pelican sets it only when it differs.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct IdempotenceSpec {
+    /// How long a published message id is remembered, in whole seconds from `1s` to `24h` (e.g. `10m`).
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub duration: String,
+    /// How many message ids are remembered per producer (1 to 10000); older ones are forgotten first.
+    #[schemars(range(min = 1, max = 10000))]
+    pub max_size: u32,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
@@ -439,6 +458,9 @@ pub struct ConsumerGroupPolicyStatus {
     /// entries are retried and they are removed once they hold nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumers_without_pod: Option<Vec<ConsumerName>>,
+    /// Idempotent production on the stream (`XINFO STREAM`, Redis 8.6+): the window and what the server tracks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotence: Option<IdempotenceStatus>,
     /// The Pelican install that wrote this status, named by its leader Lease (`<namespace>/<name>`). Another name
     /// here after this install wrote it means two installs serve the policy (Warning `AnotherPelican`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -516,6 +538,24 @@ pub struct ConsumerGroupPolicyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
     pub last_pass_time: Option<String>,
+}
+
+/// The stream's idempotent production, as the server reports it.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct IdempotenceStatus {
+    /// How long a message id is remembered, in seconds (`idmp-duration`).
+    pub duration_seconds: i64,
+    /// Message ids remembered per producer (`idmp-maxsize`).
+    pub max_size: i64,
+    /// Producers with message ids remembered now (`pids-tracked`).
+    pub producers: i64,
+    /// Message ids remembered now (`iids-tracked`).
+    pub message_ids: i64,
+    /// Idempotent publishes that added an entry (`iids-added`, since the stream was created).
+    pub added: i64,
+    /// Publishes refused as duplicates, each answered with the first entry's id (`iids-duplicates`).
+    pub duplicates: i64,
 }
 
 /// A consumer of the group, by the name its worker reads with.

@@ -36,6 +36,8 @@ pub struct Observation {
     pub features: Features,
     /// `spec.reclaim.interval`, as the reconcile parsed it: the spacing of the progress samples.
     pub interval: std::time::Duration,
+    /// The stream's window of idempotent production.
+    pub idempotence: plan::Idempotence,
 }
 
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
@@ -110,7 +112,7 @@ pub async fn converge(
         let windows = ctx.progress.lock().expect("progress lock");
         windows.get(&ObjectRef::from_obj(policy)).and_then(|w| w.unread.clone())
     };
-    let facts = redis_ops::probe_group(&mut conn, &server, &keys, unread.as_ref()).await?;
+    let mut facts = redis_ops::probe_group(&mut conn, &server, &keys, unread.as_ref()).await?;
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
@@ -119,8 +121,28 @@ pub async fn converge(
     if facts.settings != Some(settings) {
         redis_ops::set_settings(&mut conn, &server, keys.stream, keys.group, settings).await?;
     }
+    let window = validate::effective_idempotence(policy, schedule.idempotence, others);
+    let mut idempotence = plan::idempotence(window, facts.idempotence.as_ref(), features.has("XADD IDMP"));
+    if let plan::Idempotence::Set(window) = idempotence {
+        idempotence = match redis_ops::set_idempotence(&mut conn, &server, keys.stream, window.seconds, window.max_size)
+            .await
+        {
+            Ok(()) => {
+                announce(ctx, policy, plan::idempotence_announcement(keys.stream, window, facts.idempotence.as_ref()))
+                    .await;
+                if let Some(now) = facts.idempotence.as_mut() {
+                    (now.duration_seconds, now.max_size, now.producers, now.message_ids) =
+                        (window.seconds, window.max_size, 0, 0);
+                }
+                plan::Idempotence::Applied(window)
+            }
+            // Nothing else depends on it: the policy stays Ready, and the condition says why.
+            Err(e) => plan::Idempotence::Refused(window, e.to_string()),
+        };
+    }
     let interval = schedule.interval;
-    Ok(Observation { server: setup.server, facts, retention: jobs.retention_note, primary, features, interval })
+    let retention = jobs.retention_note;
+    Ok(Observation { server: setup.server, facts, retention, primary, features, interval, idempotence })
 }
 
 /// `spec.consumers.pods`, for the passes: the selector, and the operator's store of Pod metadata.

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use kube::runtime::events::EventType;
 
-use super::validate::{self, Schedule};
-use crate::api::ConsumerGroupPolicy;
+use super::validate::{self, Schedule, Window};
+use crate::api::{ConsumerGroupPolicy, IdempotenceStatus};
 use crate::jobs::PassSettings;
 use crate::keys;
 use crate::redis::GroupSetup;
@@ -56,6 +56,50 @@ pub fn setup_announcements(policy: &ConsumerGroupPolicy, setup: &GroupSetup) -> 
         });
     }
     said
+}
+
+/// What the stream's window of idempotent production (`spec.idempotence`) comes to on the server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Idempotence {
+    /// No policy of the stream declares a window: the server's stays as it is.
+    Undeclared,
+    /// The server has no `XADD ... IDMP` (Redis before 8.6, Valkey up to 9.1).
+    Unsupported,
+    /// The server's window is the declared one.
+    Applied(Window),
+    /// The server's window differs (or it does not say): `XCFGSET`, which clears its record of producers and
+    /// message ids.
+    Set(Window),
+    /// `XCFGSET` failed (an ACL without `+xcfgset`, say): the server's message.
+    Refused(Window, String),
+}
+
+/// What to do about the window: `effective` is what the policies of the stream declare
+/// ([`validate::effective_idempotence`]), `server` what `XINFO STREAM` showed.
+pub fn idempotence(effective: Option<Window>, server: Option<&IdempotenceStatus>, has_idmp: bool) -> Idempotence {
+    match effective {
+        None => Idempotence::Undeclared,
+        Some(_) if !has_idmp => Idempotence::Unsupported,
+        Some(window) => match server {
+            Some(now) if (now.duration_seconds, now.max_size) == (window.seconds, window.max_size) => {
+                Idempotence::Applied(window)
+            }
+            _ => Idempotence::Set(window),
+        },
+    }
+}
+
+/// What setting the window announces.
+pub fn idempotence_announcement(stream: &str, window: Window, before: Option<&IdempotenceStatus>) -> Announcement {
+    let was = before.map_or_else(String::new, |b| {
+        format!(" (was {} s, {} per producer; {} message ids forgotten)", b.duration_seconds, b.max_size, b.message_ids)
+    });
+    let note = format!(
+        "set the idempotence window of stream {stream:?} to {} s and {} message ids per producer{was}: XCFGSET clears \
+         the server's record of producers and message ids, so a publish retried across this change can duplicate",
+        window.seconds, window.max_size
+    );
+    Announcement { type_: EventType::Normal, reason: "IdempotenceWindowSet", note }
 }
 
 /// The work of the policy's jobs; `None` in [`Jobs::work`] stops them (suspended).
@@ -180,5 +224,17 @@ mod tests {
         let unbounded = policy(serde_json::json!({}));
         assert_eq!(bound_change(&unbounded, Some("100")), Some(None));
         assert_eq!(bound_change(&unbounded, None), None);
+    }
+
+    #[test]
+    fn the_window_is_set_only_when_the_server_has_another() {
+        let window = Window { seconds: 600, max_size: 1000 };
+        let server =
+            |seconds, max_size| IdempotenceStatus { duration_seconds: seconds, max_size, ..Default::default() };
+        assert_eq!(idempotence(None, Some(&server(100, 100)), true), Idempotence::Undeclared);
+        assert_eq!(idempotence(Some(window), None, false), Idempotence::Unsupported);
+        assert_eq!(idempotence(Some(window), Some(&server(600, 1000)), true), Idempotence::Applied(window));
+        assert_eq!(idempotence(Some(window), Some(&server(600, 100)), true), Idempotence::Set(window));
+        assert_eq!(idempotence(Some(window), None, true), Idempotence::Set(window));
     }
 }

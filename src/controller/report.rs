@@ -9,11 +9,12 @@ use kube::runtime::reflector::ObjectRef;
 use tracing::{info, warn};
 
 use super::act::Observation;
+use super::plan::Idempotence;
 use super::progress::{self, Sample};
 use super::status::{self, Outcome, READY};
 use super::{Context, publish};
 use crate::Result;
-use crate::api::{CONSUMING, ConsumerGroupPolicy, ConsumerGroupPolicyStatus, RetentionStatus};
+use crate::api::{CONSUMING, ConsumerGroupPolicy, ConsumerGroupPolicyStatus, IDEMPOTENT, RetentionStatus};
 use crate::context::policy_id;
 use crate::redis::Backlog;
 use crate::telemetry::PolicySnapshot;
@@ -25,6 +26,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     let jobs = ctx.runner.state(&policy_id(policy));
     let generation = policy.metadata.generation;
     let mut consuming = previous.conditions.iter().find(|c| c.type_ == CONSUMING).cloned();
+    let mut idempotent = previous.conditions.iter().find(|c| c.type_ == IDEMPOTENT).cloned();
     let (status, outcome, age) = match result {
         Ok(seen) => {
             let message = format!("group {:?} on stream {:?} is ready", policy.spec.group, policy.spec.stream);
@@ -34,6 +36,12 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             status.server_features =
                 seen.features.found.iter().map(|f| crate::api::ServerFeature(f.to_string())).collect();
             status.requeue_copies_to = status::requeue_copies_to(&policy.spec, &seen.facts);
+            // Shown where the stream uses it (a window declared, or idempotent publishes seen): on Redis 8.6 every
+            // stream reports the server's default window.
+            let declared = seen.idempotence != Idempotence::Undeclared;
+            status.idempotence = seen.facts.idempotence.clone().filter(|i| declared || i.added > 0 || i.duplicates > 0);
+            let version = seen.server.to_string();
+            idempotent = status::idempotent(&previous.conditions, &seen.idempotence, &version, generation, now);
             status.consumers_without_pod = (!jobs.without_pod.is_empty())
                 .then(|| jobs.without_pod.iter().map(|name| crate::api::ConsumerName(name.clone())).collect());
             if let Some(at) = jobs.last_pass.and_then(|t| Timestamp::from_second(t.as_second()).ok()) {
@@ -65,6 +73,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     let max_length = policy.spec.backlog.as_ref().map(|b| b.max_length);
     conditions.extend(status::saturated(&previous.conditions, &status, max_length, generation, now));
     conditions.extend(consuming);
+    conditions.extend(idempotent);
     let operator = Some(ctx.install.clone());
     let status = ConsumerGroupPolicyStatus { observed_generation: generation, conditions, operator, ..status };
     announce_another_install(policy, ctx, &previous).await;

@@ -4,13 +4,14 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 
+use super::plan::Idempotence;
 use crate::Error;
 use crate::api::{ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals};
 use crate::context::conditions::{Said, Verdict, condition, verdict_conditions};
 use crate::redis::{Backlog, GroupFacts, ServerInfo};
 use crate::runner::{JobFailure, JobKind};
 
-pub use crate::api::{READY, SATURATED};
+pub use crate::api::{IDEMPOTENT, READY, SATURATED};
 
 /// How the last reconcile ended, as far as conditions are concerned.
 pub enum Outcome<'a> {
@@ -156,6 +157,43 @@ pub fn saturated(
     Some(condition(previous, Said { type_: SATURATED, status, reason, message }, generation, now))
 }
 
+/// The `Idempotent` condition when a policy of the stream declares `spec.idempotence`: True when the server's window
+/// is the declared one, False when the server has no `XADD ... IDMP` or refused `XCFGSET`. None otherwise.
+pub fn idempotent(
+    previous: &[Condition],
+    verdict: &Idempotence,
+    version: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Option<Condition> {
+    let (status, reason, message) = match verdict {
+        Idempotence::Undeclared => return None,
+        Idempotence::Applied(w) | Idempotence::Set(w) => (
+            "True",
+            "WindowApplied",
+            format!("the server remembers each producer's last {} message ids for {} s", w.max_size, w.seconds),
+        ),
+        Idempotence::Unsupported => (
+            "False",
+            "ServerWithoutIdmp",
+            format!(
+                "{version} has no XADD ... IDMP (Redis 8.6 or later): spec.idempotence is not applied and a retried \
+                 publish can duplicate; everything else of the policy works"
+            ),
+        ),
+        Idempotence::Refused(w, error) => (
+            "False",
+            "WindowNotSet",
+            format!(
+                "XCFGSET of {} s and {} message ids per producer failed: {error} (the operator's ACL user needs \
+                 +xcfgset on Redis 8.6)",
+                w.seconds, w.max_size
+            ),
+        ),
+    };
+    Some(condition(previous, Said { type_: IDEMPOTENT, status, reason, message }, generation, now))
+}
+
 /// Age in seconds of the oldest pending entry: server time minus the millisecond part of its id.
 pub fn oldest_pending_age_seconds(facts: &GroupFacts) -> Option<i64> {
     let millis = facts.oldest_pending.as_ref()?.id_millis()?;
@@ -240,6 +278,7 @@ mod tests {
             other_groups: vec!["search".into(), "audit".into()],
             server_time_ms: 1_764_421_200_000 + 90_000,
             entries_added: Some(40),
+            idempotence: None,
             entries_read: None,
             oldest_unread_ms: Some(1_764_421_200_000 + 30_500),
             unread: None,

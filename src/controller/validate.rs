@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, RetentionMode, parse_duration};
+use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, IdempotenceSpec, RetentionMode, parse_duration};
 use crate::jobs::{Backoff, PassSettings};
 use crate::keys::{self, HANDOVER_GRACE};
 use crate::redis::server_identity;
@@ -20,6 +20,34 @@ pub struct Schedule {
     pub expire_after: Option<Duration>,
     /// This policy's own `spec.retention`: `minAge` when `Acknowledged`.
     pub retention: Option<Duration>,
+    /// This policy's own `spec.idempotence`.
+    pub idempotence: Option<Window>,
+}
+
+/// A stream's window of idempotent production, as `XCFGSET` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub seconds: i64,
+    pub max_size: i64,
+}
+
+impl Window {
+    /// The server's range for `IDMP-DURATION`, in seconds.
+    const SECONDS: std::ops::RangeInclusive<i64> = 1..=86_400;
+
+    fn from_spec(spec: &IdempotenceSpec) -> Result<Window> {
+        let duration = parse_duration(&spec.duration)
+            .map_err(|e| Error::InvalidSpec(format!("spec.idempotence.duration: {e}")))?;
+        let seconds = duration.as_secs() as i64;
+        if duration.subsec_nanos() != 0 || !Window::SECONDS.contains(&seconds) {
+            return Err(Error::InvalidSpec(format!(
+                "spec.idempotence.duration: {:?} is not whole seconds from 1s to 24h (the server's range for \
+                 IDMP-DURATION); use e.g. 10m",
+                spec.duration
+            )));
+        }
+        Ok(Window { seconds, max_size: i64::from(spec.max_size.clamp(1, 10_000)) })
+    }
 }
 
 impl Schedule {
@@ -56,6 +84,7 @@ impl Schedule {
                 ),
                 _ => None,
             },
+            idempotence: spec.idempotence.as_ref().map(Window::from_spec).transpose()?,
         })
     }
 }
@@ -213,6 +242,35 @@ pub fn effective_retention(
     effective
 }
 
+/// The window of idempotent production that applies to the policy's stream: over the live policies of the same
+/// server and stream that declare one, the longest duration and the largest size (each may come from another
+/// policy), so every policy of the stream converges on the same window and `XCFGSET`, which clears the server's
+/// record, runs once rather than back and forth.
+pub fn effective_idempotence(
+    policy: &ConsumerGroupPolicy,
+    own: Option<Window>,
+    others: &[Arc<ConsumerGroupPolicy>],
+) -> Option<Window> {
+    let mut effective = own;
+    for other in others.iter().map(Arc::as_ref) {
+        if other.metadata.uid == policy.metadata.uid
+            || other.metadata.deletion_timestamp.is_some()
+            || !same_server(other, policy)
+            || other.spec.stream != policy.spec.stream
+        {
+            continue;
+        }
+        let Some(Ok(theirs)) = other.spec.idempotence.as_ref().map(Window::from_spec) else { continue };
+        effective = Some(match effective {
+            None => theirs,
+            Some(mine) => {
+                Window { seconds: mine.seconds.max(theirs.seconds), max_size: mine.max_size.max(theirs.max_size) }
+            }
+        });
+    }
+    effective
+}
+
 /// Whether another policy on the same server has a stream of the same hash tag and the same group name: the 0.1
 /// counter keys (`{T}:pelican:<group>:...`) were shared by such policies, so their counts belong to no one of
 /// them alone and are not carried over.
@@ -278,6 +336,39 @@ mod tests {
         let mut p = Arc::unwrap_or_clone(p);
         p.spec.retention = Some(serde_json::from_value(retention).unwrap());
         Arc::new(p)
+    }
+
+    fn with_idempotence(p: Arc<ConsumerGroupPolicy>, idempotence: serde_json::Value) -> Arc<ConsumerGroupPolicy> {
+        let mut p = (*p).clone();
+        p.spec.idempotence = Some(serde_json::from_value(idempotence).unwrap());
+        Arc::new(p)
+    }
+
+    #[test]
+    fn the_widest_idempotence_window_of_a_stream_wins_field_by_field() {
+        let own = |p: &ConsumerGroupPolicy| Schedule::from_spec(&p.spec).unwrap().idempotence;
+        let a = with_idempotence(policy("a", 1, "s", "g1"), serde_json::json!({"duration": "10m", "maxSize": 100}));
+        let b = with_idempotence(policy("b", 2, "s", "g2"), serde_json::json!({"duration": "1m", "maxSize": 5000}));
+        let elsewhere =
+            with_idempotence(policy("c", 3, "t", "g"), serde_json::json!({"duration": "24h", "maxSize": 1}));
+        let plain = policy("d", 4, "s", "g4");
+        let all = [a.clone(), b.clone(), elsewhere, plain.clone()];
+        let widest = Some(Window { seconds: 600, max_size: 5000 });
+        assert_eq!(effective_idempotence(&a, own(&a), &all), widest);
+        assert_eq!(effective_idempotence(&b, own(&b), &all), widest);
+        // A policy of the stream that declares nothing applies the stream's window too.
+        assert_eq!(effective_idempotence(&plain, own(&plain), &all), widest);
+        assert_eq!(effective_idempotence(&plain, None, std::slice::from_ref(&plain)), None);
+    }
+
+    #[test]
+    fn an_idempotence_duration_the_server_cannot_take_is_refused() {
+        for duration in ["1500ms", "0s", "25h"] {
+            let p =
+                with_idempotence(policy("a", 1, "s", "g"), serde_json::json!({"duration": duration, "maxSize": 10}));
+            let error = Schedule::from_spec(&p.spec).unwrap_err().to_string();
+            assert!(error.contains("spec.idempotence.duration") && error.contains("from 1s to 24h"), "{error}");
+        }
     }
 
     #[test]

@@ -272,6 +272,20 @@ pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str,
     cmd.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
 }
 
+/// Sets the stream's window of idempotent production (`XCFGSET`, Redis 8.6+). It clears the server's record of
+/// producers and message ids: called only when the window differs.
+pub async fn set_idempotence(conn: &mut Conn, server: &str, stream: &str, seconds: i64, max_size: i64) -> Result<()> {
+    redis::cmd("XCFGSET")
+        .arg(stream)
+        .arg("IDMP-DURATION")
+        .arg(seconds)
+        .arg("IDMP-MAXSIZE")
+        .arg(max_size)
+        .query_async::<()>(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))
+}
+
 /// Publishes the group's retry settings for workers ([`settings_key`]), replacing what was there.
 pub async fn set_settings(
     conn: &mut Conn,
@@ -330,6 +344,8 @@ pub struct GroupFacts {
     pub server_time_ms: i64,
     /// Entries ever added to the stream (`XINFO STREAM` `entries-added`).
     pub entries_added: Option<i64>,
+    /// Idempotent production on the stream (`XINFO STREAM`, servers with `XADD ... IDMP`).
+    pub idempotence: Option<crate::api::IdempotenceStatus>,
     /// Entries the group has read (`XINFO GROUPS` `entries-read`); absent when the server cannot tell.
     pub entries_read: Option<i64>,
     /// Milliseconds part of the id of the oldest entry the group has not read yet (the first entry after its
@@ -409,6 +425,19 @@ type ProbeReply = (
 /// (the scripts start it again from their next count), rather than failing the whole probe.
 fn counts(hash: BTreeMap<String, String>) -> BTreeMap<String, i64> {
     hash.into_iter().filter_map(|(field, value)| Some((field, value.parse().ok()?))).collect()
+}
+
+/// The `idmp-*`, `pids-*` and `iids-*` fields of `XINFO STREAM`: all of them, or none (a server without `IDMP`).
+fn idempotence(stream_info: &Fields) -> Option<crate::api::IdempotenceStatus> {
+    let field = |name: &str| reply::get::<i64>(stream_info, name);
+    Some(crate::api::IdempotenceStatus {
+        duration_seconds: field("idmp-duration")?,
+        max_size: field("idmp-maxsize")?,
+        producers: field("pids-tracked")?,
+        message_ids: field("iids-tracked")?,
+        added: field("iids-added")?,
+        duplicates: field("iids-duplicates")?,
+    })
 }
 
 /// `previous`: what the last probe of this group found unread ([`GroupFacts::unread`]), to skip the `XRANGE` when
@@ -504,6 +533,7 @@ pub async fn probe_group(
         other_groups,
         server_time_ms,
         entries_added: reply::get(&stream_info, "entries-added"),
+        idempotence: idempotence(&stream_info),
         entries_read: reply::get(&group, "entries-read"),
         oldest_unread_ms,
         unread,

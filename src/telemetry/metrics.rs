@@ -278,7 +278,7 @@ impl Collector for PolicySeries {
                 ("group", p.group.clone()),
             ]
         };
-        let gauges: [Series; 12] = [
+        let gauges: [Series; 13] = [
             ("pelican_group_pending", "Entries in the group's PEL", |p| p.status.pending),
             ("pelican_group_oldest_pending_age_seconds", "Age of the oldest pending entry, from its id", |p| {
                 p.oldest_pending_age_seconds
@@ -307,6 +307,11 @@ impl Collector for PolicySeries {
             ("pelican_stream_length", "Entries in the source stream", |p| p.status.stream_length),
             ("pelican_dead_letter_stream_length", "Entries in the dead-letter stream", |p| p.status.dead_letter_length),
             ("pelican_policy_ready", "1 when the policy's Ready condition is True", |p| Some(p.ready as i64)),
+            (
+                "pelican_idempotent_message_ids",
+                "Message ids the server remembers for idempotent production on the stream (XINFO STREAM iids-tracked)",
+                |p| p.status.idempotence.as_ref().map(|i| i.message_ids),
+            ),
         ];
         for (name, help, value) in gauges {
             let mut metric = encoder.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
@@ -316,7 +321,7 @@ impl Collector for PolicySeries {
                 }
             }
         }
-        let counters: [Series; 8] = [
+        let counters: [Series; 9] = [
             ("pelican_dead_lettered", "Messages moved to the dead-letter stream", |p| Some(totals(p)?.dead_lettered)),
             ("pelican_requeued", "Messages requeued to the tail of the stream", |p| Some(totals(p)?.requeued)),
             ("pelican_reassigned", "Messages claimed for a live consumer", |p| Some(totals(p)?.reassigned)),
@@ -331,6 +336,11 @@ impl Collector for PolicySeries {
                 Some(totals(p)?.publish_rejected)
             }),
             ("pelican_trimmed", "Entries trimmed from the stream by spec.retention", |p| Some(totals(p)?.trimmed)),
+            (
+                "pelican_idempotent_duplicates",
+                "Idempotent publishes the server refused as duplicates of the stream (XINFO STREAM iids-duplicates)",
+                |p| p.status.idempotence.as_ref().map(|i| i.duplicates),
+            ),
         ];
         for (name, help, value) in counters {
             let mut metric = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
