@@ -1,7 +1,8 @@
 //! Workers come and go (SPEC 18), through the operator against the real API server and real Redis 7.0 / Valkey 9.1:
 //! a handler slower than `minIdle` keeps its message with a lease (the SDK, and redis-py with the documented call), a
 //! worker that claims by itself cannot defeat the cap, what a shutdown cuts off is given back at once without
-//! counting, and `Outcome::Retry` is retried by the next pass.
+//! counting, and `Outcome::Retry` is retried by the next pass. On Redis 8.6.3, workers that read with
+//! `XREADGROUP ... CLAIM` keep the cap and share the work with the requeue pass.
 
 #[macro_use]
 mod common;
@@ -157,6 +158,80 @@ fn a_worker_claiming_every_second_cannot_defeat_the_cap(flavor: Flavor) {
     let counted: u64 = std::str::from_utf8(field(&dead[0], "pelican-deliveries").unwrap()).unwrap().parse().unwrap();
     assert!(counted > 3, "dead-lettered with {counted} deliveries");
     assert!(deliveries <= 5, "{deliveries} deliveries: the cap is 3 and a pass runs every second");
+}
+
+/// Reads that claim (issue 50, Redis 8.6.3): a worker that reads with `XREADGROUP ... CLAIM 1000` (redis-py's
+/// `claim_min_idle_time`) and never acknowledges takes its poison message back every time it is idle 1 s, each a
+/// delivery the server counts. With `minIdle: 30s, maxDeliveries: 3` Pelican's pass still dead-letters it once its
+/// deliveries pass 3, as it does for `XAUTOCLAIM`.
+#[test]
+fn a_worker_reading_with_claim_cannot_defeat_the_cap() {
+    let server = Server::start(Flavor::Redis86);
+    let (_ns, _operator) = ready_policy("claim-cap", &manifest(&server, "30s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 1);
+    let url = server.url();
+    let worker = python("tests/python/claim_reader.py", &[&url, "tasks", "workers", "greedy", "12", "1000", "fail"]);
+    let started = Instant::now();
+    let dead = wait_for("the message to be dead-lettered", Duration::from_secs(20), || {
+        let dead = xrange(&mut conn, "tasks:dlq");
+        if dead.is_empty() { Err(format!("{:?}", pel(&mut conn, "tasks", "workers"))) } else { Ok(dead) }
+    });
+    let took = started.elapsed();
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success(), "the Python worker failed");
+    let deliveries = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("delivery ")).count();
+    eprintln!("dead-lettered after {took:?}; the CLAIM reader saw {deliveries} deliveries in 12 s");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
+    let counted: u64 = std::str::from_utf8(field(&dead[0], "pelican-deliveries").unwrap()).unwrap().parse().unwrap();
+    assert!(counted > 3, "dead-lettered with {counted} deliveries");
+    assert!(deliveries <= 5, "{deliveries} deliveries: the cap is 3 and a pass runs every second");
+    assert!(pel(&mut conn, "tasks", "workers").is_empty());
+}
+
+/// Reads that claim share the work with the requeue pass (Redis 8.6.3): a consumer crashed holding 10 of 20
+/// messages; a worker reading with `CLAIM <min-idle>` acknowledges what it gets, while the pass requeues what is
+/// idle `minIdle` (2 s). With a min-idle below `minIdle` the reader mostly takes the entries back itself; above it,
+/// the pass requeues them first and the reader gets the copies as new entries. Either way every message is handled
+/// exactly once: the pass writes a copy in the call that acknowledges the original, so nobody gets both.
+#[test]
+fn a_worker_reading_with_claim_and_the_requeue_pass_handle_each_message_once() {
+    for claim_min_idle in ["1000", "5000"] {
+        let server = Server::start(Flavor::Redis86);
+        let (_ns, _operator) = ready_policy("claim-share", &manifest(&server, "2s"), "p");
+        let mut conn = server.conn();
+        publish(&mut conn, 20);
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("workers")
+            .arg("crashed")
+            .arg("COUNT")
+            .arg(10)
+            .arg("STREAMS")
+            .arg("tasks")
+            .arg(">")
+            .query(&mut conn)
+            .unwrap();
+        let url = server.url();
+        let args = [&url[..], "tasks", "workers", "reader", "9", claim_min_idle, "ack"];
+        let output = python("tests/python/claim_reader.py", &args).wait_with_output().unwrap();
+        assert!(output.status.success(), "the Python worker failed");
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        let mut handled: Vec<u32> = stdout.lines().filter_map(|l| l.split(' ').nth(2)?.parse().ok()).collect();
+        let claimed = stdout.lines().filter(|l| !l.ends_with(" 0")).count();
+        let requeued = totals(&mut conn).get("requeued").copied().unwrap_or(0);
+        eprintln!(
+            "CLAIM {claim_min_idle} ms, minIdle 2s: {} handler runs for 20 messages, {claimed} taken back by CLAIM, \
+             {requeued} requeued by the pass",
+            handled.len()
+        );
+        handled.sort_unstable();
+        assert_eq!(handled, (0..20).collect::<Vec<_>>(), "each message handled once");
+        assert_eq!(claimed as i64 + requeued, 10, "each of the crashed consumer's 10 taken back once");
+        assert!(pel(&mut conn, "tasks", "workers").is_empty());
+        assert!(xrange(&mut conn, "tasks:dlq").is_empty());
+    }
 }
 
 /// Defect (issue 49): a shutdown left what its grace cut off pending for `minIdle` (5 minutes by default), and the
