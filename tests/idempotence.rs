@@ -18,6 +18,32 @@ on_every_server!(
     the_policy_sets_the_window_once_and_shows_the_duplicates_refused,
 );
 
+/// From outside the SDK (redis-py and the script file, as the bounded-streams page documents it), on Redis 8.6.3: a
+/// publish that timed out while the server slept (`DEBUG SLEEP`), written once the sleep ended, and published five
+/// times more: one entry with the key, six without (the baseline, the same calls without `IDMP`).
+#[test]
+fn a_redis_py_producer_retrying_after_a_timeout_writes_one_entry() {
+    let server = Server::start_with(Flavor::Redis86, &["--enable-debug-command", "yes"]);
+    let script = format!("{}/src/worker/bounded_publish.lua", env!("CARGO_MANIFEST_DIR"));
+    for (stream, producer, expected) in [("keyed", "pod-0", 1), ("plain", "-", 6)] {
+        let output = std::process::Command::new("python3")
+            .arg(format!("{}/tests/python/idempotent_publish.py", env!("CARGO_MANIFEST_DIR")))
+            .args([&server.url()[..], stream, producer, "order-7", &script])
+            .env("PYTHONPATH", bed().var("PELICAN_PYTHONPATH"))
+            .output()
+            .expect("python3");
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+        println!("{producer}: {}", stdout.lines().collect::<Vec<_>>().join("; "));
+        assert_eq!(stdout.lines().next(), Some("timeout"), "the first publish timed out");
+        assert!(stdout.contains(&format!("length {expected}\n")), "{stdout}");
+    }
+    let mut conn = server.conn();
+    let info: std::collections::HashMap<String, redis::Value> =
+        redis::cmd("XINFO").arg("STREAM").arg("keyed").query(&mut conn).unwrap();
+    assert_eq!(redis::from_redis_value::<i64>(info["iids-duplicates"].clone()).unwrap(), 5);
+}
+
 const STREAM: &str = "{orders}:in";
 
 fn xlen(conn: &mut redis::Connection) -> u64 {
