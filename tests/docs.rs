@@ -442,3 +442,19 @@ fn labels_in_queries_are_labels_the_code_writes() {
     }
     assert!(unknown.is_empty(), "queries on labels no Pelican metric has:\n{}", unknown.join("\n"));
 }
+
+/// Every release in the changelog (`## <version>` and `## Unreleased`) says how to upgrade to it: a `### Upgrading`
+/// section (`### Upgrading from <version>`), which the installing page's upgrade how-to sends the reader to.
+#[test]
+fn every_release_in_the_changelog_has_upgrade_notes() {
+    let changelog = read(&Path::new(ROOT).join("CHANGELOG.md"));
+    let releases: Vec<&str> = changelog.split("\n## ").skip(1).collect();
+    assert!(releases.len() >= 2, "no releases found in CHANGELOG.md");
+    let without: Vec<&str> = releases
+        .iter()
+        .filter(|release| !release.lines().any(|l| l.starts_with("### Upgrading")))
+        .map(|release| release.lines().next().unwrap_or_default())
+        .collect();
+    assert!(without.is_empty(), "releases without a `### Upgrading` section in CHANGELOG.md: {without:?}");
+    assert!(read(&Path::new(ROOT).join("docs/src/installing.md")).contains("changelog.md#upgrading-from-010"));
+}
