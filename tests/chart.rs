@@ -20,6 +20,27 @@ fn render(release: &str, namespace: &str, sets: &[&str]) -> String {
     out
 }
 
+/// `helm package` (what an internal registry or an air-gapped cluster receives) carries the CRDs and renders exactly
+/// what the chart's directory renders.
+#[test]
+fn the_packaged_chart_renders_what_the_directory_renders() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().to_str().unwrap();
+    let (ok, out) = helm(&["package", CHART, "--destination", out_dir]);
+    assert!(ok, "helm package failed: {out}");
+    let package = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
+    let name = package.file_name().unwrap().to_str().unwrap().to_string();
+    assert!(name.starts_with("pelican-") && name.ends_with(".tgz"), "{name}");
+    let listing = std::process::Command::new("tar").arg("tzf").arg(&package).output().unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout).to_string();
+    for crd in ["consumergrouppolicies", "deadletterredrives", "groupseeks", "redisservers"] {
+        assert!(listing.contains(&format!("pelican/crds/pelican.io_{crd}.yaml")), "{crd} missing: {listing}");
+    }
+    let (ok, packaged) = helm(&["template", "x", package.to_str().unwrap(), "--namespace", "pelican-system"]);
+    assert!(ok, "helm template of the package failed: {packaged}");
+    assert_eq!(packaged, render("x", "pelican-system", &[]));
+}
+
 #[test]
 fn helm_lint_passes() {
     let (ok, out) = helm(&["lint", CHART, "--strict"]);
