@@ -138,40 +138,20 @@ fn a_redis_py_worker_with_the_lease_call_handles_each_message_once(flavor: Flavo
 /// dead-lettered (the issue: 45 deliveries in 45 s). With `minIdle: 30s, maxDeliveries: 3` the message is
 /// dead-lettered once its deliveries pass 3, long before it could ever be idle 30 s.
 fn a_worker_claiming_every_second_cannot_defeat_the_cap(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let (_ns, _operator) = ready_policy("autoclaim", &manifest(&server, "30s"), "p");
-    let mut conn = server.conn();
-    publish(&mut conn, 1);
-    let url = server.url();
-    let worker = python("tests/python/autoclaim.py", &[&url, "tasks", "workers", "greedy", "12"]);
-    let started = Instant::now();
-    let dead = wait_for("the message to be dead-lettered", Duration::from_secs(20), || {
-        let dead = xrange(&mut conn, "tasks:dlq");
-        if dead.is_empty() { Err(format!("{:?}", pel(&mut conn, "tasks", "workers"))) } else { Ok(dead) }
-    });
-    let took = started.elapsed();
-    let output = worker.wait_with_output().unwrap();
-    let deliveries = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("delivery ")).count();
-    eprintln!("dead-lettered after {took:?}; the worker saw {deliveries} deliveries in 12 s");
-    assert_eq!(dead.len(), 1);
-    assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
-    let counted: u64 = std::str::from_utf8(field(&dead[0], "pelican-deliveries").unwrap()).unwrap().parse().unwrap();
-    assert!(counted > 3, "dead-lettered with {counted} deliveries");
-    assert!(deliveries <= 5, "{deliveries} deliveries: the cap is 3 and a pass runs every second");
+    the_cap_holds_against(flavor, "autoclaim", &["tests/python/autoclaim.py", "greedy", "12"]);
 }
 
-/// Reads that claim (issue 50, Redis 8.6.3): a worker that reads with `XREADGROUP ... CLAIM 1000` (redis-py's
-/// `claim_min_idle_time`) and never acknowledges takes its poison message back every time it is idle 1 s, each a
-/// delivery the server counts. With `minIdle: 30s, maxDeliveries: 3` Pelican's pass still dead-letters it once its
-/// deliveries pass 3, as it does for `XAUTOCLAIM`.
-#[test]
-fn a_worker_reading_with_claim_cannot_defeat_the_cap() {
-    let server = Server::start(Flavor::Redis86);
-    let (_ns, _operator) = ready_policy("claim-cap", &manifest(&server, "30s"), "p");
+/// A policy with `minIdle: 30s, maxDeliveries: 3`, one message, and `worker` (a Python script and its arguments after
+/// URL, stream and group) failing it and claiming it back by itself for 12 s: it is dead-lettered once its
+/// deliveries pass 3, the worker seeing it at most 5 times.
+fn the_cap_holds_against(flavor: Flavor, prefix: &str, worker: &[&str]) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy(prefix, &manifest(&server, "30s"), "p");
     let mut conn = server.conn();
     publish(&mut conn, 1);
     let url = server.url();
-    let worker = python("tests/python/claim_reader.py", &[&url, "tasks", "workers", "greedy", "12", "1000", "fail"]);
+    let args: Vec<&str> = [&url[..], "tasks", "workers"].into_iter().chain(worker[1..].iter().copied()).collect();
+    let worker = python(worker[0], &args);
     let started = Instant::now();
     let dead = wait_for("the message to be dead-lettered", Duration::from_secs(20), || {
         let dead = xrange(&mut conn, "tasks:dlq");
@@ -181,13 +161,26 @@ fn a_worker_reading_with_claim_cannot_defeat_the_cap() {
     let output = worker.wait_with_output().unwrap();
     assert!(output.status.success(), "the Python worker failed");
     let deliveries = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("delivery ")).count();
-    eprintln!("dead-lettered after {took:?}; the CLAIM reader saw {deliveries} deliveries in 12 s");
+    eprintln!("{flavor:?} {prefix}: dead-lettered after {took:?}; the worker saw {deliveries} deliveries in 12 s");
     assert_eq!(dead.len(), 1);
     assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
     let counted: u64 = std::str::from_utf8(field(&dead[0], "pelican-deliveries").unwrap()).unwrap().parse().unwrap();
     assert!(counted > 3, "dead-lettered with {counted} deliveries");
     assert!(deliveries <= 5, "{deliveries} deliveries: the cap is 3 and a pass runs every second");
     assert!(pel(&mut conn, "tasks", "workers").is_empty());
+}
+
+/// Reads that claim (issue 50, Redis 8.6.3): a worker that reads with `XREADGROUP ... CLAIM 1000` (redis-py's
+/// `claim_min_idle_time`) and never acknowledges takes its poison message back every time it is idle 1 s, each a
+/// delivery the server counts. With `minIdle: 30s, maxDeliveries: 3` Pelican's pass still dead-letters it once its
+/// deliveries pass 3, as it does for `XAUTOCLAIM`.
+#[test]
+fn a_worker_reading_with_claim_cannot_defeat_the_cap() {
+    the_cap_holds_against(
+        Flavor::Redis86,
+        "claim-cap",
+        &["tests/python/claim_reader.py", "greedy", "12", "1000", "fail"],
+    );
 }
 
 /// Reads that claim share the work with the requeue pass (Redis 8.6.3): a consumer crashed holding 10 of 20

@@ -211,6 +211,19 @@ fn same_counter_keys(a: &ConsumerGroupPolicySpec, b: &ConsumerGroupPolicySpec) -
         && keys::hash_tag(&a.stream) == keys::hash_tag(&b.stream)
 }
 
+/// The other live policies of the policy's server and stream (one per group).
+fn stream_neighbours<'a>(
+    policy: &'a ConsumerGroupPolicy,
+    others: &'a [Arc<ConsumerGroupPolicy>],
+) -> impl Iterator<Item = &'a ConsumerGroupPolicy> {
+    others.iter().map(Arc::as_ref).filter(move |other| {
+        other.metadata.uid != policy.metadata.uid
+            && other.metadata.deletion_timestamp.is_none()
+            && same_server(other, policy)
+            && other.spec.stream == policy.spec.stream
+    })
+}
+
 /// The retention that applies to the policy's stream: the most conservative among the live policies of the same
 /// server and stream: `None` when any of them says `None`, else the longest `minAge`. With it,
 /// the policy that set it when that is not this one.
@@ -220,14 +233,7 @@ pub fn effective_retention(
     others: &[Arc<ConsumerGroupPolicy>],
 ) -> (Option<Duration>, Option<String>) {
     let mut effective = (own, None);
-    for other in others.iter().map(Arc::as_ref) {
-        if other.metadata.uid == policy.metadata.uid
-            || other.metadata.deletion_timestamp.is_some()
-            || !same_server(other, policy)
-            || other.spec.stream != policy.spec.stream
-        {
-            continue;
-        }
+    for other in stream_neighbours(policy, others) {
         // A policy whose durations do not parse is Stalled and trims nothing; it holds nobody back either.
         let Ok(theirs) = Schedule::from_spec(&other.spec).map(|s| s.retention) else { continue };
         let stricter = match (effective.0, theirs) {
@@ -252,14 +258,7 @@ pub fn effective_idempotence(
     others: &[Arc<ConsumerGroupPolicy>],
 ) -> Option<Window> {
     let mut effective = own;
-    for other in others.iter().map(Arc::as_ref) {
-        if other.metadata.uid == policy.metadata.uid
-            || other.metadata.deletion_timestamp.is_some()
-            || !same_server(other, policy)
-            || other.spec.stream != policy.spec.stream
-        {
-            continue;
-        }
+    for other in stream_neighbours(policy, others) {
         let Some(Ok(theirs)) = other.spec.idempotence.as_ref().map(Window::from_spec) else { continue };
         effective = Some(match effective {
             None => theirs,
