@@ -123,6 +123,15 @@ fn a_publish_retried_after_a_timeout_is_written_once_where_the_server_has_idmp(f
     assert!(first.0 < second && second < third, "{:?} {second} {third}", first.0);
     assert_eq!(xlen(&mut conn), 4);
     assert_eq!(stream_info(&mut conn, "pids-tracked"), 2);
+
+    // A batch through the batch script: a message already published, a new one, and the new one again.
+    let order: &[(&str, &str)] = &[("order", "3")];
+    let batch = [("order-1", order), ("order-3", order), ("order-3", order)];
+    let published = runtime.block_on(producer.publish_batch(&batch)).unwrap();
+    assert_eq!(published.refused, None);
+    assert_eq!(published.ids[0], first.0, "the message published before answers its first entry's id");
+    assert!(published.ids[1] > third && published.ids[2] == published.ids[1], "{:?}", published.ids);
+    assert_eq!(xlen(&mut conn), 5);
 }
 
 fn idempotent_producer(runtime: &tokio::runtime::Runtime, url: &str, producer_id: &str) -> IdempotentProducer {

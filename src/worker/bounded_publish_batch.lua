@@ -4,9 +4,13 @@
 -- KEYS[1] stream    KEYS[2] {T}:pelican:<stream>:bounds    KEYS[3] {T}:pelican:<stream>:rejected
 -- ARGV[1] how many entries, n
 -- ARGV[2..] each entry in turn: how many arguments it has (2 per field), then its field1, value1, field2, value2, ...
+--          An entry may start with IDMP, producer id, message id (3 more arguments, so an odd count): it is published
+--          idempotently (Redis 8.6+, `XADD ... IDMP`), as in bounded_publish.lua: a message id the producer already
+--          published within the stream's window writes nothing, and its id is the first entry's.
 --
 -- Reply: {ids, refusal}. `ids` are the ids of the entries added: the first k of the n, in order. `refusal` is empty
--- when k = n; otherwise it is {group, backlog, max} of the group with the least room, the last n - k entries were
+-- when k = n (an idempotent entry already published counts among the k, with the first entry's id, though it adds
+-- nothing: the room is counted before the XADDs); otherwise it is {group, backlog, max} of the group with the least room, the last n - k entries were
 -- not written, and n - k is counted under that group in KEYS[3]. Malformed arguments are an error reply, before
 -- anything is written; so is any error of the check (a key of another type, an ACL that does not allow XINFO), and
 -- an entry of more than 3,990 fields (what one Lua call can pass on). An error after the first XADD (the server out
@@ -23,22 +27,26 @@ local n = tonumber(ARGV[1])
 if not n or n < 1 or n ~= math.floor(n) then
   return redis.error_reply('ERR bounded publish batch needs the number of entries first, got ' .. tostring(ARGV[1]))
 end
--- Where each entry's arguments start and end in ARGV.
-local first, last = {}, {}
+-- Where each entry's fields start and end in ARGV, and where its IDMP producer id stands (nil: none).
+local first, last, idmp = {}, {}, {}
 local at = 2
 -- The most arguments unpack() hands to one call (Lua's C stack holds 8,000), less the XADD's own key and id.
 local MAX_ARGS = 7980
 for i = 1, n do
   local count = tonumber(ARGV[at])
-  if not count or count < 2 or count % 2 ~= 0 or at + count > #ARGV then
+  local key = count and count % 2 == 1 and ARGV[at + 1] == 'IDMP'
+  local fields = key and count - 3 or count
+  if not fields or fields < 2 or fields % 2 ~= 0 or at + count > #ARGV then
     return redis.error_reply('ERR bounded publish batch: entry ' .. i .. ' needs an even number of arguments ' ..
-      '(field value pairs) after its count, got ' .. tostring(ARGV[at]))
+      '(field value pairs, after IDMP <producer> <message> for an idempotent one) after its count, got ' ..
+      tostring(ARGV[at]))
   end
   if count > MAX_ARGS then
     return redis.error_reply('ERR bounded publish batch: entry ' .. i .. ' has ' .. (count / 2) .. ' fields, ' ..
       'more than the ' .. (MAX_ARGS / 2) .. ' one script call can add: nothing was written')
   end
-  first[i], last[i] = at + 1, at + count
+  if key then idmp[i] = at + 2 end
+  first[i], last[i] = at + 1 + count - fields, at + count
   at = at + count + 1
 end
 if at ~= #ARGV + 1 then
@@ -83,7 +91,11 @@ end
 local ids = {}
 local ok, failure = pcall(function()
   for i = 1, room do
-    ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, first[i], last[i]))
+    if idmp[i] then
+      ids[i] = redis.call('XADD', KEYS[1], 'IDMP', ARGV[idmp[i]], ARGV[idmp[i] + 1], '*', unpack(ARGV, first[i], last[i]))
+    else
+      ids[i] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, first[i], last[i]))
+    end
   end
 end)
 if not ok then

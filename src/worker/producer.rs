@@ -187,14 +187,32 @@ impl Producer {
         K: ToRedisArgs,
         V: ToRedisArgs,
     {
-        if entries.is_empty() {
+        self.invoke_batch(entries.iter().map(|entry| (None, entry.as_ref()))).await
+    }
+
+    /// One call of the batch script: each entry with its IDMP producer and message ids, or none.
+    async fn invoke_batch<'a, K, V>(
+        &self,
+        entries: impl ExactSizeIterator<Item = (Option<(&'a str, &'a str)>, &'a [(K, V)])>,
+    ) -> Result<Published, PublishError>
+    where
+        K: ToRedisArgs + 'a,
+        V: ToRedisArgs + 'a,
+    {
+        if entries.len() == 0 {
             return Ok(Published { ids: Vec::new(), refused: None });
         }
         let mut invocation = BOUNDED_PUBLISH_BATCH.key(&self.stream);
         invocation.key(&self.bounds).key(&self.rejected).arg(entries.len());
-        for entry in entries {
-            let fields = entry.as_ref();
-            invocation.arg(fields.len() * 2);
+        for (key, fields) in entries {
+            match key {
+                Some((producer_id, message_id)) => {
+                    invocation.arg(fields.len() * 2 + 3).arg("IDMP").arg(producer_id).arg(message_id);
+                }
+                None => {
+                    invocation.arg(fields.len() * 2);
+                }
+            }
             for (field, value) in fields {
                 invocation.arg(field).arg(value);
             }
@@ -243,6 +261,21 @@ impl IdempotentProducer {
         fields: &[(K, V)],
     ) -> Result<String, PublishError> {
         self.producer.invoke(Some((&self.producer_id, message_id)), fields).await
+    }
+
+    /// [`Producer::publish_batch`] with a message id per entry: the entries are published in order, as many as the
+    /// bound has room for; an entry whose message id this producer already published (in an earlier call or earlier
+    /// in this batch) writes nothing and its id is the first entry's. A batch that ended `OutcomeUnknown` is simply
+    /// published again whole.
+    pub async fn publish_batch<K, V>(&self, entries: &[(&str, &[(K, V)])]) -> Result<Published, PublishError>
+    where
+        K: ToRedisArgs,
+        V: ToRedisArgs,
+    {
+        let producer_id = self.producer_id.as_str();
+        self.producer
+            .invoke_batch(entries.iter().map(|(message_id, fields)| (Some((producer_id, *message_id)), *fields)))
+            .await
     }
 
     pub fn producer_id(&self) -> &str {
