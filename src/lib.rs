@@ -3,6 +3,7 @@
 //! The `operator` feature (default) holds everything Kubernetes; without it the crate is the key naming shared by
 //! workers and the operator.
 
+mod command_docs;
 pub mod keys;
 pub mod worker;
 

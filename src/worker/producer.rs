@@ -155,7 +155,7 @@ impl Producer {
             .query_async(&mut self.conn.clone())
             .await
             .map_err(IdempotenceError::Redis)?;
-        if !crate::redis::features::has_argument(&docs, "xadd", "IDMP") {
+        if !crate::command_docs::has_argument(&docs, "xadd", "IDMP") {
             return Err(IdempotenceError::Unsupported);
         }
         Ok(IdempotentProducer { producer: self, producer_id })
