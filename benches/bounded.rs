@@ -8,12 +8,17 @@
 //!    flight each, pipelining 100 calls, and the batch script with batches of 100 (one call, one check), taking
 //!    turns every 2,000 entries per client;
 //! 2. the retention trim of 100,000 acknowledged entries from a 1,000,000-entry stream against a bare
-//!    `XTRIM MINID` of the same entries (what a person would run knowing the safe point).
+//!    `XTRIM MINID` of the same entries (what a person would run knowing the safe point);
+//! 3. on Redis 8.6 (a server of the bed's `PELICAN_REDIS86_SERVER` started for the run): the idempotent bounded
+//!    publish (`IDMP <producer> <message>` before the fields) against the bounded publish without it, plain
+//!    `XADD ... IDMP` and plain `XADD`, each client its own producer id per path and a new message id per publish,
+//!    in the same turns.
 //!
 //!   scripts/testenv up && cargo bench --bench bounded [-- <publishes per client>]
 //!
 //! Ends with `SUMMARY bounded-1x1` (reference: plain XADD) and `SUMMARY bounded-16x100` (reference: XADD in a
-//! script; Pelican: the batch script) lines, Redis 7.0 first, then Valkey 9.1.
+//! script; Pelican: the batch script) lines, Redis 7.0 first, then Valkey 9.1, then `SUMMARY idempotent-*`
+//! (reference: the bounded publish without IDMP) on Redis 8.6.
 
 use std::time::{Duration, Instant};
 
@@ -45,12 +50,25 @@ enum Publish {
     Bounded,
     /// The batch script: every call carries the whole pipeline's entries.
     Batch,
+    /// `XADD ... IDMP <producer> <message>` (Redis 8.6).
+    PlainIdmp,
+    /// The bounded-publish script with `IDMP <producer> <message>` before the fields.
+    BoundedIdmp,
 }
 
-/// One publish added to a pipeline.
-fn add(pipe: &mut redis::Pipeline, how: Publish, n: usize) {
+/// One publish of client `client` added to a pipeline.
+fn add(pipe: &mut redis::Pipeline, how: Publish, client: usize, n: usize) {
     let body = "x".repeat(100);
     match how {
+        Publish::PlainIdmp => {
+            pipe.cmd("XADD").arg(STREAM).arg("IDMP").arg(format!("plain-{client}")).arg(n).arg("*");
+            pipe.arg("n").arg(n).arg("body").arg(body).ignore();
+        }
+        Publish::BoundedIdmp => {
+            pipe.cmd("EVALSHA").arg(BOUNDED_PUBLISH.get_hash()).arg(3).arg(STREAM).arg(bounds_key(STREAM));
+            pipe.arg(rejected_key(STREAM)).arg("IDMP").arg(format!("bounded-{client}")).arg(n);
+            pipe.arg("n").arg(n).arg("body").arg(body).ignore();
+        }
         Publish::Batch => unreachable!("a batch is one call: see add_batch"),
         Publish::Plain => {
             pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).arg("body").arg(body).ignore();
@@ -131,14 +149,14 @@ async fn in_turns(
         let last = (first + turn).min(per_client);
         for (path, &how) in paths.iter().enumerate() {
             let start = Instant::now();
-            let tasks = conns.iter().cloned().map(|mut conn| async move {
+            let tasks = conns.iter().cloned().enumerate().map(|(client, mut conn)| async move {
                 for from in (first..last).step_by(depth) {
                     let mut pipe = redis::pipe();
                     let ns = from..(from + depth).min(last);
                     if how == Publish::Batch {
                         add_batch(&mut pipe, ns);
                     } else {
-                        ns.for_each(|n| add(&mut pipe, how, n));
+                        ns.for_each(|n| add(&mut pipe, how, client, n));
                     }
                     let () = pipe.query_async(&mut conn).await.unwrap();
                 }
@@ -224,8 +242,47 @@ async fn main() {
         println!("{:<34} {:>11.1} ms", "retention script (finds it)", scripted * 1000.0);
         let _: () = redis::cmd("DEL").arg(STREAM).query_async(&mut conn).await.unwrap();
     }
+    let idempotent = idempotent_publish(per_client).await;
     println!();
-    for line in one_by_one.iter().chain(&sixteen) {
+    for line in one_by_one.iter().chain(&sixteen).chain(&idempotent) {
         println!("{line}");
     }
+}
+
+/// Part 3: a Redis 8.6 of the bed, started for the run on a free port and stopped after it.
+async fn idempotent_publish(per_client: usize) -> Vec<String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut server = std::process::Command::new(bed_var("PELICAN_REDIS86_SERVER"))
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start Redis 8.6");
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let client = redis::Client::open(&url[..]).unwrap();
+    let started = Instant::now();
+    while client.get_multiplexed_async_connection().await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "Redis 8.6 did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("\nredis 8.6 at {url}: publishes/s, 100-byte body, one bounded group, a new message id per publish");
+    println!(
+        "{:<34} {:>11} {:>17} {:>16} {:>20}",
+        "clients x entries in flight", "plain XADD", "XADD ... IDMP", "bounded", "bounded, IDMP"
+    );
+    let paths = [Publish::Plain, Publish::PlainIdmp, Publish::Bounded, Publish::BoundedIdmp];
+    let mut lines = Vec::new();
+    for (clients, depth, turn, label) in
+        [(1, 1, 20, "1 x 1 (turns of 20 calls)"), (16, 100, 2_000, "16 x 100 (pipelined)")]
+    {
+        let [plain, idmp, bounded, bounded_idmp] = in_turns(&url, &paths, clients, per_client, depth, turn).await[..]
+        else {
+            unreachable!()
+        };
+        println!("{label:<34} {plain:>11.0} {idmp:>17.0} {bounded:>16.0} {bounded_idmp:>20.0}");
+        // What IDMP costs the bounded publish, beside what it costs a plain XADD.
+        lines.push(summary(&format!("idempotent-{clients}x{depth}"), bounded_idmp, bounded));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    lines
 }
