@@ -271,9 +271,6 @@ pub type PoolKey = (String, Option<String>, u64);
 #[derive(Default)]
 pub struct Pools {
     connections: Mutex<HashMap<PoolKey, Conn>>,
-    /// One dial at a time per key: policies of one server reconciled at once share the first one's connection
-    /// rather than each dialing its own (the extra ones stayed open until dropped).
-    dialing: Mutex<HashMap<PoolKey, Arc<tokio::sync::Mutex<()>>>>,
     /// Connections to sentinels: few, and kept apart from the data connections that `assign` closes.
     sentinels: Mutex<HashMap<PoolKey, Conn>>,
     /// Which servers answered last time, for [`Pools::reach_primary`].
@@ -438,11 +435,6 @@ impl Pools {
         if let Some(conn) = self.connections.lock().expect("pool lock").get(&key) {
             return Ok(conn.clone());
         }
-        let dial = self.dialing.lock().expect("pool lock").entry(key.clone()).or_default().clone();
-        let _dialing = dial.lock().await;
-        if let Some(conn) = self.connections.lock().expect("pool lock").get(&key) {
-            return Ok(conn.clone());
-        }
         let conn = if target.cluster {
             Conn::Cluster(target.cluster_connection().await?)
         } else {
@@ -450,15 +442,6 @@ impl Pools {
         };
         let mut map = self.connections.lock().expect("pool lock");
         Ok(map.entry(key).or_insert(conn).clone())
-    }
-
-    /// Forgets the dial locks no connection needs: kept only while their key is connected or being dialed.
-    fn retain_dialing(&self) {
-        let connections = self.connections.lock().expect("pool lock");
-        self.dialing
-            .lock()
-            .expect("pool lock")
-            .retain(|key, lock| connections.contains_key(key) || Arc::strong_count(lock) > 1);
     }
 
     /// What the server behind `conn` can do: detected once per server, and again after `forget_features` (its
@@ -488,7 +471,6 @@ impl Pools {
         if changed {
             let needed: HashSet<&PoolKey> = users.values().collect();
             self.connections.lock().expect("pool lock").retain(|key, _| needed.contains(key));
-            self.retain_dialing();
         }
     }
 
