@@ -400,28 +400,15 @@ fn the_roles_for_people_aggregate_into_edit_and_view_without_servers() {
     assert!(!off.contains("aggregate-to-edit"), "{off}");
 }
 
-/// The last commit whose chart was 0.1.0: the release an upgrade to this one starts from.
-const PREVIOUS_CHART_COMMIT: &str = "2916df0~1";
-
 /// Defect (issue 48.13): the upgrade as installing.md wrote it (`helm upgrade ... --reuse-values`) failed from the
 /// 0.1 chart: the old release's values lack `topologySpread` (`nil pointer evaluating interface {}.enabled`), and
 /// past that the 0.1 default image repository would have been kept. The test takes the command from the page as
-/// written, installs the 0.1 chart from git history with one value of the user's own, and upgrades: the new
-/// defaults apply, the user's value stays.
+/// written, installs the 0.1 chart from git history (`hack/previous-release`) with one value of the user's own, and
+/// upgrades: the new defaults apply, the user's value stays. (tests/node.rs runs the same upgrade with the 0.1
+/// operator's pods and a policy running through it.)
 #[test]
 fn the_documented_upgrade_from_the_previous_chart_keeps_the_users_values_and_takes_the_new_defaults() {
-    let old = tempfile::tempdir().unwrap();
-    let archive = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "git -C {} archive {PREVIOUS_CHART_COMMIT} charts/pelican | tar -x -C {}",
-            env!("CARGO_MANIFEST_DIR"),
-            old.path().display()
-        ))
-        .output()
-        .unwrap();
-    assert!(archive.status.success(), "{}", String::from_utf8_lossy(&archive.stderr));
-    let old_chart = old.path().join("charts/pelican");
+    let (_old, old_chart) = previous_chart();
     let ns = namespace("chart-upgrade");
     let release = format!("up{}", &ns[ns.len() - 8..]);
     let (ok, out) = helm(&["install", &release, old_chart.to_str().unwrap(), "-n", &ns, "--set", "logLevel=debug"]);

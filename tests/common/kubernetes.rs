@@ -231,3 +231,20 @@ pub fn helm(args: &[&str]) -> (bool, String) {
 pub fn leads(metrics: &str) -> bool {
     metrics.contains("pelican_leader{lease=\"pelican-leader\"} 1")
 }
+
+/// The previous release's chart, from git history: the commit `hack/previous-release` names (the one that
+/// `scripts/image previous` builds the operator of), its `charts/pelican` extracted into a directory that lives as
+/// long as the returned guard; with the chart's path.
+pub fn previous_chart() -> (tempfile::TempDir, PathBuf) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let commit = std::fs::read_to_string(format!("{root}/hack/previous-release")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let archive = Command::new("sh")
+        .arg("-c")
+        .arg(format!("git -C {root} archive {} charts/pelican | tar -x -C {}", commit.trim(), dir.path().display()))
+        .output()
+        .unwrap();
+    assert!(archive.status.success(), "{}", String::from_utf8_lossy(&archive.stderr));
+    let chart = dir.path().join("charts/pelican");
+    (dir, chart)
+}
