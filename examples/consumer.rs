@@ -1,6 +1,8 @@
 //! A consumer built on Pelican's SDK, as a Deployment would run it: it handles each message (here: waits
-//! `HANDLE_MS`) and acknowledges it, until SIGTERM, then lets in-flight messages finish. The image of the
-//! autoscaling test (`scripts/image consumer`), which KEDA scales on the backlog Pelican serves.
+//! `HANDLE_MS`) and acknowledges it, until SIGTERM, then lets in-flight messages finish for `SHUTDOWN_GRACE_MS` and
+//! gives back the rest. With `EXIT_ON=<field>`, a message carrying that field ends the process (as a handler that
+//! crashes it would). The image of the autoscaling and Pod tests (`scripts/image consumer`; tests/keda.rs,
+//! tests/node.rs).
 //!
 //!   REDIS_URL=redis://127.0.0.1:6379/0 STREAM=orders GROUP=billing cargo run --example consumer
 //!
@@ -16,7 +18,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let var = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_string());
     let client = redis::Client::open(var("REDIS_URL", "redis://127.0.0.1:6379/0"))?;
     let handle = Duration::from_millis(var("HANDLE_MS", "20").parse()?);
-    let config = WorkerConfig::new(var("STREAM", "orders"), var("GROUP", "billing"), var("HOSTNAME", "consumer"));
+    let exit_on = std::env::var("EXIT_ON").ok();
+    let config = WorkerConfig {
+        shutdown_grace: Duration::from_millis(var("SHUTDOWN_GRACE_MS", "30000").parse()?),
+        ..WorkerConfig::new(var("STREAM", "orders"), var("GROUP", "billing"), var("HOSTNAME", "consumer"))
+    };
     let worker = Worker::connect(&client, config).await?;
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM");
@@ -24,9 +30,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let stats = worker
         .run(
-            move |_message: Message| async move {
-                tokio::time::sleep(handle).await;
-                Ok(Outcome::Done)
+            move |message: Message| {
+                let crash = exit_on.as_deref().filter(|field| message.field(field).is_some()).map(str::to_string);
+                async move {
+                    if let Some(field) = crash {
+                        eprintln!("{} carries the field {field} (EXIT_ON): exiting", message.id);
+                        std::process::exit(3);
+                    }
+                    tokio::time::sleep(handle).await;
+                    Ok(Outcome::Done)
+                }
             },
             shutdown,
         )

@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -607,6 +607,201 @@ fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_a
     );
     show(&["get", "cgp", "-n", &apps, "-o", "wide"]);
     installed.uninstall();
+}
+
+/// The SDK's example consumer (`scripts/image consumer`) as a Deployment of two Pods on the node, a policy of the
+/// default `minIdle` (5 minutes) with `spec.consumers.pods` selecting them (issue 49):
+/// - 16 messages in flight (handlers of 15 s), the Pod holding most of them deleted: its worker gives back what its
+///   grace (1 s) cut off and the next pass retries it; a live Pod reads every one again within seconds, not minutes;
+/// - a Pod's process killed with SIGKILL: the container restarts under the same name and its worker reads its own
+///   PEL first; every message handled;
+/// - a message that makes the process exit, every time it is read: the Pod crash-loops, and the message is
+///   dead-lettered once its deliveries pass `maxDeliveries` (counted: a Pod that dies of a message is no excuse).
+#[test]
+#[ignore = "needs the node and the operator and consumer images: scripts/test runs it (scripts/testenv node up, then --ignored)"]
+fn worker_pods_deleted_killed_or_crashing_have_their_messages_retried_in_seconds() {
+    let installed = Installed::new(false);
+    let apps = installed.apps.clone();
+    let server = Server::start(Flavor::Redis);
+    let _forward = NodeForward::to_loopback(server.port);
+    let mut conn = server.conn();
+    let url = format!("redis://{NODE_IP}:{}/0", server.port);
+    let extra = "  consumers:\n    pods:\n      matchLabels: {app: workers}\n  retry: {maxDeliveries: 2}\n";
+    let (ok, out) = kubectl_apply(&apps, &policy("jobs", &url, "jobs", "workers", extra));
+    assert!(ok, "{out}");
+    wait_condition(&apps, "jobs", "Ready", "True", "Reconciled");
+    let deployment = format!(
+        r#"apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: workers
+spec:
+  replicas: 2
+  selector:
+    matchLabels: {{app: workers}}
+  template:
+    metadata:
+      labels: {{app: workers}}
+    spec:
+      terminationGracePeriodSeconds: 10
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: 65532
+        seccompProfile: {{type: RuntimeDefault}}
+      containers:
+        - name: consumer
+          image: localhost/pelican-consumer:bed
+          imagePullPolicy: Never
+          env:
+            - {{name: REDIS_URL, value: "{url}"}}
+            - {{name: STREAM, value: jobs}}
+            - {{name: GROUP, value: workers}}
+            - {{name: HANDLE_MS, value: "15000"}}
+            - {{name: SHUTDOWN_GRACE_MS, value: "1000"}}
+            - {{name: EXIT_ON, value: crash}}
+          securityContext:
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities: {{drop: [ALL]}}
+"#
+    );
+    let (ok, out) = kubectl_apply(&apps, &deployment);
+    assert!(ok, "{out}");
+    kubectl_ok(&["rollout", "status", "deployment/workers", "-n", &apps, "--timeout=120s"]);
+    let consumers = |conn: &mut redis::Connection| -> BTreeSet<String> {
+        let infos: Vec<HashMap<String, redis::Value>> =
+            redis::cmd("XINFO").arg("CONSUMERS").arg("jobs").arg("workers").query(conn).unwrap();
+        infos.iter().map(|c| redis::from_redis_value(c["name"].clone()).unwrap()).collect()
+    };
+    let running = |apps: &str| -> BTreeSet<String> { pods(apps, "app=workers").into_iter().map(|p| p.0).collect() };
+    wait_for("both workers reading", Duration::from_secs(30), || {
+        let (reading, running) = (consumers(&mut conn), running(&apps));
+        if running.len() == 2 && running.is_subset(&reading) { Ok(()) } else { Err(format!("{reading:?}")) }
+    });
+    let publish = |conn: &mut redis::Connection, fields: &[(&str, &str)]| -> String {
+        redis::cmd("XADD").arg("jobs").arg("*").arg(fields).query(conn).unwrap()
+    };
+    // Every message in flight, and by whom.
+    let in_flight = |conn: &mut redis::Connection, count: usize| {
+        wait_for(&format!("{count} messages in flight"), Duration::from_secs(30), || {
+            let pending = pel(conn, "jobs", "workers");
+            if pending.len() == count { Ok(pending) } else { Err(format!("{pending:?}")) }
+        })
+    };
+
+    // A Pod deleted with messages in flight.
+    for n in 0..16 {
+        publish(&mut conn, &[("n", &n.to_string())]);
+    }
+    let pending = in_flight(&mut conn, 16);
+    let mut held: HashMap<String, Vec<String>> = HashMap::new();
+    for (id, owner, _, _) in &pending {
+        held.entry(owner.clone()).or_default().push(id.clone());
+    }
+    let (victim, ids) = held.iter().max_by_key(|(_, ids)| ids.len()).unwrap();
+    let deleted = Instant::now();
+    kubectl_ok(&["delete", "pod", victim, "-n", &apps, "--wait=false"]);
+    // Read again by a live worker: a copy of each (requeued) is pending with another consumer, or already handled.
+    let took = wait_for("the deleted Pod's messages read again", Duration::from_secs(60), || {
+        let copies: Vec<String> = xrange(&mut conn, "jobs")
+            .iter()
+            .filter_map(|e| field(e, "pelican-origin-id").map(|o| String::from_utf8_lossy(o).to_string()))
+            .collect();
+        let undelivered = xinfo_groups(&mut conn, "jobs").iter().map(|g| group_field::<i64>(g, "lag")).sum::<i64>();
+        let all = ids.iter().all(|id| copies.contains(id));
+        if all && undelivered == 0 {
+            Ok(deleted.elapsed())
+        } else {
+            Err(format!("copies {copies:?}, lag {undelivered}"))
+        }
+    });
+    println!(
+        "a Pod deleted with {} messages in flight: all read again by a live worker {took:.1?} after (minIdle 5 min)",
+        ids.len()
+    );
+    wait_for("every message handled", Duration::from_secs(60), || {
+        let pending = pel(&mut conn, "jobs", "workers");
+        if pending.is_empty() { Ok(()) } else { Err(format!("{pending:?}")) }
+    });
+    wait_for("the deleted Pod's consumer removed", Duration::from_secs(30), || {
+        let reading = consumers(&mut conn);
+        if reading.contains(victim) { Err(format!("{reading:?}")) } else { Ok(()) }
+    });
+
+    // A Pod's process killed with SIGKILL: the container restarts, its worker reads its own PEL first.
+    kubectl_ok(&["rollout", "status", "deployment/workers", "-n", &apps, "--timeout=120s"]);
+    for n in 0..8 {
+        publish(&mut conn, &[("n", &n.to_string())]);
+    }
+    let pending = in_flight(&mut conn, 8);
+    let victim = pending[0].1.clone();
+    let ids: Vec<String> = pending.iter().filter(|p| p.1 == victim).map(|p| p.0.clone()).collect();
+    let process = consumer_process(&victim);
+    let killed = Instant::now();
+    assert!(std::process::Command::new("kill").args(["-9", &process.to_string()]).status().unwrap().success());
+    let took = wait_for("the killed worker's messages read again", Duration::from_secs(60), || {
+        let pending = pel(&mut conn, "jobs", "workers");
+        let again = pending.iter().filter(|p| ids.contains(&p.0) && p.3 == 2).count();
+        if again == ids.len() { Ok(killed.elapsed()) } else { Err(format!("{pending:?}")) }
+    });
+    println!(
+        "a worker killed with {} messages in flight: all read again after its restart, {took:.1?} after",
+        ids.len()
+    );
+    wait_for("every message handled", Duration::from_secs(60), || {
+        let pending = pel(&mut conn, "jobs", "workers");
+        if pending.is_empty() { Ok(()) } else { Err(format!("{pending:?}")) }
+    });
+
+    // A message that kills whoever reads it.
+    let poison = publish(&mut conn, &[("crash", "1")]);
+    let published = Instant::now();
+    let dead = wait_for("the poison message dead-lettered", Duration::from_secs(180), || {
+        let dead = xrange(&mut conn, "jobs:dlq");
+        if dead.is_empty() { Err(format!("{:?}", pel(&mut conn, "jobs", "workers"))) } else { Ok(dead) }
+    });
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(field(&dead[0], "pelican-source-id"), Some(poison.as_bytes()));
+    assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
+    let restarts: i64 = pods(&apps, "app=workers")
+        .iter()
+        .map(|(pod, _, _)| {
+            kubectl_ok(&["get", "pod", pod, "-n", &apps, "-o", "jsonpath={.status.containerStatuses[0].restartCount}"])
+                .parse::<i64>()
+                .unwrap()
+        })
+        .sum();
+    println!(
+        "a message that ends the process: dead-lettered {:.1?} after it was published, with {} deliveries; the Pods restarted {restarts} times",
+        published.elapsed(),
+        String::from_utf8_lossy(field(&dead[0], "pelican-deliveries").unwrap())
+    );
+    assert!(restarts >= 3, "the crash loop: {restarts} restarts (one SIGKILL, then the poison message)");
+    wait_for("the dead letter counted", Duration::from_secs(30), || {
+        let counted = get_policy(&apps, "jobs")["status"]["totals"]["deadLettered"].as_i64().unwrap_or(0);
+        if counted == 1 { Ok(()) } else { Err(counted.to_string()) }
+    });
+    show(&["get", "pods", "-n", &apps]);
+    show(&["get", "cgp", "-n", &apps, "-o", "wide"]);
+}
+
+/// The pid of the consumer process of `pod` (its HOSTNAME), seen from the machine: the node shares its process
+/// namespace.
+fn consumer_process(pod: &str) -> u32 {
+    wait_for(&format!("{pod}'s consumer process"), Duration::from_secs(10), || {
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+            let host = format!("HOSTNAME={pod}");
+            if cmdline.starts_with(b"/usr/local/bin/consumer\0")
+                && environ.split(|b| *b == 0).any(|var| var == host.as_bytes())
+            {
+                return Ok(pid);
+            }
+        }
+        Err("not found".to_string())
+    })
 }
 
 /// RBAC for people (installing.md, "Teams"): a user bound to Kubernetes' own `edit` in a namespace creates a policy,
