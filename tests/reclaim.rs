@@ -33,6 +33,7 @@ on_both_servers!(
     a_server_error_quoting_a_key_named_like_tls_is_not_a_tls_failure,
     consumer_blocking_on_a_quiet_stream_is_not_expired,
     forged_delivery_counts_cost_one_short_call_and_are_dead_lettered,
+    entries_left_without_an_owner_as_xnack_leaves_them_are_taken_at_once,
     a_requeued_copy_keeps_the_last_error_until_a_delivery_records_another,
 );
 
@@ -572,6 +573,51 @@ fn consumer_blocking_on_a_quiet_stream_is_not_expired(flavor: Flavor) {
             assert_eq!(read_new(&mut conn, STREAM, GROUP, "polling", 1).len(), 1);
         }
     }
+}
+
+/// What `XNACK` (Redis 8.8) leaves is an entry without an owner: consumer `""` (idle -1 until read again). No server
+/// here has XNACK; a read by the consumer `""` makes the same PEL entry, and `XCLAIM ... RETRYCOUNT` the count each
+/// mode leaves. With `minIdle` an hour, the pass takes them at once with that count: SILENT's (the aborted delivery
+/// uncounted: 0) and FAIL's (1) are requeued, FATAL's (i64 max) is dead-lettered as `NackedFatal`; a live
+/// consumer's entry stays. (Without the change, all four stay pending for the hour.)
+fn entries_left_without_an_owner_as_xnack_leaves_them_are_taken_at_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(4));
+    let mut conn = server.conn();
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "", 3).len(), 3);
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "live", 1).len(), 1);
+    for (id, count) in [(&ids[0], 0), (&ids[2], i64::MAX)] {
+        let _: Vec<String> = redis::cmd("XCLAIM")
+            .arg(STREAM)
+            .arg(GROUP)
+            .arg("")
+            .arg(0)
+            .arg(id)
+            .arg("RETRYCOUNT")
+            .arg(count)
+            .arg("JUSTID")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Requeue, 3) };
+    let report = pass(&server, &s);
+    assert_eq!((report.requeued, report.dead_lettered), (2, 1), "{report:?}");
+    let copies: Vec<(String, String)> = xrange(&mut conn, STREAM)
+        .iter()
+        .filter_map(|e| {
+            let text = |name| field(e, name).map(|v| String::from_utf8_lossy(v).into_owned());
+            Some((text("pelican-origin-id")?, text("pelican-deliveries")?))
+        })
+        .collect();
+    assert_eq!(copies, [(ids[0].clone(), "0".to_string()), (ids[1].clone(), "1".to_string())]);
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(dead.len(), 1);
+    assert_eq!(field(&dead[0], "pelican-source-id"), Some(ids[2].as_bytes()));
+    assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"NackedFatal"[..]));
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:terminal", "NackedFatal"), 1);
+    let pending: Vec<(String, String)> =
+        pel(&mut conn, STREAM, GROUP).into_iter().map(|(id, owner, _, _)| (id, owner)).collect();
+    assert_eq!(pending, [(ids[3].clone(), "live".to_string())]);
 }
 
 /// Defect: the backoff threshold looped once per delivery, and the count is data clients control: a consumer's

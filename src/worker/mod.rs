@@ -18,8 +18,9 @@
 //! extends the entries in flight with the owner's `XCLAIM <id> JUSTID` (`lease.lua`: idle back to 0, the count
 //! unchanged), so a handler slower than `minIdle` is never taken for abandoned and handled twice. A lease lasts at
 //! most `max_handling`; past it the worker stops extending, says so, and the pass may retry the message. On shutdown,
-//! what did not finish within `shutdown_grace` is given back (`give_back.lua`: idle set so that the next pass takes
-//! it, the aborted delivery not counted).
+//! what did not finish within `shutdown_grace` is given back, the aborted delivery not counted: with `XNACK <stream>
+//! <group> SILENT` where the server has it (Redis 8.8: the entry left without an owner, which the next pass takes at
+//! once), elsewhere with `give_back.lua` (idle set so that the next pass takes it).
 //!
 //! Every `pel_check_interval` it looks at its own PEL again for entries the operator handed to it (`strategy:
 //! Reassign`, whose `XCLAIM ... RETRYCOUNT` counted the delivery): it takes each with `XCLAIM ... JUSTID` (its idle
@@ -170,6 +171,8 @@ struct Counters {
 
 pub struct Worker {
     source: Source,
+    /// Whether the server has `XNACK` (Redis 8.8), asked once at connect.
+    xnack: bool,
     /// Blocking reads get a connection of their own, so acknowledgements never wait behind them.
     reader: Connection,
     writer: Connection,
@@ -185,8 +188,9 @@ impl Worker {
     /// A worker on a server, a Redis Cluster, or the primary a sentinel names (followed across failovers: after a
     /// failed read the worker asks the sentinel again).
     pub async fn connect_to(source: Source, config: WorkerConfig) -> RedisResult<Worker> {
-        let (reader, writer) = connections(&source, &config).await?;
-        Ok(Worker { source, reader, writer, config })
+        let (reader, mut writer) = connections(&source, &config).await?;
+        let xnack = has_xnack(&mut writer).await;
+        Ok(Worker { source, xnack, reader, writer, config })
     }
 
     /// Runs until `shutdown` resolves: then stops reading, lets in-flight handlers finish (up to the grace period)
@@ -267,7 +271,8 @@ impl Worker {
             Err(_) => {
                 tasks.abort_all();
                 drain(&mut tasks).await;
-                let left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
+                let left: Vec<(String, Instant)> =
+                    in_flight.lock().expect("in-flight lock").iter().map(|(id, at)| (id.clone(), *at)).collect();
                 self.give_back_abandoned(&left, &counters).await;
                 left.len() as u64
             }
@@ -295,16 +300,39 @@ impl Worker {
         }
     }
 
-    /// Gives back what a shutdown cut off: the next pass retries it, and the cut-off delivery does not count.
-    async fn give_back_abandoned(&mut self, ids: &[String], counters: &Counters) {
+    /// Gives back what a shutdown cut off, with when each handler started: the next pass retries it, and the cut-off
+    /// delivery does not count. With `XNACK` the entries whose lease still holds (handled for less than
+    /// `max_handling`, so still ours: the pass never took them) are NACKed `SILENT`; the rest, and all of them when
+    /// the server refuses `XNACK`, go through `give_back.lua`, which leaves an entry no longer ours alone.
+    async fn give_back_abandoned(&mut self, left: &[(String, Instant)], counters: &Counters) {
+        let (stream, group) = (&self.config.stream, &self.config.group);
+        let (mut leased, mut rest): (Vec<String>, Vec<String>) = (vec![], vec![]);
+        for (id, started) in left {
+            let still_ours = self.xnack && started.elapsed() < self.config.max_handling;
+            if still_ours { leased.push(id.clone()) } else { rest.push(id.clone()) }
+        }
+        if !leased.is_empty() {
+            match nack_silently(&mut self.writer, &self.config, &leased).await {
+                Ok(given) => {
+                    warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back with XNACK SILENT for the next pass, their delivery not counted")
+                }
+                Err(e) => {
+                    warn!(%stream, %group, error = %e, "XNACK refused; giving the messages back with the script instead");
+                    rest.append(&mut leased);
+                }
+            }
+        }
+        if rest.is_empty() {
+            return;
+        }
         let idle = counters.settings.lock().expect("settings lock").map(|s| s.retry_after_ms);
         let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
-        match give_back(&mut self.writer, &self.config, ids, idle, false).await {
+        match give_back(&mut self.writer, &self.config, &rest, idle, false).await {
             Ok(given) => {
-                warn!(stream = %self.config.stream, group = %self.config.group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
+                warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
             }
             Err(e) => {
-                warn!(stream = %self.config.stream, group = %self.config.group, error = %e, left = ids.len(), "shutdown grace ran out and the messages still being handled could not be given back: they are retried after minIdle")
+                warn!(%stream, %group, error = %e, left = rest.len(), "shutdown grace ran out and the messages still being handled could not be given back: they are retried after minIdle")
             }
         }
     }
@@ -475,6 +503,32 @@ async fn give_back(
         let mut call = GIVE_BACK.key(&config.stream);
         call.arg(&config.group).arg(&config.consumer).arg(idle_ms).arg(uncount).arg(chunk);
         given += call.invoke_async::<i64>(conn).await?;
+    }
+    Ok(given)
+}
+
+/// Whether the server has `XNACK` (Redis 8.8): `COMMAND INFO XNACK` describes it. An unknown command (a nil in the
+/// reply) or a refusal (an ACL user without `+command|info`) says no, and give-backs use `give_back.lua`.
+async fn has_xnack(conn: &mut Connection) -> bool {
+    let reply: RedisResult<Vec<Value>> = redis::cmd("COMMAND").arg("INFO").arg("XNACK").query_async(conn).await;
+    reply.is_ok_and(|described| command_described(&described))
+}
+
+/// Whether a `COMMAND INFO <name>` reply describes the command: its one element is the command's array, not nil.
+fn command_described(reply: &[Value]) -> bool {
+    matches!(reply, [Value::Array(_)])
+}
+
+/// `XNACK <stream> <group> SILENT IDS <n> <ids>` in batches: the entries leave this consumer, unowned, their count
+/// lowered by the delivery being given back; the next pass takes them at once. Returns how many the server NACKed
+/// (ids no longer pending are skipped).
+async fn nack_silently(conn: &mut Connection, config: &WorkerConfig, ids: &[String]) -> RedisResult<usize> {
+    use redis::AsyncCommands;
+    use redis::streams::{StreamNackMode, StreamNackOptions};
+    let silent = StreamNackOptions::new(StreamNackMode::Silent);
+    let mut given = 0;
+    for chunk in ids.chunks(LEASE_BATCH) {
+        given += conn.xnack::<_, _, _, usize>(&config.stream, &config.group, chunk, &silent).await?;
     }
     Ok(given)
 }
@@ -664,6 +718,38 @@ fn pairs(flat: Vec<Vec<u8>>) -> Vec<(Vec<u8>, Vec<u8>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `COMMAND INFO XNACK` as Redis 8.8 answers (the command's description) and as older servers and Valkey do (a
+    /// nil for an unknown name), in RESP2 and RESP3 alike.
+    #[test]
+    fn xnack_is_detected_from_command_info() {
+        let described = Value::Array(vec![
+            Value::BulkString(b"xnack".to_vec()),
+            Value::Int(-6),
+            Value::Array(vec![Value::SimpleString("write".into())]),
+        ]);
+        assert!(command_described(&[described]));
+        assert!(!command_described(&[Value::Nil]));
+        assert!(!command_described(&[]));
+    }
+
+    /// The give-back on Redis 8.8, as its documentation writes it: `XNACK <key> <group> SILENT IDS <numids> <id>...`,
+    /// answered with the number of ids NACKed.
+    #[test]
+    fn the_shutdown_nack_is_the_documented_command() {
+        use redis::streams::{StreamNackMode, StreamNackOptions};
+        let ids = ["1-1".to_string(), "1-2".to_string()];
+        let cmd = redis::Cmd::xnack("tasks", "workers", &ids, &StreamNackOptions::new(StreamNackMode::Silent));
+        let args: Vec<String> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(args, ["XNACK", "tasks", "workers", "SILENT", "IDS", "2", "1-1", "1-2"]);
+        assert_eq!(redis::from_redis_value::<usize>(Value::Int(2)).unwrap(), 2);
+    }
 
     #[test]
     #[should_panic(expected = "must be CamelCase")]

@@ -31,7 +31,9 @@
 -- read is charged to the budget, whether it was moved, read ahead for nothing or too large to move. The originals the call moved are acknowledged with one XACK at the end.
 --
 -- An entry owned by a consumer whose Pod is gone is taken whatever its idle time (its delivery counted as it is: a Pod
--- may have died of its message), and no entry is handed over to such a consumer.
+-- may have died of its message), and no entry is handed over to such a consumer. So is an entry without an owner:
+-- what `XNACK` (Redis 8.8) leaves (consumer '', idle -1 until read again), a worker giving it back; its count as the
+-- NACK left it (SILENT: the aborted delivery uncounted; FAIL: counted; FATAL: past the cap, dead-lettered).
 --
 -- An entry delivered more than `max deliveries` times is taken whatever its idle time, and dead-lettered: only
 -- clients that read or claim it by themselves raise its count past the cap (Pelican's own hand-overs and the SDK's
@@ -44,7 +46,9 @@
 -- sweep's call and the scan leaves the copy alone without reading it until it is due. An entry not due is
 -- skipped, never waited for. The threshold is computed in closed form, so a forged count (`XCLAIM ... RETRYCOUNT`,
 -- a producer's own `pelican-deliveries`) costs what any count costs; a `pelican-deliveries` that is no finite
--- non-negative integer is taken as the cap and dead-lettered with reason `InvalidDeliveryCount`.
+-- non-negative integer is taken as the cap and dead-lettered with reason `InvalidDeliveryCount`. A count of the
+-- server's own at 2^53 or more is what `XNACK ... FATAL` (Redis 8.8) pins (i64 max): the worker said the message is
+-- poison, and it is dead-lettered at once with reason `NackedFatal`.
 -- The last error follows the message: to the requeued copy's new id, or into the dead letter as `pelican-last-error`
 -- (cut to ARGV[11] bytes); its field goes when the entry leaves the PEL here, and a few fields of entries no longer
 -- pending (ACKed by a client that left its field) are removed per call, so the hash shrinks back to the PEL.
@@ -106,9 +110,10 @@ local function sanitize(key, fields)
   end
 end
 sanitize(totals, {'requeued', 'reassigned', 'deadLettered', 'payloadDeleted', 'deadLetterEvicted'})
-sanitize(terminal, {'MaxDeliveriesExceeded', 'InvalidDeliveryCount', 'PayloadDeleted'})
+sanitize(terminal, {'MaxDeliveriesExceeded', 'InvalidDeliveryCount', 'NackedFatal', 'PayloadDeleted'})
 
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, invalid_counts = 0, 0, 0, 0, 0, 0, 0
+local fatal_counts = 0
 local scanned, idle, evicted = 0, 0, 0
 -- The originals to acknowledge at the end: `src`, `group`, then ids.
 local acks = {src, group}
@@ -123,8 +128,9 @@ local function least_loaded(except)
     for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', src, group)) do
       local info = {}
       for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
-      if info['name'] ~= operator and not gone[info['name']] and tonumber(info['idle']) < min_idle then
-        live[#live + 1] = {name = info['name'], pending = tonumber(info['pending'])}
+      local name = info['name']
+      if name ~= operator and name ~= '' and not gone[name] and tonumber(info['idle']) < min_idle then
+        live[#live + 1] = {name = name, pending = tonumber(info['pending'])}
       end
     end
   end
@@ -210,7 +216,7 @@ for _, pending in ipairs(page) do
   local carried = copy and delivery_count(ARGV[copy + 1]) or 0
   -- Past the cap, an entry is taken whatever its idle time: a client that claims by itself (XAUTOCLAIM, or
   -- XREADGROUP ... CLAIM, with a shorter idle than the policy's) keeps it from ever going idle, each claim a delivery.
-  local orphan = gone[owner] == true
+  local orphan = gone[owner] == true or owner == ''
   if idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries and not orphan then
     if copy then fate[copy] = 'w' end
   else
@@ -233,7 +239,8 @@ for _, pending in ipairs(page) do
         earlier = earlier or 0
       end
       local total = earlier + deliveries
-      if invalid or total >= MAX_COUNT then invalid, total = true, max_deliveries end
+      local fatal = deliveries >= MAX_COUNT
+      if invalid or total >= MAX_COUNT then invalid, total = not fatal, max_deliveries end
       if idle_ms < threshold(total) and total <= max_deliveries and not orphan then
         -- Backoff: not due yet.
         skipped = skipped + 1
@@ -256,7 +263,8 @@ for _, pending in ipairs(page) do
         args[a + 7] = 'pelican-group'; args[a + 8] = group
         args[a + 9] = 'pelican-consumer'; args[a + 10] = owner
         args[a + 11] = 'pelican-deliveries'; args[a + 12] = string.format('%d', total)
-        args[a + 13] = 'pelican-reason'; args[a + 14] = invalid and 'InvalidDeliveryCount' or 'MaxDeliveriesExceeded'
+        args[a + 13] = 'pelican-reason'
+        args[a + 14] = fatal and 'NackedFatal' or invalid and 'InvalidDeliveryCount' or 'MaxDeliveriesExceeded'
         args[a + 15] = 'pelican-dead-lettered-at'; args[a + 16] = now_ms
         local last_error = has_errors and redis.call('HGET', errors, id)
         if last_error then
@@ -275,6 +283,7 @@ for _, pending in ipairs(page) do
         if last_error then redis.call('HDEL', errors, id) end
         dead_lettered = dead_lettered + 1
         if invalid then invalid_counts = invalid_counts + 1 end
+        if fatal then fatal_counts = fatal_counts + 1 end
       elseif strategy == 'Requeue' then
         local args = {src, '*'}
         for f = 1, n do args[f + 2] = fields[f] end
@@ -378,8 +387,9 @@ local function count(key, field, n)
 end
 count(terminal, 'PayloadDeleted', payload_deleted)
 count(totals, 'payloadDeleted', payload_deleted)
-count(terminal, 'MaxDeliveriesExceeded', dead_lettered - invalid_counts)
+count(terminal, 'MaxDeliveriesExceeded', dead_lettered - invalid_counts - fatal_counts)
 count(terminal, 'InvalidDeliveryCount', invalid_counts)
+count(terminal, 'NackedFatal', fatal_counts)
 count(totals, 'deadLettered', dead_lettered)
 count(totals, 'requeued', requeued)
 count(totals, 'reassigned', reassigned)
