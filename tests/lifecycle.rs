@@ -1,5 +1,6 @@
 //! Workers come and go (SPEC 18), through the operator against the real API server and real Redis 7.0 / Valkey 9.1:
-//! a handler slower than `minIdle` keeps its message with a lease (the SDK, and redis-py with the documented call), a
+//! a handler slower than `minIdle` keeps its message with a lease (the SDK, and redis-py and go-redis with the
+//! documented call), a
 //! worker that claims by itself cannot defeat the cap, what a shutdown cuts off is given back at once without
 //! counting, and `Outcome::Retry` is retried by the next pass. On Redis 8.6.3, workers that read with
 //! `XREADGROUP ... CLAIM` keep the cap and share the work with the requeue pass.
@@ -9,7 +10,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -19,6 +20,7 @@ use pelican::worker::{Message, Outcome, Worker, WorkerConfig};
 on_both_servers!(
     sdk_workers_slower_than_min_idle_handle_each_message_once,
     a_redis_py_worker_with_the_lease_call_handles_each_message_once,
+    a_go_redis_worker_with_the_lease_call_handles_each_message_once,
     a_worker_claiming_every_second_cannot_defeat_the_cap,
     a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted,
     outcome_retry_is_retried_by_the_next_pass_and_counted,
@@ -126,6 +128,48 @@ fn a_redis_py_worker_with_the_lease_call_handles_each_message_once(flavor: Flavo
     let worker = python("examples/workers/slow_worker.py", &[&url, "tasks", "workers", "py-1", "6", "12"]);
     let output = worker.wait_with_output().unwrap();
     assert!(output.status.success(), "the Python worker failed");
+    let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
+    std::thread::sleep(Duration::from_secs(3));
+    eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
+    assert_eq!(handled, 12, "each message handled once");
+    assert_no_copies(&mut conn, 12);
+}
+
+/// `examples/workers/go` built once per test binary with the bed's Go caches (its modules through the Go module
+/// proxy the first time); the binary's path.
+fn go_slow_worker() -> &'static str {
+    static BUILT: OnceLock<String> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let out = format!("{}/go/slow-worker", env!("CARGO_TARGET_TMPDIR"));
+        let build = Command::new("go")
+            .args(["build", "-o", &out, "."])
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/workers/go"))
+            .env("GOMODCACHE", bed().var("PELICAN_GOMODCACHE"))
+            .env("GOCACHE", bed().var("PELICAN_GOCACHE"))
+            .env("CGO_ENABLED", "0")
+            .output()
+            .expect("go");
+        assert!(build.status.success(), "go build: {}", String::from_utf8_lossy(&build.stderr));
+        out
+    })
+}
+
+/// The same with a worker in Go: `examples/workers/go` (go-redis v9) extends its messages with `XClaimJustID`, the
+/// call the workers page documents.
+fn a_go_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("lease-go", &manifest(&server, "2s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 12);
+    let url = server.url();
+    let worker = Command::new(go_slow_worker())
+        .args([url.as_str(), "tasks", "workers", "go-1", "6", "12"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the Go worker");
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success(), "the Go worker failed");
     let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
     std::thread::sleep(Duration::from_secs(3));
     eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
