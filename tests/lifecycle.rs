@@ -21,6 +21,7 @@ on_both_servers!(
     sdk_workers_slower_than_min_idle_handle_each_message_once,
     a_redis_py_worker_with_the_lease_call_handles_each_message_once,
     a_go_redis_worker_with_the_lease_call_handles_each_message_once,
+    a_spring_data_redis_worker_with_the_lease_call_handles_each_message_once,
     a_worker_claiming_every_second_cannot_defeat_the_cap,
     a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted,
     outcome_retry_is_retried_by_the_next_pass_and_counted,
@@ -170,6 +171,50 @@ fn a_go_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavo
         .expect("the Go worker");
     let output = worker.wait_with_output().unwrap();
     assert!(output.status.success(), "the Go worker failed");
+    let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
+    std::thread::sleep(Duration::from_secs(3));
+    eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
+    assert_eq!(handled, 12, "each message handled once");
+    assert_no_copies(&mut conn, 12);
+}
+
+/// `examples/workers/spring` compiled once per test binary with Maven (its dependencies from the Maven repository
+/// the first time): the `java` arguments that run it.
+fn spring_slow_worker() -> &'static [String] {
+    static BUILT: OnceLock<Vec<String>> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let dir = format!("{}/spring", env!("CARGO_TARGET_TMPDIR"));
+        let classpath = format!("{dir}/classpath.txt");
+        let build = Command::new("mvn")
+            .args(["-q", "-B", "compile", "dependency:build-classpath"])
+            .arg(format!("-Dmdep.outputFile={classpath}"))
+            .arg(format!("-Dworker.output={dir}"))
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/workers/spring"))
+            .output()
+            .expect("mvn");
+        assert!(build.status.success(), "mvn: {}", String::from_utf8_lossy(&build.stdout));
+        let dependencies = std::fs::read_to_string(&classpath).unwrap();
+        vec!["-cp".into(), format!("{dir}/classes:{dependencies}"), "SlowWorker".into()]
+    })
+}
+
+/// The same with a worker in Java: `examples/workers/spring` (Spring Data Redis with Lettuce) extends its messages
+/// with `xClaimJustId`, the call the workers page documents.
+fn a_spring_data_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let (_ns, _operator) = ready_policy("lease-java", &manifest(&server, "2s"), "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 12);
+    let url = server.url();
+    let worker = Command::new("java")
+        .args(spring_slow_worker())
+        .args([url.as_str(), "tasks", "workers", "java-1", "6", "12"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the Java worker");
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success(), "the Java worker failed");
     let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
     std::thread::sleep(Duration::from_secs(3));
     eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
