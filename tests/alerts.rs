@@ -60,6 +60,10 @@ tests:
         values: '1x10 0x10'
       - series: 'pelican_policy_ready{namespace="apps",policy="fine",stream="s",group="g",job="pelican-metrics"}'
         values: '1x20'
+      - series: 'pelican_redis_server_ready{namespace="platform",server="shared",job="pelican-metrics"}'
+        values: '1x5 0x15'
+      - series: 'pelican_redis_server_ready{namespace="platform",server="blip",job="pelican-metrics"}'
+        values: '1x5 0x3 1x12'
       - series: 'pelican_group_backlog{namespace="apps",policy="full",stream="s",group="g",job="pelican-metrics"}'
         values: '950x20'
       - series: 'pelican_group_backlog_max_length{namespace="apps",policy="full",stream="s",group="g",job="pelican-metrics"}'
@@ -135,6 +139,17 @@ tests:
               summary: 'ConsumerGroupPolicy apps/broken is not Ready'
               description: 'kubectl describe cgp broken -n apps shows the reason (Secret missing, server unreachable, conflict ...).'
               runbook_url: 'http://localhost:3000/runbooks/policy-not-ready.html'
+      - eval_time: 17m
+        alertname: PelicanRedisServerNotReady
+        exp_alerts:
+          - exp_labels: {severity: critical, namespace: platform, server: shared}
+            exp_annotations:
+              summary: 'RedisServer platform/shared is not Ready'
+              description: 'It does not answer with the credentials of its spec, so no policy that names it is served. kubectl describe redisserver shared -n platform shows the reason.'
+              runbook_url: 'http://localhost:3000/runbooks/redis-server-not-ready.html'
+      - eval_time: 12m
+        alertname: PelicanRedisServerNotReady
+        exp_alerts: []
       - eval_time: 8m
         alertname: PelicanBacklogNearlyFull
         exp_alerts:
@@ -282,7 +297,13 @@ fn the_dashboard_and_the_alerts_query_only_series_the_operator_exports() {
     let server = Server::start(Flavor::Redis);
     let bounded =
         policy("p", &server.url(), "s", "g", "  backlog:\n    maxLength: 100\n  retention:\n    mode: Acknowledged\n");
-    let (_ns, operator) = ready_policy("alerts", &bounded, "p");
+    let (ns, operator) = ready_policy("alerts", &bounded, "p");
+    // And a RedisServer: its series exist only where servers do.
+    let server_object = format!(
+        "apiVersion: pelican.io/v1alpha1\nkind: RedisServer\nmetadata:\n  name: shared\nspec:\n  url: {}\n",
+        server.url()
+    );
+    assert!(kubectl_apply(&ns, &server_object).0);
     // One entry read and not acknowledged: the oldest-pending series exists only while something is pending.
     let mut conn = server.conn();
     let _: String = redis::cmd("XADD").arg("s").arg("*").arg("n").arg(1).query(&mut conn).unwrap();
@@ -295,7 +316,11 @@ fn the_dashboard_and_the_alerts_query_only_series_the_operator_exports() {
                 .filter(|l| !l.starts_with('#') && !l.is_empty())
                 .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
                 .collect();
-            let ready = ["pelican_pass_delay_seconds_bucket", "pelican_group_oldest_pending_age_seconds"];
+            let ready = [
+                "pelican_pass_delay_seconds_bucket",
+                "pelican_group_oldest_pending_age_seconds",
+                "pelican_redis_server_ready",
+            ];
             if ready.iter().all(|n| names.contains(*n)) { Ok(names) } else { Err(text) }
         });
     let mut exprs = Vec::new();

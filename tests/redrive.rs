@@ -93,7 +93,7 @@ fn ns_in(conn: &mut redis::Connection, stream: &str, keep: impl Fn(&RawEntry) ->
 #[test]
 fn moves_before_a_failure_in_the_same_batch_are_recorded() {
     let server = Server::start(Flavor::Redis);
-    let (ns, _operator) = ready_policy("redrive-half", &policy("mail", &server.url(), "a", "workers", ""), "mail");
+    let (ns, operator) = ready_policy("redrive-half", &policy("mail", &server.url(), "a", "workers", ""), "mail");
     let mut conn = server.conn();
     // Stream b's last id is the largest there is: XADD * into it fails.
     let max_id = "18446744073709551615-18446744073709551615";
@@ -115,6 +115,8 @@ fn moves_before_a_failure_in_the_same_batch_are_recorded() {
     assert!(xrange(&mut conn, "a:dlq").is_empty());
     let counted = (&done["status"]["moved"], &done["status"]["missing"], &done["status"]["skipped"]);
     assert_eq!(counted, (&Value::from(10), &Value::from(0), &Value::from(0)), "{}", done["status"]);
+    let metrics = operator.metrics();
+    assert!(metrics.contains("pelican_redrives_total{result=\"Complete\"} 1"), "{metrics}");
 }
 
 /// Defect: with `filter.reasons` matching little, one script call read runs of 256 until it found its budget of

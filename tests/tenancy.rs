@@ -335,13 +335,30 @@ fn the_tenancy_example_gets_ready() {
             .replace("  namespace: ", "  labels: {pelican-test: LABEL}\n  namespace: ")
             .replace("LABEL", &label)
     };
+    // The operator's user as examples/acl/pelican-shared.acl writes it, for these two teams; its commands are
+    // pelican.acl's.
+    let acl = |file: &str| {
+        let text = std::fs::read_to_string(format!("{}/examples/acl/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        text.lines().find(|l| l.starts_with("user ")).unwrap().to_string()
+    };
+    let (shared, single) = (acl("pelican-shared.acl"), acl("pelican.acl"));
+    let commands = |line: &str| line[line.find("resetchannels").unwrap()..].to_string();
+    assert_eq!(commands(&shared), commands(&single), "pelican-shared.acl grants what pelican.acl grants");
+    let rules =
+        shared.replace("{billing}", &format!("{{{billing}}}")).replace("{shipping}", &format!("{{{shipping}}}"));
+    let mut conn = server.conn();
+    let mut setuser = redis::cmd("ACL");
+    setuser.arg("SETUSER").arg("pelican");
+    for rule in rules.split_whitespace().skip(2) {
+        setuser.arg(rule.replace(">CHANGE-ME", ">change-me"));
+    }
+    let _: () = setuser.query(&mut conn).unwrap();
     for file in ["platform.yaml", "billing.yaml", "shipping.yaml"] {
         let out = kubectl(&["apply", "-f", "-"], Some(&fill(file)));
         assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
     }
     wait_condition(&billing, "invoices", "Ready", "True", "Reconciled");
     wait_condition(&shipping, "parcels", "Ready", "True", "Reconciled");
-    let mut conn = server.conn();
     assert_eq!(group_names(&mut conn, &format!("{{{billing}}}:invoices")), vec!["invoicer".to_string()]);
     wait_for("the server to count both policies", Duration::from_secs(60), || {
         let policies =
@@ -599,7 +616,7 @@ fn a_servers_conditions_say_whether_a_person_must_act_and_insecure_tls_warns() {
     let tls = Server::start_tls(Flavor::Redis, "server", false);
     let platform = namespace("server-conditions");
     let label = platform.clone();
-    let _operator = operator(&label, &[]);
+    let operator = operator(&label, &[]);
     let server = |name: &str, url: &str, extra: &str| {
         format!(
             "apiVersion: pelican.io/v1alpha1\nkind: RedisServer\nmetadata:\n  name: {name}\n  labels: {{pelican-test: \
@@ -642,6 +659,14 @@ fn a_servers_conditions_say_whether_a_person_must_act_and_insecure_tls_warns() {
     expect("no-secret", "False", "False", "True", "SecretNotFound");
     expect("nobody-home", "False", "True", "False", "RedisUnavailable");
     expect("insecure", "True", "False", "False", "Reconciled");
+    // On /metrics, for the alert PelicanRedisServerNotReady: one series per server, from its Ready condition.
+    for (name, ready) in [("no-secret", 0), ("nobody-home", 0), ("insecure", 1)] {
+        let line = format!("pelican_redis_server_ready{{namespace=\"{platform}\",server=\"{name}\"}} {ready}");
+        wait_for(&line, Duration::from_secs(10), || {
+            let metrics = operator.metrics();
+            if metrics.contains(&line) { Ok(()) } else { Err(metrics) }
+        });
+    }
     let warning = wait_for("an InsecureSkipVerify event on the server", Duration::from_secs(10), || {
         events(&platform, "InsecureSkipVerify").into_iter().next().ok_or_else(|| "none".to_string())
     });

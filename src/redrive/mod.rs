@@ -400,6 +400,7 @@ impl Redrives {
         self.set_phase(redrive, status, phase, reason, note.clone()).await?;
         let type_ = if phase == RedrivePhase::Failed { EventType::Warning } else { EventType::Normal };
         let event_reason = if phase == RedrivePhase::Failed { reason } else { "Succeeded" };
+        self.shared.metrics.redrive_finished(reason);
         self.publish(redrive, type_, event_reason, note).await;
         Ok(())
     }

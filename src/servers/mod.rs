@@ -16,6 +16,7 @@ use tracing::{instrument, warn};
 use crate::api::{RedisServer, RedisServerStatus};
 use crate::context::Shared;
 use crate::context::conditions::{Verdict, verdict_conditions};
+use crate::telemetry::ServerSnapshot;
 use crate::{Error, Result};
 
 /// How often a server is looked at again (its policies count, whether it still answers).
@@ -41,11 +42,11 @@ pub async fn run(
     if let Some(selector) = &label_selector {
         config = config.labels(selector);
     }
-    Controller::new(api, config)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, shared)
-        .for_each(|_| async {})
-        .await;
+    let controller = Controller::new(api, config);
+    // The servers whose status this operator writes (its shard's), as the leader's series.
+    let (servers, leadership) = (controller.store(), shared.leadership.clone());
+    shared.metrics.watch_servers(move || if leadership.may_write() { snapshots(&servers.state()) } else { vec![] });
+    controller.graceful_shutdown_on(shutdown).run(reconcile, error_policy, shared).for_each(|_| async {}).await;
 }
 
 #[instrument(skip_all, fields(namespace = server.namespace().unwrap_or_default(), server = server.name_any()))]
@@ -81,6 +82,22 @@ async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Acti
         shared.announce_ready(&server.object_ref(&()), "Check", conditions, insecure).await;
     }
     Ok(Action::requeue(RECHECK))
+}
+
+/// The series of the servers as their status says (the watch's view of what the leader wrote).
+fn snapshots(servers: &[Arc<RedisServer>]) -> Vec<ServerSnapshot> {
+    servers
+        .iter()
+        .map(|server| {
+            let status = server.status.clone().unwrap_or_default();
+            ServerSnapshot {
+                namespace: server.namespace().unwrap_or_default(),
+                name: server.name_any(),
+                ready: status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True"),
+                policies: status.policies,
+            }
+        })
+        .collect()
 }
 
 /// The server's Secrets resolve, and it answers `INFO server` with them.

@@ -31,6 +31,8 @@ pub struct Metrics {
     scaler_answers: Family<Labels, Counter>,
     scaler_reads: Counter,
     seeks: Family<Labels, Counter>,
+    redrives: Family<Labels, Counter>,
+    servers: Arc<ServerSeries>,
     policies: Arc<PolicySeries>,
     job_failures: Arc<JobFailureSeries>,
     leader: Arc<LeaderSeries>,
@@ -87,6 +89,14 @@ impl Default for Metrics {
             "GroupSeeks finished, by result: Seeked, Planned (a dry run), or the reason one was refused",
             seeks.clone(),
         );
+        let redrives = Family::<Labels, Counter>::default();
+        registry.register(
+            "pelican_redrives",
+            "DeadLetterRedrives finished, by result: Complete, DryRun, AlreadyFinished, or the reason one failed",
+            redrives.clone(),
+        );
+        let servers = Arc::new(ServerSeries::default());
+        registry.register_collector(Box::new(servers.clone()));
         let policies = Arc::new(PolicySeries::default());
         registry.register_collector(Box::new(policies.clone()));
         let job_failures = Arc::new(JobFailureSeries::default());
@@ -107,6 +117,8 @@ impl Default for Metrics {
             scaler_answers,
             scaler_reads,
             seeks,
+            redrives,
+            servers,
             policies,
             job_failures,
             leader,
@@ -156,6 +168,17 @@ impl Metrics {
     /// Counts one finished seek by its result.
     pub fn seek_finished(&self, result: &str) {
         self.seeks.get_or_create(&vec![("result", result.to_string())]).inc();
+    }
+
+    /// Counts one finished redrive by its result.
+    pub fn redrive_finished(&self, result: &str) {
+        self.redrives.get_or_create(&vec![("result", result.to_string())]).inc();
+    }
+
+    /// `pelican_redis_server_ready` and `pelican_redis_server_policies` read the `RedisServer`s from `source` at
+    /// scrape time (the leader's view; none on a replica that does not lead).
+    pub fn watch_servers(&self, source: impl Fn() -> Vec<ServerSnapshot> + Send + Sync + 'static) {
+        *self.servers.0.lock().expect("metrics lock") = Some(Box::new(source));
     }
 
     /// Publishes a policy's status as its series.
@@ -258,6 +281,55 @@ impl Collector for LeaderSeries {
         )?;
         let labels: Labels = vec![("lease", lease)];
         ConstGauge::new(leadership.may_write() as i64).encode(metric.encode_family(&labels)?)
+    }
+}
+
+/// What the series of one `RedisServer` show.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerSnapshot {
+    pub namespace: String,
+    pub name: String,
+    /// Its `Ready` condition is True: it answers with the credentials of its spec.
+    pub ready: bool,
+    /// Policies that name it (`status.policies`).
+    pub policies: i64,
+}
+
+type ServerSource = Box<dyn Fn() -> Vec<ServerSnapshot> + Send + Sync>;
+
+/// Name, help, and the value of one server.
+type ServerGauge = (&'static str, &'static str, fn(&ServerSnapshot) -> i64);
+
+#[derive(Default)]
+struct ServerSeries(Mutex<Option<ServerSource>>);
+
+impl std::fmt::Debug for ServerSeries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ServerSeries")
+    }
+}
+
+impl Collector for ServerSeries {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let servers = match self.0.lock().expect("metrics lock").as_ref() {
+            Some(source) => source(),
+            None => return Ok(()),
+        };
+        if servers.is_empty() {
+            return Ok(());
+        }
+        let series: [ServerGauge; 2] = [
+            ("pelican_redis_server_ready", "1 when the RedisServer's Ready condition is True", |s| s.ready as i64),
+            ("pelican_redis_server_policies", "Policies that name the RedisServer", |s| s.policies),
+        ];
+        for (name, help, value) in series {
+            let mut metric = encoder.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
+            for server in &servers {
+                let labels: Labels = vec![("namespace", server.namespace.clone()), ("server", server.name.clone())];
+                ConstGauge::new(value(server)).encode(metric.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -525,6 +597,21 @@ mod tests {
         assert!(!text.contains("pelican_group_lag{"), "unknown lag must be absent, not 0:\n{text}");
         assert!(text.contains(&format!("pelican_group_backlog_max_length{{{labels}}} 500")), "{text}");
         assert!(text.contains(r#"pelican_leader{lease="pelican-leader"} 1"#), "{text}");
+        metrics.watch_servers(|| {
+            let server = |name: &str, ready| ServerSnapshot {
+                namespace: "platform".into(),
+                name: name.into(),
+                ready,
+                policies: 3,
+            };
+            vec![server("shared", true), server("down", false)]
+        });
+        metrics.redrive_finished("Complete");
+        let text = metrics.render();
+        assert!(text.contains(r#"pelican_redis_server_ready{namespace="platform",server="down"} 0"#), "{text}");
+        assert!(text.contains(r#"pelican_redis_server_ready{namespace="platform",server="shared"} 1"#), "{text}");
+        assert!(text.contains(r#"pelican_redis_server_policies{namespace="platform",server="down"} 3"#), "{text}");
+        assert!(text.contains(r#"pelican_redrives_total{result="Complete"} 1"#), "{text}");
         let errors = r#"controller_runtime_reconcile_errors_total{controller="consumergrouppolicy",reason="RedisUnavailable"} 1"#;
         assert!(text.contains(errors), "{text}");
         assert!(
