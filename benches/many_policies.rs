@@ -5,6 +5,9 @@
 //! With `PELICAN_BIN=<older pelican>` the same figures for another build. With `-- <N> shards` the policies carry
 //! the label `sharding.pelican.io/key` (a or b) and two operators each reconcile one half.
 //!
+//! Last, `/metrics` itself: its series and bytes with every series per policy (`--metrics-detail full`, the default)
+//! and, after a restart, with `--metrics-detail essential` (per policy what the alerts and dashboard read).
+//!
 //! With `-- <N> takeover [broken]`: a new leader's time to the first pass at N policies (beside 2,000 broken ones).
 //! With `-- <N> unread`: each policy's stream holds an entry its group has not read (so every refresh also reads the
 //! oldest unread entry); the figures include the Redis commands per policy per interval.
@@ -159,6 +162,28 @@ fn main() {
         status
     );
     assert!(per_server.iter().all(|c| *c <= 2), "policies must share connections: {per_server:?}");
+
+    // /metrics with every series per policy, then with the essential ones (the operator restarted with the flag,
+    // every policy reported again).
+    let full = exposition(&operator);
+    drop(operator);
+    let operator = Operator::start_with(&ns, &["--metrics-detail", "essential"]);
+    let reported = wait_for("every policy on /metrics again", Duration::from_secs(1800), || {
+        let text = operator.metrics();
+        let ready = text.lines().filter(|l| l.starts_with("pelican_policy_ready{")).count();
+        if ready == count { Ok(exposition(&operator)) } else { Err(format!("{ready} of {count}")) }
+    });
+    println!("{:<28} {:>10} {:>18} {:>12}", "/metrics", "series", "series per policy", "bytes");
+    for (detail, (series, bytes)) in [("--metrics-detail full", full), ("--metrics-detail essential", reported)] {
+        let per_policy = series as f64 / count as f64;
+        println!("{detail:<28} {series:>10} {per_policy:>18.1} {bytes:>12}");
+    }
+}
+
+/// Series and bytes of one scrape of `/metrics`.
+fn exposition(operator: &Operator) -> (usize, usize) {
+    let text = operator.metrics();
+    (text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).count(), text.len())
 }
 
 /// Two operators, each reconciling the policies of its shard (label `sharding.pelican.io/key`), with its own Lease.

@@ -72,7 +72,7 @@ pub enum Error {
     NotPrimary { server: String, master: String, role: String },
 
     #[error(
-        "RedisServer {namespace}/{name} not found: create it, or fix spec.redis.serverRef (`kubectl get redisservers -A` lists the servers)"
+        "RedisServer {namespace}/{name} not found: create it, or fix spec.redis.serverRef (`kubectl get redisservers -A` lists the servers; an operator installed with watchNamespace sees only the servers of that namespace)"
     )]
     ServerNotFound { namespace: String, name: String },
 

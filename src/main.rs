@@ -8,7 +8,7 @@ use kube::CustomResourceExt;
 use pelican::api::{ConsumerGroupPolicy, DeadLetterRedrive, GroupSeek, RedisServer};
 use pelican::context::{InlineConnections, Shared, Writers};
 use pelican::leader::{Elector, Holder, LEASE_DURATION_SECONDS};
-use pelican::telemetry::{LogFormat, Metrics, Readiness, init_logging, serve};
+use pelican::telemetry::{LogFormat, Metrics, MetricsDetail, Readiness, init_logging, serve};
 use tonic::transport::ServerTlsConfig;
 
 #[derive(Parser)]
@@ -34,6 +34,10 @@ enum Command {
         /// Where `/metrics` is served.
         #[arg(long, default_value = "0.0.0.0:8080", env = "PELICAN_METRICS_ADDR")]
         metrics_addr: SocketAddr,
+        /// How much of each policy `/metrics` shows: `full` (every series per policy) or `essential` (per policy only
+        /// the series the chart's alerts and dashboard read; the rest per namespace), for many policies.
+        #[arg(long, value_enum, default_value_t = MetricsDetail::Full, env = "PELICAN_METRICS_DETAIL")]
+        metrics_detail: MetricsDetail,
         /// Where `/healthz` and `/readyz` are served.
         #[arg(long, default_value = "0.0.0.0:8081", env = "PELICAN_HEALTH_ADDR")]
         health_addr: SocketAddr,
@@ -107,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
             secret_namespaces,
             log_format,
             metrics_addr,
+            metrics_detail,
             health_addr,
             leader_elect,
             leader_election_namespace,
@@ -126,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
             let client = kube::Client::try_default().await?;
             let instance = std::env::var("POD_NAME").ok().or_else(|| std::env::var("HOSTNAME").ok());
             let (metrics, readiness) = (Arc::new(Metrics::default()), Readiness::default());
+            metrics.set_detail(metrics_detail);
             let health = readiness.clone();
             // One shutdown signal for the controller, the HTTP endpoints and the election.
             let shutdown = shutdown_signal().shared();

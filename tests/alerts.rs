@@ -348,6 +348,56 @@ fn the_dashboard_and_the_alerts_query_only_series_the_operator_exports() {
     assert_eq!(render("templates/dashboard.yaml")["metadata"]["labels"]["grafana_dashboard"], "1");
 }
 
+/// `--metrics-detail essential` (for many policies) keeps per policy every series the alerts and the dashboard read
+/// per policy: a series a query reads with a `policy` label in full detail still has it.
+#[test]
+fn essential_metrics_keep_per_policy_what_the_alerts_and_the_dashboard_read() {
+    use pelican::api::{ConsumerGroupPolicyStatus, Totals};
+    use pelican::telemetry::{Metrics, MetricsDetail, PolicySnapshot};
+    let metrics = Metrics::default();
+    let status = ConsumerGroupPolicyStatus {
+        pending: Some(1),
+        lag: Some(1),
+        lag_seconds: Some(1),
+        stream_length: Some(1),
+        dead_letter_length: Some(1),
+        backlog: Some(1),
+        consumers: Some(1),
+        totals: Some(Totals::default()),
+        ..Default::default()
+    };
+    let snapshot = PolicySnapshot {
+        stream: "s".into(),
+        group: "g".into(),
+        ready: true,
+        status,
+        oldest_pending_age_seconds: Some(1),
+        backlog_max_length: Some(10),
+    };
+    metrics.observe_policy(("apps".into(), "p".into()), snapshot);
+    let per_policy = |text: String| -> BTreeSet<String> {
+        text.lines()
+            .filter(|l| l.contains("policy=\"p\""))
+            .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+            .collect()
+    };
+    let full = per_policy(metrics.render());
+    metrics.set_detail(MetricsDetail::Essential);
+    let essential = per_policy(metrics.render());
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard(), &mut exprs);
+    collect_exprs(&rule_groups(), &mut exprs);
+    let read: BTreeSet<String> = exprs.iter().flat_map(|e| series_in(e)).filter(|n| full.contains(n)).collect();
+    assert!(read.len() >= 10, "{read:?}");
+    let lost: Vec<&String> = read.iter().filter(|n| !essential.contains(*n)).collect();
+    assert!(lost.is_empty(), "read per policy but summed per namespace with essential detail: {lost:?}");
+    println!(
+        "{} per-policy series in full detail, {} in essential; the queries read {read:?}",
+        full.len(),
+        essential.len()
+    );
+}
+
 #[test]
 fn alerts_and_dashboard_are_off_by_default() {
     let out = Command::new(bed().var("PELICAN_HELM")).args(["template", "pelican", CHART]).output().unwrap();

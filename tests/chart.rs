@@ -243,7 +243,11 @@ fn sharding_renders_one_deployment_per_shard_with_its_own_lease_and_selector() {
     let deployments: Vec<&str> = manifests.split("\n---").filter(|m| m.contains("kind: Deployment")).collect();
     assert_eq!(deployments.len(), 3, "{manifests}");
     for (name, selector, lease) in [
-        ("sh-pelican\n", "--watch-label-selector=!sharding.pelican.io/key", "--leader-election-lease=pelican-leader\n"),
+        (
+            "sh-pelican-unlabelled\n",
+            "--watch-label-selector=!sharding.pelican.io/key",
+            "--leader-election-lease=pelican-leader\n",
+        ),
         (
             "sh-pelican-a\n",
             "--watch-label-selector=sharding.pelican.io/key=a",
@@ -262,6 +266,8 @@ fn sharding_renders_one_deployment_per_shard_with_its_own_lease_and_selector() {
     assert!(!unsharded.contains("--watch-label-selector") && !unsharded.contains("pelican.io/shard"));
     let (ok, out) = helm(&["template", "x", CHART, "--set", "sharding.shards={Bad_Name}"]);
     assert!(!ok && out.contains("/sharding/shards/0"), "{out}");
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "sharding.shards={unlabelled}"]);
+    assert!(!ok && out.contains("/sharding/shards/0"), "the rest's own name: {out}");
 }
 
 #[test]
@@ -451,6 +457,71 @@ fn the_documented_upgrade_from_the_previous_chart_keeps_the_users_values_and_tak
     assert!(pod["topologySpreadConstraints"].is_array(), "the new default spread: {pod}");
     let (ok, out) = helm(&["uninstall", &release, "-n", &ns]);
     assert!(ok, "{out}");
+}
+
+/// The supported Kubernetes range is the chart's `kubeVersion` (1.29 and later: the CRDs' CEL validation rules with
+/// `fieldPath`): an older cluster is refused before anything is applied, with the range named.
+#[test]
+fn a_cluster_older_than_the_crds_need_is_refused() {
+    let (ok, out) = helm(&["template", "x", CHART, "--kube-version", "1.28.9"]);
+    assert!(!ok && out.contains("chart requires kubeVersion: >=1.29.0-0"), "{out}");
+    let (ok, out) = helm(&["template", "x", CHART, "--kube-version", "1.29.0"]);
+    assert!(ok, "{out}");
+}
+
+/// Issue 51.2: turning sharding on or off failed in `helm upgrade` (a Deployment kept its name and gained
+/// `pelican.io/shard` in its selector, which Kubernetes refuses to change). No Deployment or PodDisruptionBudget
+/// keeps its name across the switch with another selector: the switch replaces them.
+#[test]
+fn switching_sharding_never_changes_the_selector_of_a_deployment_that_keeps_its_name() {
+    let selectors = |sets: &[&str]| -> std::collections::BTreeMap<(String, String), String> {
+        let manifests = render("sw", "pelican-system", sets);
+        manifests
+            .split("\n---")
+            .filter_map(|m| serde_yaml::from_str::<serde_json::Value>(m).ok())
+            .filter(|m| m["kind"] == "Deployment" || m["kind"] == "PodDisruptionBudget")
+            .map(|m| {
+                let key =
+                    (m["kind"].as_str().unwrap().to_string(), m["metadata"]["name"].as_str().unwrap().to_string());
+                (key, m["spec"]["selector"].to_string())
+            })
+            .collect()
+    };
+    let off = selectors(&[]);
+    let on = selectors(&["sharding.shards={a,b}"]);
+    assert_eq!(on.len(), 6, "{on:?}");
+    for (object, selector) in &off {
+        if let Some(other) = on.get(object) {
+            assert_eq!(selector, other, "{object:?} keeps its name and changes its selector");
+        }
+    }
+    assert!(off.keys().all(|object| !on.contains_key(object)), "{off:?} {on:?}");
+}
+
+/// IPv6-only and dual-stack clusters (issue 51.6): `listenAddress: "::"` binds every listener to `[::]`, which
+/// answers on IPv6 and, where the node allows mapped addresses (Linux's default), on IPv4 too; the default stays
+/// IPv4's `0.0.0.0`. The rendered flags, then the operator binary listening as the chart tells it to.
+#[test]
+fn listeners_bind_the_listen_address_and_ipv6_in_brackets() {
+    let scaler = "autoscaling.externalScaler.enabled=true";
+    let v4 = render("x", "pelican-system", &[scaler]);
+    for flag in ["--metrics-addr=0.0.0.0:8080", "--health-addr=0.0.0.0:8081", "--external-scaler-addr=0.0.0.0:9090"] {
+        assert!(v4.contains(flag), "{flag} missing:\n{v4}");
+    }
+    let v6 = render("x", "pelican-system", &[scaler, "listenAddress=::"]);
+    for flag in ["--metrics-addr=[::]:8080", "--health-addr=[::]:8081", "--external-scaler-addr=[::]:9090"] {
+        assert!(v6.contains(flag), "{flag} missing:\n{v6}");
+    }
+    let ns = namespace("listen-v6");
+    let operator = Operator::launch_listening("[::]", &["--namespace", &ns], bed().kubeconfig());
+    for host in ["[::1]", "127.0.0.1"] {
+        let url = format!("http://{host}:{}/metrics", operator.metrics_port);
+        wait_for(&format!("{url} to answer"), Duration::from_secs(30), || {
+            let out = std::process::Command::new("curl").args(["-sf", "--max-time", "2", &url]).output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            if text.contains("pelican_passes_total") { Ok(()) } else { Err(format!("{:?}", out.status)) }
+        });
+    }
 }
 
 /// Defect (issue 48.15): with leader election off and one replica a rolling update never completed: the new pod

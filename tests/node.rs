@@ -609,6 +609,95 @@ fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_a
     installed.uninstall();
 }
 
+/// Issue 51.2: sharding turned on and off again on a running release as installing.md writes it (the operator
+/// stopped with `replicaCount=0`, then the shape changed), with a policy in each shard: after each switch both are
+/// served (a poison message dead-lettered each), each by its own shard (`status.operator`), the old Deployments gone,
+/// and no `AnotherPelican` ever said.
+#[test]
+#[ignore = "needs the node and the operator image: scripts/test runs it (scripts/testenv node up, then --ignored)"]
+fn sharding_turned_on_and_off_on_a_running_release_serves_each_policy_once() {
+    let installed = Installed::new(true);
+    let (system, apps, release, ip) =
+        (installed.system.clone(), installed.apps.clone(), installed.release.clone(), installed.redis_ip.clone());
+    let invoices = installed
+        .orders
+        .replace("name: orders\n", "name: invoices\n  labels: {sharding.pelican.io/key: a}\n")
+        .replace("stream: orders", "stream: invoices")
+        .replace("\"orders:dlq\"", "\"invoices:dlq\"");
+    let (ok, out) = kubectl_apply(&apps, &invoices);
+    assert!(ok, "{out}");
+    wait_condition(&apps, "invoices", "Ready", "True", "Reconciled");
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/installing.md")).unwrap();
+    assert!(page.contains("--set replicaCount=0") && page.contains("kubectl wait --for=delete pod"), "the procedure");
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
+    let upgrade = |sets: &[&str]| {
+        let mut args = vec!["upgrade", &release, chart, "-n", &system, "--reset-then-reuse-values"];
+        args.extend(sets);
+        helm_ok(&args);
+    };
+    let deployments = || -> BTreeSet<String> {
+        let names = kubectl_ok(&[
+            "get",
+            "deploy",
+            "-n",
+            &system,
+            "-l",
+            &installed.selector,
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ]);
+        names.split_whitespace().map(String::from).collect()
+    };
+    let mut poisoned = 0;
+    let mut serve = |shards: &str| {
+        // A poison message in each stream, dead-lettered by whichever shard serves its policy.
+        poisoned += 1;
+        for stream in ["orders", "invoices"] {
+            let id = redis_in_pod(&ip, &["XADD", stream, "*", "n", &poisoned.to_string()]);
+            let read =
+                redis_in_pod(&ip, &["XREADGROUP", "GROUP", "billing", "w", "COUNT", "10", "STREAMS", stream, ">"]);
+            assert!(read.contains(&id), "{read}");
+        }
+        for (policy, lease) in [
+            ("orders", "pelican-leader"),
+            ("invoices", if shards.is_empty() { "pelican-leader" } else { "pelican-leader-a" }),
+        ] {
+            let dlq = format!("{policy}:dlq");
+            wait_for(&format!("{policy}'s poison dead-lettered ({shards:?})"), Duration::from_secs(60), || {
+                let dead = redis_in_pod(&ip, &["XLEN", &dlq]);
+                if dead == poisoned.to_string() { Ok(()) } else { Err(dead) }
+            });
+            let writer = wait_for(&format!("{policy} served by {lease}"), Duration::from_secs(30), || {
+                let operator = get_policy(&apps, policy)["status"]["operator"].as_str().unwrap_or_default().to_string();
+                if operator == format!("{system}/{lease}") { Ok(operator) } else { Err(operator) }
+            });
+            println!("{policy}: {poisoned} dead-lettered, status written by {writer}");
+        }
+    };
+    serve("");
+    assert_eq!(deployments(), [release.clone()].into());
+
+    for (shards, expected) in [
+        ("sharding.shards={a}", vec![format!("{release}-a"), format!("{release}-unlabelled")]),
+        ("sharding.shards=[]", vec![release.clone()]),
+    ] {
+        let start = Instant::now();
+        upgrade(&["--set", "replicaCount=0"]);
+        kubectl_ok(&["wait", "--for=delete", "pod", "-l", &installed.selector, "-n", &system, "--timeout=120s"]);
+        let set = if shards.ends_with("[]") { "--set-json" } else { "--set" };
+        upgrade(&["--set", "replicaCount=2", set, shards]);
+        for deployment in &expected {
+            kubectl_ok(&["rollout", "status", &format!("deploy/{deployment}"), "-n", &system, "--timeout=180s"]);
+        }
+        println!("{shards}: switched in {:.1}s", start.elapsed().as_secs_f64());
+        assert_eq!(deployments(), expected.iter().cloned().collect());
+        serve(if shards.ends_with("[]") { "" } else { "a" });
+    }
+    let another = events(&apps, "AnotherPelican");
+    assert!(another.is_empty(), "{another:?}");
+    show(&["get", "deploy,lease", "-n", &system]);
+}
+
 /// The SDK's example consumer (`scripts/image consumer`) as a Deployment of two Pods on the node, a policy of the
 /// default `minIdle` (5 minutes) with `spec.consumers.pods` selecting them (issue 49):
 /// - 16 messages in flight (handlers of 15 s), the Pod holding most of them deleted: its worker gives back what its

@@ -181,6 +181,11 @@ impl Metrics {
         *self.servers.0.lock().expect("metrics lock") = Some(Box::new(source));
     }
 
+    /// How much of each policy the series show from now on.
+    pub fn set_detail(&self, detail: MetricsDetail) {
+        *self.policies.1.lock().expect("metrics lock") = detail;
+    }
+
     /// Publishes a policy's status as its series.
     pub fn observe_policy(&self, key: PolicyKey, snapshot: PolicySnapshot) {
         self.policies.0.lock().expect("metrics lock").insert(key, snapshot);
@@ -336,20 +341,83 @@ impl Collector for ServerSeries {
 /// Name, help, and the value of one policy (no series when `None`).
 type Series = (&'static str, &'static str, fn(&PolicySnapshot) -> Option<i64>);
 
+/// How much of each policy `/metrics` shows (`pelican run --metrics-detail`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MetricsDetail {
+    /// Every series per policy (labels namespace, policy, stream, group).
+    #[default]
+    Full,
+    /// Per policy only the series the chart's alerts and dashboard read ([`ESSENTIAL`]); the rest summed (ages:
+    /// their maximum) per namespace, with the `namespace` label only.
+    Essential,
+}
+
+/// The per-policy series the chart's alerts and dashboard read: kept per policy with `--metrics-detail essential`.
+pub const ESSENTIAL: [&str; 14] = [
+    "pelican_policy_ready",
+    "pelican_group_pending",
+    "pelican_group_oldest_pending_age_seconds",
+    "pelican_group_lag",
+    "pelican_group_lag_seconds",
+    "pelican_group_backlog",
+    "pelican_group_backlog_max_length",
+    "pelican_stream_length",
+    "pelican_dead_letter_stream_length",
+    "pelican_group_consuming",
+    "pelican_dead_lettered",
+    "pelican_requeued",
+    "pelican_publish_rejected",
+    "pelican_trimmed",
+];
+
+/// Series whose per-namespace value is the largest of its policies' (an age), not their sum.
+const TAKE_MAX: [&str; 2] = ["pelican_group_oldest_pending_idle_seconds", "pelican_group_drain_seconds"];
+
 #[derive(Debug, Default)]
-struct PolicySeries(Mutex<BTreeMap<PolicyKey, PolicySnapshot>>);
+struct PolicySeries(Mutex<BTreeMap<PolicyKey, PolicySnapshot>>, Mutex<MetricsDetail>);
+
+impl PolicySeries {
+    /// The series of `name` for every policy: (labels, value). Per policy, or per namespace (and the extra labels)
+    /// where `--metrics-detail essential` leaves the name out of [`ESSENTIAL`].
+    fn series<T: Copy + std::ops::Add<Output = T> + PartialOrd>(
+        &self,
+        name: &str,
+        policies: &BTreeMap<PolicyKey, PolicySnapshot>,
+        values: impl Fn(&PolicySnapshot) -> Vec<(Labels, T)>,
+    ) -> Vec<(Labels, T)> {
+        let per_policy = *self.1.lock().expect("metrics lock") == MetricsDetail::Full || ESSENTIAL.contains(&name);
+        let mut out = Vec::new();
+        let mut by_namespace: BTreeMap<Labels, T> = BTreeMap::new();
+        for ((namespace, policy), p) in policies {
+            for (extra, value) in values(p) {
+                if per_policy {
+                    let mut labels: Labels = vec![
+                        ("namespace", namespace.clone()),
+                        ("policy", policy.clone()),
+                        ("stream", p.stream.clone()),
+                        ("group", p.group.clone()),
+                    ];
+                    labels.extend(extra);
+                    out.push((labels, value));
+                } else {
+                    let mut labels: Labels = vec![("namespace", namespace.clone())];
+                    labels.extend(extra);
+                    let take_max = TAKE_MAX.contains(&name);
+                    by_namespace
+                        .entry(labels)
+                        .and_modify(|v| *v = if take_max { if value > *v { value } else { *v } } else { *v + value })
+                        .or_insert(value);
+                }
+            }
+        }
+        out.extend(by_namespace);
+        out
+    }
+}
 
 impl Collector for PolicySeries {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let policies = self.0.lock().expect("metrics lock");
-        let labels = |(namespace, name): &PolicyKey, p: &PolicySnapshot| -> Labels {
-            vec![
-                ("namespace", namespace.clone()),
-                ("policy", name.clone()),
-                ("stream", p.stream.clone()),
-                ("group", p.group.clone()),
-            ]
-        };
         let gauges: [Series; 13] = [
             ("pelican_group_pending", "Entries in the group's PEL", |p| p.status.pending),
             ("pelican_group_oldest_pending_age_seconds", "Age of the oldest pending entry, from its id", |p| {
@@ -387,10 +455,8 @@ impl Collector for PolicySeries {
         ];
         for (name, help, value) in gauges {
             let mut metric = encoder.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
-            for (key, p) in policies.iter() {
-                if let Some(v) = value(p) {
-                    ConstGauge::new(v).encode(metric.encode_family(&labels(key, p))?)?;
-                }
+            for (labels, v) in self.series(name, &policies, |p| value(p).map(|v| (vec![], v)).into_iter().collect()) {
+                ConstGauge::new(v).encode(metric.encode_family(&labels)?)?;
             }
         }
         let counters: [Series; 9] = [
@@ -416,54 +482,54 @@ impl Collector for PolicySeries {
         ];
         for (name, help, value) in counters {
             let mut metric = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
-            for (key, p) in policies.iter() {
-                if let Some(v) = value(p) {
-                    ConstCounter::new(v.max(0) as u64).encode(metric.encode_family(&labels(key, p))?)?;
-                }
+            let values = |p: &PolicySnapshot| value(p).map(|v| (vec![], v.max(0) as u64)).into_iter().collect();
+            for (labels, v) in self.series(name, &policies, values) {
+                ConstCounter::new(v).encode(metric.encode_family(&labels)?)?;
             }
         }
+        let name = "pelican_group_entries_per_second";
         let mut metric = encoder.encode_descriptor(
-            "pelican_group_entries_per_second",
+            name,
             "Entries per second over the window, by kind: added to the stream, read and acknowledged by the group",
             None,
             ConstGauge::new(0f64).metric_type(),
         )?;
-        for (key, p) in policies.iter() {
-            let Some(rates) = p.status.rates else { continue };
-            for (kind, rate) in
-                [("added", Some(rates.added)), ("read", rates.read), ("acknowledged", rates.acknowledged)]
-            {
-                let Some(rate) = rate else { continue };
-                let mut with_kind = labels(key, p);
-                with_kind.push(("kind", kind.to_string()));
-                ConstGauge::new(rate).encode(metric.encode_family(&with_kind)?)?;
-            }
+        let rates = |p: &PolicySnapshot| {
+            let Some(rates) = p.status.rates else { return vec![] };
+            [("added", Some(rates.added)), ("read", rates.read), ("acknowledged", rates.acknowledged)]
+                .into_iter()
+                .filter_map(|(kind, rate)| Some((vec![("kind", kind.to_string())], rate?)))
+                .collect()
+        };
+        for (labels, rate) in self.series(name, &policies, rates) {
+            ConstGauge::new(rate).encode(metric.encode_family(&labels)?)?;
         }
+        let name = "pelican_group_consuming";
         let mut metric = encoder.encode_descriptor(
-            "pelican_group_consuming",
+            name,
             "1, labelled with the Consuming condition's reason (Progressing, NoConsumers, NotProgressing, ...)",
             None,
             ConstGauge::new(0i64).metric_type(),
         )?;
-        for (key, p) in policies.iter() {
+        let verdicts = |p: &PolicySnapshot| {
             let verdict = p.status.conditions.iter().find(|c| c.type_ == crate::api::CONSUMING);
-            let Some(verdict) = verdict else { continue };
-            let mut with_reason = labels(key, p);
-            with_reason.push(("reason", verdict.reason.clone()));
-            ConstGauge::new(1i64).encode(metric.encode_family(&with_reason)?)?;
+            verdict.map(|v| (vec![("reason", v.reason.clone())], 1i64)).into_iter().collect()
+        };
+        for (labels, v) in self.series(name, &policies, verdicts) {
+            ConstGauge::new(v).encode(metric.encode_family(&labels)?)?;
         }
+        let name = "pelican_terminal_acks";
         let mut metric = encoder.encode_descriptor(
-            "pelican_terminal_acks",
+            name,
             "Messages ended as terminal, by reason code",
             None,
             ConstCounter::new(0u64).metric_type(),
         )?;
-        for (key, p) in policies.iter() {
-            for ack in &p.status.terminal_acks {
-                let mut with_reason = labels(key, p);
-                with_reason.push(("reason", ack.reason.clone()));
-                ConstCounter::new(ack.count.max(0) as u64).encode(metric.encode_family(&with_reason)?)?;
-            }
+        let acks = |p: &PolicySnapshot| {
+            p.status.terminal_acks.iter().map(|a| (vec![("reason", a.reason.clone())], a.count.max(0) as u64)).collect()
+        };
+        for (labels, v) in self.series(name, &policies, acks) {
+            ConstCounter::new(v).encode(metric.encode_family(&labels)?)?;
         }
         Ok(())
     }
@@ -563,6 +629,54 @@ fn totals(p: &PolicySnapshot) -> Option<&crate::api::Totals> {
 mod tests {
     use super::*;
     use crate::api::{TerminalAckCount, Totals};
+
+    /// `--metrics-detail essential`: the alerts' and the dashboard's series per policy, the rest per namespace
+    /// (summed; ages at their largest); `full` again shows every series per policy.
+    #[test]
+    fn essential_detail_keeps_what_alerts_read_per_policy_and_sums_the_rest_per_namespace() {
+        let metrics = Metrics::default();
+        for (name, consumers, idle, evicted) in [("a", 2, 30, 1), ("b", 3, 90, 4)] {
+            let status = ConsumerGroupPolicyStatus {
+                pending: Some(7),
+                consumers: Some(consumers),
+                oldest_pending_idle_seconds: Some(idle),
+                totals: Some(Totals { dead_lettered: 1, dead_letter_evicted: evicted, ..Totals::default() }),
+                terminal_acks: vec![TerminalAckCount { reason: "Invalid".into(), count: 5 }],
+                ..Default::default()
+            };
+            let snapshot = PolicySnapshot {
+                stream: "s".into(),
+                group: "g".into(),
+                ready: true,
+                status,
+                oldest_pending_age_seconds: Some(idle),
+                backlog_max_length: None,
+            };
+            metrics.observe_policy(("apps".into(), name.into()), snapshot);
+        }
+        let full = metrics.render();
+        metrics.set_detail(MetricsDetail::Essential);
+        let essential = metrics.render();
+        let a = r#"namespace="apps",policy="a",stream="s",group="g""#;
+        for text in [&full, &essential] {
+            assert!(text.contains(&format!("pelican_group_pending{{{a}}} 7")), "{text}");
+            assert!(text.contains(&format!("pelican_dead_lettered_total{{{a}}} 1")), "{text}");
+            assert!(text.contains(&format!("pelican_policy_ready{{{a}}} 1")), "{text}");
+        }
+        assert!(full.contains(&format!("pelican_group_consumers{{{a}}} 2")), "{full}");
+        assert!(!essential.contains(&format!("pelican_group_consumers{{{a}}}")), "{essential}");
+        assert!(essential.contains(r#"pelican_group_consumers{namespace="apps"} 5"#), "{essential}");
+        assert!(essential.contains(r#"pelican_dead_letter_evicted_total{namespace="apps"} 5"#), "{essential}");
+        assert!(essential.contains(r#"pelican_group_oldest_pending_idle_seconds{namespace="apps"} 90"#), "{essential}");
+        assert!(
+            essential.contains(r#"pelican_terminal_acks_total{namespace="apps",reason="Invalid"} 10"#),
+            "{essential}"
+        );
+        let series = |text: &str| text.lines().filter(|l| l.starts_with("pelican_")).count();
+        assert!(series(&essential) < series(&full), "{} vs {}", series(&essential), series(&full));
+        metrics.set_detail(MetricsDetail::Full);
+        assert_eq!(metrics.render(), full);
+    }
 
     #[test]
     fn series_mirror_the_status() {

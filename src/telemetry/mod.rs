@@ -6,7 +6,7 @@ mod metrics;
 
 pub use events::Events;
 pub use http::{Readiness, serve};
-pub use metrics::{Metrics, PolicyKey, PolicySnapshot, ServerSnapshot};
+pub use metrics::{Metrics, MetricsDetail, PolicyKey, PolicySnapshot, ServerSnapshot};
 
 use std::io::IsTerminal;
 

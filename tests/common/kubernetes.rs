@@ -61,6 +61,11 @@ impl Operator {
 
     /// `pelican run <args>` against the API server of `kubeconfig`.
     pub fn launch(args: &[&str], kubeconfig: &str) -> Operator {
+        Operator::launch_listening("127.0.0.1", args, kubeconfig)
+    }
+
+    /// The same, its metrics and health listeners on `host` (`[::]` for every IPv6 address).
+    pub fn launch_listening(host: &str, args: &[&str], kubeconfig: &str) -> Operator {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("operator.log");
         let file = std::fs::File::create(&log).unwrap();
@@ -69,8 +74,8 @@ impl Operator {
         let binary = std::env::var("PELICAN_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pelican").to_string());
         let child = Command::new(binary)
             .arg("run")
-            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
-            .arg(format!("--health-addr=127.0.0.1:{health_port}"))
+            .arg(format!("--metrics-addr={host}:{metrics_port}"))
+            .arg(format!("--health-addr={host}:{health_port}"))
             .args(args)
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,pelican=debug")

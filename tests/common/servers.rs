@@ -133,6 +133,11 @@ impl Server {
         }
     }
 
+    /// The server's working directory (`--dir`): where `SAVE` writes `dump.rdb` and a start loads it from.
+    pub fn data_dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// The URL a policy uses: no credentials in it.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)

@@ -32,3 +32,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The host:port a listener binds: listenAddress and the port given, an IPv6 address in brackets. */}}
+{{- define "pelican.listen" -}}
+{{- $host := .root.Values.listenAddress | default "0.0.0.0" -}}
+{{- if contains ":" $host -}}[{{ $host }}]:{{ .port }}{{- else -}}{{ $host }}:{{ .port }}{{- end -}}
+{{- end -}}
