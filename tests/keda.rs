@@ -122,39 +122,9 @@ impl Drop for Keda {
 }
 
 fn consumers(redis_port: u16) -> String {
-    format!(
-        r#"apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: consumers
-spec:
-  replicas: 0
-  selector:
-    matchLabels: {{app: consumers}}
-  template:
-    metadata:
-      labels: {{app: consumers}}
-    spec:
-      terminationGracePeriodSeconds: 5
-      securityContext:
-        runAsNonRoot: true
-        runAsUser: 65532
-        seccompProfile: {{type: RuntimeDefault}}
-      containers:
-        - name: consumer
-          image: localhost/pelican-consumer:bed
-          imagePullPolicy: Never
-          env:
-            - {{name: REDIS_URL, value: "redis://{NODE_IP}:{redis_port}/0"}}
-            - {{name: STREAM, value: orders}}
-            - {{name: GROUP, value: billing}}
-            - {{name: HANDLE_MS, value: "250"}}
-          securityContext:
-            allowPrivilegeEscalation: false
-            readOnlyRootFilesystem: true
-            capabilities: {{drop: [ALL]}}
-"#
-    )
+    let url = format!("redis://{NODE_IP}:{redis_port}/0");
+    let env = [("REDIS_URL", url.as_str()), ("STREAM", "orders"), ("GROUP", "billing"), ("HANDLE_MS", "250")];
+    consumer_deployment("consumers", 0, 5, &env)
 }
 
 fn scaled_object(scaler: &str) -> String {

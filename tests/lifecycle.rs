@@ -106,34 +106,42 @@ fn sdk_workers_slower_than_min_idle_handle_each_message_once(flavor: Flavor) {
     assert_no_copies(&mut conn, 12);
 }
 
-/// `python3 <script> <args>` with the bed's redis-py.
-fn python(script: &str, args: &[&str]) -> std::process::Child {
-    Command::new("python3")
+/// `python3 <script> <args>` with the bed's redis-py, its output piped.
+fn python(script: &str, args: &[&str]) -> Command {
+    let mut command = Command::new("python3");
+    command
         .arg(format!("{}/{script}", env!("CARGO_MANIFEST_DIR")))
         .args(args)
         .env("PYTHONPATH", bed().var("PELICAN_PYTHONPATH"))
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("python3")
+        .stderr(Stdio::inherit());
+    command
 }
 
-/// The same with a worker in Python: `examples/workers/slow_worker.py` extends its messages with the call the workers
-/// page documents, at the interval it reads from the settings the operator publishes.
-fn a_redis_py_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
+/// 12 messages, each handler run 6 s under `minIdle: 2s`, by a worker in another language (`worker` given the
+/// server's URL, the stream, the group, its consumer name, the seconds and the count, as
+/// `examples/workers/slow_worker.py` takes them) that extends its messages with the documented lease call: each
+/// message is handled once, no copy, no dead letter.
+fn each_message_handled_once_by(flavor: Flavor, prefix: &str, worker: impl FnOnce(&[&str]) -> Command) {
     let server = Server::start(flavor);
-    let (_ns, _operator) = ready_policy("lease-py", &manifest(&server, "2s"), "p");
+    let (_ns, _operator) = ready_policy(prefix, &manifest(&server, "2s"), "p");
     let mut conn = server.conn();
     publish(&mut conn, 12);
     let url = server.url();
-    let worker = python("examples/workers/slow_worker.py", &[&url, "tasks", "workers", "py-1", "6", "12"]);
-    let output = worker.wait_with_output().unwrap();
-    assert!(output.status.success(), "the Python worker failed");
+    let mut worker = worker(&[&url, "tasks", "workers", prefix, "6", "12"]);
+    let output = worker.stdout(Stdio::piped()).stderr(Stdio::inherit()).output().expect("the worker");
+    assert!(output.status.success(), "the worker failed: {worker:?}");
     let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
     std::thread::sleep(Duration::from_secs(3));
     eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
     assert_eq!(handled, 12, "each message handled once");
     assert_no_copies(&mut conn, 12);
+}
+
+/// The same with a worker in Python: `examples/workers/slow_worker.py` extends its messages with the call the workers
+/// page documents, at the interval it reads from the settings the operator publishes.
+fn a_redis_py_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
+    each_message_handled_once_by(flavor, "lease-py", |args| python("examples/workers/slow_worker.py", args));
 }
 
 /// `examples/workers/go` built once per test binary with the bed's Go caches (its modules through the Go module
@@ -158,24 +166,11 @@ fn go_slow_worker() -> &'static str {
 /// The same with a worker in Go: `examples/workers/go` (go-redis v9) extends its messages with `XClaimJustID`, the
 /// call the workers page documents.
 fn a_go_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let (_ns, _operator) = ready_policy("lease-go", &manifest(&server, "2s"), "p");
-    let mut conn = server.conn();
-    publish(&mut conn, 12);
-    let url = server.url();
-    let worker = Command::new(go_slow_worker())
-        .args([url.as_str(), "tasks", "workers", "go-1", "6", "12"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the Go worker");
-    let output = worker.wait_with_output().unwrap();
-    assert!(output.status.success(), "the Go worker failed");
-    let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
-    std::thread::sleep(Duration::from_secs(3));
-    eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
-    assert_eq!(handled, 12, "each message handled once");
-    assert_no_copies(&mut conn, 12);
+    each_message_handled_once_by(flavor, "lease-go", |args| {
+        let mut go = Command::new(go_slow_worker());
+        go.args(args);
+        go
+    });
 }
 
 /// `examples/workers/spring` compiled once per test binary with Maven (its dependencies from the Maven repository
@@ -201,25 +196,11 @@ fn spring_slow_worker() -> &'static [String] {
 /// The same with a worker in Java: `examples/workers/spring` (Spring Data Redis with Lettuce) extends its messages
 /// with `xClaimJustId`, the call the workers page documents.
 fn a_spring_data_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
-    let server = Server::start(flavor);
-    let (_ns, _operator) = ready_policy("lease-java", &manifest(&server, "2s"), "p");
-    let mut conn = server.conn();
-    publish(&mut conn, 12);
-    let url = server.url();
-    let worker = Command::new("java")
-        .args(spring_slow_worker())
-        .args([url.as_str(), "tasks", "workers", "java-1", "6", "12"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the Java worker");
-    let output = worker.wait_with_output().unwrap();
-    assert!(output.status.success(), "the Java worker failed");
-    let handled = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.starts_with("handled ")).count();
-    std::thread::sleep(Duration::from_secs(3));
-    eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
-    assert_eq!(handled, 12, "each message handled once");
-    assert_no_copies(&mut conn, 12);
+    each_message_handled_once_by(flavor, "lease-java", |args| {
+        let mut java = Command::new("java");
+        java.args(spring_slow_worker()).args(args);
+        java
+    });
 }
 
 /// Defect (issue 49): a worker that claims by itself with a shorter idle than the policy's (`XAUTOCLAIM` every
@@ -240,7 +221,7 @@ fn the_cap_holds_against(flavor: Flavor, prefix: &str, worker: &[&str]) {
     publish(&mut conn, 1);
     let url = server.url();
     let args: Vec<&str> = [&url[..], "tasks", "workers"].into_iter().chain(worker[1..].iter().copied()).collect();
-    let worker = python(worker[0], &args);
+    let worker = python(worker[0], &args).spawn().expect("python3");
     let started = Instant::now();
     let dead = wait_for("the message to be dead-lettered", Duration::from_secs(20), || {
         let dead = xrange(&mut conn, "tasks:dlq");
@@ -297,7 +278,7 @@ fn a_worker_reading_with_claim_and_the_requeue_pass_handle_each_message_once() {
             .unwrap();
         let url = server.url();
         let args = [&url[..], "tasks", "workers", "reader", "9", claim_min_idle, "ack"];
-        let output = python("tests/python/claim_reader.py", &args).wait_with_output().unwrap();
+        let output = python("tests/python/claim_reader.py", &args).output().unwrap();
         assert!(output.status.success(), "the Python worker failed");
         let stdout = String::from_utf8_lossy(&output.stdout).to_string();
         let mut handled: Vec<u32> = stdout.lines().filter_map(|l| l.split(' ').nth(2)?.parse().ok()).collect();

@@ -719,41 +719,15 @@ fn worker_pods_deleted_killed_or_crashing_have_their_messages_retried_in_seconds
     let (ok, out) = kubectl_apply(&apps, &policy("jobs", &url, "jobs", "workers", extra));
     assert!(ok, "{out}");
     wait_condition(&apps, "jobs", "Ready", "True", "Reconciled");
-    let deployment = format!(
-        r#"apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: workers
-spec:
-  replicas: 2
-  selector:
-    matchLabels: {{app: workers}}
-  template:
-    metadata:
-      labels: {{app: workers}}
-    spec:
-      terminationGracePeriodSeconds: 10
-      securityContext:
-        runAsNonRoot: true
-        runAsUser: 65532
-        seccompProfile: {{type: RuntimeDefault}}
-      containers:
-        - name: consumer
-          image: localhost/pelican-consumer:bed
-          imagePullPolicy: Never
-          env:
-            - {{name: REDIS_URL, value: "{url}"}}
-            - {{name: STREAM, value: jobs}}
-            - {{name: GROUP, value: workers}}
-            - {{name: HANDLE_MS, value: "15000"}}
-            - {{name: SHUTDOWN_GRACE_MS, value: "1000"}}
-            - {{name: EXIT_ON, value: crash}}
-          securityContext:
-            allowPrivilegeEscalation: false
-            readOnlyRootFilesystem: true
-            capabilities: {{drop: [ALL]}}
-"#
-    );
+    let env = [
+        ("REDIS_URL", url.as_str()),
+        ("STREAM", "jobs"),
+        ("GROUP", "workers"),
+        ("HANDLE_MS", "15000"),
+        ("SHUTDOWN_GRACE_MS", "1000"),
+        ("EXIT_ON", "crash"),
+    ];
+    let deployment = consumer_deployment("workers", 2, 10, &env);
     let (ok, out) = kubectl_apply(&apps, &deployment);
     assert!(ok, "{out}");
     kubectl_ok(&["rollout", "status", "deployment/workers", "-n", &apps, "--timeout=120s"]);

@@ -178,7 +178,7 @@ impl Metrics {
     /// `pelican_redis_server_ready` and `pelican_redis_server_policies` read the `RedisServer`s from `source` at
     /// scrape time (the leader's view; none on a replica that does not lead).
     pub fn watch_servers(&self, source: impl Fn() -> Vec<ServerSnapshot> + Send + Sync + 'static) {
-        *self.servers.0.lock().expect("metrics lock") = Some(Box::new(source));
+        self.servers.0.set(source);
     }
 
     /// How much of each policy the series show from now on.
@@ -193,7 +193,7 @@ impl Metrics {
 
     /// `pelican_state_entries{map}` reads the sizes of the operator's in-memory maps from `source` at scrape time.
     pub fn watch_state(&self, source: impl Fn() -> Vec<(&'static str, usize)> + Send + Sync + 'static) {
-        *self.state.0.lock().expect("metrics lock") = Some(Box::new(source));
+        self.state.0.set(source);
     }
 
     /// `pelican_leader{lease}` follows `leadership` from now on: 1 while this replica may write, else 0.
@@ -236,23 +236,40 @@ pub struct PolicySnapshot {
     pub backlog_max_length: Option<i64>,
 }
 
-type StateSource = Box<dyn Fn() -> Vec<(&'static str, usize)> + Send + Sync>;
+/// Where a collector reads its values at scrape time, once the operator has told it.
+struct Source<T>(Mutex<Option<Box<dyn Fn() -> T + Send + Sync>>>);
 
-/// Entries of the operator's in-memory maps (tasks, connections, cached Secrets, ...): they follow the policies, so a
-/// count that only grows is a leak.
-#[derive(Default)]
-struct StateSeries(Mutex<Option<StateSource>>);
-
-impl std::fmt::Debug for StateSeries {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StateSeries")
+impl<T> Default for Source<T> {
+    fn default() -> Self {
+        Source(Mutex::new(None))
     }
 }
 
+impl<T> std::fmt::Debug for Source<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Source")
+    }
+}
+
+impl<T> Source<T> {
+    fn set(&self, source: impl Fn() -> T + Send + Sync + 'static) {
+        *self.0.lock().expect("metrics lock") = Some(Box::new(source));
+    }
+
+    /// The values now; none before the source is set.
+    fn read(&self) -> Option<T> {
+        self.0.lock().expect("metrics lock").as_ref().map(|source| source())
+    }
+}
+
+/// Entries of the operator's in-memory maps (tasks, connections, cached Secrets, ...): they follow the policies, so a
+/// count that only grows is a leak.
+#[derive(Debug, Default)]
+struct StateSeries(Source<Vec<(&'static str, usize)>>);
+
 impl Collector for StateSeries {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let source = self.0.lock().expect("metrics lock");
-        let Some(source) = source.as_ref() else {
+        let Some(maps) = self.0.read() else {
             return Ok(());
         };
         let mut metric = encoder.encode_descriptor(
@@ -261,7 +278,7 @@ impl Collector for StateSeries {
             None,
             ConstGauge::new(0i64).metric_type(),
         )?;
-        for (map, entries) in source() {
+        for (map, entries) in maps {
             let labels: Labels = vec![("map", map.to_string())];
             ConstGauge::new(entries as i64).encode(metric.encode_family(&labels)?)?;
         }
@@ -300,26 +317,15 @@ pub struct ServerSnapshot {
     pub policies: i64,
 }
 
-type ServerSource = Box<dyn Fn() -> Vec<ServerSnapshot> + Send + Sync>;
-
 /// Name, help, and the value of one server.
 type ServerGauge = (&'static str, &'static str, fn(&ServerSnapshot) -> i64);
 
-#[derive(Default)]
-struct ServerSeries(Mutex<Option<ServerSource>>);
-
-impl std::fmt::Debug for ServerSeries {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ServerSeries")
-    }
-}
+#[derive(Debug, Default)]
+struct ServerSeries(Source<Vec<ServerSnapshot>>);
 
 impl Collector for ServerSeries {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let servers = match self.0.lock().expect("metrics lock").as_ref() {
-            Some(source) => source(),
-            None => return Ok(()),
-        };
+        let servers = self.0.read().unwrap_or_default();
         if servers.is_empty() {
             return Ok(());
         }

@@ -60,3 +60,38 @@ impl Drop for NodeForward {
         }
     }
 }
+
+/// A Deployment `name` of the SDK's example consumer (`localhost/pelican-consumer:bed`, `scripts/image consumer`),
+/// its Pods labelled `app: <name>`, restricted, with the environment `env` (REDIS_URL, STREAM, GROUP, HANDLE_MS, ...).
+pub fn consumer_deployment(name: &str, replicas: u32, grace_seconds: u32, env: &[(&str, &str)]) -> String {
+    let env: String = env.iter().map(|(k, v)| format!("            - {{name: {k}, value: \"{v}\"}}\n")).collect();
+    format!(
+        r#"apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {name}
+spec:
+  replicas: {replicas}
+  selector:
+    matchLabels: {{app: {name}}}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+    spec:
+      terminationGracePeriodSeconds: {grace_seconds}
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: 65532
+        seccompProfile: {{type: RuntimeDefault}}
+      containers:
+        - name: consumer
+          image: localhost/pelican-consumer:bed
+          imagePullPolicy: Never
+          env:
+{env}          securityContext:
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities: {{drop: [ALL]}}
+"#
+    )
+}
