@@ -33,6 +33,36 @@ fn sixty_policies_on_three_servers_use_one_connection_per_server() {
     }
 }
 
+/// Defect (the CI run of 37e3263 saw it: `sixty_policies_on_three_servers_use_one_connection_per_server` found two
+/// operator connections on one server, both in use): a policy that had dialed its server and not yet recorded it
+/// had that connection closed by another policy's record (which closed every connection no recorded policy needed),
+/// so the next policy of the server dialed a second one while the first policy kept using its own. The same steps,
+/// in the order that lost the race: the first policy's connection stays the only one.
+#[test]
+fn a_connection_dialed_and_not_yet_recorded_is_not_closed_by_another_policys_record() {
+    use pelican::redis::{Pools, Target};
+    let servers = [Server::start(Flavor::Redis), Server::start(Flavor::Redis)];
+    let targets = [Target::new(servers[0].url()), Target::new(servers[1].url())];
+    let pools = Pools::default();
+    let users = std::sync::Mutex::new(std::collections::HashMap::new());
+    runtime().block_on(async {
+        let mut first = pools.get(&targets[0]).await.unwrap();
+        let _: () = redis::cmd("PING").query_async(&mut first).await.unwrap();
+        // Another policy, of the other server, records its connection before the first one recorded its own.
+        let _ = pools.get(&targets[1]).await.unwrap();
+        pools.assign(&users, &"on-the-second-server", Some(&targets[1]));
+        let mut second = pools.get(&targets[0]).await.unwrap();
+        let _: () = redis::cmd("PING").query_async(&mut second).await.unwrap();
+        pools.assign(&users, &"first", Some(&targets[0]));
+        let _: () = redis::cmd("PING").query_async(&mut first).await.unwrap();
+        let connections = operator_connections(&servers[0]);
+        assert_eq!(connections.len(), 1, "one connection for both policies: {connections:#?}");
+        // Recording another target for a policy closes the one it leaves when nobody else uses it.
+        pools.assign(&users, &"first", None);
+        assert_eq!(pools.len(), 1, "the first server's connection closed with its last policy");
+    });
+}
+
 #[test]
 fn a_changed_password_takes_effect_without_a_restart() {
     let server = Server::start_with(Flavor::Redis, &["--requirepass", "first-pw"]);

@@ -460,17 +460,22 @@ impl Pools {
         self.connections.lock().expect("pool lock").remove(&target.pool_key());
     }
 
-    /// Records that `user` (a policy) now connects with `target`, and closes the connections no user needs any
-    /// more, such as those of credentials a Secret no longer holds.
+    /// Records that `user` (a policy) now connects with `target`, and closes the connection it used before when no
+    /// user needs it any more (the credentials a Secret no longer holds, the primary before a failover). Only that
+    /// one: a connection another policy has just dialed and not yet recorded is in use already, and closing it would
+    /// make the next policy dial a second one beside it.
     pub fn assign<U: Eq + Hash + Clone>(&self, users: &Mutex<HashMap<U, PoolKey>>, user: &U, target: Option<&Target>) {
         let mut users = users.lock().expect("pool users lock");
-        let changed = match target {
-            Some(target) => users.insert(user.clone(), target.pool_key()) != Some(target.pool_key()),
-            None => users.remove(user).is_some(),
+        let now = target.map(Target::pool_key);
+        let before = match &now {
+            Some(key) => users.insert(user.clone(), key.clone()),
+            None => users.remove(user),
         };
-        if changed {
-            let needed: HashSet<&PoolKey> = users.values().collect();
-            self.connections.lock().expect("pool lock").retain(|key, _| needed.contains(key));
+        if let Some(before) = before
+            && Some(&before) != now.as_ref()
+            && !users.values().any(|key| *key == before)
+        {
+            self.connections.lock().expect("pool lock").remove(&before);
         }
     }
 
