@@ -499,9 +499,10 @@ fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_a
     let (_old, old_chart) = previous_chart();
     let mut installed = Installed::install(
         old_chart.to_str().unwrap(),
-        // 0.1's default image is a registry's; here it is the one `scripts/image previous` built, imported. (0.1
-        // read Secrets in every namespace: no `rbac.secretNamespaces` yet.)
-        |_| vec!["image.repository=localhost/pelican".to_string()],
+        // 0.1's default image is a registry's; here it is the one `scripts/image previous` built, imported. It
+        // watches the test's namespace only (0.1 has no `rbac.secretNamespaces`): cluster-wide, it would first work
+        // through the thousands of policies the suite left on the bed, whose servers are gone.
+        |apps| vec!["image.repository=localhost/pelican".to_string(), format!("watchNamespace={apps}")],
         true,
     );
     let (system, apps, ip) = (installed.system.clone(), installed.apps.clone(), installed.redis_ip.clone());
