@@ -35,6 +35,9 @@ on_both_servers!(
     forged_delivery_counts_cost_one_short_call_and_are_dead_lettered,
     entries_left_without_an_owner_as_xnack_leaves_them_are_taken_at_once,
     a_requeued_copy_keeps_the_last_error_until_a_delivery_records_another,
+    reassign_hands_a_gone_consumers_and_unowned_entries_over_at_once,
+    reassign_with_no_consumer_that_looks_live_requeues,
+    a_requeued_copy_a_worker_keeps_claiming_is_dead_lettered_past_the_cap,
 );
 
 const STREAM: &str = "{jobs}:in";
@@ -821,4 +824,79 @@ fn reassign_hands_back_to_a_lone_owner_once_per_grace(flavor: Flavor) {
     pass(&server, &s);
     let left: i64 = redis::cmd("HLEN").arg("{jobs}:pelican:{jobs}:in:workers:handovers").query(&mut conn).unwrap();
     assert_eq!(left, 0);
+}
+
+/// Defect (issue 57.1): the hand-over's `XCLAIM` passed `minIdle` as its min-idle-time, so the entries of a consumer
+/// whose Pod is gone, and entries without an owner, which are due whatever their idle time, were silently not
+/// claimed, yet counted as reassigned (4 counted, all 4 still the gone consumer's). Now they are handed over at once
+/// and counted only when the claim took them.
+fn reassign_hands_a_gone_consumers_and_unowned_entries_over_at_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(6));
+    let mut conn = server.conn();
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "gone-pod", 4).len(), 4);
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "", 1).len(), 1);
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "live", 1).len(), 1);
+    // minIdle an hour: nothing here is idle; the gone consumer's and the unowned entry are due all the same.
+    let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Reassign, 5) };
+    let report = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        let mut cursor = Cursor::default();
+        cursor.gone = vec!["gone-pod".to_string()];
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut cursor, &|| true).await.unwrap()
+    });
+    assert_eq!(report.reassigned, 5, "{report:?}");
+    let owners: Vec<(String, String, i64)> =
+        pel(&mut conn, STREAM, GROUP).into_iter().map(|(id, owner, _, count)| (id, owner, count)).collect();
+    let expected: Vec<(String, String, i64)> =
+        ids.iter().enumerate().map(|(i, id)| (id.clone(), "live".to_string(), if i < 5 { 2 } else { 1 })).collect();
+    assert_eq!(owners, expected, "every entry the live consumer's, each hand-over counted");
+    assert_eq!(hget(&mut conn, "{jobs}:pelican:{jobs}:in:workers:totals", "reassigned"), 5);
+}
+
+/// Defect (issue 57.2): with no consumer that looks live, `Reassign` left a due entry where it was, for ever: on Redis
+/// 7.0 a lone worker waiting on new entries looks idle (an empty read does not reset `idle` before 7.2), so its
+/// failed message was never retried nor dead-lettered. Now such an entry is requeued: a copy at the end of the stream
+/// reaches whoever reads next.
+fn reassign_with_no_consumer_that_looks_live_requeues(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(1));
+    let mut conn = server.conn();
+    // The lone worker read the message, failed it, and has read nothing since (idle past minIdle).
+    read_and_leave_idle(&mut conn, "worker-0", 1);
+    let s = settings(ReclaimStrategy::Reassign, 3);
+    let report = pass(&server, &s);
+    assert_eq!((report.requeued, report.reassigned, report.skipped), (1, 0, 0), "{report:?}");
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty(), "the original acknowledged");
+    let entries = xrange(&mut conn, STREAM);
+    assert_eq!(entries.len(), 2);
+    assert_eq!(field(&entries[1], "pelican-origin-id"), Some(ids[0].as_bytes()));
+    assert_eq!(field(&entries[1], "pelican-deliveries"), Some(&b"1"[..]));
+    // The worker's next read of new entries gets the retry.
+    assert_eq!(read_new(&mut conn, STREAM, GROUP, "worker-0", 10).len(), 1);
+}
+
+/// Defect (issue 57.4): "past the cap whatever its idle time" read a requeued copy's `pelican-deliveries` only for
+/// copies an earlier call had found not due, so a copy that a worker kept claiming by itself (`XAUTOCLAIM` with a
+/// short idle) never looked past the cap: a message with `maxDeliveries: 3` was dead-lettered at 6 deliveries.
+fn a_requeued_copy_a_worker_keeps_claiming_is_dead_lettered_past_the_cap(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let copy = vec![
+        (b"n".to_vec(), b"1".to_vec()),
+        (b"pelican-origin-id".to_vec(), b"1-0".to_vec()),
+        (b"pelican-deliveries".to_vec(), b"2".to_vec()),
+    ];
+    let ids = seed(&server, &[copy]);
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "claimer", 1);
+    // The worker claims it again at once: its own count 2, the message's 4, and it never goes idle.
+    let _: redis::Value =
+        redis::cmd("XCLAIM").arg(STREAM).arg(GROUP).arg("claimer").arg(0).arg(&ids[0]).query(&mut conn).unwrap();
+    let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Requeue, 3) };
+    let report = pass(&server, &s);
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    let dead = xrange(&mut conn, DLQ);
+    assert_eq!(field(&dead[0], "pelican-deliveries"), Some(&b"4"[..]));
+    assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
+    assert!(pel(&mut conn, STREAM, GROUP).is_empty());
 }

@@ -37,7 +37,8 @@
 --
 -- An entry delivered more than `max deliveries` times is taken whatever its idle time, and dead-lettered: only
 -- clients that read or claim it by themselves raise its count past the cap (Pelican's own hand-overs and the SDK's
--- leases never do), and their claims keep it from going idle.
+-- leases never do), and their claims keep it from going idle. For a requeued copy the count includes its earlier
+-- deliveries (`pelican-deliveries`): a copy delivered twice or more is read even when busy, to know them.
 --
 -- Backoff: an entry is taken once idle min(max, minIdle * factor^(n-1)), n counting every delivery of the message
 -- (a requeued copy's `pelican-deliveries` plus its own count). The scan knows the entry's own count, plus what
@@ -63,7 +64,8 @@
 -- are reset before the first move, instead of making an HINCRBY raise an error half way through the call). The
 -- byte budget keeps one call short, so other clients of the server never see BUSY because of large entries.
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
--- when the new owner never re-reads its PEL.
+-- when the new owner never re-reads its PEL; a hand-over is counted only when the claim took the entry. With no
+-- consumer that looks live (idle less than minIdle, its Pod not gone), Reassign requeues instead.
 
 local src, dlq, totals, terminal, errors, handovers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local group = ARGV[1]
@@ -115,6 +117,8 @@ sanitize(terminal, {'MaxDeliveriesExceeded', 'InvalidDeliveryCount', 'NackedFata
 local requeued, reassigned, dead_lettered, payload_deleted, skipped, too_large, invalid_counts = 0, 0, 0, 0, 0, 0, 0
 local fatal_counts = 0
 local scanned, idle, evicted = 0, 0, 0
+-- Entries not idle whose fields were read all the same (a copy delivered again while busy: its earlier deliveries).
+local peeked = 0
 -- The originals to acknowledge at the end: `src`, `group`, then ids.
 local acks = {src, group}
 -- Requeued copies not due: id, earlier deliveries, ...
@@ -203,12 +207,31 @@ local function fields_of(id, last)
   return run[id]
 end
 
+-- A copy of the message at the end of the stream, carrying its origin and deliveries, and its last error under the
+-- copy's id; the original is acknowledged at the end of the call.
+local function requeue(id, fields, n, origin, total)
+  local args = {src, '*'}
+  for f = 1, n do args[f + 2] = fields[f] end
+  args[n + 3] = 'pelican-origin-id'; args[n + 4] = origin
+  args[n + 5] = 'pelican-deliveries'; args[n + 6] = string.format('%d', total)
+  local copy = redis.call('XADD', unpack(args))
+  acks[#acks + 1] = id
+  if has_errors then
+    local last_error = redis.call('HGET', errors, id)
+    if last_error then
+      redis.call('HDEL', errors, id)
+      redis.call('HSET', errors, copy, last_error)
+    end
+  end
+  requeued = requeued + 1
+end
+
 -- Every move of the call; the acknowledgements and the counters are written once, below.
 local position = ''
 local function move_page()
 for _, pending in ipairs(page) do
   -- Every byte read counts, also of entries read ahead and not pending, and of entries too large to move.
-  if idle > 0 and read_bytes >= byte_budget then return end
+  if (idle > 0 or peeked > 0) and read_bytes >= byte_budget then return end
   local id, owner, idle_ms, deliveries = pending[1], pending[2], pending[3], pending[4]
   scanned = scanned + 1
   position = id
@@ -217,7 +240,19 @@ for _, pending in ipairs(page) do
   -- Past the cap, an entry is taken whatever its idle time: a client that claims by itself (XAUTOCLAIM, or
   -- XREADGROUP ... CLAIM, with a shorter idle than the policy's) keeps it from ever going idle, each claim a delivery.
   local orphan = gone[owner] == true or owner == ''
-  if idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries and not orphan then
+  local quiet = idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries and not orphan
+  if quiet and not copy and deliveries >= 2 then
+    -- Delivered again without going idle: a worker that claims by itself keeps a requeued copy busy, and the
+    -- copy's earlier deliveries are only in its fields. Read them, or such a copy would never reach the cap.
+    peeked = peeked + 1
+    local fields = fields_of(id, page[#page][1])
+    local n = fields and #fields or 0
+    if n >= 4 and fields[n - 3] == 'pelican-origin-id' and fields[n - 1] == 'pelican-deliveries' then
+      local earlier = delivery_count(fields[n])
+      quiet = earlier ~= nil and earlier + deliveries <= max_deliveries
+    end
+  end
+  if quiet then
     if copy then fate[copy] = 'w' end
   else
     if copy then fate[copy] = 't' end
@@ -285,37 +320,35 @@ for _, pending in ipairs(page) do
         if invalid then invalid_counts = invalid_counts + 1 end
         if fatal then fatal_counts = fatal_counts + 1 end
       elseif strategy == 'Requeue' then
-        local args = {src, '*'}
-        for f = 1, n do args[f + 2] = fields[f] end
-        args[n + 3] = 'pelican-origin-id'; args[n + 4] = origin
-        args[n + 5] = 'pelican-deliveries'; args[n + 6] = string.format('%d', total)
-        local copy = redis.call('XADD', unpack(args))
-        acks[#acks + 1] = id
-        if has_errors then
-          local last_error = redis.call('HGET', errors, id)
-          if last_error then
-            redis.call('HDEL', errors, id)
-            redis.call('HSET', errors, copy, last_error)
-          end
-        end
-        requeued = requeued + 1
+        requeue(id, fields, n, origin, total)
       elseif strategy == 'Reassign' then
         local handed = has_handovers and tonumber(redis.call('HGET', handovers, id))
-        local target = least_loaded(owner)
         if handed and tonumber(now_ms) - handed < grace then
           -- Handed over within the grace: its owner has not had its look at its PEL yet.
           skipped = skipped + 1
-        elseif target then
-          -- A hand-over is a delivery: without RETRYCOUNT, JUSTID leaves the count as it was, and an entry handed
-          -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap. It is
-          -- not handed over again within the grace, so the count grows no faster than the owner can take it up.
-          redis.call('XCLAIM', src, group, target.name, min_idle, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
-          redis.call('HSET', handovers, id, now_ms)
-          has_handovers = true
-          target.pending = target.pending + 1
-          reassigned = reassigned + 1
         else
-          skipped = skipped + 1
+          local target = least_loaded(owner)
+          if target then
+            -- A hand-over is a delivery: without RETRYCOUNT, JUSTID leaves the count as it was, and an entry handed
+            -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap. It is
+            -- not handed over again within the grace, so the count grows no faster than the owner can take it up.
+            -- Min-idle 0: this call found the entry due (a gone owner's and an unowned one whatever their idle
+            -- time) and nothing ran since; with minIdle there the claim of those silently did nothing.
+            local claimed = redis.call('XCLAIM', src, group, target.name, 0, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
+            if claimed[1] then
+              redis.call('HSET', handovers, id, now_ms)
+              has_handovers = true
+              target.pending = target.pending + 1
+              reassigned = reassigned + 1
+            else
+              skipped = skipped + 1
+            end
+          else
+            -- No consumer looks live: a worker waiting on new entries looks idle on Redis 7.0 (an empty read does
+            -- not reset `idle` before 7.2), and a group whose workers all left has none. A copy at the end of the
+            -- stream reaches whoever reads next, as under Requeue.
+            requeue(id, fields, n, origin, total)
+          end
         end
       else
         skipped = skipped + 1
