@@ -11,6 +11,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY src src
+COPY contract contract
 COPY benches benches
 COPY examples examples
 RUN cargo build --release --locked --bin pelican && strip target/release/pelican

@@ -1,17 +1,17 @@
 //! A consumer built on Pelican's SDK, as a Deployment would run it: it handles each message (here: waits
-//! `HANDLE_MS`) and acknowledges it, until SIGTERM, then lets in-flight messages finish for `SHUTDOWN_GRACE_MS` and
+//! `HANDLE_MS`) and acknowledges it, until SIGTERM, then lets in-flight messages finish for `SHUTDOWN_GRACE_MS` (20 s by default, below the Pod's 30 s) and
 //! gives back the rest. With `EXIT_ON=<field>`, a message carrying that field ends the process (as a handler that
 //! crashes it would). The image of the autoscaling and Pod tests (`scripts/image consumer`; tests/keda.rs,
 //! tests/node.rs).
 //!
 //!   REDIS_URL=redis://127.0.0.1:6379/0 STREAM=orders GROUP=billing cargo run --example consumer
 //!
-//! The consumer's name is the Pod's (`HOSTNAME`), so each replica has its own PEL and the operator's reclaim
+//! The consumer's name is the Pod's (`POD_NAME`, else `HOSTNAME`), so each replica has its own PEL and the operator's reclaim
 //! passes hand back what a replica scaled away left pending.
 
 use std::time::Duration;
 
-use pelican::worker::{Message, Outcome, Worker, WorkerConfig};
+use pelican::worker::{DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Worker, WorkerConfig, pod_name};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -19,9 +19,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = redis::Client::open(var("REDIS_URL", "redis://127.0.0.1:6379/0"))?;
     let handle = Duration::from_millis(var("HANDLE_MS", "20").parse()?);
     let exit_on = std::env::var("EXIT_ON").ok();
+    let grace = std::env::var("SHUTDOWN_GRACE_MS")
+        .map_or(Ok(DEFAULT_SHUTDOWN_GRACE), |ms| ms.parse().map(Duration::from_millis))?;
+    let consumer = pod_name().unwrap_or_else(|| "consumer".to_string());
     let config = WorkerConfig {
-        shutdown_grace: Duration::from_millis(var("SHUTDOWN_GRACE_MS", "30000").parse()?),
-        ..WorkerConfig::new(var("STREAM", "orders"), var("GROUP", "billing"), var("HOSTNAME", "consumer"))
+        shutdown_grace: grace,
+        ..WorkerConfig::new(var("STREAM", "orders"), var("GROUP", "billing"), consumer)
     };
     let worker = Worker::connect(&client, config).await?;
     let shutdown = async {

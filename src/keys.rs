@@ -63,32 +63,43 @@ pub fn settings_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:settings", hash_tag(stream))
 }
 
-/// The fields of [`settings_key`].
+/// The worker contract this build speaks (`contract/VERSION`, `contract/README.md`): the operator publishes it in
+/// the settings hash as `contractVersion`, and the SDK refuses to start on a version it does not know.
+pub const CONTRACT_VERSION: u32 = 1;
+
+/// The fields of [`settings_key`] workers read. The operator also keeps `heldMinIdleMs` and `heldUntilMs` there (a
+/// lowered `minIdle` held back for the passes: `src/redis/scripts/publish_settings.lua`); workers ignore them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerSettings {
     pub min_idle_ms: u64,
     pub retry_after_ms: u64,
     pub max_deliveries: u32,
+    /// `contractVersion`; a hash written by an operator older than the contract has none (read as version 1).
+    pub contract_version: Option<u32>,
 }
 
 impl WorkerSettings {
-    /// Field and value pairs, as `HSET` writes them.
-    pub fn fields(&self) -> [(&'static str, String); 3] {
-        [
-            ("minIdleMs", self.min_idle_ms.to_string()),
-            ("retryAfterMs", self.retry_after_ms.to_string()),
-            ("maxDeliveries", self.max_deliveries.to_string()),
-        ]
-    }
-
-    /// The settings a hash holds, when it holds all three as numbers.
+    /// The settings a hash holds, when it holds the first three as numbers.
     pub fn from_fields(hash: &std::collections::BTreeMap<String, String>) -> Option<WorkerSettings> {
         let field = |name: &str| hash.get(name)?.parse::<u64>().ok();
         Some(WorkerSettings {
             min_idle_ms: field("minIdleMs")?,
             retry_after_ms: field("retryAfterMs")?,
             max_deliveries: u32::try_from(field("maxDeliveries")?).ok()?,
+            contract_version: field("contractVersion").and_then(|v| u32::try_from(v).ok()),
         })
+    }
+
+    /// The contract the publishing operator speaks, when this build knows it; else an error that names both
+    /// versions and what to do.
+    pub fn check_contract(&self) -> Result<(), String> {
+        match self.contract_version.unwrap_or(1) {
+            CONTRACT_VERSION => Ok(()),
+            other => Err(format!(
+                "the operator speaks worker contract {other}, this SDK knows {CONTRACT_VERSION}: upgrade the SDK \
+                 (contract/README.md says what changed)"
+            )),
+        }
     }
 }
 
@@ -166,6 +177,27 @@ pub const ERROR_TEXT_MAX: usize = 1024;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The constant is the contract folder's version: a change of one without the other fails here.
+    #[test]
+    fn the_contract_version_is_the_contract_folders() {
+        let folder = include_str!("../contract/VERSION").trim();
+        assert_eq!(folder, CONTRACT_VERSION.to_string());
+    }
+
+    #[test]
+    fn a_contract_version_this_build_does_not_know_is_refused_by_name() {
+        let mut hash: std::collections::BTreeMap<String, String> =
+            [("minIdleMs", "3000"), ("retryAfterMs", "3000"), ("maxDeliveries", "3")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        let unversioned = WorkerSettings::from_fields(&hash).unwrap();
+        assert_eq!(unversioned.check_contract(), Ok(()), "an older operator's hash is version 1");
+        hash.insert("contractVersion".into(), "2".into());
+        let error = WorkerSettings::from_fields(&hash).unwrap().check_contract().unwrap_err();
+        assert!(error.contains("contract 2") && error.contains("knows 1") && error.contains("upgrade"), "{error}");
+    }
 
     #[test]
     fn hash_tag_is_the_braced_part() {

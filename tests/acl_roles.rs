@@ -150,6 +150,16 @@ fn every_role_runs_with_its_rules(bed: Bed, stream: &str, dead_letter: &str) {
         worker.run(handler, tokio::time::sleep(Duration::from_secs(8))).await
     });
     assert!(stats.done >= 3 && stats.terminal == 1 && stats.failed >= 1, "{stats:?}");
+    // The worker reads the group's settings and cannot rewrite them for everyone (issue 57.9).
+    let settings = pelican::keys::settings_key(stream, GROUP);
+    let mut conn = runtime.block_on(bed.conn("worker", "worker-pw"));
+    let mut rewrite = redis::cmd("HSET");
+    rewrite.arg(&settings).arg("minIdleMs").arg(3_600_000).arg("retryAfterMs").arg(0);
+    let refused = runtime.block_on(rewrite.query_async::<i64>(&mut conn)).expect_err("the worker may not write");
+    assert_eq!(refused.code(), Some("NOPERM"), "{refused}");
+    let read: BTreeMap<String, String> =
+        runtime.block_on(redis::cmd("HGETALL").arg(&settings).query_async(&mut conn)).unwrap();
+    assert_eq!(read.get("minIdleMs").map(String::as_str), Some("1000"), "{read:?}");
     // The operator: message 0 dead-lettered after its second delivery, the rest trimmed by retention.
     let policy = wait_for("the dead letter and the trim in status", Duration::from_secs(60), || {
         let p = get_policy(&ns, "roles");

@@ -238,7 +238,7 @@ fn the_documented_redis_cli_call_publishes_and_is_refused_when_full(flavor: Flav
     let mut conn = server.conn();
     group_at_zero(&mut conn, GROUP);
     bound(&mut conn, GROUP, 1);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/src/worker/bounded_publish.lua");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/contract/scripts/bounded_publish.lua");
     let cli = |n: &str| {
         let out = Command::new("redis-cli")
             .args(["-p", &server.port.to_string(), "--eval", script])

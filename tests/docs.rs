@@ -22,7 +22,9 @@ fn read(path: &Path) -> String {
 
 /// The Rust sources and the Lua scripts.
 fn source() -> String {
-    let files = [".rs", ".lua"].into_iter().flat_map(|suffix| files_below(&Path::new(ROOT).join("src"), suffix));
+    let roots = ["src", "contract/scripts"].map(|dir| Path::new(ROOT).join(dir));
+    let files =
+        roots.iter().flat_map(|root| [".rs", ".lua"].into_iter().flat_map(move |suffix| files_below(root, suffix)));
     files.map(|p| read(&p)).collect::<Vec<_>>().join("\n")
 }
 
@@ -326,11 +328,11 @@ fn the_scripts_reference_is_their_headers() {
          docs` from the scripts' headers; tests/docs.rs fails when it is stale. -->\n\nEvery change Pelican makes to \
          a stream is one of these Lua scripts, run atomically by the server. Each header says what the script \
          takes (`KEYS`, `ARGV`), what it answers and the invariant it keeps; the tests check the invariants under \
-         `kill -9`, failovers and concurrent callers. The scripts under `src/worker/` are the contracts for \
-         producers and workers in any language: load them as they are.\n",
+         `kill -9`, failovers and concurrent callers. The scripts under `contract/scripts/` are the contract for \
+         producers and workers in any language (`contract/README.md`): load them as they are.\n",
     );
     let mut scripts = files_below(&root.join("src/jobs/scripts"), ".lua");
-    scripts.extend(files_below(&root.join("src/worker"), ".lua"));
+    scripts.extend(files_below(&root.join("contract/scripts"), ".lua"));
     for script in scripts {
         let name = script.strip_prefix(root).unwrap().display().to_string();
         let header = lua_header(&script);

@@ -24,7 +24,7 @@ on_every_server!(
 #[test]
 fn a_redis_py_producer_retrying_after_a_timeout_writes_one_entry() {
     let server = Server::start_with(Flavor::Redis86, &["--enable-debug-command", "yes"]);
-    let script = format!("{}/src/worker/bounded_publish.lua", env!("CARGO_MANIFEST_DIR"));
+    let script = format!("{}/contract/scripts/bounded_publish.lua", env!("CARGO_MANIFEST_DIR"));
     for (stream, producer, expected) in [("keyed", "pod-0", 1), ("plain", "-", 6)] {
         let output = std::process::Command::new("python3")
             .arg(format!("{}/tests/python/idempotent_publish.py", env!("CARGO_MANIFEST_DIR")))

@@ -1,13 +1,16 @@
 """A redis-py worker whose handler may be slower than the group's minIdle, kept from looking abandoned with the
-lease call Pelican documents: the owner's `XCLAIM <stream> <group> <consumer> 0 <ids...> JUSTID` on the messages it
-is still handling (idle back to 0, the delivery count unchanged), every third of the `minIdleMs` the operator
-publishes in `{T}:pelican:<stream>:<group>:settings`.
+lease call Pelican documents: `contract/scripts/lease.lua` (the owner's `XCLAIM ... JUSTID` on the messages it is
+still handling, only those still its own: idle back to 0, the delivery count unchanged), every third of the
+`minIdleMs` the operator publishes in `{T}:pelican:<stream>:<group>:settings` (at least every 10 s), the settings
+read again at every lease so that a lowered minIdle is followed. A library does all this and the rest of the
+contract: sdks/python.
 
     python3 slow_worker.py redis://127.0.0.1:6379 '{orders}:events' billing worker-1 12 100
 
 handles messages (each takes HANDLE_SECONDS, here 12) until it handled COUNT (here 100) or ran 120 s, printing
 `handled <entry id>` for every run of the handler.
 """
+import os
 import sys
 import threading
 import time
@@ -32,9 +35,18 @@ def settings_key(stream, group):
 def main():
     url, stream, group, consumer, seconds, count = sys.argv[1:7]
     r = redis.Redis.from_url(url, decode_responses=True)
-    settings = r.hgetall(settings_key(stream, group))
-    # Three leases per minIdle; every second when no policy publishes settings.
-    every = int(settings.get("minIdleMs", 3000)) / 3 / 1000
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    with open(os.path.join(root, "contract", "scripts", "lease.lua")) as script:
+        lease = r.register_script(script.read())
+
+    def lease_interval():
+        # Three leases per minIdle, at least every 10 s; every second when no policy publishes settings.
+        settings = r.hgetall(settings_key(stream, group))
+        if "minIdleMs" not in settings:
+            return 1.0
+        return min(int(settings["minIdleMs"]) / 3 / 1000, 10.0)
+
+    every = lease_interval()
     in_flight, lock, handled = set(), threading.Lock(), []
 
     def handle(entry_id, fields):
@@ -58,7 +70,8 @@ def main():
                 ids = list(in_flight)
             if ids:
                 # The lease: Pelican's pass never takes an entry whose idle time stays below minIdle.
-                r.xclaim(stream, group, consumer, 0, ids, justid=True)
+                lease(keys=[stream], args=[group, consumer, *ids])
+            every = lease_interval()
 
 
 main()

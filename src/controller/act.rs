@@ -38,6 +38,8 @@ pub struct Observation {
     pub interval: std::time::Duration,
     /// The stream's window of idempotent production.
     pub idempotence: plan::Idempotence,
+    /// How long the passes still apply a higher `minIdle` than the policy's, lowered a moment ago (zero: none).
+    pub min_idle_held_for: Duration,
 }
 
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
@@ -86,9 +88,14 @@ pub async fn converge(
     }
     let jobs = plan::jobs(policy, schedule, others);
     let id = policy_id(policy);
+    // Before the passes get their settings: a lowered minIdle reaches the workers first and the passes only after
+    // the hold, so no slow handler still leasing at the old pace is taken from under its worker.
+    let published = schedule.pass.worker_settings();
+    let pass_min_idle = redis_ops::publish_settings(&mut conn, &server, keys.stream, keys.group, published).await?;
     match jobs.work {
         None => ctx.runner.stop(&id),
-        Some(work) => {
+        Some(mut work) => {
+            work.pass.min_idle = pass_min_idle.min_idle;
             let job = Job {
                 conn: conn.clone(),
                 pool: target.pool_key(),
@@ -116,11 +123,6 @@ pub async fn converge(
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
-    // Only when they differ: workers read them at start and every half minute.
-    let settings = schedule.pass.worker_settings();
-    if facts.settings != Some(settings) {
-        redis_ops::set_settings(&mut conn, &server, keys.stream, keys.group, settings).await?;
-    }
     let window = validate::effective_idempotence(policy, schedule.idempotence, others);
     let mut idempotence = plan::idempotence(window, facts.idempotence.as_ref(), features.has("XADD IDMP"));
     if let plan::Idempotence::Set(window) = idempotence {
@@ -142,7 +144,17 @@ pub async fn converge(
     }
     let interval = schedule.interval;
     let retention = jobs.retention_note;
-    Ok(Observation { server: setup.server, facts, retention, primary, features, interval, idempotence })
+    let min_idle_held_for = pass_min_idle.held_for;
+    Ok(Observation {
+        server: setup.server,
+        facts,
+        retention,
+        primary,
+        features,
+        interval,
+        idempotence,
+        min_idle_held_for,
+    })
 }
 
 /// `spec.consumers.pods`, for the passes: the selector, and the operator's store of Pod metadata.

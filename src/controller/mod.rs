@@ -549,9 +549,11 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     reported?;
     let recheck = schedule.map_or(STALLED_RECHECK, |s| s.interval);
     match result {
-        Ok(_) => {
+        Ok(seen) => {
             ctx.failures.lock().expect("failures lock").remove(&ObjectRef::from_obj(policy));
-            Ok(Action::requeue(recheck))
+            // A lowered minIdle applies to the passes when its hold ends: looked at again then.
+            let held = seen.min_idle_held_for;
+            Ok(Action::requeue(if held.is_zero() { recheck } else { recheck.min(held + Duration::from_millis(100)) }))
         }
         Err(e) if e.is_stalled() => Ok(Action::requeue(recheck)),
         Err(e) => Err(e),

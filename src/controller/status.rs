@@ -274,7 +274,6 @@ mod tests {
             terminal: [("RecordNotFound".to_string(), 40)].into(),
             publish_rejected: 0,
             bound: None,
-            settings: None,
             other_groups: vec!["search".into(), "audit".into()],
             server_time_ms: 1_764_421_200_000 + 90_000,
             entries_added: Some(40),

@@ -65,6 +65,7 @@ impl PassSettings {
             min_idle_ms: min_idle,
             retry_after_ms: min_idle.max(longest),
             max_deliveries: self.max_deliveries,
+            contract_version: Some(crate::keys::CONTRACT_VERSION),
         }
     }
 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use redis::{Script, Value, pipe};
 
@@ -17,6 +18,7 @@ use crate::{Error, Result};
 static CARRY_OVER_COUNTERS: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/carry_over_counters.lua")));
 static DESTROY_GROUP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/destroy_group.lua")));
+static PUBLISH_SETTINGS: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/publish_settings.lua")));
 
 /// Which server answers, from `INFO server`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -286,22 +288,39 @@ pub async fn set_idempotence(conn: &mut Conn, server: &str, stream: &str, second
         .map_err(|e| Error::from_redis(server, e))
 }
 
-/// Publishes the group's retry settings for workers ([`settings_key`]), replacing what was there.
-pub async fn set_settings(
+/// How long a lowered `minIdle` waits before the passes apply it: workers re-read the settings at every lease tick,
+/// at least every 10 s (contract/README.md), so by then every worker leases at the new pace, with room to spare for
+/// a busy machine.
+pub const MIN_IDLE_HOLD: Duration = Duration::from_secs(60);
+
+/// The `minIdle` the passes may apply now, from [`publish_settings`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassMinIdle {
+    pub min_idle: Duration,
+    /// How long until the published value applies (zero: it does now); the policy is looked at again by then.
+    pub held_for: Duration,
+}
+
+/// Publishes the group's settings for workers ([`settings_key`]) when they changed, and answers the `minIdle` the
+/// passes may apply: a lowered one only [`MIN_IDLE_HOLD`] after it was published (`scripts/publish_settings.lua`).
+pub async fn publish_settings(
     conn: &mut Conn,
     server: &str,
     stream: &str,
     group: &str,
     settings: WorkerSettings,
-) -> Result<()> {
-    // One HSET of every field: the hash holds nothing else, so it needs neither a DEL nor MULTI (which the
-    // operator's documented ACL does not grant).
-    redis::cmd("HSET")
-        .arg(settings_key(stream, group))
-        .arg(&settings.fields())
-        .query_async::<()>(conn)
+) -> Result<PassMinIdle> {
+    let (min_idle, held_for): (u64, u64) = PUBLISH_SETTINGS
+        .key(settings_key(stream, group))
+        .arg(settings.min_idle_ms)
+        .arg(settings.retry_after_ms)
+        .arg(settings.max_deliveries)
+        .arg(settings.contract_version.unwrap_or(crate::keys::CONTRACT_VERSION))
+        .arg(MIN_IDLE_HOLD.as_millis() as u64)
+        .invoke_async(conn)
         .await
-        .map_err(|e| Error::from_redis(server, e))
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(PassMinIdle { min_idle: Duration::from_millis(min_idle), held_for: Duration::from_millis(held_for) })
 }
 
 /// The oldest entry of the group's PEL.
@@ -337,8 +356,6 @@ pub struct GroupFacts {
     pub publish_rejected: i64,
     /// The group's field of the stream's bounds hash, as stored.
     pub bound: Option<String>,
-    /// The settings published for workers, as stored (none when a field is missing or no number).
-    pub settings: Option<WorkerSettings>,
     /// The stream's other groups, by name.
     pub other_groups: Vec<String>,
     pub server_time_ms: i64,
@@ -417,7 +434,6 @@ type ProbeReply = (
     BTreeMap<String, String>,
     Option<String>,
     Option<String>,
-    BTreeMap<String, String>,
     (String, String),
 );
 
@@ -448,8 +464,7 @@ pub async fn probe_group(
     keys: &GroupKeys<'_>,
     previous: Option<&Unread>,
 ) -> Result<GroupFacts> {
-    let (stream_info, groups, oldest, dead_letter_length, totals, terminal, rejected, bound, settings, time): ProbeReply =
-        pipe()
+    let (stream_info, groups, oldest, dead_letter_length, totals, terminal, rejected, bound, time): ProbeReply = pipe()
         .cmd("XINFO")
         .arg("STREAM")
         .arg(keys.stream)
@@ -474,8 +489,6 @@ pub async fn probe_group(
         .cmd("HGET")
         .arg(bounds_key(keys.stream))
         .arg(keys.group)
-        .cmd("HGETALL")
-        .arg(settings_key(keys.stream, keys.group))
         .cmd("TIME")
         .query_async(conn)
         .await
@@ -529,7 +542,6 @@ pub async fn probe_group(
         terminal: counts(terminal),
         publish_rejected: rejected.and_then(|n| n.parse().ok()).unwrap_or(0),
         bound,
-        settings: WorkerSettings::from_fields(&settings),
         other_groups,
         server_time_ms,
         entries_added: reply::get(&stream_info, "entries-added"),

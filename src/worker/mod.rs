@@ -13,14 +13,16 @@
 //! - `Ok(Outcome::Retry)` -> the entry is given back to the operator's pass at once (its idle time set to the group's
 //!   `minIdle`, the delivery counted): the next pass retries it under the policy's backoff and cap.
 //!
-//! While a handler runs, the worker holds a lease on its entry: every third of the group's `minIdle` (which the
-//! operator publishes in `{T}:pelican:<stream>:<group>:settings`, read at start and at every look at the PEL) it
-//! extends the entries in flight with the owner's `XCLAIM <id> JUSTID` (`lease.lua`: idle back to 0, the count
-//! unchanged), so a handler slower than `minIdle` is never taken for abandoned and handled twice. A lease lasts at
-//! most `max_handling`; past it the worker stops extending, says so, and the pass may retry the message. On shutdown,
-//! what did not finish within `shutdown_grace` is given back, the aborted delivery not counted: with `XNACK <stream>
-//! <group> SILENT` where the server has it (Redis 8.8: the entry left without an owner, which the next pass takes at
-//! once), elsewhere with `give_back.lua` (idle set so that the next pass takes it).
+//! While a handler runs, the worker holds a lease on its entry: every third of the group's `minIdle` (at least every
+//! 10 s; the operator publishes it in `{T}:pelican:<stream>:<group>:settings`, which the worker re-reads at every
+//! tick, so a lowered `minIdle` is followed within one tick) it extends the entries in flight with the owner's
+//! `XCLAIM <id> JUSTID` (`lease.lua`: idle back to 0, the count unchanged), so a handler slower than `minIdle` is
+//! never taken for abandoned and handled twice. A lease lasts at most `max_handling`; past it the worker stops
+//! extending, says so, and the pass may retry the message. On shutdown, what did not finish within `shutdown_grace`
+//! is given back with `give_back.lua`, the aborted delivery not counted: the entry is left without an owner, as
+//! `XNACK ... SILENT` (Redis 8.8) leaves it, and the next pass takes it at once. Not with `XNACK` itself: it takes no
+//! consumer, so it could release an entry the pass has meanwhile handed to another worker; the script checks the
+//! owner in the same atomic call. The worker contract all of this follows is `contract/README.md`.
 //!
 //! Every `pel_check_interval` it looks at its own PEL again for entries the operator handed to it (`strategy:
 //! Reassign`, whose `XCLAIM ... RETRYCOUNT` counted the delivery): it takes each with `XCLAIM ... JUSTID` (its idle
@@ -59,9 +61,11 @@ use tracing::{error, warn};
 
 use crate::keys::{DELIVERIES_FIELD, ERROR_TEXT_MAX, WorkerSettings, errors_key, settings_key, terminal_key};
 
-static TERMINAL_ACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("terminal_ack.lua")));
-static LEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lease.lua")));
-static GIVE_BACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("give_back.lua")));
+static TERMINAL_ACK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../contract/scripts/terminal_ack.lua")));
+static LEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../../contract/scripts/lease.lua")));
+static GIVE_BACK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../contract/scripts/give_back.lua")));
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -126,7 +130,22 @@ pub struct WorkerConfig {
     pub max_handling: Duration,
 }
 
+/// The default shutdown grace: below Kubernetes' default `terminationGracePeriodSeconds` (30 s), so the give-back
+/// and the exit happen before the kubelet's SIGKILL. Keep it 10 s below the Pod's grace when you change either.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
+
+/// The Pod's name, as a worker's default consumer name (`spec.consumers.pods` matches consumers to Pods by it):
+/// `POD_NAME` (the downward API), else `HOSTNAME` (which Kubernetes sets to the Pod's name), else `None`.
+pub fn pod_name() -> Option<String> {
+    ["POD_NAME", "HOSTNAME"].into_iter().find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+}
+
 impl WorkerConfig {
+    /// A worker named after its Pod ([`pod_name`]); `None` outside a Pod without `POD_NAME` or `HOSTNAME`.
+    pub fn for_pod(stream: impl Into<String>, group: impl Into<String>) -> Option<Self> {
+        Some(WorkerConfig::new(stream, group, pod_name()?))
+    }
+
     pub fn new(stream: impl Into<String>, group: impl Into<String>, consumer: impl Into<String>) -> Self {
         WorkerConfig {
             stream: stream.into(),
@@ -134,7 +153,7 @@ impl WorkerConfig {
             consumer: consumer.into(),
             concurrency: 16,
             block: Duration::from_secs(1),
-            shutdown_grace: Duration::from_secs(30),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             pel_check_interval: Duration::from_secs(30),
             max_handling: Duration::from_secs(30 * 60),
         }
@@ -171,8 +190,6 @@ struct Counters {
 
 pub struct Worker {
     source: Source,
-    /// Whether the server has `XNACK` (Redis 8.8), asked once at connect.
-    xnack: bool,
     /// Blocking reads get a connection of their own, so acknowledgements never wait behind them.
     reader: Connection,
     writer: Connection,
@@ -186,11 +203,16 @@ impl Worker {
     }
 
     /// A worker on a server, a Redis Cluster, or the primary a sentinel names (followed across failovers: after a
-    /// failed read the worker asks the sentinel again).
+    /// failed read the worker asks the sentinel again). Refused when the group's settings name a worker contract
+    /// this SDK does not know (the error says which, and to upgrade).
     pub async fn connect_to(source: Source, config: WorkerConfig) -> RedisResult<Worker> {
         let (reader, mut writer) = connections(&source, &config).await?;
-        let xnack = has_xnack(&mut writer).await;
-        Ok(Worker { source, xnack, reader, writer, config })
+        if let Ok(Some(settings)) = read_settings(&mut writer, &config).await
+            && let Err(unknown) = settings.check_contract()
+        {
+            return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown)));
+        }
+        Ok(Worker { source, reader, writer, config })
     }
 
     /// Runs until `shutdown` resolves: then stops reading, lets in-flight handlers finish (up to the grace period)
@@ -202,7 +224,7 @@ impl Worker {
     {
         let handler = Arc::new(handler);
         let counters = Arc::new(Counters::default());
-        self.read_settings(&counters).await;
+        refresh_settings(&mut self.writer, &self.config, &counters).await;
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
         // The entries being handled, with when their handler started.
         let in_flight = Arc::new(Mutex::new(HashMap::<String, Instant>::new()));
@@ -226,7 +248,6 @@ impl Worker {
             let pel_check_due = own_pel_cursor.is_none() && Instant::now() >= next_pel_check;
             if pel_check_due {
                 next_pel_check = Instant::now() + self.config.pel_check_interval;
-                self.read_settings(&counters).await;
             }
             let skip: HashSet<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
             let read =
@@ -271,8 +292,7 @@ impl Worker {
             Err(_) => {
                 tasks.abort_all();
                 drain(&mut tasks).await;
-                let left: Vec<(String, Instant)> =
-                    in_flight.lock().expect("in-flight lock").iter().map(|(id, at)| (id.clone(), *at)).collect();
+                let left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
                 self.give_back_abandoned(&left, &counters).await;
                 left.len() as u64
             }
@@ -286,53 +306,18 @@ impl Worker {
         }
     }
 
-    /// The group's settings as the operator published them. Best effort: without them (no policy, an older operator,
-    /// an ACL without `hgetall` on the key) leases are extended every second and give-backs use [`UNPUBLISHED_IDLE`].
-    async fn read_settings(&mut self, counters: &Counters) {
-        let key = settings_key(&self.config.stream, &self.config.group);
-        let read: RedisResult<BTreeMap<String, String>> =
-            redis::cmd("HGETALL").arg(&key).query_async(&mut self.writer).await;
-        match read {
-            Ok(hash) => *counters.settings.lock().expect("settings lock") = WorkerSettings::from_fields(&hash),
-            Err(e) => {
-                warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "could not read the group's settings; the last ones read stay")
-            }
-        }
-    }
-
-    /// Gives back what a shutdown cut off, with when each handler started: the next pass retries it, and the cut-off
-    /// delivery does not count. With `XNACK` the entries whose lease still holds (handled for less than
-    /// `max_handling`, so still ours: the pass never took them) are NACKed `SILENT`; the rest, and all of them when
-    /// the server refuses `XNACK`, go through `give_back.lua`, which leaves an entry no longer ours alone.
-    async fn give_back_abandoned(&mut self, left: &[(String, Instant)], counters: &Counters) {
+    /// Gives back what a shutdown cut off: the next pass retries it at once, and the cut-off delivery does not
+    /// count (`give_back.lua`, which leaves an entry no longer ours alone).
+    async fn give_back_abandoned(&mut self, left: &[String], counters: &Counters) {
         let (stream, group) = (&self.config.stream, &self.config.group);
-        let (mut leased, mut rest): (Vec<String>, Vec<String>) = (vec![], vec![]);
-        for (id, started) in left {
-            let still_ours = self.xnack && started.elapsed() < self.config.max_handling;
-            if still_ours { leased.push(id.clone()) } else { rest.push(id.clone()) }
-        }
-        if !leased.is_empty() {
-            match nack_silently(&mut self.writer, &self.config, &leased).await {
-                Ok(given) => {
-                    warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back with XNACK SILENT for the next pass, their delivery not counted")
-                }
-                Err(e) => {
-                    warn!(%stream, %group, error = %e, "XNACK refused; giving the messages back with the script instead");
-                    rest.append(&mut leased);
-                }
-            }
-        }
-        if rest.is_empty() {
-            return;
-        }
         let idle = counters.settings.lock().expect("settings lock").map(|s| s.retry_after_ms);
         let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
-        match give_back(&mut self.writer, &self.config, &rest, idle, false).await {
+        match give_back(&mut self.writer, &self.config, left, idle, false).await {
             Ok(given) => {
                 warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
             }
             Err(e) => {
-                warn!(%stream, %group, error = %e, left = rest.len(), "shutdown grace ran out and the messages still being handled could not be given back: they are retried after minIdle")
+                warn!(%stream, %group, error = %e, left = left.len(), "shutdown grace ran out and the messages still being handled could not be given back: they are retried after minIdle")
             }
         }
     }
@@ -414,16 +399,20 @@ impl Worker {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
+        // Taken with the lease script, which checks the owner: a plain XCLAIM would take back an entry the pass
+        // handed to another worker since the XPENDING above.
+        let taken: Vec<String> = LEASE
+            .key(&config.stream)
+            .arg(&config.group)
+            .arg(&config.consumer)
+            .arg(&ids)
+            .invoke_async(&mut self.writer)
+            .await?;
+        if taken.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut pipe = redis::pipe();
-        for id in &ids {
-            pipe.cmd("XCLAIM")
-                .arg(&config.stream)
-                .arg(&config.group)
-                .arg(&config.consumer)
-                .arg(0)
-                .arg(id)
-                .arg("JUSTID");
-            pipe.ignore();
+        for id in &taken {
             pipe.cmd("XRANGE").arg(&config.stream).arg(id).arg(id);
         }
         let ranges: Vec<Vec<(String, Vec<Vec<u8>>)>> = pipe.query_async(&mut self.writer).await?;
@@ -439,12 +428,39 @@ const LEASE_BATCH: usize = 100;
 /// The idle time given back entries get when the operator published no settings: Pelican's default `minIdle`.
 const UNPUBLISHED_IDLE: Duration = Duration::from_secs(5 * 60);
 
-/// How often the leases are extended: three times per `minIdle` (so an entry in flight is never idle half of it),
-/// every second when no settings are published.
+/// How often the leases are extended and the settings re-read: three times per `minIdle` (so an entry in flight is
+/// never idle half of it), at least every 10 s (so a lowered `minIdle` is followed well within the operator's hold of
+/// it, `MIN_IDLE_HOLD`), every second when no settings are published.
 fn lease_interval(settings: Option<WorkerSettings>) -> Duration {
     settings.map_or(Duration::from_secs(1), |s| {
-        Duration::from_millis(s.min_idle_ms / 3).clamp(Duration::from_millis(100), Duration::from_secs(60))
+        Duration::from_millis(s.min_idle_ms / 3).clamp(Duration::from_millis(100), LEASE_TICK_MAX)
     })
+}
+
+/// The longest time between two lease ticks (contract/README.md).
+const LEASE_TICK_MAX: Duration = Duration::from_secs(10);
+
+/// The group's settings as the operator published them, or `None` when it published none (no policy, an older
+/// operator).
+async fn read_settings(conn: &mut Connection, config: &WorkerConfig) -> RedisResult<Option<WorkerSettings>> {
+    let key = settings_key(&config.stream, &config.group);
+    let hash: BTreeMap<String, String> = redis::cmd("HGETALL").arg(&key).query_async(conn).await?;
+    Ok(WorkerSettings::from_fields(&hash))
+}
+
+/// Re-reads the settings into `counters`. Best effort: a failed read (an ACL without `hgetall` on the key, the server
+/// restarting) or settings of a contract this SDK does not know keep the last ones read, and say so; without any,
+/// leases are extended every second and give-backs use [`UNPUBLISHED_IDLE`].
+async fn refresh_settings(conn: &mut Connection, config: &WorkerConfig, counters: &Counters) {
+    let (stream, group) = (&config.stream, &config.group);
+    match read_settings(conn, config).await {
+        Ok(Some(settings)) => match settings.check_contract() {
+            Ok(()) => *counters.settings.lock().expect("settings lock") = Some(settings),
+            Err(unknown) => error!(%stream, %group, "{unknown}; the last settings read stay"),
+        },
+        Ok(None) => *counters.settings.lock().expect("settings lock") = None,
+        Err(e) => warn!(%stream, %group, error = %e, "could not read the group's settings; the last ones read stay"),
+    }
 }
 
 /// Extends the lease of every entry in flight for up to `max_handling`, until aborted. Past it, the entry is left to
@@ -459,6 +475,8 @@ async fn hold_leases(
     loop {
         let settings = *counters.settings.lock().expect("settings lock");
         tokio::time::sleep(lease_interval(settings)).await;
+        // Before the lease: a lowered minIdle is followed from this tick on.
+        refresh_settings(&mut conn, &config, &counters).await;
         let now = Instant::now();
         let ids: Vec<String> = {
             let held = in_flight.lock().expect("in-flight lock");
@@ -503,32 +521,6 @@ async fn give_back(
         let mut call = GIVE_BACK.key(&config.stream);
         call.arg(&config.group).arg(&config.consumer).arg(idle_ms).arg(uncount).arg(chunk);
         given += call.invoke_async::<i64>(conn).await?;
-    }
-    Ok(given)
-}
-
-/// Whether the server has `XNACK` (Redis 8.8): `COMMAND INFO XNACK` describes it. An unknown command (a nil in the
-/// reply) or a refusal (an ACL user without `+command|info`) says no, and give-backs use `give_back.lua`.
-async fn has_xnack(conn: &mut Connection) -> bool {
-    let reply: RedisResult<Vec<Value>> = redis::cmd("COMMAND").arg("INFO").arg("XNACK").query_async(conn).await;
-    reply.is_ok_and(|described| command_described(&described))
-}
-
-/// Whether a `COMMAND INFO <name>` reply describes the command: its one element is the command's array, not nil.
-fn command_described(reply: &[Value]) -> bool {
-    matches!(reply, [Value::Array(_)])
-}
-
-/// `XNACK <stream> <group> SILENT IDS <n> <ids>` in batches: the entries leave this consumer, unowned, their count
-/// lowered by the delivery being given back; the next pass takes them at once. Returns how many the server NACKed
-/// (ids no longer pending are skipped).
-async fn nack_silently(conn: &mut Connection, config: &WorkerConfig, ids: &[String]) -> RedisResult<usize> {
-    use redis::AsyncCommands;
-    use redis::streams::{StreamNackMode, StreamNackOptions};
-    let silent = StreamNackOptions::new(StreamNackMode::Silent);
-    let mut given = 0;
-    for chunk in ids.chunks(LEASE_BATCH) {
-        given += conn.xnack::<_, _, _, usize>(&config.stream, &config.group, chunk, &silent).await?;
     }
     Ok(given)
 }
@@ -718,38 +710,6 @@ fn pairs(flat: Vec<Vec<u8>>) -> Vec<(Vec<u8>, Vec<u8>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `COMMAND INFO XNACK` as Redis 8.8 answers (the command's description) and as older servers and Valkey do (a
-    /// nil for an unknown name), in RESP2 and RESP3 alike.
-    #[test]
-    fn xnack_is_detected_from_command_info() {
-        let described = Value::Array(vec![
-            Value::BulkString(b"xnack".to_vec()),
-            Value::Int(-6),
-            Value::Array(vec![Value::SimpleString("write".into())]),
-        ]);
-        assert!(command_described(&[described]));
-        assert!(!command_described(&[Value::Nil]));
-        assert!(!command_described(&[]));
-    }
-
-    /// The give-back on Redis 8.8, as its documentation writes it: `XNACK <key> <group> SILENT IDS <numids> <id>...`,
-    /// answered with the number of ids NACKed.
-    #[test]
-    fn the_shutdown_nack_is_the_documented_command() {
-        use redis::streams::{StreamNackMode, StreamNackOptions};
-        let ids = ["1-1".to_string(), "1-2".to_string()];
-        let cmd = redis::Cmd::xnack("tasks", "workers", &ids, &StreamNackOptions::new(StreamNackMode::Silent));
-        let args: Vec<String> = cmd
-            .args_iter()
-            .map(|a| match a {
-                redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(args, ["XNACK", "tasks", "workers", "SILENT", "IDS", "2", "1-1", "1-2"]);
-        assert_eq!(redis::from_redis_value::<usize>(Value::Int(2)).unwrap(), 2);
-    }
 
     #[test]
     #[should_panic(expected = "must be CamelCase")]

@@ -14,11 +14,11 @@ use crate::keys::{bounds_key, rejected_key};
 /// `ARGV = field/value pairs`).
 pub static BOUNDED_PUBLISH: LazyLock<Script> = LazyLock::new(|| Script::new(BOUNDED_PUBLISH_LUA));
 /// Its source, for clients that load it themselves.
-pub const BOUNDED_PUBLISH_LUA: &str = include_str!("bounded_publish.lua");
+pub const BOUNDED_PUBLISH_LUA: &str = include_str!("../../contract/scripts/bounded_publish.lua");
 /// The batch form: many entries, one backlog check (`KEYS` as above, `ARGV = n, then per entry its argument count
 /// and its field/value pairs`); as many entries are added, in order, as the bound has room for.
 pub static BOUNDED_PUBLISH_BATCH: LazyLock<Script> = LazyLock::new(|| Script::new(BOUNDED_PUBLISH_BATCH_LUA));
-pub const BOUNDED_PUBLISH_BATCH_LUA: &str = include_str!("bounded_publish_batch.lua");
+pub const BOUNDED_PUBLISH_BATCH_LUA: &str = include_str!("../../contract/scripts/bounded_publish_batch.lua");
 
 /// Why a publish did not return an id.
 #[derive(Debug)]
