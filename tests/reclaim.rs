@@ -38,6 +38,7 @@ on_both_servers!(
     reassign_hands_a_gone_consumers_and_unowned_entries_over_at_once,
     reassign_with_no_consumer_that_looks_live_requeues,
     a_requeued_copy_a_worker_keeps_claiming_is_dead_lettered_past_the_cap,
+    what_a_pod_recreated_under_a_gone_name_reads_is_not_taken,
 );
 
 const STREAM: &str = "{jobs}:in";
@@ -899,4 +900,29 @@ fn a_requeued_copy_a_worker_keeps_claiming_is_dead_lettered_past_the_cap(flavor:
     assert_eq!(field(&dead[0], "pelican-deliveries"), Some(&b"4"[..]));
     assert_eq!(field(&dead[0], "pelican-reason"), Some(&b"MaxDeliveriesExceeded"[..]));
     assert!(pel(&mut conn, STREAM, GROUP).is_empty());
+}
+
+/// Defect (issue 57.8): the gone list is computed once for a sweep of many passes, and a StatefulSet Pod recreated
+/// under the same name during the sweep lost what it had just read: its entries were taken as the gone Pod's. Now
+/// only what the consumer read before it was found gone is.
+fn what_a_pod_recreated_under_a_gone_name_reads_is_not_taken(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let ids = seed(&server, &plain(2));
+    let mut conn = server.conn();
+    read_new(&mut conn, STREAM, GROUP, "pod-0", 1);
+    std::thread::sleep(Duration::from_millis(600));
+    // The sweep found pod-0 gone 300 ms ago; its new Pod reads the second entry now.
+    let listed = std::time::Instant::now() - Duration::from_millis(300);
+    read_new(&mut conn, STREAM, GROUP, "pod-0", 1);
+    let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Requeue, 5) };
+    let report = runtime().block_on(async {
+        let mut c = connect(&server).await;
+        let mut cursor = Cursor::default();
+        cursor.gone = vec!["pod-0".to_string()];
+        cursor.gone_listed_at = Some(listed);
+        jobs::reclaim_pass(&mut c, "test", &keys(), &s, &mut cursor, &|| true).await.unwrap()
+    });
+    assert_eq!(report.requeued, 1, "{report:?}");
+    let pending: Vec<(String, String)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.0, p.1)).collect();
+    assert_eq!(pending, [(ids[1].clone(), "pod-0".to_string())], "the new Pod keeps what it read");
 }

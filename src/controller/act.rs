@@ -162,7 +162,7 @@ fn pods_of(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Option<PodsOf>
     let Some(selector) = policy.spec.consumers.as_ref().and_then(|c| c.pods.as_ref()) else { return Ok(None) };
     let selector = Selector::try_from(LabelSelector::from(selector))
         .map_err(|e| Error::InvalidSpec(format!("spec.consumers.pods: {e}")))?;
-    Ok(Some(PodsOf { store: ctx.pods(), namespace: policy.namespace().unwrap_or_default(), selector }))
+    Ok(Some(PodsOf { watch: ctx.pods(), namespace: policy.namespace().unwrap_or_default(), selector }))
 }
 
 /// Logs and publishes what a step of the plan announces.

@@ -20,6 +20,7 @@ mod status;
 mod validate;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -30,7 +31,7 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{Predicate, WatchStreamExt, predicates, watcher};
 use kube::{Resource, ResourceExt};
 use tracing::{debug, instrument, warn};
@@ -38,7 +39,7 @@ use tracing::{debug, instrument, warn};
 use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::context::{self, Shared, Writers, policy_id};
 use crate::redis::PoolKey;
-use crate::runner::Runner;
+use crate::runner::{PodWatch, Runner};
 use crate::telemetry::Readiness;
 use crate::{Error, Result};
 use neighbours::Neighbours;
@@ -84,12 +85,12 @@ pub struct Context {
     watch_namespace: Option<String>,
     /// Pod metadata of the watched namespaces, watched from the first policy with `spec.consumers.pods` on (an
     /// install whose policies never name Pods never reads them).
-    pods: OnceLock<Store<PartialObjectMeta<Pod>>>,
+    pods: OnceLock<PodWatch>,
 }
 
 impl Context {
     /// The store of Pod metadata, its watch started on first use.
-    fn pods(&self) -> Store<PartialObjectMeta<Pod>> {
+    fn pods(&self) -> PodWatch {
         self.pods
             .get_or_init(|| {
                 let client = self.shared.client.clone();
@@ -98,6 +99,8 @@ impl Context {
                     None => Api::all(client),
                 };
                 let (store, writer) = reflector::store();
+                let current = Arc::new(AtomicBool::new(false));
+                let health = current.clone();
                 let watch = watcher(api, watcher::Config::default())
                     .default_backoff()
                     .modify(|pod| {
@@ -105,13 +108,27 @@ impl Context {
                         pod.annotations_mut().clear();
                     })
                     .reflect(writer)
-                    .for_each(|event| async move {
-                        if let Err(e) = event {
-                            warn!(error = %e, "watching Pods for spec.consumers.pods failed; retrying (the operator needs list and watch on pods)");
+                    .for_each(move |event| {
+                        // Current once a listing is complete and while changes arrive; not from an error or the
+                        // start of a re-list until the listing is complete again.
+                        let now_current = match &event {
+                            Ok(watcher::Event::InitDone | watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
+                                Some(true)
+                            }
+                            Ok(watcher::Event::Init) => Some(false),
+                            Ok(watcher::Event::InitApply(_)) => None,
+                            Err(e) => {
+                                warn!(error = %e, "watching Pods for spec.consumers.pods failed; retrying (the operator needs list and watch on pods); no consumer is taken for gone meanwhile");
+                                Some(false)
+                            }
+                        };
+                        if let Some(now_current) = now_current {
+                            health.store(now_current, Ordering::Relaxed);
                         }
+                        std::future::ready(())
                     });
                 tokio::spawn(watch);
-                store
+                PodWatch { store, current }
             })
             .clone()
     }

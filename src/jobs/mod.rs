@@ -181,6 +181,9 @@ pub struct Cursor {
     /// `spec.consumers.pods`: the consumers whose Pod is gone, as the sweep's start found them (at most
     /// [`GONE_MAX`]): their entries are taken whatever their idle time, and nothing is handed to them.
     pub gone: Vec<String>,
+    /// When `gone` was listed. An entry such a consumer read after that (a StatefulSet Pod recreated under the same
+    /// name during the sweep) is its new Pod's, and is not taken; `None`: listed now.
+    pub gone_listed_at: Option<std::time::Instant>,
 }
 
 /// The most consumers without a Pod one sweep retries for; the next sweeps take the rest.
@@ -211,7 +214,7 @@ impl Cursor {
 
     /// A cursor at the start, whose remembered copies count against `remembered`.
     pub fn sharing(remembered: &'static Remembered) -> Cursor {
-        Cursor { position: None, earlier: BTreeMap::new(), remembered, gone: Vec::new() }
+        Cursor { position: None, earlier: BTreeMap::new(), remembered, gone: Vec::new(), gone_listed_at: None }
     }
 
     /// At the start of a sweep (the last pass reached the end of the PEL, or none ran yet).
@@ -283,7 +286,8 @@ pub async fn reclaim_pass(
         }
         let limit = (settings.max_per_pass - report.scanned).min(SCAN);
         let known = cursor.known(limit);
-        let page = Page { after: cursor.position.as_deref(), limit, gone: &cursor.gone, known: &known };
+        let gone_age = cursor.gone_listed_at.map_or(Duration::ZERO, |at| at.elapsed());
+        let page = Page { after: cursor.position.as_deref(), limit, gone: &cursor.gone, gone_age, known: &known };
         let call = reclaim_call(conn, server, keys, settings, page).await?;
         report.merge(&call.report);
         let reached_end = call.reached_end;
@@ -313,6 +317,8 @@ struct Page<'a> {
     after: Option<&'a str>,
     limit: usize,
     gone: &'a [String],
+    /// How long ago `gone` was listed.
+    gone_age: Duration,
     known: &'a [(String, i64)],
 }
 
@@ -324,7 +330,7 @@ async fn reclaim_call(
     settings: &PassSettings,
     page: Page<'_>,
 ) -> Result<Call> {
-    let Page { after, limit, gone, known } = page;
+    let Page { after, limit, gone, gone_age, known } = page;
     let strategy = match settings.strategy {
         ReclaimStrategy::Requeue => "Requeue",
         ReclaimStrategy::Reassign => "Reassign",
@@ -352,6 +358,7 @@ async fn reclaim_call(
         .arg(after.map_or_else(|| "-".to_string(), |id| format!("({id}")))
         .arg(limit)
         .arg(settings.handover_grace.as_millis() as u64)
+        .arg(gone_age.as_millis() as u64)
         .arg(gone.len())
         .arg(gone)
         .arg(known)

@@ -85,9 +85,18 @@ pub struct Job {
 /// operator's watch of Pod metadata holds them.
 #[derive(Clone)]
 pub struct PodsOf {
-    pub store: Store<PartialObjectMeta<Pod>>,
+    pub watch: PodWatch,
     pub namespace: String,
     pub selector: Selector,
+}
+
+/// The operator's watch of Pod metadata: its store, and whether the store is current (the watch's last word was a
+/// listing or a change, not an error or a re-list in progress). A store the watch cannot keep current may miss Pods
+/// created since, whose consumers would be taken for gone.
+#[derive(Clone)]
+pub struct PodWatch {
+    pub store: Store<PartialObjectMeta<Pod>>,
+    pub current: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl PartialEq for PodsOf {
@@ -98,10 +107,14 @@ impl PartialEq for PodsOf {
 
 impl PodsOf {
     /// The names of the Pods the selector matches (a terminating Pod still counts: its worker gives back what it
-    /// will not finish); `None` while the watch has not listed the Pods yet.
+    /// will not finish); `None` while the watch has not listed the Pods yet, or is in trouble.
     fn names(&self) -> Option<BTreeSet<String>> {
-        self.store.wait_until_ready().now_or_never()?.ok()?;
-        let pods = self.store.state();
+        let store = &self.watch.store;
+        store.wait_until_ready().now_or_never()?.ok()?;
+        if !self.watch.current.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let pods = store.state();
         let here = pods.iter().filter(|pod| pod.meta().namespace.as_deref() == Some(self.namespace.as_str()));
         Some(here.filter(|pod| self.selector.matches(pod.labels())).map(|pod| pod.name_any()).collect())
     }
@@ -342,6 +355,7 @@ impl PolicyTask {
             self.metrics.pass_started(asking.elapsed());
             let sweep_start = cursor.at_start();
             if sweep_start {
+                cursor.gone_listed_at = Some(std::time::Instant::now());
                 cursor.gone = match &job.pods {
                     Some(pods) => Box::pin(self.without_pods(&job, pods, &mut suspects)).await,
                     None => Vec::new(),
@@ -407,7 +421,11 @@ impl PolicyTask {
     /// (`suspects`, replaced by what is missing now). None while the watch has not listed the Pods, or when the
     /// consumers cannot be listed (the pass says why).
     async fn without_pods(&self, job: &Job, pods: &PodsOf, suspects: &mut BTreeSet<String>) -> Vec<String> {
-        let Some(live) = pods.names() else { return Vec::new() };
+        let Some(live) = pods.names() else {
+            // Nothing is taken for gone on a store that may be stale; two sweeps of a current one are needed again.
+            suspects.clear();
+            return Vec::new();
+        };
         let mut conn = job.conn.clone();
         let Ok(consumers) = jobs::consumers(&mut conn, &job.server, &job.keys()).await else { return Vec::new() };
         let missing: BTreeSet<String> = consumers.into_iter().filter(|c| !live.contains(c)).collect();

@@ -11,8 +11,9 @@
 -- ARGV[12] where the page starts: '-' (the PEL's first entry) or '(' followed by the last id already looked at
 -- ARGV[13] most PEL entries to look at
 -- ARGV[14] hand-over grace (ms): an entry Reassign handed over is not handed over again sooner
--- ARGV[15] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
--- ARGV[16+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
+-- ARGV[15] how long ago (ms) the consumers below were found without a Pod
+-- ARGV[16] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
+-- ARGV[17+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
 --           calls found them (see Backoff)
 --
 -- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, scanned, deadLetterEvicted, idle,
@@ -31,7 +32,8 @@
 -- read is charged to the budget, whether it was moved, read ahead for nothing or too large to move. The originals the call moved are acknowledged with one XACK at the end.
 --
 -- An entry owned by a consumer whose Pod is gone is taken whatever its idle time (its delivery counted as it is: a Pod
--- may have died of its message), and no entry is handed over to such a consumer. So is an entry without an owner:
+-- may have died of its message), unless it was read after the consumer was found gone (ARGV[15]: a Pod recreated
+-- under the same name, a StatefulSet's, read it), and no entry is handed over to such a consumer. So is an entry without an owner:
 -- what `XNACK` (Redis 8.8) leaves (consumer '', idle -1 until read again), a worker giving it back; its count as the
 -- NACK left it (SILENT: the aborted delivery uncounted; FAIL: counted; FATAL: past the cap, dead-lettered).
 --
@@ -79,8 +81,8 @@ local byte_budget = tonumber(ARGV[8])
 local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local start, limit, grace = ARGV[12], tonumber(ARGV[13]), tonumber(ARGV[14])
 -- Consumers whose Pod is gone, by name.
-local gone, pairs_from = {}, 16 + tonumber(ARGV[15])
-for i = 16, pairs_from - 1 do gone[ARGV[i]] = true end
+local gone_age, gone, pairs_from = tonumber(ARGV[15]), {}, 17 + tonumber(ARGV[16])
+for i = 17, pairs_from - 1 do gone[ARGV[i]] = true end
 -- Copy id -> index of its pair; what became of each, as the reply tells it.
 local known, fate = {}, {}
 for i = pairs_from, #ARGV, 2 do known[ARGV[i]] = i end
@@ -239,7 +241,7 @@ for _, pending in ipairs(page) do
   local carried = copy and delivery_count(ARGV[copy + 1]) or 0
   -- Past the cap, an entry is taken whatever its idle time: a client that claims by itself (XAUTOCLAIM, or
   -- XREADGROUP ... CLAIM, with a shorter idle than the policy's) keeps it from ever going idle, each claim a delivery.
-  local orphan = gone[owner] == true or owner == ''
+  local orphan = (gone[owner] == true and idle_ms >= gone_age) or owner == ''
   local quiet = idle_ms < threshold(deliveries + carried) and deliveries + carried <= max_deliveries and not orphan
   if quiet and not copy and deliveries >= 2 then
     -- Delivered again without going idle: a worker that claims by itself keeps a requeued copy busy, and the
