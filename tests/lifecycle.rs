@@ -27,6 +27,7 @@ on_both_servers!(
     outcome_retry_is_retried_by_the_next_pass_and_counted,
     a_deleted_pods_messages_are_retried_at_once_and_its_consumer_removed,
     a_handler_past_max_handling_loses_its_lease,
+    under_reassign_a_shutdowns_work_goes_to_the_next_worker_not_the_leaver,
 );
 
 /// A policy on `tasks` with `minIdle`, a pass every second, `maxDeliveries: 3`, `Requeue`.
@@ -502,4 +503,71 @@ fn a_handler_past_max_handling_loses_its_lease(flavor: Flavor) {
     let after = after.expect("the handler never started");
     assert!(after >= Duration::from_secs(3), "requeued after {after:?}: the lease held for max_handling");
     assert!(after < Duration::from_secs(12), "still not retried {after:?} after the handler started");
+}
+
+/// Defect (issue 57.5): under `Reassign`, the shutdown's give-back claimed the entries for the leaving worker (`XCLAIM`
+/// made it look live), so the pass handed them back to it, and the next worker (a single replica during a drain,
+/// `Recreate`) waited `minIdle` plus the hand-over grace. Now the give-back leaves them without an owner and the
+/// worker leaves the group: with no consumer live the pass requeues them, and the next worker reads them at once.
+fn under_reassign_a_shutdowns_work_goes_to_the_next_worker_not_the_leaver(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let manifest = manifest(&server, "1h").replace("    minIdle: 1h\n", "    minIdle: 1h\n    strategy: Reassign\n");
+    let (_ns, _operator) = ready_policy("leave", &manifest, "p");
+    let mut conn = server.conn();
+    publish(&mut conn, 2);
+    let client = redis::Client::open(server.url()).unwrap();
+    let slow = |_message: Message| async move {
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        Ok(Outcome::Done)
+    };
+    let stats = runtime().block_on(async {
+        let config = WorkerConfig {
+            shutdown_grace: Duration::from_millis(300),
+            ..WorkerConfig::new("tasks", "workers", "leaving")
+        };
+        let worker = Worker::connect(&client, config).await.unwrap();
+        let mut probe = client.get_multiplexed_async_connection().await.unwrap();
+        let shutdown = async move {
+            while redis::cmd("XPENDING")
+                .arg("tasks")
+                .arg("workers")
+                .query_async::<Vec<redis::Value>>(&mut probe)
+                .await
+                .map(|p| redis::from_redis_value::<i64>(p[0].clone()).unwrap_or(0))
+                .unwrap_or(0)
+                < 2
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        worker.run(slow, shutdown).await
+    });
+    assert_eq!(stats.abandoned, 2, "{stats:?}");
+    // The drain: no worker for a few passes.
+    std::thread::sleep(Duration::from_secs(3));
+    let owners: Vec<String> = pel(&mut conn, "tasks", "workers").into_iter().map(|p| p.1).collect();
+    assert!(!owners.iter().any(|o| o == "leaving"), "handed back to the worker that left: {owners:?}");
+    let handled = Arc::new(Mutex::new(0));
+    let next = runtime().block_on(async {
+        let worker = Worker::connect(&client, WorkerConfig::new("tasks", "workers", "next")).await.unwrap();
+        let count = handled.clone();
+        let handler = move |_message: Message| {
+            let count = count.clone();
+            async move {
+                *count.lock().unwrap() += 1;
+                Ok(Outcome::Done)
+            }
+        };
+        let started = Instant::now();
+        let done = handled.clone();
+        let stop = async move {
+            while *done.lock().unwrap() < 2 && started.elapsed() < Duration::from_secs(20) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        worker.run(handler, stop).await;
+        started.elapsed()
+    });
+    assert_eq!(*handled.lock().unwrap(), 2, "the next worker handled both, {next:?} after it started");
+    assert!(pel(&mut conn, "tasks", "workers").is_empty());
 }

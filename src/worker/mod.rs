@@ -236,6 +236,8 @@ impl Worker {
         let mut own_pel_cursor = Some("0".to_string());
         let mut next_pel_check = Instant::now() + self.config.pel_check_interval;
         let mut shutdown = std::pin::pin!(shutdown);
+        // Entries a read brought after the shutdown began: never handled, given back.
+        let mut unread = Vec::new();
         loop {
             let first = tokio::select! {
                 _ = &mut shutdown => break,
@@ -250,25 +252,35 @@ impl Worker {
                 next_pel_check = Instant::now() + self.config.pel_check_interval;
             }
             let skip: HashSet<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
-            let read =
-                self.read(batch_permits.len(), &mut own_pel_cursor, pel_check_due.then_some((&skip, &*counters)));
-            let messages = tokio::select! {
-                _ = &mut shutdown => break,
-                read = read => match read {
-                    Ok(messages) => messages,
-                    Err(e) => {
-                        warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        if self.source.follows_failovers() {
-                            // The primary may have moved (or be a replica now): ask the sentinel again.
-                            match connections(&self.source, &self.config).await {
-                                Ok((reader, writer)) => (self.reader, self.writer) = (reader, writer),
-                                Err(e) => warn!(error = %e, "no primary from the sentinel yet; retrying"),
-                            }
+            let outcome = {
+                let read =
+                    self.read(batch_permits.len(), &mut own_pel_cursor, pel_check_due.then_some((&skip, &*counters)));
+                tokio::pin!(read);
+                tokio::select! {
+                    // A blocking read already sent delivers to this consumer whatever becomes of the future: its
+                    // reply is awaited (at most `block`), and what it brought is given back with the rest.
+                    _ = &mut shutdown => Err(read.await.unwrap_or_default()),
+                    result = &mut read => Ok(result),
+                }
+            };
+            let messages = match outcome {
+                Err(late) => {
+                    unread.extend(late.into_iter().map(|m| m.id));
+                    break;
+                }
+                Ok(Ok(messages)) => messages,
+                Ok(Err(e)) => {
+                    warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if self.source.follows_failovers() {
+                        // The primary may have moved (or be a replica now): ask the sentinel again.
+                        match connections(&self.source, &self.config).await {
+                            Ok((reader, writer)) => (self.reader, self.writer) = (reader, writer),
+                            Err(e) => warn!(error = %e, "no primary from the sentinel yet; retrying"),
                         }
-                        continue;
                     }
-                },
+                    continue;
+                }
             };
             for (message, permit) in messages.into_iter().zip(batch_permits) {
                 let (handler, counters, conn, config) =
@@ -287,16 +299,17 @@ impl Worker {
         // The leases go on while in-flight handlers finish: a slow one is not taken from under them.
         let finished = tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await;
         leases.abort();
-        let abandoned = match finished {
-            Ok(()) => 0,
-            Err(_) => {
-                tasks.abort_all();
-                drain(&mut tasks).await;
-                let left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
-                self.give_back_abandoned(&left, &counters).await;
-                left.len() as u64
-            }
-        };
+        if finished.is_err() {
+            tasks.abort_all();
+            drain(&mut tasks).await;
+        }
+        // What the grace cut off is given back, and the worker leaves the group (its consumer deleted once it owns
+        // nothing), also when nothing was cut off: a consumer that just read looks live, and Reassign would hand
+        // work to it.
+        let mut left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
+        left.append(&mut unread);
+        self.give_back_and_leave(&left, &counters).await;
+        let abandoned = left.len() as u64;
         WorkerStats {
             done: counters.done.load(Ordering::Relaxed),
             terminal: counters.terminal.load(Ordering::Relaxed),
@@ -307,12 +320,13 @@ impl Worker {
     }
 
     /// Gives back what a shutdown cut off: the next pass retries it at once, and the cut-off delivery does not
-    /// count (`give_back.lua`, which leaves an entry no longer ours alone).
-    async fn give_back_abandoned(&mut self, left: &[String], counters: &Counters) {
+    /// count (`give_back.lua`, which leaves an entry no longer ours alone); then leaves the group.
+    async fn give_back_and_leave(&mut self, left: &[String], counters: &Counters) {
         let (stream, group) = (&self.config.stream, &self.config.group);
         let idle = counters.settings.lock().expect("settings lock").map(|s| s.retry_after_ms);
         let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
         match give_back(&mut self.writer, &self.config, left, idle, false).await {
+            Ok(0) => {}
             Ok(given) => {
                 warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
             }
@@ -516,7 +530,9 @@ async fn give_back(
     counted: bool,
 ) -> RedisResult<i64> {
     let mut given = 0;
-    for chunk in ids.chunks(LEASE_BATCH) {
+    // At least one call: a shutdown with nothing to give back still leaves the group.
+    let chunks = ids.chunks(LEASE_BATCH).chain(ids.is_empty().then_some(&[][..]));
+    for chunk in chunks {
         let uncount = if counted { 0 } else { 1 };
         let mut call = GIVE_BACK.key(&config.stream);
         call.arg(&config.group).arg(&config.consumer).arg(idle_ms).arg(uncount).arg(chunk);
