@@ -39,6 +39,7 @@ on_both_servers!(
     reassign_with_no_consumer_that_looks_live_requeues,
     a_requeued_copy_a_worker_keeps_claiming_is_dead_lettered_past_the_cap,
     what_a_pod_recreated_under_a_gone_name_reads_is_not_taken,
+    the_last_hand_over_is_left_to_its_new_owner_for_the_grace,
 );
 
 const STREAM: &str = "{jobs}:in";
@@ -925,4 +926,26 @@ fn what_a_pod_recreated_under_a_gone_name_reads_is_not_taken(flavor: Flavor) {
     assert_eq!(report.requeued, 1, "{report:?}");
     let pending: Vec<(String, String)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.0, p.1)).collect();
     assert_eq!(pending, [(ids[1].clone(), "pod-0".to_string())], "the new Pod keeps what it read");
+}
+
+/// Defect (found by the conformance suite): a hand-over that was the message's last delivery (its count now the cap)
+/// was dead-lettered by the next pass, `minIdle` later, before its new owner had its look at its PEL (every 30 s):
+/// the delivery the hand-over counted never happened. It now waits the hand-over grace like any other.
+fn the_last_hand_over_is_left_to_its_new_owner_for_the_grace(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(2));
+    let mut conn = server.conn();
+    read_and_leave_idle(&mut conn, "a", 1);
+    // "b" is live (Redis 7.0 creates a consumer only when a read gives it something).
+    let done = read_new(&mut conn, STREAM, GROUP, "b", 1);
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&done).query(&mut conn).unwrap();
+    let grace = Duration::from_secs(2);
+    let s = PassSettings { handover_grace: grace, ..settings(ReclaimStrategy::Reassign, 2) };
+    assert_eq!(pass(&server, &s).reassigned, 1);
+    std::thread::sleep(IDLE * 2);
+    let within = pass(&server, &s);
+    assert_eq!((within.dead_lettered, within.skipped), (0, 1), "{within:?}");
+    assert_eq!(pel(&mut conn, STREAM, GROUP)[0].3, 2, "still pending, handed over once");
+    std::thread::sleep(grace);
+    assert_eq!(pass(&server, &s).dead_lettered, 1, "after the grace, at the cap");
 }

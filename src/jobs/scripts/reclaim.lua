@@ -228,6 +228,13 @@ local function requeue(id, fields, n, origin, total)
   requeued = requeued + 1
 end
 
+-- Whether `Reassign` handed entry `id` over less than the grace ago.
+local function handed_within_grace(id)
+  if strategy ~= 'Reassign' or not has_handovers then return false end
+  local handed = tonumber(redis.call('HGET', handovers, id))
+  return handed ~= nil and tonumber(now_ms) - handed < grace
+end
+
 -- Every move of the call; the acknowledgements and the counters are written once, below.
 local position = ''
 local function move_page()
@@ -284,6 +291,10 @@ for _, pending in ipairs(page) do
         if earlier > 0 then waiting[#waiting + 1] = id; waiting[#waiting + 1] = earlier end
       elseif n > max_fields then
         too_large = too_large + 1
+      elseif total <= max_deliveries and handed_within_grace(id) then
+        -- Handed over within the grace: its new owner has not had its look at its PEL yet. Also when the hand-over
+        -- was its last delivery: dead-lettering it now would take the delivery the hand-over counted from it.
+        skipped = skipped + 1
       elseif total >= max_deliveries then
         local args = {dlq}
         if dlq_maxlen > 0 then
@@ -324,33 +335,27 @@ for _, pending in ipairs(page) do
       elseif strategy == 'Requeue' then
         requeue(id, fields, n, origin, total)
       elseif strategy == 'Reassign' then
-        local handed = has_handovers and tonumber(redis.call('HGET', handovers, id))
-        if handed and tonumber(now_ms) - handed < grace then
-          -- Handed over within the grace: its owner has not had its look at its PEL yet.
-          skipped = skipped + 1
-        else
-          local target = least_loaded(owner)
-          if target then
-            -- A hand-over is a delivery: without RETRYCOUNT, JUSTID leaves the count as it was, and an entry handed
-            -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap. It is
-            -- not handed over again within the grace, so the count grows no faster than the owner can take it up.
-            -- Min-idle 0: this call found the entry due (a gone owner's and an unowned one whatever their idle
-            -- time) and nothing ran since; with minIdle there the claim of those silently did nothing.
-            local claimed = redis.call('XCLAIM', src, group, target.name, 0, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
-            if claimed[1] then
-              redis.call('HSET', handovers, id, now_ms)
-              has_handovers = true
-              target.pending = target.pending + 1
-              reassigned = reassigned + 1
-            else
-              skipped = skipped + 1
-            end
+        local target = least_loaded(owner)
+        if target then
+          -- A hand-over is a delivery: without RETRYCOUNT, JUSTID leaves the count as it was, and an entry handed
+          -- to consumers that never re-read their PEL would be reassigned forever, never reaching the cap. It is
+          -- not handed over again within the grace, so the count grows no faster than the owner can take it up.
+          -- Min-idle 0: this call found the entry due (a gone owner's and an unowned one whatever their idle
+          -- time) and nothing ran since; with minIdle there the claim of those silently did nothing.
+          local claimed = redis.call('XCLAIM', src, group, target.name, 0, id, 'RETRYCOUNT', deliveries + 1, 'JUSTID')
+          if claimed[1] then
+            redis.call('HSET', handovers, id, now_ms)
+            has_handovers = true
+            target.pending = target.pending + 1
+            reassigned = reassigned + 1
           else
-            -- No consumer looks live: a worker waiting on new entries looks idle on Redis 7.0 (an empty read does
-            -- not reset `idle` before 7.2), and a group whose workers all left has none. A copy at the end of the
-            -- stream reaches whoever reads next, as under Requeue.
-            requeue(id, fields, n, origin, total)
+            skipped = skipped + 1
           end
+        else
+          -- No consumer looks live: a worker waiting on new entries looks idle on Redis 7.0 (an empty read does
+          -- not reset `idle` before 7.2), and a group whose workers all left has none. A copy at the end of the
+          -- stream reaches whoever reads next, as under Requeue.
+          requeue(id, fields, n, origin, total)
         end
       else
         skipped = skipped + 1
