@@ -1,0 +1,439 @@
+//! The conformance suite (SPEC 20): every scenario written once and run against every library's conformance worker
+//! (`conformance/workers.txt`), with the real operator on Redis 7.0 and Valkey 9.1. In one scenario the libraries
+//! run side by side, each on its own stream and policy, under one operator; a scenario fails when any library does,
+//! and its report names each library's result.
+//!
+//! A worker is a program configured by environment whose handler obeys the message (`handle`, `ms`) and prints one
+//! JSON line per handler run (contract/README.md, "The conformance worker"). What is asserted is what a user sees:
+//! those lines, the PEL, the dead-letter stream, the counters.
+
+#[macro_use]
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use pelican::keys::{terminal_key, totals_key};
+
+on_both_servers!(
+    slow_handlers_three_times_min_idle_are_handled_once,
+    terminal_outcomes_are_acknowledged_and_counted_by_reason,
+    failures_are_retried_and_dead_lettered_at_the_cap_with_their_last_error,
+    retry_outcomes_are_retried_at_once_and_counted,
+    a_sigterm_gives_back_uncounted_and_another_worker_finishes,
+    a_reassign_hand_over_is_taken_up_by_the_worker_it_went_to,
+    a_lowered_min_idle_still_handles_slow_messages_once,
+);
+
+const GROUP: &str = "workers";
+
+/// A library's conformance worker, as `conformance/workers.txt` lists it.
+#[derive(Clone, Debug)]
+struct Library {
+    name: String,
+    command: Vec<String>,
+}
+
+/// The listed libraries; `CONFORMANCE_WORKERS=a,b` narrows them (said on stderr, so a narrowed run is never taken
+/// for a whole one). A listed program that is not built fails the scenario with how to build it.
+fn libraries() -> Vec<Library> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let listed = std::fs::read_to_string(format!("{root}/conformance/workers.txt")).unwrap();
+    let wanted = std::env::var("CONFORMANCE_WORKERS").ok();
+    let libraries: Vec<Library> = listed
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.starts_with('#'))
+        .map(|line| {
+            let mut words = line.split_whitespace().map(str::to_string);
+            Library { name: words.next().unwrap(), command: words.collect() }
+        })
+        .filter(|library| wanted.as_deref().is_none_or(|w| w.split(',').any(|name| name == library.name)))
+        .collect();
+    if let Some(wanted) = &wanted {
+        eprintln!("CONFORMANCE_WORKERS={wanted}: only {:?}", libraries.iter().map(|l| &l.name).collect::<Vec<_>>());
+    }
+    assert!(!libraries.is_empty(), "no conformance worker listed (or none of CONFORMANCE_WORKERS)");
+    for library in &libraries {
+        let program = &library.command[0];
+        let path = std::path::Path::new(root).join(program);
+        assert!(
+            !program.contains('/') || path.exists(),
+            "{}: {} is not built: run scripts/conformance-build",
+            library.name,
+            path.display()
+        );
+    }
+    libraries
+}
+
+/// One handler run, as a worker printed it.
+#[derive(Clone, Debug, serde::Deserialize)]
+struct Run {
+    id: String,
+    consumer: String,
+    outcome: String,
+}
+
+/// A running conformance worker; killed when dropped.
+struct Running {
+    child: Child,
+    runs: Arc<Mutex<Vec<Run>>>,
+    what: String,
+}
+
+impl Running {
+    fn start(library: &Library, url: &str, stream: &str, consumer: &str, grace_ms: u64) -> Running {
+        let mut child = Command::new(&library.command[0])
+            .args(&library.command[1..])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("REDIS_URL", url)
+            .env("STREAM", stream)
+            .env("GROUP", GROUP)
+            .env("CONSUMER", consumer)
+            .env("SHUTDOWN_GRACE_MS", grace_ms.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: cannot start {:?}: {e}", library.name, library.command));
+        let runs = Arc::new(Mutex::new(Vec::new()));
+        let (out, seen) = (child.stdout.take().unwrap(), runs.clone());
+        let what = format!("{} worker {consumer}", library.name);
+        let name = what.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                match serde_json::from_str::<Run>(&line) {
+                    Ok(run) => seen.lock().unwrap().push(run),
+                    Err(e) => eprintln!("{name}: not a run line ({e}): {line}"),
+                }
+            }
+        });
+        Running { child, runs, what }
+    }
+
+    fn runs(&self) -> Vec<Run> {
+        self.runs.lock().unwrap().clone()
+    }
+
+    /// SIGTERM, then the exit status once the worker's shutdown is complete.
+    fn terminate(&mut self) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "{} did not exit 30 s after SIGTERM", self.what);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What a scenario gets for one library: its stream (and policy), the server, the namespace.
+struct Lane {
+    library: Library,
+    stream: String,
+    policy: String,
+    url: String,
+    namespace: String,
+}
+
+impl Lane {
+    fn worker(&self, consumer: &str, grace_ms: u64) -> Running {
+        Running::start(&self.library, &self.url, &self.stream, consumer, grace_ms)
+    }
+
+    fn conn(&self) -> redis::Connection {
+        redis::Client::open(self.url.as_str()).unwrap().get_connection().unwrap()
+    }
+
+    /// Adds a message whose handler does `handle` for `ms`; its id.
+    fn publish(&self, conn: &mut redis::Connection, handle: &str, ms: u64) -> String {
+        redis::cmd("XADD").arg(&self.stream).arg("*").arg("handle").arg(handle).arg("ms").arg(ms).query(conn).unwrap()
+    }
+
+    fn dead_letters(&self, conn: &mut redis::Connection) -> Vec<RawEntry> {
+        xrange(conn, &format!("{}:dlq", self.stream))
+    }
+
+    fn totals(&self, conn: &mut redis::Connection) -> BTreeMap<String, i64> {
+        redis::cmd("HGETALL").arg(totals_key(&self.stream, GROUP)).query(conn).unwrap()
+    }
+
+    fn length(&self, conn: &mut redis::Connection) -> usize {
+        redis::cmd("XLEN").arg(&self.stream).query(conn).unwrap()
+    }
+}
+
+/// Runs `scenario` for every library side by side: one server of `flavor`, one operator, a policy per library
+/// (with `reclaim`) on its own stream. Panics naming every library that failed.
+fn for_every_library(flavor: Flavor, prefix: &str, reclaim: Reclaim, scenario: fn(&Lane)) {
+    let libraries = libraries();
+    let server = Server::start(flavor);
+    let namespace = namespace(prefix);
+    let _operator = Operator::start(&namespace);
+    let manifests: Vec<String> = libraries
+        .iter()
+        .map(|library| reclaim.manifest(&format!("c-{}", library.name), &server.url(), &library.name))
+        .collect();
+    let (applied, out) = kubectl_apply(&namespace, &manifests.join("---\n"));
+    assert!(applied, "kubectl apply failed: {out}");
+    wait_all_ready(&namespace, libraries.len(), Duration::from_secs(60));
+    let lanes = libraries.into_iter().map(|library| Lane {
+        stream: library.name.clone(),
+        policy: format!("c-{}", library.name),
+        url: server.url(),
+        namespace: namespace.clone(),
+        library,
+    });
+    let results: Vec<(String, Result<Duration, String>)> = std::thread::scope(|scope| {
+        let running: Vec<_> = lanes
+            .map(|lane| {
+                let name = lane.library.name.clone();
+                (
+                    name,
+                    scope.spawn(move || {
+                        let started = Instant::now();
+                        scenario(&lane);
+                        started.elapsed()
+                    }),
+                )
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|(name, handle)| {
+                let result = handle.join().map_err(|panic| {
+                    panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                });
+                (name, result)
+            })
+            .collect()
+    });
+    let report: Vec<String> = results
+        .iter()
+        .map(|(name, result)| match result {
+            Ok(took) => format!("  {name}: passed in {:.1} s", took.as_secs_f64()),
+            Err(why) => format!("  {name}: FAILED: {why}"),
+        })
+        .collect();
+    eprintln!("{prefix} on {flavor:?}:\n{}", report.join("\n"));
+    assert!(results.iter().all(|(_, r)| r.is_ok()), "{prefix} on {flavor:?}:\n{}", report.join("\n"));
+}
+
+/// The runs of every worker given, in the order each printed them.
+fn runs_of(workers: &[&Running]) -> Vec<Run> {
+    workers.iter().flat_map(|w| w.runs()).collect()
+}
+
+/// A scenario's reclaim settings: `minIdle`, `maxDeliveries`, the strategy; a pass every second.
+fn spec(min_idle: &str, max_deliveries: u32, strategy: &str) -> Reclaim {
+    Reclaim { min_idle: min_idle.to_string(), max_deliveries, strategy: strategy.to_string() }
+}
+
+struct Reclaim {
+    min_idle: String,
+    max_deliveries: u32,
+    strategy: String,
+}
+
+impl Reclaim {
+    /// The policy of one library's lane.
+    fn manifest(&self, name: &str, url: &str, stream: &str) -> String {
+        let retry = format!("  retry:\n    maxDeliveries: {}\n", self.max_deliveries);
+        policy(name, url, stream, GROUP, &retry).replace(
+            "    interval: 1s\n",
+            &format!("    interval: 1s\n    minIdle: {}\n    strategy: {}\n", self.min_idle, self.strategy),
+        )
+    }
+}
+
+fn slow_handlers_three_times_min_idle_are_handled_once(flavor: Flavor) {
+    for_every_library(flavor, "conf-slow", spec("2s", 3, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        let ids: Vec<String> = (0..6).map(|_| lane.publish(&mut conn, "done", 6_000)).collect();
+        let (a, b) = (lane.worker("w1", 20_000), lane.worker("w2", 20_000));
+        wait_for("six runs", Duration::from_secs(45), || {
+            let runs = runs_of(&[&a, &b]);
+            if runs.len() >= 6 { Ok(()) } else { Err(format!("{} runs", runs.len())) }
+        });
+        // Three more passes: a copy made late would show.
+        std::thread::sleep(Duration::from_secs(3));
+        let mut handled: Vec<String> = runs_of(&[&a, &b]).into_iter().map(|r| r.id).collect();
+        handled.sort();
+        assert_eq!(handled, ids, "each message handled once; totals {:?}", lane.totals(&mut conn));
+        assert_eq!(lane.length(&mut conn), 6, "no requeue copies");
+        assert!(lane.dead_letters(&mut conn).is_empty(), "no dead letters");
+        assert!(pel(&mut conn, &lane.stream, GROUP).is_empty(), "nothing pending");
+    });
+}
+
+fn terminal_outcomes_are_acknowledged_and_counted_by_reason(flavor: Flavor) {
+    for_every_library(flavor, "conf-terminal", spec("5s", 3, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        for _ in 0..3 {
+            lane.publish(&mut conn, "terminal:RecordNotFound", 0);
+        }
+        lane.publish(&mut conn, "done", 0);
+        let worker = lane.worker("w1", 20_000);
+        wait_for("four runs", Duration::from_secs(20), || {
+            let n = worker.runs().len();
+            if n >= 4 { Ok(()) } else { Err(format!("{n} runs")) }
+        });
+        let counted = wait_for("the terminal count", Duration::from_secs(10), || {
+            let counts: BTreeMap<String, i64> =
+                redis::cmd("HGETALL").arg(terminal_key(&lane.stream, GROUP)).query(&mut conn).unwrap();
+            if counts.get("RecordNotFound") == Some(&3) { Ok(counts) } else { Err(format!("{counts:?}")) }
+        });
+        assert_eq!(counted.len(), 1, "{counted:?}");
+        assert!(pel(&mut conn, &lane.stream, GROUP).is_empty(), "all four acknowledged");
+        let outcomes: Vec<String> = worker.runs().into_iter().map(|r| r.outcome).collect();
+        assert_eq!(outcomes.iter().filter(|o| *o == "terminal").count(), 3, "{outcomes:?}");
+    });
+}
+
+fn failures_are_retried_and_dead_lettered_at_the_cap_with_their_last_error(flavor: Flavor) {
+    for_every_library(flavor, "conf-fail", spec("1s", 3, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        let id = lane.publish(&mut conn, "fail", 0);
+        let worker = lane.worker("w1", 20_000);
+        let dead = wait_for("the dead letter", Duration::from_secs(40), || match lane.dead_letters(&mut conn).pop() {
+            Some(dead) => Ok(dead),
+            None => Err(format!("runs {}, totals {:?}", worker.runs().len(), lane.totals(&mut conn))),
+        });
+        let text = |name: &str| field(&dead, name).map(|v| String::from_utf8_lossy(v).into_owned());
+        assert_eq!(text("pelican-origin-id"), Some(id));
+        assert_eq!(text("pelican-deliveries").as_deref(), Some("3"));
+        assert_eq!(text("pelican-reason").as_deref(), Some("MaxDeliveriesExceeded"));
+        assert!(text("pelican-last-error").is_some_and(|e| !e.is_empty()), "the last error travels with it");
+        let failures = worker.runs().iter().filter(|r| r.outcome == "fail").count();
+        assert_eq!(failures, 3, "three deliveries, three handler runs");
+        assert!(pel(&mut conn, &lane.stream, GROUP).is_empty());
+    });
+}
+
+/// `minIdle: 1h`: only the give-back of a retry outcome can bring the message back within the test.
+fn retry_outcomes_are_retried_at_once_and_counted(flavor: Flavor) {
+    for_every_library(flavor, "conf-retry", spec("1h", 2, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        let id = lane.publish(&mut conn, "retry", 0);
+        let worker = lane.worker("w1", 20_000);
+        let dead = wait_for("the dead letter", Duration::from_secs(30), || match lane.dead_letters(&mut conn).pop() {
+            Some(dead) => Ok(dead),
+            None => Err(format!("runs {}, totals {:?}", worker.runs().len(), lane.totals(&mut conn))),
+        });
+        assert_eq!(field(&dead, "pelican-origin-id"), Some(id.as_bytes()));
+        assert_eq!(field(&dead, "pelican-deliveries"), Some(&b"2"[..]), "each retry counted");
+        let retries = worker.runs().iter().filter(|r| r.outcome == "retry").count();
+        assert_eq!(retries, 2);
+    });
+}
+
+/// `minIdle: 1h`: only the give-back can hand the messages on within the test. The first worker's grace (0.5 s) cuts
+/// its handlers (8 s) off; the second worker handles each message once, and the aborted delivery was not counted.
+fn a_sigterm_gives_back_uncounted_and_another_worker_finishes(flavor: Flavor) {
+    for_every_library(flavor, "conf-sigterm", spec("1h", 3, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        for _ in 0..2 {
+            lane.publish(&mut conn, "done", 8_000);
+        }
+        let mut leaving = lane.worker("leaving", 500);
+        wait_for("both messages read by the leaving worker", Duration::from_secs(20), || {
+            let owners: Vec<String> = pel(&mut conn, &lane.stream, GROUP).into_iter().map(|p| p.1).collect();
+            if owners == ["leaving", "leaving"] { Ok(()) } else { Err(format!("{owners:?}")) }
+        });
+        let status = leaving.terminate();
+        assert!(status.success(), "the worker exits 0 after its shutdown: {status}");
+        assert!(leaving.runs().is_empty(), "no handler finished within the grace");
+        let given: Vec<(String, i64)> = pel(&mut conn, &lane.stream, GROUP).into_iter().map(|p| (p.1, p.3)).collect();
+        assert!(given.iter().all(|(_, count)| *count == 0), "given back uncounted (or already requeued): {given:?}");
+        let staying = lane.worker("staying", 20_000);
+        wait_for("both handled by the other worker", Duration::from_secs(30), || {
+            let n = staying.runs().iter().filter(|r| r.outcome == "done").count();
+            if n >= 2 { Ok(()) } else { Err(format!("{n} runs, pel {:?}", pel(&mut conn, &lane.stream, GROUP))) }
+        });
+        let copies: Vec<Option<String>> = xrange(&mut conn, &lane.stream)
+            .iter()
+            .skip(2)
+            .map(|e| field(e, "pelican-deliveries").map(|v| String::from_utf8_lossy(v).into_owned()))
+            .collect();
+        assert_eq!(
+            copies,
+            [Some("0".to_string()), Some("0".to_string())],
+            "requeued with the aborted delivery uncounted"
+        );
+        std::thread::sleep(Duration::from_secs(2));
+        assert_eq!(staying.runs().len(), 2, "each handled once");
+        assert!(pel(&mut conn, &lane.stream, GROUP).is_empty());
+    });
+}
+
+/// `Reassign`, two workers kept live by a trickle of quick messages: a message that fails is handed over (same id,
+/// the hand-over counted) and the worker it went to handles it at its next look at its PEL; at the cap it is
+/// dead-lettered.
+fn a_reassign_hand_over_is_taken_up_by_the_worker_it_went_to(flavor: Flavor) {
+    for_every_library(flavor, "conf-reassign", spec("2s", 2, "Reassign"), |lane| {
+        let mut conn = lane.conn();
+        let (a, b) = (lane.worker("w1", 20_000), lane.worker("w2", 20_000));
+        let failing = lane.publish(&mut conn, "fail", 0);
+        let started = Instant::now();
+        let dead = loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(90),
+                "not dead-lettered; totals {:?}",
+                lane.totals(&mut conn)
+            );
+            lane.publish(&mut conn, "done", 0);
+            if let Some(dead) = lane.dead_letters(&mut conn).pop() {
+                break dead;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        };
+        let runs: Vec<Run> = runs_of(&[&a, &b]).into_iter().filter(|r| r.id == failing).collect();
+        assert_eq!(runs.len(), 2, "run once, handed over, run again under the same id: {runs:?}");
+        assert!(lane.totals(&mut conn).get("reassigned").is_some_and(|n| *n >= 1));
+        assert_eq!(field(&dead, "pelican-source-id"), Some(failing.as_bytes()));
+        assert_eq!(field(&dead, "pelican-deliveries"), Some(&b"2"[..]));
+        assert!(runs.iter().all(|r| r.outcome == "fail" && !r.consumer.is_empty()));
+    });
+}
+
+/// Defect (issue 57.3): lowering `minIdle` on a live policy ran slow messages again and dead-lettered them. Handlers
+/// of 75 s, longer than the operator's hold of the old value (60 s): the workers must follow the new pace.
+fn a_lowered_min_idle_still_handles_slow_messages_once(flavor: Flavor) {
+    for_every_library(flavor, "conf-lowered", spec("30s", 2, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        let ids: Vec<String> = (0..2).map(|_| lane.publish(&mut conn, "done", 75_000)).collect();
+        let worker = lane.worker("w1", 20_000);
+        wait_for("both messages read", Duration::from_secs(20), || {
+            let n = pel(&mut conn, &lane.stream, GROUP).len();
+            if n == 2 { Ok(()) } else { Err(format!("{n} pending")) }
+        });
+        patch_policy(&lane.namespace, &lane.policy, "merge", r#"{"spec":{"reclaim":{"minIdle":"3s"}}}"#);
+        wait_for("both handled", Duration::from_secs(100), || {
+            let n = worker.runs().len();
+            if n >= 2 { Ok(()) } else { Err(format!("{n} runs, totals {:?}", lane.totals(&mut conn))) }
+        });
+        std::thread::sleep(Duration::from_secs(4));
+        let mut handled: Vec<String> = worker.runs().into_iter().map(|r| r.id).collect();
+        handled.sort();
+        assert_eq!(handled, ids, "each handled once; totals {:?}", lane.totals(&mut conn));
+        assert_eq!(lane.length(&mut conn), 2, "no requeue copies");
+        assert!(lane.dead_letters(&mut conn).is_empty());
+    });
+}
