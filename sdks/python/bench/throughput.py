@@ -1,0 +1,147 @@
+"""Throughput of the library's worker beside a hand-written redis-py asyncio XREADGROUP/XACK loop, on the same server
+in one run.
+
+    python bench/throughput.py [N]      (default 20000; REDIS_URL, else a redis-server started on a free port)
+
+Each run gets a fresh stream of N entries already published, a handler that does nothing, and is timed from the
+start until every entry is acknowledged. The ratio compares the library with the hand loop of the same batch size:
+concurrency 1 with COUNT 1, concurrency 16 with COUNT 16 and a pipelined XACK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis
+from redis.asyncio import Redis
+
+from pelican_worker import Message, Outcome, Worker
+
+GROUP = "bench"
+
+
+async def prepare(r: Redis, stream: str, n: int) -> None:
+    await r.delete(stream)
+    await r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    for start in range(0, n, 1000):
+        pipe = r.pipeline(transaction=False)
+        for i in range(start, min(n, start + 1000)):
+            pipe.xadd(stream, {"job": str(i), "path": f"/data/{i}.txt"})
+        await pipe.execute()
+
+
+async def library(url: str, stream: str, n: int, concurrency: int) -> float:
+    async def handle(message: Message) -> Outcome:
+        return Outcome.done()
+
+    worker = Worker(url, stream, GROUP, "bench-1", concurrency=concurrency, block=0.1)
+    stop = asyncio.Event()
+    started = time.perf_counter()
+    task = asyncio.create_task(worker.run(handle, stop))
+    while worker.stats.done < n:  # noqa: ASYNC110 - the stats have no event to wait on: polled every 2 ms
+        await asyncio.sleep(0.002)
+    elapsed = time.perf_counter() - started
+    stop.set()
+    await task
+    return elapsed
+
+
+async def hand_loop(url: str, stream: str, n: int, count: int) -> float:
+    r = Redis.from_url(url)
+
+    async def handle(entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        return None
+
+    acked = 0
+    started = time.perf_counter()
+    while acked < n:
+        reply: Any = await r.xreadgroup(GROUP, "hand-1", {stream: ">"}, count=count, block=100)
+        for _, entries in reply:
+            for entry_id, fields in entries:
+                await handle(entry_id, fields)
+            if count == 1:
+                for entry_id, _ in entries:
+                    await r.xack(stream, GROUP, entry_id)
+            else:
+                pipe = r.pipeline(transaction=False)
+                for entry_id, _ in entries:
+                    pipe.xack(stream, GROUP, entry_id)
+                await pipe.execute()
+            acked += len(entries)
+    elapsed = time.perf_counter() - started
+    await r.aclose()
+    return elapsed
+
+
+async def measure(url: str, n: int) -> None:
+    r = Redis.from_url(url)
+    runs: list[tuple[str, Callable[[str], Awaitable[float]]]] = [
+        ("hand loop, COUNT 1, XACK each", lambda s: hand_loop(url, s, n, 1)),
+        ("pelican_worker, concurrency 1", lambda s: library(url, s, n, 1)),
+        ("hand loop, COUNT 16, pipelined XACK", lambda s: hand_loop(url, s, n, 16)),
+        ("pelican_worker, concurrency 16", lambda s: library(url, s, n, 16)),
+    ]
+    rates: dict[str, float] = {}
+    for i, (name, run) in enumerate(runs):
+        stream = f"bench-{i}"
+        await prepare(r, stream, n)
+        rates[name] = n / await run(stream)
+        await r.delete(stream)
+    await r.aclose()
+    print(f"{n} messages per run, one server, one process (Python {sys.version.split()[0]})")
+    print(f"{'run':40} {'msgs/s':>10}")
+    for name, rate in rates.items():
+        print(f"{name:40} {rate:>10.0f}")
+    for library_run, hand_run in [(runs[1][0], runs[0][0]), (runs[3][0], runs[2][0])]:
+        print(f"ratio {library_run} / {hand_run}: {rates[library_run] / rates[hand_run]:.2f}")
+
+
+def start_server() -> tuple[subprocess.Popen[bytes], str]:
+    binary = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None:
+        sys.exit("no redis-server: set REDIS_URL, or put redis-server on PATH (or name it in REDIS_SERVER)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    probe = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            probe.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    probe.close()
+    return server, f"redis://127.0.0.1:{port}"
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
+    url = os.environ.get("REDIS_URL")
+    server = None
+    if url is None:
+        server, url = start_server()
+    try:
+        asyncio.run(measure(url, n))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Pelican's worker library: consume a Redis Streams group that a Pelican ``ConsumerGroupPolicy`` manages.
+
+It implements the worker contract (version 1) in ``contract/README.md`` of the Pelican repository.
+"""
+
+from pelican_worker.message import InvalidReason, Message, Outcome
+from pelican_worker.producer import (
+    IdempotenceUnsupported,
+    IdempotentProducer,
+    Producer,
+    Published,
+    PublishError,
+    PublishFailed,
+    PublishOutcomeUnknown,
+    PublishRefused,
+    PublishUnavailable,
+    Refusal,
+)
+from pelican_worker.settings import KNOWN_CONTRACT_VERSIONS, ContractVersionError, WorkerSettings
+from pelican_worker.worker import Handler, Worker, WorkerStats, default_consumer_name, run_until_signal
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KNOWN_CONTRACT_VERSIONS",
+    "ContractVersionError",
+    "Handler",
+    "IdempotenceUnsupported",
+    "IdempotentProducer",
+    "InvalidReason",
+    "Message",
+    "Outcome",
+    "Producer",
+    "PublishError",
+    "PublishFailed",
+    "PublishOutcomeUnknown",
+    "PublishRefused",
+    "PublishUnavailable",
+    "Published",
+    "Refusal",
+    "Worker",
+    "WorkerSettings",
+    "WorkerStats",
+    "default_consumer_name",
+    "run_until_signal",
+]

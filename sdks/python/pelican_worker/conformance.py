@@ -1,0 +1,71 @@
+"""The conformance worker: ``python3 -m pelican_worker.conformance``.
+
+Configured by environment: ``REDIS_URL``, ``STREAM``, ``GROUP``, ``CONSUMER`` (default: the Pod's name) and
+``SHUTDOWN_GRACE_MS``. Its handler obeys the message: field ``ms`` = how long it takes, field ``handle`` = ``done`` |
+``retry`` | ``fail`` | ``terminal:<Reason>`` | ``exit`` (the process exits at once with status 3). It prints one JSON
+line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from pelican_worker.message import InvalidReason, Message, Outcome
+from pelican_worker.worker import Handler, Worker, run_until_signal
+
+
+def _report(message: Message, consumer: str, outcome: str, ms: int) -> None:
+    line = json.dumps({"id": message.id, "consumer": consumer, "outcome": outcome, "ms": ms})
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def handler_for(consumer: str) -> Handler:
+    async def handle(message: Message) -> Outcome:
+        ms = int(message.text("ms") or 0)
+        if ms > 0:
+            await asyncio.sleep(ms / 1000)
+        action = message.text("handle") or "done"
+        if action == "exit":
+            _report(message, consumer, "exit", ms)
+            os._exit(3)
+        if action == "fail":
+            _report(message, consumer, "fail", ms)
+            raise RuntimeError("the message asked the conformance worker to fail")
+        if action.startswith("terminal:"):
+            try:
+                outcome = Outcome.terminal(action.removeprefix("terminal:"))
+            except InvalidReason:
+                # The library refuses it before anything is written: a failure of the message.
+                _report(message, consumer, "fail", ms)
+                raise
+            _report(message, consumer, "terminal", ms)
+            return outcome
+        if action == "retry":
+            _report(message, consumer, "retry", ms)
+            return Outcome.retry()
+        _report(message, consumer, "done", ms)
+        return Outcome.done()
+
+    return handle
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    grace_ms = os.environ.get("SHUTDOWN_GRACE_MS")
+    worker = Worker(
+        os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"),
+        os.environ["STREAM"],
+        os.environ["GROUP"],
+        os.environ.get("CONSUMER") or None,
+        shutdown_grace=int(grace_ms) / 1000 if grace_ms else 20.0,  # the library's default
+    )
+    asyncio.run(run_until_signal(worker, handler_for(worker.consumer)))
+
+
+if __name__ == "__main__":
+    main()

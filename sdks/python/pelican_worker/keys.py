@@ -1,0 +1,63 @@
+"""Pelican's Redis key names, as the worker contract lists them.
+
+Every key lives in the stream's hash slot: ``{T}:pelican:...`` with ``T`` the stream's hash tag.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DELIVERIES_FIELD",
+    "ERROR_TEXT_MAX",
+    "ORIGIN_ID_FIELD",
+    "bounds_key",
+    "errors_key",
+    "hash_tag",
+    "rejected_key",
+    "settings_key",
+    "terminal_key",
+]
+
+#: The field a requeued copy carries with the message's deliveries before it.
+DELIVERIES_FIELD = "pelican-deliveries"
+#: The field a requeued copy carries with the id the message was first published under.
+ORIGIN_ID_FIELD = "pelican-origin-id"
+#: The most bytes of a message's last error a worker writes.
+ERROR_TEXT_MAX = 1024
+
+
+def hash_tag(stream: str) -> str:
+    """The content of the first ``{...}`` of ``stream`` when it is not empty, else the whole name.
+
+    This is Redis Cluster's rule: the first ``{`` and the first ``}`` after it.
+    """
+    open_ = stream.find("{")
+    if open_ >= 0:
+        close = stream.find("}", open_ + 1)
+        if close > open_ + 1:
+            return stream[open_ + 1 : close]
+    return stream
+
+
+def settings_key(stream: str, group: str) -> str:
+    """``{T}:pelican:<stream>:<group>:settings``: the group's settings, written by the operator."""
+    return f"{{{hash_tag(stream)}}}:pelican:{stream}:{group}:settings"
+
+
+def terminal_key(stream: str, group: str) -> str:
+    """``{T}:pelican:<stream>:<group>:terminal``: reason -> messages ended as terminal."""
+    return f"{{{hash_tag(stream)}}}:pelican:{stream}:{group}:terminal"
+
+
+def errors_key(stream: str, group: str) -> str:
+    """``{T}:pelican:<stream>:<group>:errors``: pending entry id -> the text of its last failure."""
+    return f"{{{hash_tag(stream)}}}:pelican:{stream}:{group}:errors"
+
+
+def bounds_key(stream: str) -> str:
+    """``{T}:pelican:<stream>:bounds``: group -> ``backlog.maxLength``, read by the bounded publish scripts."""
+    return f"{{{hash_tag(stream)}}}:pelican:{stream}:bounds"
+
+
+def rejected_key(stream: str) -> str:
+    """``{T}:pelican:<stream>:rejected``: group -> publishes refused for it."""
+    return f"{{{hash_tag(stream)}}}:pelican:{stream}:rejected"

@@ -1,0 +1,616 @@
+"""The asyncio worker: the dispatch layer of an application consumer, as the worker contract's checklist says.
+
+It reads its own PEL first, then new entries, hands each message to the handler with at most ``concurrency`` running,
+and is the only place that acknowledges. While a handler runs it holds a lease on the entry; every
+``pel_check_interval`` it takes up the entries the operator handed over to it; on shutdown it gives back what did not
+finish within the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError
+
+from pelican_worker._redis import RedisSource, make_client, queue_raw, range_entries, raw_command, read_entries, text
+from pelican_worker._scripts import script_source
+from pelican_worker.keys import DELIVERIES_FIELD, ERROR_TEXT_MAX, errors_key, settings_key, terminal_key
+from pelican_worker.message import Message, Outcome
+from pelican_worker.settings import (
+    UNPUBLISHED_IDLE_MS,
+    ContractVersionError,
+    SettingsError,
+    WorkerSettings,
+    lease_interval,
+    parse_settings,
+)
+
+__all__ = ["Handler", "Worker", "WorkerStats", "default_consumer_name", "run_until_signal"]
+
+log = logging.getLogger("pelican_worker")
+
+Handler = Callable[[Message], Awaitable[Outcome]]
+
+#: The most ids one lease or give-back call carries.
+LEASE_BATCH = 100
+#: An entry that failed here counts as handed back to this worker when its idle time is shorter than the time since
+#: it failed by at least this much (the operator hands over only entries idle ``minIdle``, at least a second).
+HAND_OVER_MARGIN = 1.0
+#: How many ids whose last error this worker recorded it remembers, to remove the error with their ACK.
+ERRORS_REMEMBERED = 10_000
+#: How long handlers cancelled at the end of the grace are waited for before their entries are given back.
+CANCEL_WAIT = 1.0
+
+
+def default_consumer_name() -> str:
+    """The Pod's name: ``POD_NAME``, else ``HOSTNAME``, else the host name."""
+    return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """What a worker did so far."""
+
+    done: int = 0
+    terminal: int = 0
+    #: Handler exceptions, and acknowledgements that failed: left pending for the operator's retry.
+    failed: int = 0
+    #: ``Outcome.retry()``: given back to the operator's pass, the delivery counted.
+    retried: int = 0
+    #: Still running when the shutdown grace ran out: given back, the delivery not counted.
+    abandoned: int = 0
+    in_flight: int = 0
+
+
+class Worker:
+    """Reads ``stream`` as ``consumer`` of ``group`` and hands each message to a handler.
+
+    ``redis`` is a ``redis://`` URL or a factory returning a new ``redis.asyncio.Redis`` each call (the worker
+    opens two: the blocking reads get one of their own, so leases, ACKs and give-backs never queue behind them).
+    """
+
+    def __init__(
+        self,
+        redis: RedisSource,
+        stream: str,
+        group: str,
+        consumer: str | None = None,
+        *,
+        concurrency: int = 16,
+        block: float = 1.0,
+        shutdown_grace: float = 20.0,
+        pel_check_interval: float = 30.0,
+        max_handling: float = 1800.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if block <= 0 or shutdown_grace < 0 or pel_check_interval <= 0 or max_handling <= 0:
+            raise ValueError("block, pel_check_interval and max_handling must be positive, shutdown_grace not negative")
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer or default_consumer_name()
+        self.concurrency = concurrency
+        self.block = block
+        self.shutdown_grace = shutdown_grace
+        self.pel_check_interval = pel_check_interval
+        self.max_handling = max_handling
+        self._redis = redis
+        self._counts = {"done": 0, "terminal": 0, "failed": 0, "retried": 0, "abandoned": 0}
+        self._settings: WorkerSettings | None = None
+        # The problem with the settings last reported, so a warning is given once, not at every tick.
+        self._settings_problem: str | None = None
+        # Entry id -> when its handler started (loop time).
+        self._in_flight: dict[str, float] = {}
+        # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
+        self._failed_here: dict[str, float] = {}
+        self._errors_recorded: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stop = asyncio.Event()
+        self._fatal: ContractVersionError | None = None
+        self._running = False
+
+    @property
+    def stats(self) -> WorkerStats:
+        return WorkerStats(**self._counts, in_flight=len(self._in_flight))
+
+    @property
+    def settings(self) -> WorkerSettings | None:
+        """The group's settings as last read; ``None`` when none are published."""
+        return self._settings
+
+    async def run(self, handler: Handler, stop: asyncio.Event | None = None) -> WorkerStats:
+        """Runs until ``stop`` is set: then stops reading, lets handlers finish within ``shutdown_grace``, gives back
+        the rest, and returns the stats.
+
+        Raises :class:`~pelican_worker.settings.ContractVersionError` before reading anything when the operator
+        speaks a contract this library does not know (and after a graceful shutdown when it starts to while running).
+        Read errors (a server restarting, say) are logged and retried; they do not stop the worker.
+        """
+        if self._running:
+            raise RuntimeError("this worker is already running")
+        self._running, self._fatal = True, None
+        self._stop = asyncio.Event()
+        reader = make_client(self._redis, socket_timeout=self.block + 10.0, resend=True)
+        writer = make_client(self._redis, socket_timeout=10.0, resend=True)
+        calls = _Writer(writer, self.stream, self.group, self.consumer)
+        bridge = asyncio.create_task(self._follow(stop)) if stop is not None else None
+        leases: asyncio.Task[None] | None = None
+        try:
+            if not await self._first_settings(writer):
+                return self.stats
+            leases = asyncio.create_task(self._hold_leases(calls))
+            unhandled = await self._read_loop(handler, reader, calls)
+            await self._shut_down(calls, unhandled)
+        finally:
+            background = [t for t in (bridge, leases, calls.flusher) if t is not None]
+            for task in (*background, *self._tasks):
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await reader.aclose()
+            await writer.aclose()
+            self._running = False
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._stop.set()
+
+    # Settings
+
+    async def _first_settings(self, conn: Redis) -> bool:
+        """Reads the settings (checking the contract version) before the first read; ``False`` when stopped first."""
+        while not self._stop.is_set():
+            try:
+                await self._read_settings(conn)
+                return True
+            except (RedisError, OSError) as error:  # the server's refusals are handled inside: a broken connection
+                log.warning("could not read the group's settings yet; retrying: %s", error, extra=self._where())
+                await self._sleep(0.5)
+        return False
+
+    async def _read_settings(self, conn: Redis) -> None:
+        """Reads the settings hash. A refusal (an ACL without ``hgetall`` on it) or a malformed hash leaves the worker
+        without settings (leases every second), with a warning once; a broken connection keeps the last ones."""
+        try:
+            raw = await raw_command(conn, "HGETALL", settings_key(self.stream, self.group))
+            settings, problem = parse_settings(raw), None
+        except (ResponseError, SettingsError) as error:
+            settings, problem = None, str(error)
+        if problem is not None and problem != self._settings_problem:
+            log.warning(
+                "no usable settings for the group (%s): leasing every second, giving back with an idle of %d ms",
+                problem,
+                UNPUBLISHED_IDLE_MS,
+                extra=self._where(),
+            )
+        if settings != self._settings:
+            log.info("group settings: %s", settings, extra=self._where())
+        self._settings, self._settings_problem = settings, problem
+
+    # Reading
+
+    async def _read_loop(self, handler: Handler, reader: Redis, calls: _Writer) -> list[str]:
+        """Reads and dispatches until the stop; answers the ids of what a read brought after the stop, unhandled."""
+        loop = asyncio.get_running_loop()
+        cursor: str | None = "0"  # own PEL first: entries delivered to this name before a restart
+        next_check = loop.time() + self.pel_check_interval
+        nogroup_wait: float | None = None
+        while not self._stop.is_set():
+            free = self.concurrency - len(self._tasks)
+            if free <= 0:
+                await self._first_done(self._tasks)
+                # Handlers whose ACKs came back in the same batch finish together: one read for all their slots.
+                await asyncio.sleep(0)
+                continue
+            try:
+                if cursor is not None:
+                    found, cursor = await self._read_own(reader, free, cursor)
+                elif loop.time() >= next_check:
+                    next_check = loop.time() + self.pel_check_interval
+                    found = await self._take_handed_over(calls, free)
+                else:
+                    found = await self._read_new(reader, free)
+            except ResponseError as error:
+                if not str(error).startswith("NOGROUP"):
+                    log.warning("read refused; retrying: %s", error, extra=self._where())
+                    await self._sleep(0.5)
+                    continue
+                # The group is the operator's to create: wait for it, say so once.
+                if nogroup_wait is None:
+                    log.warning(
+                        "group %s does not exist on stream %s yet: waiting for the operator to create it",
+                        self.group,
+                        self.stream,
+                        extra=self._where(),
+                    )
+                    nogroup_wait = 1.0
+                await self._sleep(nogroup_wait)
+                nogroup_wait = min(nogroup_wait * 2, 10.0)
+                continue
+            except (RedisError, OSError) as error:
+                log.warning("read failed; retrying: %s", error, extra=self._where())
+                await self._sleep(0.5)
+                continue
+            if nogroup_wait is not None:
+                log.info("group %s exists now: reading", self.group, extra=self._where())
+                nogroup_wait = None
+            if self._stop.is_set():
+                # The read was sent before the stop, and the server delivered to this consumer all the same.
+                return [message.id for message in found]
+            for message in found:
+                self._start(handler, calls, message)
+        return []
+
+    async def _read_own(self, reader: Redis, count: int, cursor: str) -> tuple[list[Message], str | None]:
+        reply = await raw_command(
+            reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.stream, cursor
+        )
+        found = read_entries(reply)
+        if not found:
+            return [], None
+        return _messages(found), found[-1][0]
+
+    async def _read_new(self, reader: Redis, count: int) -> list[Message]:
+        block_ms = max(1, round(self.block * 1000))
+        reply = await raw_command(
+            reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
+            "STREAMS", self.stream, ">",
+        )  # fmt: skip
+        return _messages(read_entries(reply))
+
+    async def _take_handed_over(self, calls: _Writer, count: int) -> list[Message]:
+        """Up to ``count`` entries of the own PEL that are neither in flight nor failed here (or failed here and handed
+        back since): the ones ``strategy: Reassign`` handed over. Taken with ``lease.lua`` (which leaves alone what
+        the pass gave to someone else meanwhile), then read with ``XRANGE``."""
+        failed_here = dict(self._failed_here)
+        asked = count + len(self._in_flight) + len(failed_here)
+        # Measured before the server measures idle times: an entry untouched since it failed here is idle this long.
+        asked_at = asyncio.get_running_loop().time()
+        pending = await raw_command(calls.conn, "XPENDING", self.stream, self.group, "-", "+", asked, self.consumer)
+        listed = [(text(p[0]), int(p[2])) for p in pending]
+        if len(listed) < asked:
+            # The whole PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
+            ids_listed = {entry_id for entry_id, _ in listed}
+            self._failed_here = {k: v for k, v in self._failed_here.items() if k in ids_listed}
+
+        def handed_back(entry_id: str, idle_ms: int) -> bool:
+            failed = failed_here.get(entry_id)
+            return failed is None or idle_ms / 1000 + HAND_OVER_MARGIN <= asked_at - failed
+
+        candidates = [i for i, idle in listed if i not in self._in_flight and handed_back(i, idle)][:count]
+        if not candidates:
+            return []
+        taken = await calls.lease(candidates)
+        for entry_id in taken:
+            self._failed_here.pop(entry_id, None)
+        if not taken:
+            return []
+        pipe = calls.conn.pipeline(transaction=False)
+        for entry_id in taken:
+            queue_raw(pipe, "XRANGE", self.stream, entry_id, entry_id)
+        ranges = await pipe.execute()
+        # An entry deleted while pending has no payload: the operator's pass drops it.
+        return _messages([entry for found in ranges for entry in range_entries(found)])
+
+    # Dispatch: the only place that acknowledges
+
+    def _start(self, handler: Handler, calls: _Writer, message: Message) -> None:
+        self._in_flight[message.id] = asyncio.get_running_loop().time()
+        task = asyncio.create_task(self._dispatch(handler, calls, message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
+        try:
+            try:
+                outcome = await handler(message)
+                if not isinstance(outcome, Outcome):
+                    raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
+            except Exception as error:  # every error of the handler is a failure of the message
+                await self._fail(calls, message.id, error)
+                return
+            if outcome.kind == "done":
+                await self._ack(calls, message)
+            elif outcome.kind == "terminal":
+                await self._ack_terminal(calls, message.id, str(outcome.reason))
+            else:
+                await self._give_back_for_retry(calls, message.id)
+        finally:
+            self._in_flight.pop(message.id, None)
+
+    async def _ack(self, calls: _Writer, message: Message) -> None:
+        # A message that failed before (here, or elsewhere before it was requeued) may have a last error to remove.
+        recorded = message.id in self._errors_recorded or message.field(DELIVERIES_FIELD) is not None
+        self._errors_recorded.discard(message.id)
+        try:
+            await calls.ack(message.id, clear_error=recorded)
+        except RedisError as error:
+            self._ack_failed("XACK", message.id, error)
+            return
+        self._counts["done"] += 1
+
+    async def _ack_terminal(self, calls: _Writer, entry_id: str, reason: str) -> None:
+        log.warning(
+            "message ended as terminal: stream=%s group=%s entry_id=%s reason=%s",
+            self.stream,
+            self.group,
+            entry_id,
+            reason,
+            extra={**self._where(), "entry_id": entry_id, "reason": reason},
+        )
+        self._errors_recorded.discard(entry_id)
+        try:
+            await calls.terminal_ack(entry_id, reason)
+        except RedisError as error:
+            self._ack_failed("terminal ACK", entry_id, error)
+            return
+        self._counts["terminal"] += 1
+
+    def _ack_failed(self, what: str, entry_id: str, error: RedisError) -> None:
+        if isinstance(error, ResponseError):
+            log.warning("%s of %s refused; the message stays pending: %s", what, entry_id, error, extra=self._where())
+        else:
+            log.warning(
+                "%s of %s: outcome unknown (the connection failed), it may have been written or the message stays "
+                "pending: %s",
+                what,
+                entry_id,
+                error,
+                extra=self._where(),
+            )
+        self._counts["failed"] += 1
+
+    async def _give_back_for_retry(self, calls: _Writer, entry_id: str) -> None:
+        # Not read again here: the give-back makes it look idle, not handed over, and the pass retries it.
+        self._failed_here[entry_id] = asyncio.get_running_loop().time()
+        idle = self._settings.min_idle_ms if self._settings else UNPUBLISHED_IDLE_MS
+        try:
+            await calls.give_back([entry_id], idle, uncount=False)
+        except RedisError as error:
+            log.warning(
+                "could not give %s back for a retry: it is retried after minIdle: %s", entry_id, error,
+                extra=self._where(),
+            )  # fmt: skip
+        self._counts["retried"] += 1
+
+    async def _fail(self, calls: _Writer, entry_id: str, error: Exception) -> None:
+        log.warning(
+            "handler failed on %s; the message stays pending for the operator's retry",
+            entry_id,
+            exc_info=error,
+            extra={**self._where(), "entry_id": entry_id},
+        )
+        self._failed_here[entry_id] = asyncio.get_running_loop().time()
+        self._counts["failed"] += 1
+        try:
+            await calls.record_error(entry_id, error_text(error))
+        except RedisError as failure:
+            log.warning("could not record the last error of %s: %s", entry_id, failure, extra=self._where())
+            return
+        # A requeued message comes back under a new id, so an old id may never be ACKed here: bounded, not growing.
+        if len(self._errors_recorded) >= ERRORS_REMEMBERED:
+            self._errors_recorded.clear()
+        self._errors_recorded.add(entry_id)
+
+    # Leases
+
+    async def _hold_leases(self, calls: _Writer) -> None:
+        """Every tick: re-read the settings, then extend every entry in flight for less than ``max_handling``."""
+        loop = asyncio.get_running_loop()
+        overdue: set[str] = set()
+        # Ids a lease did not extend at the last tick: an entry ACKed while the lease was on its way is missed once,
+        # one the pass took is missed at every tick.
+        missed: set[str] = set()
+        lost: set[str] = set()
+        while True:
+            await asyncio.sleep(lease_interval(self._settings))
+            try:
+                await self._read_settings(calls.conn)
+            except ContractVersionError as error:
+                if self._fatal is None:
+                    log.error("%s; shutting down", error, extra=self._where())
+                    self._fatal = error
+                    self._stop.set()
+            except (RedisError, OSError) as error:
+                log.warning("could not re-read the group's settings: %s", error, extra=self._where())
+            now = loop.time()
+            held = dict(self._in_flight)
+            overdue &= held.keys()
+            lost &= held.keys()
+            ids = []
+            for entry_id, since in held.items():
+                if now - since < self.max_handling:
+                    ids.append(entry_id)
+                elif entry_id not in overdue:
+                    overdue.add(entry_id)
+                    log.warning(
+                        "handler of %s still running after max_handling (%.0f s): its lease is no longer extended, "
+                        "and the operator's pass may retry the message",
+                        entry_id,
+                        self.max_handling,
+                        extra=self._where(),
+                    )
+            try:
+                extended = set(await calls.lease(ids))
+            except (RedisError, OSError) as error:
+                log.warning("could not extend the leases; retrying: %s", error, extra=self._where())
+                continue
+            now_missed = {i for i in ids if i not in extended and i in self._in_flight}
+            for entry_id in now_missed & missed - lost:
+                lost.add(entry_id)
+                log.warning(
+                    "%s is no longer this consumer's (the operator's pass took it) while its handler runs",
+                    entry_id,
+                    extra=self._where(),
+                )
+            missed = now_missed
+
+    # Shutdown
+
+    async def _shut_down(self, calls: _Writer, unhandled: list[str]) -> None:
+        """Lets handlers finish within the grace (the leases go on), then gives back what is left, uncounted. The
+        give-back runs also when nothing is left: it deletes the consumer once it owns nothing, so that
+        ``strategy: Reassign`` never hands work to a worker that left."""
+        left = list(unhandled)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
+            if pending:
+                left += list(self._in_flight)
+                for task in pending:
+                    task.cancel()
+                # A handler that swallows its cancellation is not waited for: the give-back leaves it nothing to ACK.
+                await asyncio.wait(pending, timeout=CANCEL_WAIT)
+        idle = self._settings.retry_after_ms if self._settings else UNPUBLISHED_IDLE_MS
+        try:
+            given = await calls.give_back(left, idle, uncount=True)
+        except RedisError as error:
+            log.warning(
+                "could not give back %d messages on shutdown: they are retried after minIdle: %s",
+                len(left),
+                error,
+                extra=self._where(),
+            )
+        else:
+            if left:
+                log.warning(
+                    "shutdown: %d messages not finished within the grace or read unhandled were given back for the "
+                    "next pass, their delivery not counted",
+                    given,
+                    extra=self._where(),
+                )
+        self._counts["abandoned"] += len(left)
+
+    # Helpers
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleeps, or less when the worker is stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def _first_done(self, tasks: Iterable[asyncio.Task[None]]) -> None:
+        """Waits for a handler to finish, or for the stop."""
+        stopped = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({stopped, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+
+    def _where(self) -> dict[str, Any]:
+        return {"stream": self.stream, "group": self.group, "consumer": self.consumer}
+
+
+class _Writer:
+    """The calls on the writer's connection: the contract's scripts (each by ``EVALSHA``, loaded again on
+    ``NOSCRIPT``) and the ACKs, batched."""
+
+    def __init__(self, conn: Redis, stream: str, group: str, consumer: str) -> None:
+        self.conn = conn
+        self._stream, self._group, self._consumer = stream, group, consumer
+        self._errors = errors_key(stream, group)
+        self._lease: AsyncScript = conn.register_script(script_source("lease"))
+        self._give_back: AsyncScript = conn.register_script(script_source("give_back"))
+        self._terminal_ack: AsyncScript = conn.register_script(script_source("terminal_ack"))
+        self._acks: list[tuple[str, bool, asyncio.Future[None]]] = []
+        self.flusher: asyncio.Task[None] | None = None
+
+    async def ack(self, entry_id: str, clear_error: bool) -> None:
+        """``XACK`` (with ``HDEL`` of the last error when ``clear_error``, in the same round trip). The ACKs of
+        messages that finish while a batch is on its way go together in the next one: a round trip for many."""
+        done = asyncio.get_running_loop().create_future()
+        self._acks.append((entry_id, clear_error, done))
+        if self.flusher is None or self.flusher.done():
+            self.flusher = asyncio.create_task(self._flush())
+        await done
+
+    async def _flush(self) -> None:
+        while self._acks:
+            batch, self._acks = self._acks, []
+            try:
+                if len(batch) == 1 and not batch[0][1]:
+                    await self.conn.xack(self._stream, self._group, batch[0][0])  # cheaper than a pipeline of one
+                else:
+                    pipe = self.conn.pipeline(transaction=False)
+                    for entry_id, clear_error, _ in batch:
+                        pipe.xack(self._stream, self._group, entry_id)
+                        if clear_error:
+                            pipe.hdel(self._errors, entry_id)
+                    await pipe.execute()
+                failure: RedisError | None = None
+            except RedisError as error:
+                failure = error
+            for _, _, done in batch:
+                if done.done():  # its handler's task was cancelled by a shutdown
+                    continue
+                if failure is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(failure)
+
+    async def lease(self, ids: Sequence[str]) -> list[str]:
+        """Extends (or takes up) ``ids``; answers those still this consumer's."""
+        extended: list[str] = []
+        for start in range(0, len(ids), LEASE_BATCH):
+            batch = ids[start : start + LEASE_BATCH]
+            reply = await self._lease(keys=[self._stream], args=[self._group, self._consumer, *batch])
+            extended.extend(text(i) for i in reply)
+        return extended
+
+    async def give_back(self, ids: Sequence[str], idle_ms: int, *, uncount: bool) -> int:
+        """Gives ``ids`` back to the operator's pass; answers how many were still this consumer's. With ``uncount``
+        the worker is leaving: called once even without ids, so that its consumer is deleted once it owns nothing."""
+        given = 0
+        for start in range(0, max(len(ids), 1), LEASE_BATCH):
+            batch = ids[start : start + LEASE_BATCH]
+            args: list[str | int] = [self._group, self._consumer, idle_ms, int(uncount), *batch]
+            given += int(await self._give_back(keys=[self._stream], args=args))
+        return given
+
+    async def terminal_ack(self, entry_id: str, reason: str) -> bool:
+        """Acknowledges and counts under ``reason`` once; ``False`` when the entry was no longer pending."""
+        keys = [self._stream, terminal_key(self._stream, self._group), self._errors]
+        return int(await self._terminal_ack(keys=keys, args=[self._group, entry_id, reason])) == 1
+
+    async def record_error(self, entry_id: str, text: str) -> None:
+        await self.conn.hset(self._errors, entry_id, text)
+
+
+def error_text(error: BaseException) -> str:
+    """The text recorded as a message's last error: the exception's type and message, cut to 1,024 bytes of UTF-8
+    at a character boundary."""
+    message = str(error)
+    full = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return full.encode("utf-8", "replace")[:ERROR_TEXT_MAX].decode("utf-8", "ignore")
+
+
+def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]]) -> list[Message]:
+    # An entry without fields (its payload was deleted) is not a message: the pass drops it.
+    return [Message(entry_id, fields) for entry_id, fields in found if fields is not None]
+
+
+async def run_until_signal(
+    worker: Worker,
+    handler: Handler,
+    signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+) -> WorkerStats:
+    """Runs ``worker`` until SIGTERM or SIGINT (Unix; from the main thread), then shuts it down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await worker.run(handler, stop)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,239 @@
+"""The blocking facade, the Prometheus adapter, the conformance worker and the seed-000 example."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from helpers import CONSUMER, GROUP, STREAM, client, eventually, pending, running, worker
+from prometheus_client import CollectorRegistry
+
+from pelican_worker import Message, Outcome
+from pelican_worker.keys import errors_key, terminal_key
+from pelican_worker.prometheus import register
+from pelican_worker.sync import Worker as SyncWorker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sync_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def test_the_blocking_facade_runs_plain_functions_in_threads(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    for job in ["a", "b", "gone"]:
+        r.xadd(STREAM, {"job": job})
+    threads: set[str] = set()
+
+    def handle(message: Message) -> Outcome:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)  # blocking code is fine here
+        return Outcome.terminal("RecordNotFound") if message.text("job") == "gone" else Outcome.done()
+
+    facade = SyncWorker(redis_url, STREAM, GROUP, CONSUMER, concurrency=2)
+    runner = threading.Thread(target=lambda: facade.run(handle, signals=False))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while facade.stats.done + facade.stats.terminal < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    facade.stop()
+    runner.join(30)
+    assert not runner.is_alive()
+    assert (facade.stats.done, facade.stats.terminal) == (2, 1)
+    assert all(name.startswith("pelican-handler") for name in threads)
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+    assert r.hgetall(terminal_key(STREAM, GROUP)) == {"RecordNotFound": "1"}
+
+
+SYNC_WORKER = """
+import os, sys, time
+from pelican_worker import Outcome
+from pelican_worker.sync import Worker
+
+def handle(message):
+    print(message.id, flush=True)
+    time.sleep(0.3)
+    return Outcome.done()
+
+stats = Worker(os.environ["REDIS_URL"], os.environ["STREAM"], os.environ["GROUP"], "sync-1").run(handle)
+print(f"done={stats.done}", flush=True)
+"""
+
+
+def test_the_blocking_facade_shuts_down_gracefully_on_sigterm(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    entry = r.xadd(STREAM, {"job": "a"})
+    process = _start(["-c", SYNC_WORKER], _conformance_env(redis_url))
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == entry  # the handler is running
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert stdout.strip() == "done=1"  # the running handler finished within the grace
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
+def test_the_prometheus_adapter_exports_the_stats(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        await r.xadd(STREAM, {"n": "1"})
+        await r.xadd(STREAM, {"n": "2"})
+
+        async def handle(message: Message) -> Outcome:
+            if message.text("n") == "2":
+                raise RuntimeError("boom")
+            return Outcome.done()
+
+        w = worker(redis_url)
+        registry = CollectorRegistry()
+        register(w, registry)
+        async with running(w, handle):
+            await eventually(lambda: _handled(w.stats.done + w.stats.failed, 2))
+        labels = {"stream": STREAM, "group": GROUP, "consumer": CONSUMER}
+        assert registry.get_sample_value("pelican_worker_done_total", labels) == 1
+        assert registry.get_sample_value("pelican_worker_failed_total", labels) == 1
+        assert registry.get_sample_value("pelican_worker_abandoned_total", labels) == 0
+        assert registry.get_sample_value("pelican_worker_in_flight", labels) == 0
+
+    asyncio.run(main())
+
+
+async def _handled(count: int, expected: int) -> bool:
+    return count == expected
+
+
+def _start(module_args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, *module_args],
+        cwd=ROOT.parents[1],  # the repository root, as conformance/workers.txt runs it
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _conformance_env(redis_url: str, **extra: str) -> dict[str, str]:
+    return {"REDIS_URL": redis_url, "STREAM": STREAM, "GROUP": GROUP, "CONSUMER": "conformance-1", **extra}
+
+
+def _lines(process: subprocess.Popen[str], count: int, timeout: float = 15.0) -> list[dict[str, Any]]:
+    assert process.stdout is not None
+    lines: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while len(lines) < count:
+        assert time.monotonic() < deadline, f"only {lines}"
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(json.loads(line))
+    return lines
+
+
+def test_the_conformance_worker_obeys_each_message_and_exits_0_on_sigterm(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    r.hset(
+        "{jobs}:pelican:{jobs}:files:workers:settings",
+        mapping={"minIdleMs": "60000", "retryAfterMs": "5000", "maxDeliveries": "3"},
+    )
+    asked = {
+        r.xadd(STREAM, {"handle": "done", "ms": "30"}): ("done", 30),
+        r.xadd(STREAM, {"handle": "terminal:RecordNotFound"}): ("terminal", 0),
+        r.xadd(STREAM, {"handle": "fail"}): ("fail", 0),
+        r.xadd(STREAM, {"handle": "retry"}): ("retry", 0),
+    }
+    process = _start(["-m", "pelican_worker.conformance"], _conformance_env(redis_url))
+    try:
+        lines = _lines(process, 4)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert {line["id"]: (line["outcome"], line["ms"]) for line in lines} == asked
+    assert {line["consumer"] for line in lines} == {"conformance-1"}
+    assert r.hgetall(terminal_key(STREAM, GROUP)) == {"RecordNotFound": "1"}
+    left = {p["message_id"]: p for p in r.xpending_range(STREAM, GROUP, "-", "+", 10)}
+    failed, retried = list(asked)[2], list(asked)[3]
+    assert sorted(left) == sorted([failed, retried])
+    assert int(left[retried]["time_since_delivered"]) >= 60_000  # given back with an idle of minIdle
+    assert r.hget(errors_key(STREAM, GROUP), failed) == "RuntimeError: the message asked the conformance worker to fail"
+
+
+def test_the_conformance_worker_gives_back_on_sigterm_within_its_grace(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    entry = r.xadd(STREAM, {"handle": "done", "ms": "60000"})
+    process = _start(["-m", "pelican_worker.conformance"], _conformance_env(redis_url, SHUTDOWN_GRACE_MS="200"))
+    try:
+        deadline = time.monotonic() + 15
+        while r.xpending(STREAM, GROUP)["pending"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert stdout == ""  # the cut-off run reported nothing
+    [p] = r.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert (p["message_id"], p["consumer"], p["times_delivered"]) == (entry, "", 0)
+
+
+def test_the_conformance_worker_exits_with_3_at_once(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    entry = r.xadd(STREAM, {"handle": "exit"})
+    process = _start(["-m", "pelican_worker.conformance"], _conformance_env(redis_url))
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 3, stderr
+    assert [json.loads(line) for line in stdout.splitlines()] == [
+        {"id": entry, "consumer": "conformance-1", "outcome": "exit", "ms": 0}
+    ]
+    assert r.xpending(STREAM, GROUP)["pending"] == 1  # nothing acknowledged
+
+
+def test_the_seed_000_example(redis_url: str) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import file_jobs
+    finally:
+        sys.path.pop(0)
+
+    class Store:
+        async def get(self, job_id: str) -> file_jobs.Job | None:
+            if job_id == "2":
+                raise ConnectionError("the job store did not answer")
+            return {"1": file_jobs.Job(str(ROOT / "README.md")), "3": file_jobs.Job("/no/such/file")}.get(job_id)
+
+    async def main() -> None:
+        r = client(redis_url)
+        await r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        ids = {job: await r.xadd(STREAM, {"job": job}) for job in ["1", "2", "3", "4"]}
+        w = worker(redis_url)
+        async with running(w, file_jobs.FileJobs(Store()).handle):
+            await eventually(lambda: _handled(w.stats.done + w.stats.terminal + w.stats.failed, 4))
+        assert (w.stats.done, w.stats.terminal, w.stats.failed) == (1, 1, 2)
+        assert await r.hgetall(terminal_key(STREAM, GROUP)) == {"RecordNotFound": "1"}  # job 4: no record
+        assert sorted(p.id for p in await pending(r)) == sorted([ids["2"], ids["3"]])  # left for the pass's retry
+        errors = await r.hgetall(errors_key(STREAM, GROUP))
+        assert errors[ids["2"]] == "ConnectionError: the job store did not answer"
+        assert str(errors[ids["3"]]).startswith("FileNotFoundError")  # a missing file is not terminal
+
+    asyncio.run(main())

@@ -1,0 +1,531 @@
+"""The worker against a real server: what it leaves in Redis for each outcome, lease, hand-over and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import CONSUMER, GROUP, STREAM, client, eventually, pending, running, worker, write_settings
+from redis.asyncio import Redis
+
+from pelican_worker import ContractVersionError, Message, Outcome, Producer, Worker
+from pelican_worker.keys import errors_key, terminal_key
+
+
+async def _group(r: Redis) -> None:
+    await r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+
+
+def test_done_acknowledges_and_reads_the_own_pel_first(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        before = [await r.xadd(STREAM, {"n": str(i)}) for i in range(2)]
+        # Delivered to this consumer before a "restart": in its PEL.
+        await r.xreadgroup(GROUP, CONSUMER, {STREAM: ">"})
+        after = [await r.xadd(STREAM, {"n": str(i)}) for i in range(2, 4)]
+        seen: list[str] = []
+
+        async def handle(message: Message) -> Outcome:
+            seen.append(message.id)
+            return Outcome.done()
+
+        w = worker(redis_url, concurrency=1)
+        async with running(w, handle):
+            await eventually(lambda: _equal(len(seen), 4), what="4 messages handled")
+            await eventually(lambda: _empty(r), what="an empty PEL")
+        assert seen == before + after
+        assert w.stats.done == 4
+        assert w.stats.in_flight == 0
+        assert await r.exists(errors_key(STREAM, GROUP)) == 0
+
+    asyncio.run(main())
+
+
+async def _equal(a: object, b: object) -> bool:
+    return a == b
+
+
+async def _empty(r: Redis) -> bool:
+    return not await pending(r)
+
+
+def test_an_entry_whose_payload_was_deleted_is_not_handled(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        gone = await r.xadd(STREAM, {"n": "gone"})
+        kept = await r.xadd(STREAM, {"n": "kept"})
+        await r.xreadgroup(GROUP, CONSUMER, {STREAM: ">"})
+        await r.xdel(STREAM, gone)
+        seen: list[str] = []
+
+        async def handle(message: Message) -> Outcome:
+            seen.append(message.id)
+            return Outcome.done()
+
+        async with running(worker(redis_url), handle):
+            await eventually(lambda: _equal(seen, [kept]), what="the kept entry handled")
+            await asyncio.sleep(0.2)
+        assert seen == [kept]
+        # Left for the operator's pass, which drops it.
+        assert [p.id for p in await pending(r)] == [gone]
+
+    asyncio.run(main())
+
+
+def test_fields_are_raw_bytes_in_order_even_from_a_decoding_client(redis_url: str) -> None:
+    async def main() -> None:
+        r = Redis.from_url(redis_url)
+        await r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        async with Producer(redis_url, STREAM) as producer:
+            await producer.publish([("a", b"\xff\x00"), ("b", "2"), ("a", "3")])
+        got: list[Message] = []
+
+        async def handle(message: Message) -> Outcome:
+            got.append(message)
+            return Outcome.done()
+
+        # A factory whose clients decode responses, on RESP3: the worker still hands over bytes, in order.
+        w = Worker(lambda: Redis.from_url(redis_url, decode_responses=True, protocol=3), STREAM, GROUP, CONSUMER)
+        async with running(w, handle):
+            await eventually(lambda: _equal(len(got), 1))
+        assert got[0].fields == [(b"a", b"\xff\x00"), (b"b", b"2"), (b"a", b"3")]
+        assert got[0].field("a") == b"\xff\x00"
+        assert got[0].text("a") is None
+        assert got[0].text("b") == "2"
+        assert got[0].field("c") is None
+
+    asyncio.run(main())
+
+
+def test_a_failure_records_the_error_cut_at_a_character_and_is_not_read_again(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        runs = 0
+
+        async def handle(message: Message) -> Outcome:
+            nonlocal runs
+            runs += 1
+            raise ValueError("€" * 2000)
+
+        w = worker(redis_url, pel_check_interval=0.1, block=0.05)
+        async with running(w, handle):
+            await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry), what="the error recorded")
+            # Several hand-over passes: an entry that failed here is left to the operator's retry.
+            await asyncio.sleep(0.8)
+        assert runs == 1
+        assert w.stats.failed == 1
+        text = await Redis.from_url(redis_url).hget(errors_key(STREAM, GROUP), entry)
+        assert isinstance(text, bytes)
+        assert len(text) <= 1024
+        decoded = text.decode("utf-8")  # cut at a character boundary: still valid UTF-8
+        assert decoded.startswith("ValueError: €€")
+        assert len(text) == 1023  # "ValueError: " (12 bytes) + 337 three-byte characters
+        assert [(p.id, p.consumer, p.deliveries) for p in await pending(r)] == [(entry, CONSUMER, 1)]
+        assert await consumers(r) == [CONSUMER]  # it still owns the failed entry: kept
+
+    asyncio.run(main())
+
+
+async def _exists(r: Redis, key: str, field: str | bytes) -> bool:
+    return bool(await r.hexists(key, field))
+
+
+def test_a_failed_message_handed_back_is_handled_and_its_error_removed_with_the_ack(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        outcomes: list[Exception | Outcome] = [ValueError("first delivery fails"), Outcome.done()]
+
+        async def handle(message: Message) -> Outcome:
+            outcome = outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        w = worker(redis_url, pel_check_interval=0.1)
+        async with running(w, handle):
+            await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry))
+            # What `strategy: Reassign` does once the entry was idle: it hands it over (here, back) with XCLAIM.
+            await asyncio.sleep(1.2)
+            await r.xclaim(STREAM, GROUP, CONSUMER, 0, [entry])
+            await eventually(lambda: _empty(r), what="the handed-back entry acknowledged")
+        assert outcomes == []
+        assert await r.hexists(errors_key(STREAM, GROUP), entry) == 0
+        assert (w.stats.failed, w.stats.done) == (1, 1)
+
+    asyncio.run(main())
+
+
+def test_done_on_a_requeued_copy_removes_its_last_error(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        copy = await r.xadd(STREAM, {"n": "1", "pelican-origin-id": "1-1", "pelican-deliveries": "2"})
+        await r.hset(errors_key(STREAM, GROUP), copy, "ValueError: before")
+        await r.hset(errors_key(STREAM, GROUP), "9-9", "someone else's")
+
+        async def handle(message: Message) -> Outcome:
+            return Outcome.done()
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.done, 1))
+        assert await pending(r) == []
+        assert await r.hgetall(errors_key(STREAM, GROUP)) == {"9-9": "someone else's"}
+
+    asyncio.run(main())
+
+
+def test_terminal_acknowledges_and_counts_the_reason_once(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        first = await r.xadd(STREAM, {"n": "1"})
+        await r.xadd(STREAM, {"n": "2"})
+        await r.hset(errors_key(STREAM, GROUP), first, "ValueError: earlier")
+
+        async def handle(message: Message) -> Outcome:
+            return Outcome.terminal("RecordNotFound")
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.terminal, 2))
+        assert await pending(r) == []
+        assert await r.hgetall(terminal_key(STREAM, GROUP)) == {"RecordNotFound": "2"}
+        assert await r.hexists(errors_key(STREAM, GROUP), first) == 0
+        assert w.stats.terminal == 2
+
+    asyncio.run(main())
+
+
+def test_an_invalid_reason_is_a_failure_never_an_ack(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            return Outcome.terminal("record not found")
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry))
+        assert "^[A-Z][A-Za-z0-9]{0,62}$" in (await r.hget(errors_key(STREAM, GROUP), entry) or "")
+        assert await r.exists(terminal_key(STREAM, GROUP)) == 0
+        assert [p.id for p in await pending(r)] == [entry]
+        assert (w.stats.failed, w.stats.terminal) == (1, 0)
+
+    asyncio.run(main())
+
+
+def test_retry_gives_back_counted_with_an_idle_of_min_idle(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=7000, retry_after_ms=50_000)
+        entry = await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            return Outcome.retry()
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.retried, 1))
+        [p] = await pending(r)
+        # Still this consumer's, the delivery counted (1: the read), idle set to minIdle for the pass's backoff.
+        assert (p.id, p.consumer, p.deliveries) == (entry, CONSUMER, 1)
+        assert 7000 <= p.idle_ms < 9000
+
+    asyncio.run(main())
+
+
+async def _max_idle_while(r: Redis, seconds: float) -> int:
+    """The highest idle time of the PEL's entries, sampled every 50 ms for ``seconds``."""
+    highest = 0
+    end = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < end:
+        highest = max([highest, *(p.idle_ms for p in await pending(r))])
+        await asyncio.sleep(0.05)
+    return highest
+
+
+def test_the_lease_keeps_a_slow_handler_s_entry_from_going_idle(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=600)  # a lease every 200 ms
+        await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(2.0)  # over 3 x minIdle
+            return Outcome.done()
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await asyncio.wait_for(started.wait(), 5)
+            highest = await _max_idle_while(r, 1.8)
+            [p] = await pending(r)
+            await eventually(lambda: _empty(r))
+        assert highest < 600, highest
+        assert p.deliveries == 1  # a lease leaves the count alone
+        assert w.stats.done == 1
+
+    asyncio.run(main())
+
+
+def test_settings_are_re_read_at_every_lease_tick(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=3000)  # a lease every second
+        await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(3.0)
+            return Outcome.done()
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await asyncio.wait_for(started.wait(), 5)
+            await write_settings(r, min_idle_ms=300)  # a lease every 100 ms from the next tick on
+            await asyncio.sleep(1.2)
+            highest = await _max_idle_while(r, 1.5)
+        assert w.settings is not None
+        assert w.settings.min_idle_ms == 300
+        assert highest < 300, highest
+
+    asyncio.run(main())
+
+
+def test_past_max_handling_the_lease_is_no_longer_extended(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=300)
+        await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(1.6)
+            return Outcome.done()
+
+        async with running(worker(redis_url, max_handling=0.4), handle):
+            await asyncio.wait_for(started.wait(), 5)
+            await asyncio.sleep(1.3)
+            [p] = await pending(r)
+        assert p.idle_ms >= 700, p.idle_ms
+
+    asyncio.run(main())
+
+
+def test_shutdown_gives_back_unowned_with_the_delivery_uncounted(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=60_000, retry_after_ms=4321)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(60)
+            return Outcome.done()
+
+        w = worker(redis_url, shutdown_grace=0.3)
+        async with running(w, handle) as task:
+            await asyncio.wait_for(started.wait(), 5)
+            assert [(p.consumer, p.deliveries) for p in await pending(r)] == [(CONSUMER, 1)]
+        stats = task.result()
+        [p] = await pending(r)
+        assert (p.id, p.consumer, p.deliveries) == (entry, "", 0)
+        assert 4321 <= p.idle_ms < 6000
+        assert (stats.abandoned, stats.done, stats.in_flight) == (1, 0, 0)
+        assert CONSUMER not in await consumers(r)  # it owns nothing any more: deleted
+
+    asyncio.run(main())
+
+
+async def consumers(r: Redis) -> list[str]:
+    return [str(c["name"]) for c in await r.xinfo_consumers(STREAM, GROUP)]
+
+
+def test_a_read_in_flight_at_the_stop_gives_back_what_it_brought_unhandled(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=60_000, retry_after_ms=4321)
+        seen: list[str] = []
+
+        async def handle(message: Message) -> Outcome:
+            seen.append(message.id)
+            return Outcome.done()
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker(redis_url, block=3.0).run(handle, stop))
+        await eventually(lambda: _has_consumer(r), what="the first read")
+        await asyncio.sleep(0.3)  # the blocking read is on its way
+        stop.set()
+        await asyncio.sleep(0.1)
+        # The read in flight is awaited: what it brings now is delivered to this consumer, and given back.
+        entry = await r.xadd(STREAM, {"n": "1"})
+        stats = await asyncio.wait_for(task, 10)
+        assert seen == []
+        [p] = await pending(r)
+        assert (p.id, p.consumer, p.deliveries) == (entry, "", 0)
+        assert stats.abandoned == 1
+        assert CONSUMER not in await consumers(r)
+
+    asyncio.run(main())
+
+
+async def _has_consumer(r: Redis) -> bool:
+    return CONSUMER in await consumers(r)
+
+
+def test_shutdown_lets_handlers_finish_within_the_grace(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(0.5)
+            return Outcome.done()
+
+        w = worker(redis_url, shutdown_grace=5.0)
+        async with running(w, handle) as task:
+            await asyncio.wait_for(started.wait(), 5)
+        assert (task.result().done, task.result().abandoned) == (1, 0)
+        assert await pending(r) == []
+        assert await consumers(r) == []  # given back nothing, and deleted all the same
+
+    asyncio.run(main())
+
+
+def test_a_hand_over_is_taken_up_with_its_count_unchanged(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        await r.xreadgroup(GROUP, "other", {STREAM: ">"})
+        handling = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            handling.set()
+            await asyncio.sleep(0.3)
+            return Outcome.done()
+
+        w = worker(redis_url, pel_check_interval=0.2)
+        async with running(w, handle):
+            await asyncio.sleep(0.3)
+            # What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted.
+            await r.xclaim(STREAM, GROUP, CONSUMER, 0, [entry])
+            await asyncio.wait_for(handling.wait(), 5)
+            [p] = await pending(r)
+            await eventually(lambda: _empty(r))
+        assert (p.consumer, p.deliveries) == (CONSUMER, 2)  # taken with lease.lua and XRANGE: not counted again
+        assert w.stats.done == 1
+
+    asyncio.run(main())
+
+
+def test_nogroup_is_waited_out_and_the_group_never_created(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        seen: list[str] = []
+
+        async def handle(message: Message) -> Outcome:
+            seen.append(message.id)
+            return Outcome.done()
+
+        async with running(worker(redis_url), handle):
+            await asyncio.sleep(1.5)
+            assert await r.exists(STREAM) == 0
+            await r.xadd(STREAM, {"n": "0"})
+            await asyncio.sleep(0.5)
+            assert await r.xinfo_groups(STREAM) == []
+            await r.xgroup_create(STREAM, GROUP, id="0")
+            entry = await r.xadd(STREAM, {"n": "1"})
+            await eventually(lambda: _equal(len(seen), 2), within=12, what="both entries handled")
+        assert seen[1] == entry
+        said = [rec for rec in caplog.records if "does not exist" in rec.getMessage()]
+        assert len(said) == 1  # said once, though the read failed several times
+
+    asyncio.run(main())
+
+
+def test_an_unknown_contract_version_refuses_to_start(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=1000, contractVersion=2)
+        await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            raise AssertionError("no message may be read")
+
+        with pytest.raises(ContractVersionError) as raised:
+            await worker(redis_url).run(handle, asyncio.Event())
+        text = str(raised.value)
+        assert "worker contract 2" in text
+        assert "knows 1" in text
+        assert "upgrade the library" in text
+        # Nothing was read.
+        assert await pending(r) == []
+        assert (await r.xinfo_groups(STREAM))[0]["last-delivered-id"] == "0-0"
+
+    asyncio.run(main())
+
+
+def test_concurrency_bounds_the_handlers_running(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        for i in range(8):
+            await r.xadd(STREAM, {"n": str(i)})
+        running_now = highest = 0
+
+        async def handle(message: Message) -> Outcome:
+            nonlocal running_now, highest
+            running_now += 1
+            highest = max(highest, running_now)
+            await asyncio.sleep(0.1)
+            running_now -= 1
+            return Outcome.done()
+
+        w = worker(redis_url, concurrency=3)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.done, 8))
+        assert highest == 3
+
+    asyncio.run(main())
+
+
+def test_a_handler_answering_no_outcome_fails_the_message(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            return None  # type: ignore[return-value]
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry))
+        assert str(await r.hget(errors_key(STREAM, GROUP), entry)).startswith("TypeError: the handler returned None")
+        assert [p.id for p in await pending(r)] == [entry]
+
+    asyncio.run(main())
