@@ -25,11 +25,8 @@ def _free_port() -> int:
         return port
 
 
-@pytest.fixture(scope="session")
-def redis_port() -> Iterator[int]:
-    binary = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("no redis-server: put one on PATH or name it in REDIS_SERVER")
+def _serve(binary: str) -> Iterator[int]:
+    """Starts ``binary`` on a free loopback port until the generator is closed."""
     port = _free_port()
     server = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
@@ -52,6 +49,34 @@ def redis_port() -> Iterator[int]:
     finally:
         server.terminate()
         server.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_port() -> Iterator[int]:
+    binary = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("no redis-server: put one on PATH or name it in REDIS_SERVER")
+    yield from _serve(binary)
+
+
+@pytest.fixture(scope="session")
+def idmp_port() -> Iterator[int]:
+    """A server with ``XADD ... IDMP`` (Redis 8.6+), named by ``IDMP_REDIS_SERVER``. Without one the tests that need
+    it are skipped, saying so, unless ``IDMP_REQUIRED=1`` (the repository's scripts/test sets both): then they fail."""
+    binary = os.environ.get("IDMP_REDIS_SERVER")
+    if not binary:
+        if os.environ.get("IDMP_REQUIRED") == "1":
+            pytest.fail("IDMP_REQUIRED=1 but no IDMP_REDIS_SERVER (a Redis 8.6+ redis-server) is named")
+        pytest.skip("no IDMP_REDIS_SERVER (a Redis 8.6+ redis-server): idempotent publishes are not tested")
+    yield from _serve(binary)
+
+
+@pytest.fixture
+def idmp_redis_url(idmp_port: int) -> str:
+    client = redis.Redis(port=idmp_port)
+    client.flushall()
+    client.close()
+    return f"redis://127.0.0.1:{idmp_port}"
 
 
 @pytest.fixture
