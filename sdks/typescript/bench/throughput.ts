@@ -1,0 +1,107 @@
+/**
+ * The library's worker beside a hand-written ioredis XREADGROUP / XACK loop, on the same server in one run:
+ * N messages each, every handler an async no-op. `npm run bench` (REDIS_URL to use a running server, else one is
+ * started on a free loopback port; N to change the count).
+ */
+import { createRequire } from "node:module";
+import { setTimeout as sleep } from "node:timers/promises";
+import { Redis } from "ioredis";
+
+import { Worker, done } from "../src/index.js";
+import { startRedis } from "../test/support/server.js";
+
+const N = Number(process.env["N"] ?? 20_000);
+const GROUP = "bench";
+const quiet = { warn: () => undefined, error: () => undefined };
+const handle = async (): Promise<void> => undefined;
+
+let runs = 0;
+
+/** A new stream holding N entries, and its group at the start. */
+async function fill(admin: Redis): Promise<string> {
+  const stream = `bench-${process.pid}-${++runs}`;
+  await admin.xgroup("CREATE", stream, GROUP, "0", "MKSTREAM");
+  for (let i = 0; i < N; i += 1000) {
+    const pipeline = admin.pipeline();
+    for (let j = i; j < Math.min(N, i + 1000); j++)
+      pipeline.xadd(stream, "*", "n", String(j), "payload", "x".repeat(100));
+    await pipeline.exec();
+  }
+  return stream;
+}
+
+async function library(url: string, admin: Redis, concurrency: number): Promise<number> {
+  const stream = await fill(admin);
+  const worker = new Worker({ redis: url, stream, group: GROUP, consumer: "bench", concurrency, logger: quiet });
+  const began = performance.now();
+  const running = worker.run(async () => {
+    await handle();
+    return done();
+  });
+  while (worker.stats().done < N) await sleep(2);
+  const seconds = (performance.now() - began) / 1000;
+  await worker.stop();
+  await running;
+  return N / seconds;
+}
+
+async function handWritten(url: string, admin: Redis, count: number): Promise<number> {
+  const stream = await fill(admin);
+  const conn = new Redis(url);
+  const began = performance.now();
+  for (let acked = 0; acked < N;) {
+    const reply = (await conn.xreadgroup(
+      "GROUP",
+      GROUP,
+      "bench",
+      "COUNT",
+      count,
+      "BLOCK",
+      1000,
+      "STREAMS",
+      stream,
+      ">",
+    )) as Array<[string, Array<[string, string[]]>]> | null;
+    const ids = (reply?.[0]?.[1] ?? []).map(([id]) => id);
+    await Promise.all(ids.map(() => handle()));
+    if (ids.length === 1) await conn.xack(stream, GROUP, ids[0] ?? "");
+    else {
+      const pipeline = conn.pipeline();
+      for (const id of ids) pipeline.xack(stream, GROUP, id);
+      await pipeline.exec();
+    }
+    acked += ids.length;
+  }
+  const seconds = (performance.now() - began) / 1000;
+  conn.disconnect();
+  return N / seconds;
+}
+
+const external = process.env["REDIS_URL"];
+const server = external ? undefined : await startRedis();
+const url = external ?? server?.url ?? "";
+const admin = server?.admin ?? new Redis(url);
+const version = /redis_version:(\S+)/.exec(await admin.info("server"))?.[1];
+const ioredis = (createRequire(import.meta.url)("ioredis/package.json") as { version: string }).version;
+console.log(`${N} messages a run, redis-server ${version}, node ${process.version}, ioredis ${ioredis}`);
+// The machine may be shared: each configuration runs ROUNDS times, interleaved with its pair, and the best counts.
+const ROUNDS = Number(process.env["ROUNDS"] ?? 3);
+console.log(`best of ${ROUNDS} interleaved rounds`);
+console.log("| hand-written loop | library worker | hand-written msgs/s | library msgs/s | library / hand-written |");
+console.log("| --- | --- | --- | --- | --- |");
+for (const [concurrency, count] of [
+  [1, 1],
+  [16, 16],
+] as const) {
+  let [hand, lib] = [0, 0];
+  for (let round = 0; round < ROUNDS; round++) {
+    hand = Math.max(hand, await handWritten(url, admin, count));
+    lib = Math.max(lib, await library(url, admin, concurrency));
+  }
+  const loop = `COUNT ${count}${count > 1 ? ", pipelined XACK" : ""}`;
+  console.log(
+    `| ${loop} | concurrency ${concurrency} | ${Math.round(hand)} | ${Math.round(lib)} | ${(lib / hand).toFixed(2)} |`,
+  );
+}
+if (server) await server.stop();
+else admin.disconnect();

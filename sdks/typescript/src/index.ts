@@ -1,0 +1,25 @@
+export { Worker } from "./worker.js";
+export type { Handler, HandlerContext, Logger, RunOptions, WorkerOptions, WorkerStats } from "./worker.js";
+export { Message } from "./message.js";
+export { done, retry, terminal, validateReason, InvalidReasonError, REASON_PATTERN } from "./outcome.js";
+export type { Outcome } from "./outcome.js";
+export {
+  KNOWN_CONTRACT_VERSIONS,
+  ContractVersionError,
+  parseSettings,
+  leaseIntervalMs,
+  type WorkerSettings,
+} from "./settings.js";
+export { hashTag, settingsKey, terminalKey, errorsKey, boundsKey, rejectedKey } from "./keys.js";
+export { podName, type RedisTarget } from "./connection.js";
+export {
+  Producer,
+  IdempotentProducer,
+  PublishError,
+  PublishRefused,
+  PublishUnavailable,
+  PublishFailed,
+  PublishOutcomeUnknown,
+  IdempotenceUnsupported,
+} from "./producer.js";
+export type { Fields, ProducerOptions, Published } from "./producer.js";

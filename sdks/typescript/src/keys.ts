@@ -1,0 +1,48 @@
+/**
+ * Pelican's key names, as the worker contract (contract/README.md, "Keys") lists them. Every key lives in the
+ * stream's hash slot: `{T}:pelican:...`, with `T` the stream's hash tag.
+ */
+
+/**
+ * The part of a key Redis Cluster hashes: the content of the first `{...}` when it is not empty, else the whole
+ * name (`{orders}:events` -> `orders`, `jobs{}v2` -> `jobs{}v2`).
+ */
+export function hashTag(key: string): string {
+  const open = key.indexOf("{");
+  if (open >= 0) {
+    const close = key.indexOf("}", open + 1);
+    if (close > open + 1) return key.slice(open + 1, close);
+  }
+  return key;
+}
+
+/** `{T}:pelican:<stream>:<group>:settings`: the group's settings, written by the operator, read by workers. */
+export function settingsKey(stream: string, group: string): string {
+  return `{${hashTag(stream)}}:pelican:${stream}:${group}:settings`;
+}
+
+/** `{T}:pelican:<stream>:<group>:terminal`: reason -> messages ended as terminal. */
+export function terminalKey(stream: string, group: string): string {
+  return `{${hashTag(stream)}}:pelican:${stream}:${group}:terminal`;
+}
+
+/** `{T}:pelican:<stream>:<group>:errors`: pending entry id -> the text of its last failure. */
+export function errorsKey(stream: string, group: string): string {
+  return `{${hashTag(stream)}}:pelican:${stream}:${group}:errors`;
+}
+
+/** `{T}:pelican:<stream>:bounds`: group -> `backlog.maxLength`, read by the bounded-publish scripts. */
+export function boundsKey(stream: string): string {
+  return `{${hashTag(stream)}}:pelican:${stream}:bounds`;
+}
+
+/** `{T}:pelican:<stream>:rejected`: group -> publishes refused for it. */
+export function rejectedKey(stream: string): string {
+  return `{${hashTag(stream)}}:pelican:${stream}:rejected`;
+}
+
+/** The field a requeued copy carries: the deliveries before it (a copy is a retry, and may have a last error). */
+export const DELIVERIES_FIELD = "pelican-deliveries";
+
+/** The most bytes of a failure's text recorded in the errors hash. */
+export const ERROR_TEXT_MAX = 1024;

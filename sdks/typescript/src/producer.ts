@@ -1,0 +1,291 @@
+/**
+ * The producer side of a bounded stream (contract/README.md, "Producers"): publishes through the bounded-publish
+ * scripts and tells a refusal (certainly not written, try later) from an unknown outcome (may have been written).
+ */
+import type { Redis } from "ioredis";
+
+import { connect, isReplyError, podName, type RedisTarget } from "./connection.js";
+import { boundsKey, rejectedKey } from "./keys.js";
+import { withScripts, type ScriptCommands } from "./scripts.js";
+
+/** An entry's fields, in order: an object, or pairs (a name may then repeat). */
+export type Fields =
+  | Readonly<Record<string, string | Buffer | number>>
+  | ReadonlyArray<readonly [string | Buffer, string | Buffer | number]>;
+
+export interface ProducerOptions {
+  /** A `redis://` URL or ioredis options; the producer opens one connection of its own. */
+  redis: RedisTarget;
+  stream: string;
+  /** How long a publish waits for its reply before it is `PublishOutcomeUnknown`. Default 10,000 ms. */
+  timeoutMs?: number;
+}
+
+/** Why a publish did not return an id. `certainlyNotWritten` tells whether publishing it again can duplicate it. */
+export abstract class PublishError extends Error {
+  abstract readonly certainlyNotWritten: boolean;
+}
+
+/**
+ * A bounded group's backlog is full: nothing was written. Publish again later, with backoff, jitter and a cap,
+ * never in a tight loop.
+ */
+export class PublishRefused extends PublishError {
+  override readonly name = "PublishRefused";
+  readonly certainlyNotWritten = true;
+  constructor(
+    readonly group: string,
+    readonly backlog: number,
+    readonly max: number,
+  ) {
+    super(`refused: the backlog of group ${JSON.stringify(group)} is ${backlog}, its bound is ${max}`);
+  }
+}
+
+/**
+ * Nothing was written, and publishing again may succeed: the server is a replica now (`READONLY`, after a
+ * failover), loading, busy, or the connection is down right now.
+ */
+export class PublishUnavailable extends PublishError {
+  override readonly name = "PublishUnavailable";
+  readonly certainlyNotWritten = true;
+  constructor(options: { cause: unknown }) {
+    super(`unavailable (not written, try again): ${text(options.cause)}`, options);
+  }
+}
+
+/** The server refused with another error (a key of the wrong type, an ACL): nothing written; fix the cause. */
+export class PublishFailed extends PublishError {
+  override readonly name = "PublishFailed";
+  readonly certainlyNotWritten = true;
+  constructor(options: { cause: unknown }) {
+    super(`failed (not written): ${text(options.cause)}`, options);
+  }
+}
+
+/**
+ * The connection broke or timed out after the call may have reached the server: the entry may be in the stream.
+ * Publishing again may duplicate it: reconcile first, or publish through an `IdempotentProducer`.
+ */
+export class PublishOutcomeUnknown extends PublishError {
+  override readonly name = "PublishOutcomeUnknown";
+  readonly certainlyNotWritten = false;
+  constructor(options: { cause: unknown }) {
+    super(`outcome unknown (may have been written): ${text(options.cause)}`, options);
+  }
+}
+
+/** The server has no `XADD ... IDMP` (Redis 8.6 added it). */
+export class IdempotenceUnsupported extends Error {
+  override readonly name = "IdempotenceUnsupported";
+  constructor() {
+    super(
+      "the server has no XADD ... IDMP (Redis 8.6 or later): a retried publish may duplicate; publish with " +
+        "Producer.publish and reconcile by an id of your own in the entry's fields",
+    );
+  }
+}
+
+/** What a batch publish wrote: the first `ids.length` entries, in order. */
+export interface Published {
+  ids: string[];
+  /** Set when the bound had no room for the rest: those entries were certainly not written. */
+  refused?: { group: string; backlog: number; max: number };
+}
+
+/** The replies a server's own state explains, where trying again may succeed and nothing was written. */
+const UNAVAILABLE = ["READONLY", "LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN"];
+/** ioredis' words for a command it never sent: the connection was down and the offline queue is off. */
+const NOT_SENT = "enableOfflineQueue options is false";
+
+export class Producer {
+  readonly stream: string;
+  private readonly conn: Redis & ScriptCommands;
+  private readonly keys: [string, string, string];
+  private ready: Promise<void> | undefined;
+
+  constructor(options: ProducerOptions) {
+    this.stream = options.stream;
+    this.keys = [options.stream, boundsKey(options.stream), rejectedKey(options.stream)];
+    // A publish is never sent twice by the client: whether to publish again is the caller's call, told by the
+    // error's class. `maxRetriesPerRequest: 0` and `autoResendUnfulfilledCommands: false`: a call in flight when
+    // the connection drops fails (outcome unknown) instead of being resent after the reconnect, which would write
+    // the entry twice when the first reply was lost. `enableOfflineQueue: false`: while disconnected a publish
+    // fails at once, certainly not sent (unavailable), rather than waiting in a queue whose fate is unknown. No
+    // ready check: it needs INFO, which the producer's ACL (examples/acl/producer.acl) does not grant.
+    this.conn = withScripts(
+      connect(options.redis, {
+        maxRetriesPerRequest: 0,
+        autoResendUnfulfilledCommands: false,
+        enableOfflineQueue: false,
+        enableReadyCheck: false,
+        commandTimeout: options.timeoutMs ?? 10_000,
+      }),
+    );
+    // Connection errors surface through publishes; without a listener ioredis would print each one.
+    this.conn.on("error", () => undefined);
+  }
+
+  /** Adds one entry and returns its id; throws a `PublishError` subclass otherwise. */
+  async publish(fields: Fields): Promise<string> {
+    const args = flatten(fields);
+    return String(await this.call(() => this.conn.pelicanBoundedPublish(...this.keys, ...args)));
+  }
+
+  /**
+   * Adds entries in order, with one backlog check for them all, as many as every bounded group has room for. A
+   * thrown `PublishOutcomeUnknown` means any prefix of the batch may be in the stream.
+   */
+  async publishBatch(entries: readonly Fields[]): Promise<Published> {
+    return this.invokeBatch(entries.map((fields) => flatten(fields)));
+  }
+
+  /**
+   * This producer, its publishes made idempotent under `producerId` (default: the Pod's name), on a server with
+   * `XADD ... IDMP`; throws `IdempotenceUnsupported` elsewhere rather than pretend.
+   */
+  async idempotent(producerId: string = podName()): Promise<IdempotentProducer> {
+    if (producerId === "")
+      throw new Error("the producer id is empty: give one stable across restarts, e.g. the Pod's name");
+    await this.connected();
+    const docs = await this.conn.call("COMMAND", "DOCS", "XADD");
+    if (!commandTokens(docs, "xadd").has("IDMP")) throw new IdempotenceUnsupported();
+    return new IdempotentProducer(this, producerId);
+  }
+
+  /** Closes the connection once the publishes sent are answered. */
+  async close(): Promise<void> {
+    await this.conn.quit().catch(() => this.conn.disconnect());
+  }
+
+  /** @internal One call of the batch script, each entry's arguments already flat (IDMP first when it has one). */
+  async invokeBatch(entries: ReadonlyArray<ReadonlyArray<string | Buffer>>): Promise<Published> {
+    if (entries.length === 0) return { ids: [] };
+    const args: Array<string | Buffer> = [String(entries.length)];
+    for (const entry of entries) args.push(String(entry.length), ...entry);
+    const reply = await this.call(() => this.conn.pelicanBoundedPublishBatch(...this.keys, ...args));
+    const [ids, refusal] = Array.isArray(reply) ? (reply as [unknown, unknown]) : [[], []];
+    const published: Published = { ids: Array.isArray(ids) ? ids.map(String) : [] };
+    if (Array.isArray(refusal) && refusal.length === 3) {
+      published.refused = { group: String(refusal[0]), backlog: Number(refusal[1]), max: Number(refusal[2]) };
+    }
+    return published;
+  }
+
+  /** @internal One publish with its IDMP arguments first. */
+  async invokeIdempotent(producerId: string, messageId: string, fields: Fields): Promise<string> {
+    const args = ["IDMP", producerId, messageId, ...flatten(fields)];
+    return String(await this.call(() => this.conn.pelicanBoundedPublish(...this.keys, ...args)));
+  }
+
+  /** Runs a call once the first connection is up, its errors classified. */
+  private async call<T>(send: () => Promise<T>): Promise<T> {
+    await this.connected();
+    try {
+      return await send();
+    } catch (error) {
+      throw classify(error);
+    }
+  }
+
+  /**
+   * Waits for the first connection only (the offline queue is off): later, a publish while reconnecting fails at
+   * once as unavailable.
+   */
+  private connected(): Promise<void> {
+    this.ready ??= this.conn.status === "ready" ? Promise.resolve() : this.firstConnection();
+    return this.ready;
+  }
+
+  private firstConnection(): Promise<void> {
+    return new Promise((resolve) => {
+      // Whichever comes first: ready, or the connection failing (the publish then fails as unavailable).
+      const done = (): void => {
+        this.conn.off("ready", done).off("error", done);
+        resolve();
+      };
+      this.conn.once("ready", done).once("error", done);
+    });
+  }
+}
+
+/**
+ * A producer whose every publish carries an idempotency key (`XADD ... IDMP <producer id> <message id>`, Redis
+ * 8.6+): within the stream's window a publish of a (producer id, message id) already published writes nothing and
+ * returns the first entry's id, so a publish that ended `PublishOutcomeUnknown` is simply published again with the
+ * same message id. The producer id must be stable across restarts and unique among the stream's producers; the
+ * message id is the application's (an order number), never random per attempt. Made by `Producer.idempotent()`.
+ */
+export class IdempotentProducer {
+  constructor(
+    private readonly producer: Producer,
+    readonly producerId: string,
+  ) {}
+
+  get stream(): string {
+    return this.producer.stream;
+  }
+
+  /** Adds the entry unless `messageId` was published by this producer within the window; returns its id. */
+  publish(messageId: string, fields: Fields): Promise<string> {
+    return this.producer.invokeIdempotent(this.producerId, messageId, fields);
+  }
+
+  /** `Producer.publishBatch` with a message id per entry; a batch that ended unknown is published again whole. */
+  publishBatch(entries: ReadonlyArray<readonly [messageId: string, fields: Fields]>): Promise<Published> {
+    return this.producer.invokeBatch(
+      entries.map(([messageId, fields]) => ["IDMP", this.producerId, messageId, ...flatten(fields)]),
+    );
+  }
+
+  close(): Promise<void> {
+    return this.producer.close();
+  }
+}
+
+/** An error of a publish as its class: refused, unavailable, failed, or outcome unknown. */
+export function classify(error: unknown): PublishError {
+  if (isReplyError(error)) {
+    const message = error.message;
+    const refused = /^PELICAN_BACKLOG_FULL (.*) (\d+) (\d+)$/s.exec(message);
+    if (refused) return new PublishRefused(refused[1] ?? "", Number(refused[2]), Number(refused[3]));
+    // A batch that failed after its first entries were added.
+    if (message.startsWith("PELICAN_PARTIAL")) return new PublishOutcomeUnknown({ cause: error });
+    if (UNAVAILABLE.some((code) => message.startsWith(code))) return new PublishUnavailable({ cause: error });
+    return new PublishFailed({ cause: error });
+  }
+  if (error instanceof Error && error.message.includes(NOT_SENT)) return new PublishUnavailable({ cause: error });
+  // A broken connection, a timeout, a command flushed by a disconnect: it may have reached the server.
+  return new PublishOutcomeUnknown({ cause: error });
+}
+
+/** Every `token` of a `COMMAND DOCS` reply's arguments for `command`, at any depth (arguments nest). */
+export function commandTokens(docs: unknown, command: string): Set<string> {
+  const tokens = new Set<string>();
+  const walk = (value: unknown): void => {
+    if (!Array.isArray(value)) return;
+    value.forEach((item: unknown, i) => {
+      if (String(item) === "token" && i + 1 < value.length) tokens.add(String(value[i + 1]).toUpperCase());
+      walk(item);
+    });
+  };
+  // `[name, docs, name, docs, ...]`
+  if (Array.isArray(docs)) {
+    for (let i = 0; i + 1 < docs.length; i += 2) {
+      if (String(docs[i]).toLowerCase() === command) walk(docs[i + 1]);
+    }
+  }
+  return tokens;
+}
+
+function flatten(fields: Fields): Array<string | Buffer> {
+  const pairs = Array.isArray(fields)
+    ? (fields as ReadonlyArray<readonly [string | Buffer, string | Buffer | number]>)
+    : Object.entries(fields as Readonly<Record<string, string | Buffer | number>>);
+  if (pairs.length === 0) throw new TypeError("an entry needs at least one field");
+  return pairs.flatMap(([name, value]) => [name, typeof value === "number" ? String(value) : value]);
+}
+
+function text(error: unknown): string {
+  return error instanceof Error ? error.message : String(error);
+}

@@ -1,0 +1,744 @@
+/**
+ * The worker: the dispatch layer of an application consumer (contract/README.md, "The worker's loop"). It reads
+ * its own PEL first, then new entries, runs at most `concurrency` handlers, holds a lease on every entry in flight,
+ * takes up hand-overs, gives back on shutdown, and is the only place that acknowledges.
+ */
+import { setTimeout as sleep } from "node:timers/promises";
+import type { Redis } from "ioredis";
+
+import { connect, errorText, isReplyError, podName, type RedisTarget } from "./connection.js";
+import { DELIVERIES_FIELD, ERROR_TEXT_MAX, errorsKey, settingsKey, terminalKey } from "./keys.js";
+import { Message } from "./message.js";
+import { checkOutcome, type Outcome } from "./outcome.js";
+import { withScripts, type ScriptCommands } from "./scripts.js";
+import {
+  ContractVersionError,
+  KNOWN_CONTRACT_VERSIONS,
+  UNPUBLISHED_IDLE_MS,
+  checkContractVersion,
+  leaseIntervalMs,
+  parseSettings,
+  type WorkerSettings,
+} from "./settings.js";
+
+export interface WorkerOptions {
+  /** A `redis://` URL or ioredis options; the worker opens two connections of its own (reads, writes). */
+  redis: RedisTarget;
+  stream: string;
+  group: string;
+  /** Default: the Pod's name (`POD_NAME`, else `HOSTNAME`), else the host name; `consumers.pods` matches by it. */
+  consumer?: string;
+  /** Handlers running at once. Default 16. */
+  concurrency?: number;
+  /** How long one read waits for new entries. Default 1,000 ms. */
+  blockMs?: number;
+  /** On shutdown, how long handlers may still run before their messages are given back. Default 20,000 ms. */
+  shutdownGraceMs?: number;
+  /** How often the own PEL is looked at for hand-overs. Default 30,000 ms (below the operator's 60 s grace). */
+  pelCheckIntervalMs?: number;
+  /** How long a message's lease is extended; past it the pass may retry the message. Default 30 minutes. */
+  maxHandlingMs?: number;
+  /** Where warnings go. Default: stderr (stdout stays the application's). */
+  logger?: Logger;
+}
+
+export interface Logger {
+  warn(message: string, fields?: Record<string, unknown>): void;
+  error(message: string, fields?: Record<string, unknown>): void;
+}
+
+export interface HandlerContext {
+  /**
+   * Aborted when the shutdown grace ran out and the message was given back to the operator's pass: stop the
+   * work; nothing the handler returns after that is written.
+   */
+  readonly signal: AbortSignal;
+}
+
+/** Resolves to the message's outcome; a thrown error or a rejection is a failure (no ACK, error recorded). */
+export type Handler = (message: Message, context: HandlerContext) => Promise<Outcome>;
+
+export interface RunOptions {
+  /** Stops the worker (as `stop()` does) when aborted. */
+  signal?: AbortSignal;
+}
+
+export interface WorkerStats {
+  done: number;
+  terminal: number;
+  /** Handler errors, and outcomes the server refused to record: left pending for the operator's retry. */
+  failed: number;
+  /** `retry()`: given back to the operator's pass, the delivery counted. */
+  retried: number;
+  /** Given back on shutdown, the delivery not counted. */
+  abandoned: number;
+  inFlight: number;
+}
+
+/** The most ids one lease or give-back call carries. */
+const ID_BATCH = 100;
+/** How many ids of recorded errors are remembered, to remove each with its message's ACK. */
+const ERRORS_REMEMBERED = 10_000;
+/** How much shorter than the time since it failed here an entry's idle must be for it to count as handed back. */
+const HAND_OVER_MARGIN_MS = 1000;
+
+/** Why a handler's signal is aborted. */
+const GIVEN_BACK = "the shutdown grace ran out: the message was given back";
+
+/** An entry being handled. */
+interface InFlight {
+  readonly startedAt: number;
+  /** Made when the handler first reads its `signal` (most never do, and one costs more than the rest of a start). */
+  abort: AbortController | undefined;
+  /** Resolves when its outcome is written (or skipped). */
+  finished: Promise<void>;
+  /** The handler has returned: its outcome is being written. */
+  settled: boolean;
+  /** Given back on shutdown: its outcome is not written. */
+  abandoned: boolean;
+  /** Past `maxHandlingMs`: no longer leased (said once). */
+  overdue: boolean;
+}
+
+const stderrLogger: Logger = {
+  warn: (message, fields) => console.warn(`pelican worker: ${message}`, fields ?? ""),
+  error: (message, fields) => console.error(`pelican worker: ${message}`, fields ?? ""),
+};
+
+export class Worker {
+  readonly stream: string;
+  readonly group: string;
+  readonly consumer: string;
+  private readonly target: RedisTarget;
+  private readonly concurrency: number;
+  private readonly blockMs: number;
+  private readonly shutdownGraceMs: number;
+  private readonly pelCheckIntervalMs: number;
+  private readonly maxHandlingMs: number;
+  private readonly log: Logger;
+
+  private readonly counters = { done: 0, terminal: 0, failed: 0, retried: 0, abandoned: 0 };
+  private readonly inFlight = new Map<string, InFlight>();
+  /** Entries whose handler failed (or asked for a retry) here, with when: the pass retries them, never this worker. */
+  private readonly failedHere = new Map<string, number>();
+  /** Entries whose last error this worker recorded: the field goes with their ACK. */
+  private readonly errorsRecorded = new Set<string>();
+  private settings: WorkerSettings | undefined;
+  /** Aborted by `stop()`: ends the pauses of the read loop at once. */
+  private readonly stopping = new AbortController();
+  private running: Promise<WorkerStats> | undefined;
+  private reader: Redis | undefined;
+  private writer: (Redis & ScriptCommands) | undefined;
+  private leaseTimer: NodeJS.Timeout | undefined;
+  /** Wakes the read loop when a handler finishes or the worker stops. */
+  private wake: (() => void) | undefined;
+  /** Said once each: a contract version met at a lease tick, a settings read refused. */
+  private readonly said = new Set<string>();
+  /** The connections are closing: no lease is scheduled any more. */
+  private closed = false;
+
+  constructor(options: WorkerOptions) {
+    this.target = options.redis;
+    this.stream = options.stream;
+    this.group = options.group;
+    this.consumer = options.consumer || podName();
+    this.concurrency = Math.max(1, options.concurrency ?? 16);
+    this.blockMs = options.blockMs ?? 1000;
+    this.shutdownGraceMs = options.shutdownGraceMs ?? 20_000;
+    this.pelCheckIntervalMs = options.pelCheckIntervalMs ?? 30_000;
+    this.maxHandlingMs = options.maxHandlingMs ?? 30 * 60 * 1000;
+    this.log = options.logger ?? stderrLogger;
+  }
+
+  /**
+   * Runs until `stop()` (or `signal`): then stops reading, lets handlers finish within the grace, gives back what
+   * is left, closes its connections and resolves with the stats. Rejects with a `ContractVersionError` before
+   * reading anything when the operator speaks a contract version this library does not know. Read errors do not
+   * stop the worker: they are logged and retried.
+   */
+  run(handler: Handler, options: RunOptions = {}): Promise<WorkerStats> {
+    if (this.running) throw new Error("this worker already ran: create a new Worker");
+    const { signal } = options;
+    const onAbort = (): void => void this.stop();
+    signal?.addEventListener("abort", onAbort, { once: true });
+    if (signal?.aborted) this.stopping.abort();
+    this.running = this.runUntilStopped(handler).finally(() => signal?.removeEventListener("abort", onAbort));
+    return this.running;
+  }
+
+  /** Asks the worker to shut down; resolves as `run()` does, once the shutdown is complete. */
+  stop(): Promise<WorkerStats> {
+    if (!this.stopping.signal.aborted) {
+      this.stopping.abort();
+      this.wake?.();
+    }
+    return this.running ?? Promise.resolve(this.stats());
+  }
+
+  /**
+   * Stops the worker on the first of `signals` (a second one ends the process as usual). Returns a function that
+   * removes the handlers.
+   */
+  installSignalHandlers(signals: readonly NodeJS.Signals[] = ["SIGTERM", "SIGINT"]): () => void {
+    const onSignal = (): void => void this.stop();
+    for (const signal of signals) process.once(signal, onSignal);
+    return () => signals.forEach((signal) => process.off(signal, onSignal));
+  }
+
+  stats(): WorkerStats {
+    return { ...this.counters, inFlight: this.inFlight.size };
+  }
+
+  private get stopRequested(): boolean {
+    return this.stopping.signal.aborted;
+  }
+
+  private async runUntilStopped(handler: Handler): Promise<WorkerStats> {
+    // No ready check: it needs INFO, which the worker's ACL (examples/acl/worker.acl) does not grant; a LOADING
+    // server's refusals are retried like any other.
+    // The reader's timeout covers a blocking read. A read cut by a lost connection is not resent: the loop
+    // decides what to read next (entries whose reply was lost are in the own PEL, taken up as hand-overs).
+    const reader = connect(this.target, {
+      commandTimeout: this.blockMs + 10_000,
+      autoResendUnfulfilledCommands: false,
+      enableReadyCheck: false,
+    });
+    // Every write the worker makes can be repeated without harm (XACK, HSET, the scripts check the owner), so the
+    // writer keeps ioredis' resends after a reconnect.
+    const writer = withScripts(connect(this.target, { commandTimeout: 10_000, enableReadyCheck: false }));
+    this.reader = reader;
+    this.writer = writer;
+    this.logConnectionErrors(reader, "reader");
+    this.logConnectionErrors(writer, "writer");
+    try {
+      if (await this.startUp()) {
+        this.scheduleLease();
+        await this.readLoop(handler);
+        await this.finishInFlight();
+      }
+    } finally {
+      this.closed = true;
+      clearTimeout(this.leaseTimer);
+      reader.disconnect();
+      await writer.quit().catch(() => writer.disconnect());
+    }
+    return this.stats();
+  }
+
+  private logConnectionErrors(conn: Redis, role: string): void {
+    let last = "";
+    conn.on("error", (error: unknown) => {
+      const text = errorText(error);
+      if (text !== last) this.log.warn(`${role} connection: ${text}; reconnecting`, this.where());
+      last = text;
+    });
+    conn.on("ready", () => (last = ""));
+  }
+
+  /** Reads the settings and checks the contract version before the first read; false when stopped meanwhile. */
+  private async startUp(): Promise<boolean> {
+    let wait = 1000;
+    while (!this.stopRequested) {
+      try {
+        await this.readSettings(true);
+        return true;
+      } catch (error) {
+        if (error instanceof ContractVersionError) throw error;
+        this.log.warn("could not read the group's settings; retrying", { ...this.where(), error: errorText(error) });
+        await this.pause(wait);
+        wait = Math.min(wait * 2, 10_000);
+      }
+    }
+    return false;
+  }
+
+  /**
+   * Reads the group's settings. A refusal (an ACL without `hgetall` on the key) leaves the worker without them:
+   * it leases every second. At start (`starting`) an unknown contract version throws; at a lease tick it is said
+   * once and the last settings stay (the worker already runs).
+   */
+  private async readSettings(starting: boolean): Promise<void> {
+    let hash: Record<string, string>;
+    try {
+      hash = await this.writerConn().hgetall(settingsKey(this.stream, this.group));
+    } catch (error) {
+      if (!isReplyError(error)) throw error;
+      this.sayOnce("settings refused", "the group's settings cannot be read: leasing every second", error);
+      return;
+    }
+    const settings = parseSettings(hash);
+    if (starting) checkContractVersion(settings);
+    else if (!KNOWN_CONTRACT_VERSIONS.includes(settings.contractVersion)) {
+      this.sayOnce("contract", new ContractVersionError(settings.contractVersion).message + "; running on", null);
+      return;
+    }
+    this.settings = settings;
+  }
+
+  private sayOnce(key: string, message: string, error: unknown): void {
+    if (this.said.has(key)) return;
+    this.said.add(key);
+    this.log.warn(message, error === null ? this.where() : { ...this.where(), error: errorText(error) });
+  }
+
+  private async readLoop(handler: Handler): Promise<void> {
+    // Our own PEL first (entries delivered to this name before a restart), then new entries.
+    let cursor: string | undefined = "0";
+    let nextPelCheck = Date.now() + this.pelCheckIntervalMs;
+    let waitingForGroup = false;
+    let groupWait = 1000;
+    while (!this.stopRequested) {
+      await this.freeSlot();
+      if (this.stopRequested) break;
+      const free = this.concurrency - this.inFlight.size;
+      let messages: Message[];
+      try {
+        if (cursor !== undefined) {
+          const read = await this.readEntries(free, cursor);
+          cursor = read.last;
+          messages = read.messages;
+        } else if (Date.now() >= nextPelCheck) {
+          nextPelCheck = Date.now() + this.pelCheckIntervalMs;
+          messages = await this.takeHandedOver(free);
+        } else {
+          messages = (await this.readEntries(free, ">")).messages;
+        }
+      } catch (error) {
+        if (isReplyError(error) && error.message.startsWith("NOGROUP")) {
+          // The group is the operator's to create: wait for it, never create it.
+          if (!waitingForGroup) {
+            this.log.warn("the consumer group does not exist yet: waiting for the operator to create it", {
+              ...this.where(),
+              error: error.message,
+            });
+          }
+          waitingForGroup = true;
+          await this.pause(groupWait);
+          groupWait = Math.min(groupWait * 2, 10_000);
+        } else {
+          this.log.warn("read failed; retrying", { ...this.where(), error: errorText(error) });
+          await this.pause(500);
+        }
+        continue;
+      }
+      if (waitingForGroup) this.log.warn("the consumer group exists now: reading", this.where());
+      waitingForGroup = false;
+      groupWait = 1000;
+      if (this.stopRequested) {
+        // Delivered by the read in flight when the stop came (awaited: the server delivers to this consumer
+        // whatever becomes of the call): never started, so given back for the next pass.
+        if (messages.length > 0) await this.giveBackOnShutdown(messages.map((m) => m.id));
+        break;
+      }
+      for (const message of messages) this.start(message, handler);
+    }
+  }
+
+  private async freeSlot(): Promise<void> {
+    while (this.inFlight.size >= this.concurrency && !this.stopRequested) {
+      await new Promise<void>((resolve) => (this.wake = resolve));
+    }
+  }
+
+  /** A pause that `stop()` ends early. */
+  private async pause(ms: number): Promise<void> {
+    await sleep(ms, undefined, { signal: this.stopping.signal }).catch(() => undefined);
+  }
+
+  /**
+   * `XREADGROUP` of up to `count` entries after `from`: `0` and on reads the own PEL (`last`: where to go on, none
+   * once it is empty), `>` new entries, blocking up to `blockMs`. An own entry without fields (its payload was
+   * deleted) is no message: skipped, the pass drops it.
+   */
+  private async readEntries(count: number, from: string): Promise<{ messages: Message[]; last: string | undefined }> {
+    const block = from === ">" ? ["BLOCK", this.blockMs] : [];
+    const reply = await this.readerConn().callBuffer(
+      "XREADGROUP",
+      "GROUP",
+      this.group,
+      this.consumer,
+      "COUNT",
+      count,
+      ...block,
+      "STREAMS",
+      this.stream,
+      from,
+    );
+    const entries = parseStreams(reply);
+    const messages = entries.flatMap(([id, pairs]) => (pairs ? [new Message(id, pairs)] : []));
+    return { messages, last: entries.at(-1)?.[0] };
+  }
+
+  /**
+   * Up to `count` entries of the own PEL that are neither in flight nor failed here: handed over by the operator
+   * (`strategy: Reassign`). An entry that failed here counts as handed back only when its idle time is shorter
+   * than the time since it failed (less a second): a hand-over reset it. Each is taken with `lease.lua` (never a
+   * plain XCLAIM, which would take back what the pass gave someone else meanwhile) and read with `XRANGE`.
+   */
+  private async takeHandedOver(count: number): Promise<Message[]> {
+    const writer = this.writerConn();
+    const asked = count + this.inFlight.size + this.failedHere.size;
+    // Taken before the server measures idle times: an entry untouched since it failed has been idle this long.
+    const askedAt = Date.now();
+    const pending = parsePending(
+      await writer.call("XPENDING", this.stream, this.group, "-", "+", asked, this.consumer),
+    );
+    if (pending.length < asked) {
+      // The whole own PEL: what failed here and left it (requeued, reassigned, dead-lettered) is forgotten.
+      const listed = new Set(pending.map(({ id }) => id));
+      for (const id of this.failedHere.keys()) if (!listed.has(id)) this.failedHere.delete(id);
+    }
+    const handedBack = (id: string, idleMs: number): boolean => {
+      const failedAt = this.failedHere.get(id);
+      return failedAt === undefined || idleMs + HAND_OVER_MARGIN_MS <= askedAt - failedAt;
+    };
+    const candidates = pending
+      .filter(({ id, idleMs }) => !this.inFlight.has(id) && handedBack(id, idleMs))
+      .slice(0, count)
+      .map(({ id }) => id);
+    if (candidates.length === 0) return [];
+    for (const id of candidates) this.failedHere.delete(id);
+    const taken: string[] = [];
+    for (const chunk of chunks(candidates, ID_BATCH)) {
+      taken.push(...parseIds(await writer.pelicanLease(this.stream, this.group, this.consumer, ...chunk)));
+    }
+    if (taken.length === 0) return [];
+    const pipeline = writer.pipeline();
+    for (const id of taken) pipeline.xrangeBuffer(this.stream, id, id);
+    const ranges = (await pipeline.exec()) ?? [];
+    // An entry deleted from the stream while pending has no payload to handle: the pass drops it.
+    return ranges.flatMap(([error, reply]) => {
+      if (error) throw error;
+      return parseEntries(reply).flatMap(([id, pairs]) => (pairs ? [new Message(id, pairs)] : []));
+    });
+  }
+
+  private start(message: Message, handler: Handler): void {
+    const entry: InFlight = {
+      startedAt: Date.now(),
+      abort: undefined,
+      finished: Promise.resolve(),
+      settled: false,
+      abandoned: false,
+      overdue: false,
+    };
+    this.inFlight.set(message.id, entry);
+    entry.finished = this.dispatch(message, handler, entry).finally(() => {
+      this.inFlight.delete(message.id);
+      this.wake?.();
+    });
+  }
+
+  /** Runs the handler and writes its outcome: the only place that acknowledges. Never rejects. */
+  private async dispatch(message: Message, handler: Handler, entry: InFlight): Promise<void> {
+    let outcome: Outcome;
+    try {
+      const context: HandlerContext = {
+        get signal() {
+          if (!entry.abort) {
+            entry.abort = new AbortController();
+            if (entry.abandoned) entry.abort.abort(new Error(GIVEN_BACK));
+          }
+          return entry.abort.signal;
+        },
+      };
+      outcome = checkOutcome(await handler(message, context));
+    } catch (error) {
+      entry.settled = true;
+      if (!entry.abandoned) await this.fail(message.id, error);
+      return;
+    }
+    entry.settled = true;
+    if (entry.abandoned) return;
+    switch (outcome.kind) {
+      case "done":
+        return this.ack(message);
+      case "terminal":
+        return this.ackTerminal(message.id, outcome.reason);
+      case "retry":
+        return this.retry(message.id);
+    }
+  }
+
+  /** `XACK`, with `HDEL errors <id>` in the same round trip when the entry may have a last error. */
+  private async ack(message: Message): Promise<void> {
+    const writer = this.writerConn();
+    const id = message.id;
+    // A message that failed before (here, or elsewhere before it was requeued as a copy) may have a last error.
+    const mayHaveError = this.errorsRecorded.delete(id) || message.fields.has(DELIVERIES_FIELD);
+    try {
+      if (mayHaveError) {
+        const replies = await writer.pipeline().xack(this.stream, this.group, id).hdel(this.errorsKey(), id).exec();
+        const failure = replies?.[0]?.[0];
+        if (failure) throw failure;
+      } else {
+        await writer.xack(this.stream, this.group, id);
+      }
+      this.counters.done++;
+    } catch (error) {
+      this.writeFailed("XACK", id, error);
+    }
+  }
+
+  private async ackTerminal(id: string, reason: string): Promise<void> {
+    this.log.warn("message ended as terminal", { ...this.where(), entryId: id, reason });
+    this.errorsRecorded.delete(id);
+    try {
+      await this.writerConn().pelicanTerminalAck(
+        this.stream,
+        terminalKey(this.stream, this.group),
+        this.errorsKey(),
+        this.group,
+        id,
+        reason,
+      );
+      this.counters.terminal++;
+    } catch (error) {
+      this.writeFailed("terminal ACK", id, error);
+    }
+  }
+
+  /** `give_back.lua` with the group's `minIdleMs`, the delivery counted: the pass retries it under the backoff. */
+  private async retry(id: string): Promise<void> {
+    // Not re-read here: the give-back makes it look idle, not handed over.
+    this.failedHere.set(id, Date.now());
+    const idleMs = this.settings?.minIdleMs ?? UNPUBLISHED_IDLE_MS;
+    try {
+      await this.writerConn().pelicanGiveBack(this.stream, this.group, this.consumer, idleMs, 0, id);
+    } catch (error) {
+      this.log.warn("could not give the message back for a retry: it is retried after minIdle", {
+        ...this.where(),
+        entryId: id,
+        error: errorText(error),
+      });
+    }
+    this.counters.retried++;
+  }
+
+  /** A failure: no ACK, the error's text recorded as the entry's last error, the entry left to the pass. */
+  private async fail(id: string, error: unknown): Promise<void> {
+    const text = cutUtf8(errorText(error), ERROR_TEXT_MAX);
+    this.log.warn("handler failed; the message stays pending for the operator's retry", {
+      ...this.where(),
+      entryId: id,
+      error: text,
+    });
+    this.failedHere.set(id, Date.now());
+    try {
+      await this.writerConn().hset(this.errorsKey(), id, text);
+      // A requeued message comes back under a new id, so its old id is never ACKed here: bounded, not growing
+      // with every failure (a field whose ACK then skips the HDEL is removed by the operator's passes).
+      if (this.errorsRecorded.size >= ERRORS_REMEMBERED) this.errorsRecorded.clear();
+      this.errorsRecorded.add(id);
+    } catch (recordError) {
+      this.log.warn("could not record the message's last error", {
+        ...this.where(),
+        entryId: id,
+        error: errorText(recordError),
+      });
+    }
+    this.counters.failed++;
+  }
+
+  private writeFailed(what: string, id: string, error: unknown): void {
+    // A server's error reply means nothing was written (the scripts check everything before their first write);
+    // a broken connection leaves it open.
+    const message = isReplyError(error)
+      ? `${what} refused; the message stays pending`
+      : `${what} outcome unknown (the connection failed): the message may be acknowledged, or stays pending`;
+    this.log.warn(message, { ...this.where(), entryId: id, error: errorText(error) });
+    this.counters.failed++;
+  }
+
+  private scheduleLease(): void {
+    if (this.closed) return;
+    this.leaseTimer = setTimeout(() => {
+      void this.leaseTick().finally(() => this.scheduleLease());
+    }, leaseIntervalMs(this.settings));
+  }
+
+  /**
+   * One lease tick: re-read the settings (a lowered `minIdle` is leased at its new pace before it counts), then
+   * extend every entry in flight for less than `maxHandlingMs`. An entry handled longer is no longer extended,
+   * said once.
+   */
+  private async leaseTick(): Promise<void> {
+    try {
+      await this.readSettings(false);
+    } catch (error) {
+      this.sayOnce("settings", "could not re-read the group's settings; the last ones stay", error);
+    }
+    const now = Date.now();
+    const ids: string[] = [];
+    for (const [id, entry] of this.inFlight) {
+      // A settled entry's outcome is being written: a lease after its give-back would undo the give-back's idle.
+      if (entry.settled) continue;
+      if (now - entry.startedAt < this.maxHandlingMs) ids.push(id);
+      else if (!entry.overdue) {
+        entry.overdue = true;
+        this.log.warn(
+          "handler still running after maxHandlingMs: its lease is no longer extended, and the " +
+            "operator's pass may retry the message",
+          { ...this.where(), entryId: id, maxHandlingMs: this.maxHandlingMs },
+        );
+      }
+    }
+    for (const chunk of chunks(ids, ID_BATCH)) {
+      try {
+        const kept = new Set(
+          parseIds(await this.writerConn().pelicanLease(this.stream, this.group, this.consumer, ...chunk)),
+        );
+        for (const id of chunk) {
+          const entry = this.inFlight.get(id);
+          // Not ours any more while its handler runs: the pass took it (the handler may be slower than a lowered
+          // minIdle, or the process stalled). Said, never acknowledged twice by this worker's doing.
+          if (!kept.has(id) && entry && !entry.settled) {
+            this.log.warn("a message being handled was taken by the operator's pass: it may be handled twice", {
+              ...this.where(),
+              entryId: id,
+            });
+          }
+        }
+      } catch (error) {
+        this.log.warn("could not extend the leases of the messages being handled; retrying", {
+          ...this.where(),
+          error: errorText(error),
+        });
+      }
+    }
+  }
+
+  /**
+   * After the read loop: handlers finish within the grace (leases go on meanwhile); what is still running then is
+   * given back uncounted, its handler's signal aborted. The give-back is made also when nothing is left: it is how
+   * the worker leaves the group.
+   */
+  private async finishInFlight(): Promise<void> {
+    let timer: NodeJS.Timeout | undefined;
+    const graceOver = new Promise<boolean>(
+      (resolve) => (timer = setTimeout(() => resolve(true), this.shutdownGraceMs)),
+    );
+    const allFinished = Promise.all([...this.inFlight.values()].map((e) => e.finished)).then(() => false);
+    const cut = await Promise.race([allFinished, graceOver]);
+    clearTimeout(timer);
+    const left: string[] = [];
+    const writing: Promise<void>[] = [];
+    for (const [id, entry] of cut ? this.inFlight : []) {
+      if (entry.settled) {
+        writing.push(entry.finished);
+        continue;
+      }
+      entry.abandoned = true;
+      entry.abort?.abort(new Error(GIVEN_BACK));
+      // No longer this worker's, though its handler may still run: neither leased nor counted in flight.
+      this.inFlight.delete(id);
+      left.push(id);
+    }
+    // Outcomes already being written finish first (each bounded by the writer's command timeout), so that the
+    // consumer owns nothing they would still remove when the give-back looks.
+    await Promise.all(writing);
+    await this.giveBackOnShutdown(left);
+  }
+
+  /**
+   * `give_back.lua` with the group's `retryAfterMs` and ARGV[4] = 1: each entry uncounted and left without an
+   * owner, taken by the next pass whatever its idle time; and the consumer deleted once it owns nothing (called
+   * with no ids when nothing is left), so `strategy: Reassign` never hands work to a worker that left.
+   */
+  private async giveBackOnShutdown(ids: string[]): Promise<void> {
+    this.counters.abandoned += ids.length;
+    const idleMs = this.settings?.retryAfterMs ?? UNPUBLISHED_IDLE_MS;
+    try {
+      let given = 0;
+      for (const chunk of ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]) {
+        given += Number(
+          await this.writerConn().pelicanGiveBack(this.stream, this.group, this.consumer, idleMs, 1, ...chunk),
+        );
+      }
+      if (ids.length > 0) {
+        this.log.warn("shutdown: messages not handled were given back for the next pass, their delivery not counted", {
+          ...this.where(),
+          given,
+        });
+      }
+    } catch (error) {
+      this.log.warn("shutdown: could not give back (and leave the group): what is left is retried after minIdle", {
+        ...this.where(),
+        left: ids.length,
+        error: errorText(error),
+      });
+    }
+  }
+
+  private errorsKey(): string {
+    return errorsKey(this.stream, this.group);
+  }
+
+  private where(): Record<string, unknown> {
+    return { stream: this.stream, group: this.group, consumer: this.consumer };
+  }
+
+  private readerConn(): Redis {
+    if (!this.reader) throw new Error("the worker is not running");
+    return this.reader;
+  }
+
+  private writerConn(): Redis & ScriptCommands {
+    if (!this.writer) throw new Error("the worker is not running");
+    return this.writer;
+  }
+}
+
+/** Cuts `text` to at most `max` UTF-8 bytes, at a character boundary. */
+export function cutUtf8(text: string, max: number): string {
+  const bytes = Buffer.from(text, "utf8");
+  if (bytes.length <= max) return text;
+  let end = max;
+  // A continuation byte (10xxxxxx) is inside a character: step back to the character's first byte.
+  while (end > 0 && (bytes.readUInt8(end) & 0xc0) === 0x80) end--;
+  return bytes.subarray(0, end).toString("utf8");
+}
+
+function chunks<T>(items: readonly T[], size: number): T[][] {
+  const out: T[][] = [];
+  for (let i = 0; i < items.length; i += size) out.push(items.slice(i, i + size));
+  return out;
+}
+
+type Entry = [id: string, pairs: Array<[Buffer, Buffer]> | null];
+
+/** `XREADGROUP`'s `[[stream, entries]]`, or nil, as entries. */
+function parseStreams(reply: unknown): Entry[] {
+  if (!Array.isArray(reply)) return [];
+  return reply.flatMap((stream: unknown) => (Array.isArray(stream) ? parseEntries(stream[1]) : []));
+}
+
+/** `[[id, [field, value, ...] | nil], ...]` as entries; nil fields for a deleted payload. */
+function parseEntries(reply: unknown): Entry[] {
+  if (!Array.isArray(reply)) return [];
+  return reply.flatMap((item: unknown): Entry[] => {
+    if (!Array.isArray(item)) return [];
+    const [id, flat] = item as [unknown, unknown];
+    if (!Buffer.isBuffer(id)) return [];
+    if (!Array.isArray(flat)) return [[id.toString(), null]];
+    const pairs: Array<[Buffer, Buffer]> = [];
+    for (let i = 0; i + 1 < flat.length; i += 2) pairs.push([toBuffer(flat[i]), toBuffer(flat[i + 1])]);
+    return [[id.toString(), pairs]];
+  });
+}
+
+function toBuffer(value: unknown): Buffer {
+  return Buffer.isBuffer(value) ? value : Buffer.from(String(value));
+}
+
+/** `XPENDING`'s extended form: `[[id, consumer, idle ms, deliveries], ...]`. */
+function parsePending(reply: unknown): Array<{ id: string; idleMs: number }> {
+  if (!Array.isArray(reply)) return [];
+  return reply.flatMap((row: unknown) =>
+    Array.isArray(row) && row.length >= 3 ? [{ id: String(row[0]), idleMs: Number(row[2]) }] : [],
+  );
+}
+
+function parseIds(reply: unknown): string[] {
+  return Array.isArray(reply) ? reply.map(String) : [];
+}

@@ -1,0 +1,96 @@
+/** The conformance worker, run from the repository root as the suite runs it: its lines, its exits, its writes. */
+import assert from "node:assert/strict";
+import { spawn, type ChildProcess } from "node:child_process";
+import { fileURLToPath } from "node:url";
+import { after, before, test } from "node:test";
+
+import { errorsKey, terminalKey } from "../src/index.js";
+import { createGroup, freshStream, pending, waitFor } from "./support/helpers.js";
+import { startRedis, type RedisServer } from "./support/server.js";
+
+const repositoryRoot = fileURLToPath(new URL("../../../../", import.meta.url));
+const group = "conformance";
+
+let server: RedisServer;
+before(async () => (server = await startRedis()));
+after(() => server.stop());
+
+interface Line {
+  id: string;
+  consumer: string;
+  outcome: string;
+  ms: number;
+}
+
+function startWorker(
+  stream: string,
+  consumer: string,
+): { child: ChildProcess; lines: Line[]; exited: Promise<number | null> } {
+  const child = spawn("node", ["sdks/typescript/dist/conformance/worker.js"], {
+    cwd: repositoryRoot,
+    env: {
+      ...process.env,
+      REDIS_URL: server.url,
+      STREAM: stream,
+      GROUP: group,
+      CONSUMER: consumer,
+      SHUTDOWN_GRACE_MS: "500",
+    },
+    stdio: ["ignore", "pipe", "ignore"],
+  });
+  const lines: Line[] = [];
+  let buffered = "";
+  child.stdout?.on("data", (data: Buffer) => {
+    buffered += data.toString();
+    const complete = buffered.split("\n");
+    buffered = complete.pop() ?? "";
+    for (const line of complete) lines.push(JSON.parse(line) as Line);
+  });
+  const exited = new Promise<number | null>((resolve) => child.once("exit", (code) => resolve(code)));
+  return { child, lines, exited };
+}
+
+test("each outcome as the message asks, one JSON line per run; SIGTERM gives back and exits 0", async () => {
+  const admin = server.admin;
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { minIdleMs: 60_000, retryAfterMs: 45_000, maxDeliveries: 5 });
+  const asked = ["done", "retry", "fail", "terminal:RecordNotFound"];
+  const ids: string[] = [];
+  for (const handle of asked) ids.push((await admin.xadd(stream, "*", "handle", handle, "ms", "20")) ?? "");
+  const { child, lines, exited } = startWorker(stream, "c1");
+  await waitFor("four lines", () => lines.length === 4);
+  const outcomes = ["done", "retry", "fail", "terminal"];
+  assert.deepEqual(
+    [...lines].sort((a, b) => ids.indexOf(a.id) - ids.indexOf(b.id)),
+    ids.map((id, i) => ({ id, consumer: "c1", outcome: outcomes[i], ms: 20 })),
+  );
+  await waitFor("the outcomes written", async () => (await pending(admin, stream, group)).length === 2);
+  assert.deepEqual(await admin.hgetall(terminalKey(stream, group)), { RecordNotFound: "1" });
+  assert.deepEqual(Object.keys(await admin.hgetall(errorsKey(stream, group))), [ids[2]]);
+
+  const slow = (await admin.xadd(stream, "*", "handle", "done", "ms", "10000")) ?? "";
+  await waitFor("the slow message in flight", async () =>
+    (await pending(admin, stream, group)).some((e) => e.id === slow),
+  );
+  const signalled = Date.now();
+  child.kill("SIGTERM");
+  assert.equal(await exited, 0);
+  assert.ok(Date.now() - signalled < 5000, `exited ${Date.now() - signalled} ms after SIGTERM`);
+  const given = (await pending(admin, stream, group)).find((e) => e.id === slow);
+  assert.deepEqual([given?.consumer, given?.deliveries], ["", 0]);
+  assert.ok((given?.idleMs ?? 0) >= 45_000);
+});
+
+test("exit: the line is printed, then the process exits 3 at once, the message left pending", async () => {
+  const admin = server.admin;
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { minIdleMs: 60_000, retryAfterMs: 45_000, maxDeliveries: 5 });
+  const id = await admin.xadd(stream, "*", "handle", "exit", "ms", "0");
+  const { lines, exited } = startWorker(stream, "c2");
+  assert.equal(await exited, 3);
+  assert.deepEqual(lines, [{ id, consumer: "c2", outcome: "exit", ms: 0 }]);
+  assert.deepEqual(
+    (await pending(admin, stream, group)).map((e) => [e.id, e.consumer]),
+    [[id, "c2"]],
+  );
+});

@@ -1,0 +1,500 @@
+/** The worker against a real redis-server: every assertion is on the server's state (PEL, hashes) or the handler. */
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+import { setTimeout as sleep } from "node:timers/promises";
+import type { Redis } from "ioredis";
+import * as promClient from "prom-client";
+
+import {
+  ContractVersionError,
+  Worker,
+  done,
+  errorsKey,
+  retry,
+  settingsKey,
+  terminal,
+  terminalKey,
+  type Handler,
+  type WorkerOptions,
+} from "../src/index.js";
+import { registerWorkerMetrics } from "../src/metrics.js";
+import { startRedis, type RedisServer } from "./support/server.js";
+import { aclUser, createGroup, freshStream, pending, recordingLogger, waitFor } from "./support/helpers.js";
+
+let server: RedisServer;
+let admin: Redis;
+const group = "workers";
+
+before(async () => {
+  server = await startRedis();
+  admin = server.admin;
+});
+after(() => server.stop());
+
+function workerFor(stream: string, options: Partial<WorkerOptions> = {}): Worker {
+  return new Worker({
+    redis: server.url,
+    stream,
+    group,
+    consumer: "w1",
+    blockMs: 200,
+    logger: recordingLogger(),
+    ...options,
+  });
+}
+
+/** Runs `handler` until the test is over; `stop()` is the test's. */
+function start(worker: Worker, handler: Handler): Promise<unknown> {
+  const running = worker.run(handler);
+  running.catch(() => undefined);
+  return running;
+}
+
+const SETTINGS = { minIdleMs: 60_000, retryAfterMs: 60_000, maxDeliveries: 5 };
+
+test("done acknowledges; the last error of a retried copy goes with its ACK", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  const first = await admin.xadd(stream, "*", "n", "1");
+  const copy = await admin.xadd(stream, "*", "n", "2", "pelican-origin-id", "0-1", "pelican-deliveries", "1");
+  assert.ok(first && copy);
+  await admin.hset(errorsKey(stream, group), copy, "an earlier failure", "0-1", "another entry's");
+  const seen: string[] = [];
+  const worker = workerFor(stream);
+  start(worker, async (message) => {
+    seen.push(message.id);
+    assert.equal(message.field("pelican-deliveries"), message.id === copy ? "1" : undefined);
+    return done();
+  });
+  await waitFor("two ACKs", () => worker.stats().done === 2);
+  const stats = await worker.stop();
+  assert.deepEqual(seen, [first, copy]);
+  assert.deepEqual(await pending(admin, stream, group), []);
+  assert.deepEqual(await admin.hgetall(errorsKey(stream, group)), { "0-1": "another entry's" });
+  assert.deepEqual(stats, { done: 2, terminal: 0, failed: 0, retried: 0, abandoned: 0, inFlight: 0 });
+});
+
+test("terminal acknowledges and counts by reason; an invalid reason fails the message instead", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  await admin.xadd(stream, "*", "reason", "RecordNotFound");
+  const invalid = await admin.xadd(stream, "*", "reason", "record not found");
+  const worker = workerFor(stream);
+  start(worker, async (message) => terminal(message.field("reason") ?? ""));
+  await waitFor("both handled", () => worker.stats().terminal + worker.stats().failed === 2);
+  await worker.stop();
+  assert.deepEqual(await admin.hgetall(terminalKey(stream, group)), { RecordNotFound: "1" });
+  const left = await pending(admin, stream, group);
+  assert.deepEqual(
+    left.map((e) => e.id),
+    [invalid],
+  );
+  const text = await admin.hget(errorsKey(stream, group), invalid ?? "");
+  assert.match(
+    text ?? "",
+    /^InvalidReasonError: invalid terminal reason "record not found": a reason must be CamelCase/,
+  );
+});
+
+test("a failure records the error, leaves the entry pending, and is not read again here", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  const id = await admin.xadd(stream, "*", "n", "1");
+  let calls = 0;
+  const worker = workerFor(stream, { pelCheckIntervalMs: 200 });
+  start(worker, async () => {
+    calls++;
+    throw new Error("the database is down");
+  });
+  await waitFor("the failure", () => worker.stats().failed === 1);
+  await sleep(1500); // several looks at the own PEL
+  const stats = await worker.stop();
+  assert.equal(calls, 1);
+  assert.equal(stats.failed, 1);
+  const [entry, ...rest] = await pending(admin, stream, group);
+  assert.deepEqual(rest, []);
+  assert.deepEqual([entry?.id, entry?.consumer, entry?.deliveries], [id, "w1", 1]);
+  assert.ok((entry?.idleMs ?? 0) >= 1400, `idle ${entry?.idleMs}: nobody touched it`);
+  assert.equal(await admin.hget(errorsKey(stream, group), id ?? ""), "Error: the database is down");
+});
+
+test("an error text is cut to 1,024 bytes at a character boundary", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  const id = await admin.xadd(stream, "*", "n", "1");
+  const worker = workerFor(stream);
+  start(worker, async () => {
+    throw new Error("é".repeat(1000));
+  });
+  await waitFor("the failure", () => worker.stats().failed === 1);
+  await worker.stop();
+  const text = await admin.hgetBuffer(errorsKey(stream, group), id ?? "");
+  assert.equal(text?.length, 1023); // "Error: " is 7 bytes, then 508 two-byte characters
+  assert.ok(text?.toString("utf8").endsWith("é"));
+});
+
+test("retry gives the entry back counted, idle minIdleMs, for the pass", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 45_000 });
+  const id = await admin.xadd(stream, "*", "n", "1");
+  let calls = 0;
+  const worker = workerFor(stream, { pelCheckIntervalMs: 200 });
+  start(worker, async () => {
+    calls++;
+    return retry();
+  });
+  await waitFor("the retry", () => worker.stats().retried === 1);
+  await sleep(800); // looks at the own PEL: a given-back entry is not handed over
+  await worker.stop();
+  assert.equal(calls, 1);
+  const [entry] = await pending(admin, stream, group);
+  assert.deepEqual([entry?.id, entry?.consumer, entry?.deliveries], [id, "w1", 1]);
+  assert.ok((entry?.idleMs ?? 0) >= 45_000 && (entry?.idleMs ?? 0) < 50_000, `idle ${entry?.idleMs}`);
+});
+
+test("the own PEL is read first; an entry whose payload was deleted is skipped", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  const before = await admin.xadd(stream, "*", "n", "before a restart");
+  const deleted = await admin.xadd(stream, "*", "n", "deleted");
+  await admin.xreadgroup("GROUP", group, "w1", "COUNT", 2, "STREAMS", stream, ">");
+  await admin.xdel(stream, deleted ?? "");
+  const fresh = await admin.xadd(stream, "*", "n", "new");
+  const seen: string[] = [];
+  const worker = workerFor(stream, { concurrency: 1 });
+  start(worker, async (message) => {
+    seen.push(message.id);
+    return done();
+  });
+  await waitFor("two handled", () => worker.stats().done === 2);
+  await worker.stop();
+  assert.deepEqual(seen, [before, fresh]);
+  // The stale reference stays for the pass to drop.
+  assert.deepEqual(
+    (await pending(admin, stream, group)).map((e) => e.id),
+    [deleted],
+  );
+});
+
+test("concurrency bounds the handlers running at once", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  for (let i = 0; i < 20; i++) await admin.xadd(stream, "*", "n", String(i));
+  let running = 0;
+  let most = 0;
+  const worker = workerFor(stream, { concurrency: 4 });
+  start(worker, async () => {
+    most = Math.max(most, ++running);
+    await sleep(50);
+    running--;
+    return done();
+  });
+  await waitFor("20 handled", () => worker.stats().done === 20);
+  await worker.stop();
+  assert.equal(most, 4);
+});
+
+/** The entry's idle time every 100 ms from `from` until `until` (ms since the epoch). */
+async function idleSamples(stream: string, id: string, from: number, until: number): Promise<number[]> {
+  const samples: number[] = [];
+  while (Date.now() < until) {
+    if (Date.now() >= from) {
+      const entry = (await pending(admin, stream, group)).find((e) => e.id === id);
+      if (entry) samples.push(entry.idleMs);
+    }
+    await sleep(100);
+  }
+  return samples;
+}
+
+test("leases keep a handler slower than minIdle from looking idle; it runs once", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 900 });
+  const id = (await admin.xadd(stream, "*", "n", "slow")) ?? "";
+  let calls = 0;
+  const worker = workerFor(stream);
+  start(worker, async () => {
+    calls++;
+    await sleep(3000);
+    return done();
+  });
+  await waitFor("the handler", () => calls === 1);
+  const samples = await idleSamples(stream, id, 0, Date.now() + 2700);
+  await waitFor("the ACK", () => worker.stats().done === 1);
+  await worker.stop();
+  assert.ok(samples.length >= 15, `${samples.length} samples`);
+  assert.ok(Math.max(...samples) < 900, `idle times ${samples.join(" ")}`);
+  assert.equal(calls, 1);
+});
+
+test("the settings are re-read at each tick: a lowered minIdle is leased at its new pace", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 3000 }); // a lease every second
+  const id = (await admin.xadd(stream, "*", "n", "slow")) ?? "";
+  const worker = workerFor(stream);
+  let started = 0;
+  start(worker, async () => {
+    started = Date.now();
+    await sleep(4000);
+    return done();
+  });
+  await waitFor("the handler", () => started > 0);
+  await admin.hset(settingsKey(stream, group), "minIdleMs", 600); // a lease every 200 ms
+  const samples = await idleSamples(stream, id, started + 1600, started + 3800);
+  await worker.stop();
+  assert.ok(samples.length >= 10, `${samples.length} samples`);
+  assert.ok(Math.max(...samples) < 600, `idle times ${samples.join(" ")}`);
+});
+
+test("past maxHandlingMs the lease is no longer extended, said once", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600 });
+  const id = (await admin.xadd(stream, "*", "n", "stuck")) ?? "";
+  const logger = recordingLogger();
+  const worker = workerFor(stream, { maxHandlingMs: 700, logger });
+  let started = 0;
+  start(worker, async () => {
+    started = Date.now();
+    await sleep(2500);
+    return done();
+  });
+  await waitFor("the handler", () => started > 0);
+  await sleep(2000);
+  const [entry] = await pending(admin, stream, group);
+  assert.equal(entry?.id, id);
+  assert.ok((entry?.idleMs ?? 0) >= 900, `idle ${entry?.idleMs}: still leased`);
+  await worker.stop();
+  assert.equal(logger.lines.filter((line) => line.includes("after maxHandlingMs")).length, 1);
+});
+
+test("stop lets handlers finish within the grace, leasing meanwhile", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600 });
+  await admin.xadd(stream, "*", "n", "1");
+  const worker = workerFor(stream, { shutdownGraceMs: 5000 });
+  start(worker, async () => {
+    await sleep(1500);
+    return done();
+  });
+  await waitFor("the handler", () => worker.stats().inFlight === 1);
+  const stats = await worker.stop();
+  assert.deepEqual([stats.done, stats.abandoned], [1, 0]);
+  assert.deepEqual(await pending(admin, stream, group), []);
+});
+
+test("stop gives back what the grace cut off: no owner, the delivery uncounted, idle retryAfterMs", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, retryAfterMs: 45_000 });
+  const id = await admin.xadd(stream, "*", "n", "long");
+  const worker = workerFor(stream, { shutdownGraceMs: 300 });
+  let aborted = false;
+  start(worker, async (_message, { signal }) => {
+    await new Promise((resolve) => signal.addEventListener("abort", resolve));
+    aborted = true;
+    return done(); // too late: not written
+  });
+  await waitFor("the handler", () => worker.stats().inFlight === 1);
+  assert.deepEqual(
+    (await pending(admin, stream, group)).map((e) => [e.consumer, e.deliveries]),
+    [["w1", 1]],
+  );
+  const began = Date.now();
+  const stats = await worker.stop();
+  assert.ok(Date.now() - began < 3000, `stopped in ${Date.now() - began} ms`);
+  assert.equal(aborted, true);
+  assert.deepEqual([stats.abandoned, stats.done], [1, 0]);
+  const [entry] = await pending(admin, stream, group);
+  assert.deepEqual([entry?.id, entry?.consumer, entry?.deliveries], [id, "", 0]);
+  assert.ok((entry?.idleMs ?? 0) >= 45_000, `idle ${entry?.idleMs}`);
+});
+
+test("a blocking read in flight when the stop comes is awaited, and what it brought given back unhandled", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, retryAfterMs: 45_000 });
+  let calls = 0;
+  const worker = workerFor(stream, { blockMs: 3000 });
+  start(worker, async () => {
+    calls++;
+    return done();
+  });
+  await sleep(500); // the blocking read is waiting at the server
+  const stopped = worker.stop();
+  const id = await admin.xadd(stream, "*", "n", "arrives during the stop");
+  const stats = await stopped;
+  assert.equal(calls, 0);
+  assert.equal(stats.abandoned, 1);
+  const [entry] = await pending(admin, stream, group);
+  assert.deepEqual([entry?.id, entry?.consumer, entry?.deliveries], [id, "", 0]);
+  assert.ok((entry?.idleMs ?? 0) >= 45_000, `idle ${entry?.idleMs}`);
+});
+
+/** The consumers of the group, by name. */
+async function consumers(stream: string): Promise<string[]> {
+  const rows = (await admin.xinfo("CONSUMERS", stream, group)) as unknown[][];
+  return rows.map((row) => String(row[row.indexOf("name") + 1]));
+}
+
+test("a worker that leaves deletes its consumer once it owns nothing; not while it owns a failure", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  await admin.xadd(stream, "*", "n", "ok");
+  const first = workerFor(stream);
+  start(first, async () => done());
+  await waitFor("the ACK", () => first.stats().done === 1);
+  assert.deepEqual(await consumers(stream), ["w1"]);
+  await first.stop();
+  assert.deepEqual(await consumers(stream), []);
+
+  await admin.xadd(stream, "*", "n", "bad");
+  const second = workerFor(stream);
+  start(second, async () => {
+    throw new Error("bad");
+  });
+  await waitFor("the failure", () => second.stats().failed === 1);
+  await second.stop();
+  assert.deepEqual(await consumers(stream), ["w1"]);
+  assert.equal((await pending(admin, stream, group)).length, 1);
+});
+
+test("under the contract's worker ACL (examples/acl/worker.acl) every outcome and the shutdown work", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600, retryAfterMs: 45_000 });
+  const url = await aclUser(admin, server.url, "worker.acl", stream, group);
+  for (const handle of ["done", "fail", "terminal", "retry", "slow"]) await admin.xadd(stream, "*", "handle", handle);
+  const logger = recordingLogger();
+  const worker = new Worker({ redis: url, stream, group, consumer: "w1", blockMs: 200, shutdownGraceMs: 1500, logger });
+  start(worker, async (message, { signal }) => {
+    switch (message.field("handle")) {
+      case "done":
+        return done();
+      case "terminal":
+        return terminal("RecordNotFound");
+      case "retry":
+        return retry();
+      case "slow":
+        await sleep(5000, undefined, { signal }).catch(() => undefined);
+        return done();
+      default:
+        throw new Error("bad");
+    }
+  });
+  await waitFor("four outcomes", () => {
+    const stats = worker.stats();
+    return stats.done + stats.failed + stats.terminal + stats.retried === 4;
+  });
+  await sleep(1000); // leases of the slow one meanwhile
+  const stats = await worker.stop();
+  assert.deepEqual(
+    logger.lines.filter((line) => /NOPERM|could not|refused|cannot/.test(line)),
+    [],
+  );
+  assert.deepEqual([stats.done, stats.failed, stats.terminal, stats.retried, stats.abandoned], [1, 1, 1, 1, 1]);
+  assert.deepEqual(await admin.hgetall(terminalKey(stream, group)), { RecordNotFound: "1" });
+  const left = await pending(admin, stream, group);
+  assert.deepEqual(
+    left.map((e) => [e.consumer, e.deliveries]),
+    [
+      ["w1", 1],
+      ["w1", 1],
+      ["", 0],
+    ],
+  );
+});
+
+test("a hand-over is taken up: leased, read with XRANGE and handled", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  const id = await admin.xadd(stream, "*", "n", "handed over");
+  await admin.xreadgroup("GROUP", group, "other", "COUNT", 1, "STREAMS", stream, ">");
+  const seen: string[] = [];
+  const worker = workerFor(stream, { pelCheckIntervalMs: 300 });
+  start(worker, async (message) => {
+    seen.push(`${message.id} ${message.field("n")}`);
+    return done();
+  });
+  await sleep(400);
+  assert.deepEqual(seen, []);
+  // What the operator's Reassign pass does: the entry moves to this worker's name, its delivery counted.
+  await admin.xclaim(stream, group, "w1", 0, id ?? "");
+  await waitFor("the hand-over", () => worker.stats().done === 1);
+  await worker.stop();
+  assert.deepEqual(seen, [`${id} handed over`]);
+  assert.deepEqual(await pending(admin, stream, group), []);
+});
+
+test("an entry that failed here is handled again once it is handed back", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  const id = (await admin.xadd(stream, "*", "n", "1")) ?? "";
+  let calls = 0;
+  const worker = workerFor(stream, { pelCheckIntervalMs: 300 });
+  start(worker, async () => {
+    if (++calls === 1) throw new Error("first try fails");
+    return done();
+  });
+  await waitFor("the failure", () => worker.stats().failed === 1);
+  await sleep(1500);
+  assert.equal(calls, 1, "not re-read while it waits for the pass");
+  await admin.xclaim(stream, group, "w1", 0, id); // handed back: its idle starts again
+  await waitFor("the second try", () => worker.stats().done === 1);
+  await worker.stop();
+  assert.equal(calls, 2);
+  assert.deepEqual(await pending(admin, stream, group), []);
+  assert.equal(await admin.hexists(errorsKey(stream, group), id), 0);
+});
+
+test("NOGROUP is waited out, said once; the worker never creates the group", async () => {
+  const stream = freshStream();
+  const logger = recordingLogger();
+  const worker = workerFor(stream, { logger });
+  start(worker, async () => done());
+  await sleep(1500);
+  assert.equal(await admin.exists(stream), 0);
+  assert.equal(logger.lines.filter((line) => line.includes("does not exist yet")).length, 1);
+  await createGroup(admin, stream, group, SETTINGS);
+  await admin.xadd(stream, "*", "n", "1");
+  await waitFor("the message", () => worker.stats().done === 1, 15_000);
+  await worker.stop();
+});
+
+test("an operator speaking an unknown contract version: the worker refuses to start and reads nothing", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, contractVersion: 2 });
+  await admin.xadd(stream, "*", "n", "1");
+  let calls = 0;
+  const worker = workerFor(stream);
+  await assert.rejects(
+    worker.run(async () => {
+      calls++;
+      return done();
+    }),
+    (error: unknown) =>
+      error instanceof ContractVersionError &&
+      /the operator speaks worker contract 2, this library knows 1: upgrade the library/.test(error.message),
+  );
+  assert.equal(calls, 0);
+  const [info] = (await admin.xinfo("GROUPS", stream)) as unknown[][];
+  assert.equal(info?.[info.indexOf("last-delivered-id") + 1], "0-0");
+});
+
+test("prom-client: the stats as counters by outcome and a gauge", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  for (const n of ["ok", "ok", "bad"]) await admin.xadd(stream, "*", "n", n);
+  const worker = workerFor(stream);
+  const registry = new promClient.Registry();
+  registerWorkerMetrics(promClient, [worker], { registry });
+  start(worker, async (message) => {
+    if (message.field("n") === "bad") throw new Error("bad");
+    return done();
+  });
+  await waitFor("three handled", () => worker.stats().done + worker.stats().failed === 3);
+  await worker.stop();
+  const labels = `stream="${stream}",group="${group}"`;
+  for (let scrape = 0; scrape < 2; scrape++) {
+    const text = await registry.metrics();
+    assert.match(text, new RegExp(`pelican_worker_messages_total\\{${labels},outcome="done"\\} 2\\n`));
+    assert.match(text, new RegExp(`pelican_worker_messages_total\\{${labels},outcome="failed"\\} 1\\n`));
+    assert.match(text, new RegExp(`pelican_worker_in_flight\\{${labels}\\} 0\\n`));
+  }
+});
