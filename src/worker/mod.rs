@@ -54,7 +54,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use redis::aio::ConnectionLike;
 use redis::{Client, RedisError, RedisResult, Script, Value};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{error, warn};
@@ -192,7 +192,9 @@ pub struct Worker {
     source: Source,
     /// Blocking reads get a connection of their own, so acknowledgements never wait behind them.
     reader: Connection,
-    writer: Connection,
+    /// The writer, replaced when a sentinel names a new primary: leases, acknowledgements and give-backs always take
+    /// the current one.
+    writer: watch::Sender<Connection>,
     config: WorkerConfig,
 }
 
@@ -212,7 +214,12 @@ impl Worker {
         {
             return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown)));
         }
-        Ok(Worker { source, reader, writer, config })
+        Ok(Worker { source, reader, writer: watch::Sender::new(writer), config })
+    }
+
+    /// The current writer.
+    fn writer(&self) -> Connection {
+        self.writer.borrow().clone()
     }
 
     /// Runs until `shutdown` resolves: then stops reading, lets in-flight handlers finish (up to the grace period)
@@ -224,13 +231,20 @@ impl Worker {
     {
         let handler = Arc::new(handler);
         let counters = Arc::new(Counters::default());
-        refresh_settings(&mut self.writer, &self.config, &counters).await;
+        refresh_settings(&mut self.writer(), &self.config, &counters).await;
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
         // The entries being handled, with when their handler started.
         let in_flight = Arc::new(Mutex::new(HashMap::<String, Instant>::new()));
         // On the writer's connection: a lease sent before a give-back is served before it.
-        let leases =
-            tokio::spawn(hold_leases(self.config.clone(), self.writer.clone(), in_flight.clone(), counters.clone()));
+        let leases = tokio::spawn(hold_leases(
+            self.config.clone(),
+            self.writer.subscribe(),
+            in_flight.clone(),
+            counters.clone(),
+        ));
+        // Acknowledgements of handlers that finish together go in one XACK.
+        let (acks, pending_acks) = mpsc::unbounded_channel();
+        let acknowledger = tokio::spawn(acknowledge(self.config.clone(), self.writer.subscribe(), pending_acks));
         let mut tasks = JoinSet::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
@@ -243,6 +257,9 @@ impl Worker {
                 _ = &mut shutdown => break,
                 permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
             };
+            // Handlers that finished with this one release their permits once their acknowledgement (one XACK for
+            // them all) is answered: let them, so that one read fetches for all of them.
+            tokio::task::yield_now().await;
             let mut batch_permits = vec![first];
             while let Ok(p) = permits.clone().try_acquire_owned() {
                 batch_permits.push(p);
@@ -275,7 +292,10 @@ impl Worker {
                     if self.source.follows_failovers() {
                         // The primary may have moved (or be a replica now): ask the sentinel again.
                         match connections(&self.source, &self.config).await {
-                            Ok((reader, writer)) => (self.reader, self.writer) = (reader, writer),
+                            Ok((reader, writer)) => {
+                                self.reader = reader;
+                                self.writer.send_replace(writer);
+                            }
                             Err(e) => warn!(error = %e, "no primary from the sentinel yet; retrying"),
                         }
                     }
@@ -283,13 +303,14 @@ impl Worker {
                 }
             };
             for (message, permit) in messages.into_iter().zip(batch_permits) {
-                let (handler, counters, conn, config) =
-                    (handler.clone(), counters.clone(), self.writer.clone(), self.config.clone());
-                let in_flight = in_flight.clone();
+                let (handler, counters, writers, config) =
+                    (handler.clone(), counters.clone(), self.writer.subscribe(), self.config.clone());
+                let (in_flight, acks) = (in_flight.clone(), acks.clone());
                 in_flight.lock().expect("in-flight lock").insert(message.id.clone(), Instant::now());
                 tasks.spawn(async move {
                     let id = message.id.clone();
-                    dispatch(&config, conn, &counters, message, handler.as_ref()).await;
+                    let runtime = Dispatch { config: &config, writers, acks: &acks, counters: &counters };
+                    dispatch(runtime, message, handler.as_ref()).await;
                     in_flight.lock().expect("in-flight lock").remove(&id);
                     drop(permit);
                 });
@@ -303,6 +324,9 @@ impl Worker {
             tasks.abort_all();
             drain(&mut tasks).await;
         }
+        // Every handler's task is gone, and with it its sender: the acknowledger ends once it answered them all.
+        drop(acks);
+        let _ = acknowledger.await;
         // What the grace cut off is given back, and the worker leaves the group (its consumer deleted once it owns
         // nothing), also when nothing was cut off: a consumer that just read looks live, and Reassign would hand
         // work to it.
@@ -325,7 +349,7 @@ impl Worker {
         let (stream, group) = (&self.config.stream, &self.config.group);
         let idle = counters.settings.lock().expect("settings lock").map(|s| s.retry_after_ms);
         let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
-        match give_back(&mut self.writer, &self.config, left, idle, false).await {
+        match give_back(&mut self.writer(), &self.config, left, idle, false).await {
             Ok(0) => {}
             Ok(given) => {
                 warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
@@ -371,6 +395,7 @@ impl Worker {
         in_flight: &HashSet<String>,
         counters: &Counters,
     ) -> RedisResult<Vec<Message>> {
+        let mut writer = self.writer();
         let config = &self.config;
         let failed_here = counters.failed_here.lock().expect("failed lock").clone();
         let asked = count + in_flight.len() + failed_here.len();
@@ -384,7 +409,7 @@ impl Worker {
             .arg("+")
             .arg(asked)
             .arg(&config.consumer)
-            .query_async(&mut self.writer)
+            .query_async(&mut writer)
             .await?;
         if pending.len() < asked {
             // The whole PEL: what failed here and is no longer in it (the operator requeued, reassigned or
@@ -420,7 +445,7 @@ impl Worker {
             .arg(&config.group)
             .arg(&config.consumer)
             .arg(&ids)
-            .invoke_async(&mut self.writer)
+            .invoke_async(&mut writer)
             .await?;
         if taken.is_empty() {
             return Ok(Vec::new());
@@ -429,7 +454,7 @@ impl Worker {
         for id in &taken {
             pipe.cmd("XRANGE").arg(&config.stream).arg(id).arg(id);
         }
-        let ranges: Vec<Vec<(String, Vec<Vec<u8>>)>> = pipe.query_async(&mut self.writer).await?;
+        let ranges: Vec<Vec<(String, Vec<Vec<u8>>)>> = pipe.query_async(&mut writer).await?;
         // An entry deleted from the stream while pending has no payload to handle: the operator's pass drops it.
         let entries = ranges.into_iter().flatten().map(|(id, flat)| (id, Some(pairs(flat)))).collect();
         Ok(messages(entries))
@@ -481,7 +506,7 @@ async fn refresh_settings(conn: &mut Connection, config: &WorkerConfig, counters
 /// go idle, once, with a warning: the operator's pass may then retry it while its handler still runs.
 async fn hold_leases(
     config: WorkerConfig,
-    mut conn: Connection,
+    writers: watch::Receiver<Connection>,
     in_flight: Arc<Mutex<HashMap<String, Instant>>>,
     counters: Arc<Counters>,
 ) {
@@ -489,6 +514,7 @@ async fn hold_leases(
     loop {
         let settings = *counters.settings.lock().expect("settings lock");
         tokio::time::sleep(lease_interval(settings)).await;
+        let mut conn = writers.borrow().clone();
         // Before the lease: a lowered minIdle is followed from this tick on.
         refresh_settings(&mut conn, &config, &counters).await;
         let now = Instant::now();
@@ -619,46 +645,36 @@ async fn drain(tasks: &mut JoinSet<()>) {
 }
 
 /// Runs the handler for one message and performs its outcome: the only place that acknowledges.
-async fn dispatch<H, Fut>(
-    config: &WorkerConfig,
-    mut conn: Connection,
-    counters: &Counters,
-    message: Message,
-    handler: &H,
-) where
+async fn dispatch<H, Fut>(runtime: Dispatch<'_>, message: Message, handler: &H)
+where
     H: Fn(Message) -> Fut,
     Fut: Future<Output = Result<Outcome, BoxError>>,
 {
+    let Dispatch { config, writers, acks, counters } = runtime;
     let id = message.id.clone();
     let (stream, group) = (config.stream.as_str(), config.group.as_str());
     // A requeued copy carries the message's earlier deliveries, and its last error under the copy's id.
     let retried = message.field(DELIVERIES_FIELD).is_some();
     let result = AssertUnwindSafe(handler(message)).catch_unwind().await;
+    // The writer as it is now: a failover while the handler ran gave a new one.
+    let mut conn = writers.borrow().clone();
     match result {
         Ok(Ok(Outcome::Done)) => {
             // A message that failed before (here, or elsewhere before it was requeued) may have a last error.
             let recorded = counters.errors_recorded.lock().expect("errors lock").remove(&id) || retried;
-            let acked: RedisResult<i64> = if recorded {
-                let mut pipe = redis::pipe();
-                pipe.cmd("XACK")
-                    .arg(stream)
-                    .arg(group)
-                    .arg(&id)
-                    .cmd("HDEL")
-                    .arg(errors_key(stream, group))
-                    .arg(&id)
-                    .ignore();
-                pipe.query_async::<(i64,)>(&mut conn).await.map(|(n,)| n)
-            } else {
-                redis::cmd("XACK").arg(stream).arg(group).arg(&id).query_async(&mut conn).await
+            let (reply, answer) = oneshot::channel();
+            let request = AckRequest { id: id.clone(), clear_error: recorded, reply };
+            let acked = match acks.send(request) {
+                Ok(()) => answer.await.unwrap_or(Err(AckFailure::Unknown("the acknowledger stopped".into()))),
+                Err(_) => Err(AckFailure::Unknown("the acknowledger stopped".into())),
             };
             match acked {
-                Ok(_) => counters.done.fetch_add(1, Ordering::Relaxed),
-                Err(e) if certainly_not_written(&e) => {
+                Ok(()) => counters.done.fetch_add(1, Ordering::Relaxed),
+                Err(AckFailure::Refused(e)) => {
                     warn!(stream, group, entry_id = %id, error = %e, "XACK refused; the message stays pending");
                     counters.failed.fetch_add(1, Ordering::Relaxed)
                 }
-                Err(e) => {
+                Err(AckFailure::Unknown(e)) => {
                     warn!(stream, group, entry_id = %id, error = %e, "XACK outcome unknown (the connection failed): the message may have been acknowledged, or stays pending");
                     counters.failed.fetch_add(1, Ordering::Relaxed)
                 }
@@ -705,6 +721,65 @@ async fn dispatch<H, Fut>(
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&mut conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What one handler's dispatch works with.
+struct Dispatch<'a> {
+    config: &'a WorkerConfig,
+    writers: watch::Receiver<Connection>,
+    acks: &'a mpsc::UnboundedSender<AckRequest>,
+    counters: &'a Counters,
+}
+
+/// A `Done` acknowledgement for the acknowledger, with whether the entry's last error goes with it.
+struct AckRequest {
+    id: String,
+    clear_error: bool,
+    reply: oneshot::Sender<Result<(), AckFailure>>,
+}
+
+/// Why an acknowledgement failed: refused by the server (nothing written), or unknown (the connection failed).
+enum AckFailure {
+    Refused(String),
+    Unknown(String),
+}
+
+/// The most acknowledgements one XACK carries.
+const ACK_BATCH: usize = 256;
+
+/// Acknowledges `Done` messages, those of handlers that finished together in one round trip (one XACK, and one HDEL
+/// of the errors hash for those that may have a last error): with 16 handlers in flight a message costs the server
+/// a sixteenth of a command, as in a hand-written batch loop. Ends when every sender is gone.
+async fn acknowledge(
+    config: WorkerConfig,
+    writers: watch::Receiver<Connection>,
+    mut requests: mpsc::UnboundedReceiver<AckRequest>,
+) {
+    let (stream, group) = (&config.stream, &config.group);
+    while let Some(first) = requests.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < ACK_BATCH
+            && let Ok(next) = requests.try_recv()
+        {
+            batch.push(next);
+        }
+        let mut pipe = redis::pipe();
+        pipe.cmd("XACK").arg(stream).arg(group).arg(batch.iter().map(|r| &r.id).collect::<Vec<_>>());
+        let cleared: Vec<&String> = batch.iter().filter(|r| r.clear_error).map(|r| &r.id).collect();
+        if !cleared.is_empty() {
+            pipe.cmd("HDEL").arg(errors_key(stream, group)).arg(cleared).ignore();
+        }
+        let mut conn = writers.borrow().clone();
+        let acked: RedisResult<(i64,)> = pipe.query_async(&mut conn).await;
+        for request in batch {
+            let result = match &acked {
+                Ok(_) => Ok(()),
+                Err(e) if certainly_not_written(e) => Err(AckFailure::Refused(e.to_string())),
+                Err(e) => Err(AckFailure::Unknown(e.to_string())),
+            };
+            let _ = request.reply.send(result);
         }
     }
 }
