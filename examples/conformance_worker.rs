@@ -5,15 +5,23 @@
 //!
 //! The handler obeys the message: field `handle` = `done` | `retry` | `fail` | `terminal:<Reason>` | `exit` (the
 //! process exits at once with status 3), field `ms` = how long it takes. One JSON line per handler run on stdout.
+//! With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
+//! `m-1`, ...), each retried until it answers an id, one JSON line per attempt.
 
 use std::time::Duration;
 
-use pelican::worker::{BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Reason, Worker, WorkerConfig, pod_name};
+use pelican::worker::{
+    BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Producer, PublishError, Reason, Worker, WorkerConfig, pod_name,
+};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is required"));
     let client = redis::Client::open(var("REDIS_URL")?)?;
+    if std::env::var("MODE").as_deref() == Ok("publish") {
+        let messages: usize = var("MESSAGES")?.parse()?;
+        return publish(&client, &var("STREAM")?, messages).await;
+    }
     let consumer = std::env::var("CONSUMER").ok().or_else(pod_name).ok_or("CONSUMER (or POD_NAME) is required")?;
     let grace = std::env::var("SHUTDOWN_GRACE_MS")
         .map_or(Ok(DEFAULT_SHUTDOWN_GRACE), |ms| ms.parse().map(Duration::from_millis))?;
@@ -46,4 +54,29 @@ async fn handle(message: Message, consumer: String) -> Result<Outcome, BoxError>
             _ => Ok(Outcome::Done),
         },
     }
+}
+
+/// Publishes `m-0` .. `m-<messages-1>` idempotently; an attempt whose outcome is unknown (the reply was lost) or that
+/// found the server unavailable is tried again with the same message id, as the contract says.
+async fn publish(client: &redis::Client, stream: &str, messages: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let producer_id = pod_name().unwrap_or_else(|| "conformance".to_string());
+    for n in 0..messages {
+        let message = format!("m-{n}");
+        loop {
+            // A connection of its own per attempt: a lost reply leaves the last one broken.
+            let producer = Producer::connect(client, stream).await?.idempotent(&producer_id).await?;
+            match producer.publish(&message, &[("n", n.to_string())]).await {
+                Ok(id) => {
+                    println!("{}", serde_json::json!({"message": message, "outcome": "published", "id": id}));
+                    break;
+                }
+                Err(PublishError::OutcomeUnknown(_) | PublishError::Unavailable(_)) => {
+                    println!("{}", serde_json::json!({"message": message, "outcome": "unknown"}));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(other) => return Err(other.into()),
+            }
+        }
+    }
+    Ok(())
 }

@@ -11,8 +11,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,14 @@ on_both_servers!(
     a_reassign_hand_over_is_taken_up_by_the_worker_it_went_to,
     a_lowered_min_idle_still_handles_slow_messages_once,
 );
+
+/// Idempotent publishes need `XADD ... IDMP`: Redis 8.6.
+mod redis_8_6 {
+    #[test]
+    fn a_publish_whose_reply_was_lost_is_written_once() {
+        super::a_publish_whose_reply_was_lost_is_written_once(super::Flavor::Redis86)
+    }
+}
 
 const GROUP: &str = "workers";
 
@@ -435,5 +445,106 @@ fn a_lowered_min_idle_still_handles_slow_messages_once(flavor: Flavor) {
         assert_eq!(handled, ids, "each handled once; totals {:?}", lane.totals(&mut conn));
         assert_eq!(lane.length(&mut conn), 2, "no requeue copies");
         assert!(lane.dead_letters(&mut conn).is_empty());
+    });
+}
+
+/// Whether a request runs a script (`EVALSHA` or `EVAL`, as the libraries publish), not `SCRIPT LOAD`.
+fn runs_a_script(request: &[u8]) -> bool {
+    let head = String::from_utf8_lossy(&request[..request.len().min(24)]).to_ascii_uppercase();
+    head.contains("\r\nEVALSHA\r\n") || head.contains("\r\nEVAL\r\n")
+}
+
+/// A loopback proxy to the server at `upstream` that loses one reply: the first successful answer to a script call
+/// (a publish the server wrote) never reaches the client, whose connection is closed instead, so it cannot tell
+/// whether the message was written. Error answers (`NOSCRIPT`, say) pass. Its port.
+fn losing_proxy(upstream: u16) -> u16 {
+    let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let lost = Arc::new(AtomicBool::new(false));
+    std::thread::spawn(move || {
+        for client in listener.incoming().map_while(Result::ok) {
+            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else { continue };
+            let armed = Arc::new(AtomicBool::new(false));
+            let (mut to_server, mut from_client) = (server.try_clone().unwrap(), client.try_clone().unwrap());
+            let (seen, done) = (armed.clone(), lost.clone());
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 65536];
+                while let Ok(n @ 1..) = from_client.read(&mut buffer) {
+                    let chunk = &buffer[..n];
+                    // Armed while the request in flight is a script call: the reply that follows is its answer.
+                    seen.store(!done.load(Ordering::SeqCst) && runs_a_script(chunk), Ordering::SeqCst);
+                    if to_server.write_all(chunk).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_server.shutdown(Shutdown::Both);
+            });
+            let (mut from_server, mut to_client) = (server, client);
+            let lost = lost.clone();
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 65536];
+                while let Ok(n @ 1..) = from_server.read(&mut buffer) {
+                    let chunk = &buffer[..n];
+                    if armed.load(Ordering::SeqCst) && chunk[0] != b'-' && !lost.swap(true, Ordering::SeqCst) {
+                        // The publish was written; its reply goes nowhere, and the connection breaks.
+                        break;
+                    }
+                    if to_client.write_all(chunk).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_client.shutdown(Shutdown::Both);
+                let _ = from_server.shutdown(Shutdown::Both);
+            });
+        }
+    });
+    port
+}
+
+/// Redis 8.6: three idempotent publishes through a proxy that loses the reply of the first one written. The library's
+/// producer reports the outcome as unknown, the program publishes the same message id again, and the server answers
+/// the first entry's id: three entries, not four.
+fn a_publish_whose_reply_was_lost_is_written_once(flavor: Flavor) {
+    for_every_library(flavor, "conf-lost-reply", spec("5s", 3, "Requeue"), |lane| {
+        let upstream: u16 = lane.url.rsplit(':').next().unwrap().trim_end_matches("/0").parse().unwrap();
+        let through = format!("redis://127.0.0.1:{}", losing_proxy(upstream));
+        // The scripts loaded beforehand, so that the first script call is the publish itself (not an EVALSHA
+        // answered NOSCRIPT, then a SCRIPT LOAD whose answer the proxy would lose instead).
+        let mut admin = lane.conn();
+        for script in files_below(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("contract/scripts"), ".lua") {
+            let _: String = redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(std::fs::read_to_string(script).unwrap())
+                .query(&mut admin)
+                .unwrap();
+        }
+        let output = Command::new(&lane.library.command[0])
+            .args(&lane.library.command[1..])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MODE", "publish")
+            .env("MESSAGES", "3")
+            .env("REDIS_URL", &through)
+            .env("STREAM", &lane.stream)
+            .env("POD_NAME", format!("producer-{}", lane.library.name))
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "the producer failed: {}", output.status);
+        let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}")))
+            .collect();
+        let unknown = lines.iter().filter(|l| l["outcome"] == "unknown").count();
+        let published: Vec<(String, String)> = lines
+            .iter()
+            .filter(|l| l["outcome"] == "published")
+            .map(|l| (l["message"].as_str().unwrap().to_string(), l["id"].as_str().unwrap().to_string()))
+            .collect();
+        assert!(unknown >= 1, "no reply was lost: {lines:?}");
+        let mut conn = lane.conn();
+        let ids: Vec<String> = xrange(&mut conn, &lane.stream).into_iter().map(|(id, _)| id).collect();
+        let expected: Vec<(String, String)> =
+            ids.iter().enumerate().map(|(n, id)| (format!("m-{n}"), id.clone())).collect();
+        assert_eq!(published, expected, "each message written once, its retry answering the first id; {lines:?}");
     });
 }

@@ -4,6 +4,9 @@ Configured by environment: ``REDIS_URL``, ``STREAM``, ``GROUP``, ``CONSUMER`` (d
 ``SHUTDOWN_GRACE_MS``. Its handler obeys the message: field ``ms`` = how long it takes, field ``handle`` = ``done`` |
 ``retry`` | ``fail`` | ``terminal:<Reason>`` | ``exit`` (the process exits at once with status 3). It prints one JSON
 line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is complete.
+
+With ``MODE=publish`` it is a producer instead: it publishes ``MESSAGES`` messages idempotently (message ids ``m-0``,
+``m-1``, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import sys
 
 from pelican_worker.message import InvalidReason, Message, Outcome
+from pelican_worker.producer import IdempotentProducer, PublishOutcomeUnknown, PublishUnavailable
 from pelican_worker.worker import Handler, Worker, run_until_signal
 
 
@@ -54,11 +58,38 @@ def handler_for(consumer: str) -> Handler:
     return handle
 
 
+def _line(**fields: str) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+async def publish(url: str, stream: str, messages: int) -> None:
+    """An attempt whose outcome is unknown (its reply was lost) or that found the server unavailable is published
+    again with the same message id, as the contract says: the server answers the first entry's id."""
+    for n in range(messages):
+        message = f"m-{n}"
+        while True:
+            # A producer of its own per attempt: a lost reply leaves the last connection broken.
+            async with IdempotentProducer(url, stream) as producer:
+                try:
+                    entry = await producer.publish(message, {"n": str(n)})
+                except (PublishOutcomeUnknown, PublishUnavailable):
+                    _line(message=message, outcome="unknown")
+                    await asyncio.sleep(0.1)
+                    continue
+            _line(message=message, outcome="published", id=entry)
+            break
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
+    if os.environ.get("MODE") == "publish":
+        asyncio.run(publish(url, os.environ["STREAM"], int(os.environ["MESSAGES"])))
+        return
     grace_ms = os.environ.get("SHUTDOWN_GRACE_MS")
     worker = Worker(
-        os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"),
+        url,
         os.environ["STREAM"],
         os.environ["GROUP"],
         os.environ.get("CONSUMER") or None,

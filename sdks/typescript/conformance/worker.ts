@@ -4,11 +4,23 @@
  * JSON line per handler run on stdout. Run from the repository root, once built:
  *
  *   REDIS_URL=redis://127.0.0.1:6379 STREAM=jobs GROUP=workers node sdks/typescript/dist/conformance/worker.js
+ *
+ * With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
+ * `m-1`, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
  */
 import { writeSync } from "node:fs";
 import { setTimeout as sleep } from "node:timers/promises";
 
-import { Worker, done, retry, terminal, type Outcome } from "../src/index.js";
+import {
+  Producer,
+  PublishOutcomeUnknown,
+  PublishUnavailable,
+  Worker,
+  done,
+  retry,
+  terminal,
+  type Outcome,
+} from "../src/index.js";
 
 function required(name: string): string {
   const value = process.env[name];
@@ -17,6 +29,36 @@ function required(name: string): string {
     process.exit(2);
   }
   return value;
+}
+
+/**
+ * An attempt whose outcome is unknown (its reply was lost) or that found the server unavailable is published again
+ * with the same message id, as the contract says: the server answers the first entry's id.
+ */
+async function publish(redis: string, stream: string, messages: number): Promise<void> {
+  for (let n = 0; n < messages; n++) {
+    const message = `m-${n}`;
+    for (;;) {
+      // A producer of its own per attempt: a lost reply leaves the last connection broken.
+      const producer = await new Producer({ redis, stream }).idempotent();
+      try {
+        const id = await producer.publish(message, { n: String(n) });
+        writeSync(1, JSON.stringify({ message, outcome: "published", id }) + "\n");
+        break;
+      } catch (error) {
+        if (!(error instanceof PublishOutcomeUnknown || error instanceof PublishUnavailable)) throw error;
+        writeSync(1, JSON.stringify({ message, outcome: "unknown" }) + "\n");
+        await sleep(100);
+      } finally {
+        await producer.close();
+      }
+    }
+  }
+}
+
+if (process.env["MODE"] === "publish") {
+  await publish(required("REDIS_URL"), required("STREAM"), Number(required("MESSAGES")));
+  process.exit(0);
 }
 
 const grace = process.env["SHUTDOWN_GRACE_MS"];
