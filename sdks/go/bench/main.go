@@ -1,0 +1,161 @@
+// The throughput of the library's worker beside a hand-written go-redis XREADGROUP/XACK loop, on the same server
+// in one run: go run ./bench [-n 20000] [-rounds 5]. REDIS_URL names the server; without it a redis-server
+// (REDIS_SERVER, else the one on PATH) is started on a free loopback port. Each round runs every pair in turn; the
+// medians are printed side by side with their ratio.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"os"
+	"slices"
+	"time"
+
+	pelican "github.com/pelican-io/pelican/sdks/go"
+	"github.com/pelican-io/pelican/sdks/go/internal/redistest"
+	"github.com/redis/go-redis/v9"
+)
+
+const stream, group, consumer = "bench", "bench", "bench-1"
+
+var ctx = context.Background()
+
+// fill empties the stream and adds n entries for a new group (not timed).
+func fill(c *redis.Client, n int) error {
+	c.Del(ctx, stream, pelican.SettingsKey(stream, group))
+	if err := c.XGroupCreateMkStream(ctx, stream, group, "$").Err(); err != nil {
+		return err
+	}
+	for added := 0; added < n; {
+		pipe := c.Pipeline()
+		for ; added < n && pipe.Len() < 1000; added++ {
+			pipe.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: []string{"job", fmt.Sprint(added)}})
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// library runs the worker with a handler that does nothing until n messages are acknowledged.
+func library(c *redis.Client, n, concurrency int) (time.Duration, error) {
+	w, err := pelican.NewWorker(c, pelican.WorkerOptions{
+		Stream: stream, Group: group, Consumer: consumer, Concurrency: concurrency, Block: 100 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		return 0, err
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	ended := make(chan error, 1)
+	began := time.Now()
+	go func() {
+		_, err := w.Run(runCtx, func(context.Context, pelican.Message) (pelican.Outcome, error) {
+			return pelican.Done(), nil
+		})
+		ended <- err
+	}()
+	for w.Stats().Done < uint64(n) {
+		time.Sleep(time.Millisecond)
+	}
+	took := time.Since(began)
+	stop()
+	return took, <-ended
+}
+
+// loop is the hand-written consumer: XREADGROUP COUNT count, then one XACK of what it read.
+func loop(c *redis.Client, n, count int) (time.Duration, error) {
+	began := time.Now()
+	for acked := 0; acked < n; {
+		streams, err := c.XReadGroup(ctx, &redis.XReadGroupArgs{
+			Group: group, Consumer: consumer, Streams: []string{stream, ">"}, Count: int64(count),
+			Block: 100 * time.Millisecond,
+		}).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return 0, err
+		}
+		var ids []string
+		for _, s := range streams {
+			for _, m := range s.Messages {
+				ids = append(ids, m.ID)
+			}
+		}
+		if len(ids) > 0 {
+			if err := c.XAck(ctx, stream, group, ids...).Err(); err != nil {
+				return 0, err
+			}
+		}
+		acked += len(ids)
+	}
+	return time.Since(began), nil
+}
+
+func median(values []float64) float64 {
+	sorted := slices.Sorted(slices.Values(values))
+	return sorted[len(sorted)/2]
+}
+
+func main() {
+	n := flag.Int("n", 20000, "messages per run")
+	rounds := flag.Int("rounds", 5, "runs of each pair")
+	flag.Parse()
+	url := os.Getenv("REDIS_URL")
+	if url == "" {
+		binary, err := redistest.Binary()
+		if err != nil {
+			log.Fatal(err)
+		}
+		server, err := redistest.Start(binary)
+		if err != nil {
+			log.Fatal(err)
+		}
+		defer server.Stop()
+		url = server.URL()
+	}
+	options, err := redis.ParseURL(url)
+	if err != nil {
+		log.Fatal(err)
+	}
+	c := redis.NewClient(options)
+	defer c.Close()
+
+	type pair struct {
+		name        string
+		concurrency int // the worker's; the loop reads COUNT as many
+	}
+	pairs := []pair{{"concurrency 1 / COUNT 1", 1}, {"concurrency 16 / COUNT 16", 16}}
+	rates := map[string][]float64{}
+	for round := range *rounds {
+		for _, p := range pairs {
+			for _, side := range []string{"library", "loop"} {
+				if err := fill(c, *n); err != nil {
+					log.Fatal(err)
+				}
+				var took time.Duration
+				if side == "library" {
+					took, err = library(c, *n, p.concurrency)
+				} else {
+					took, err = loop(c, *n, p.concurrency)
+				}
+				if err != nil {
+					log.Fatal(err)
+				}
+				rate := float64(*n) / took.Seconds()
+				rates[p.name+" "+side] = append(rates[p.name+" "+side], rate)
+				fmt.Fprintf(os.Stderr, "round %d: %s %s: %.0f msgs/s\n", round+1, p.name, side, rate)
+			}
+		}
+	}
+	fmt.Printf("%d messages, median of %d rounds, on %s\n", *n, *rounds, options.Addr)
+	fmt.Printf("%-28s %12s %12s %7s\n", "", "library", "loop", "ratio")
+	for _, p := range pairs {
+		lib, hand := median(rates[p.name+" library"]), median(rates[p.name+" loop"])
+		fmt.Printf("%-28s %10.0f/s %10.0f/s %7.2f\n", p.name, lib, hand, lib/hand)
+	}
+}

@@ -1,0 +1,174 @@
+// The conformance worker of the Go library (contract/README.md, "The conformance worker"), configured by
+// environment: REDIS_URL, STREAM, GROUP, CONSUMER (default: the Pod's name) and SHUTDOWN_GRACE_MS. Its handler
+// obeys the message: field ms = how long it takes, field handle = done | retry | fail | terminal:<Reason> | exit
+// (the process exits at once with status 3). It prints one JSON line per handler run that finished on stdout, and
+// exits 0 after a SIGTERM once its shutdown is complete.
+//
+// With MODE=publish it is a producer instead: it publishes MESSAGES messages idempotently (message ids m-0, m-1,
+// ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	pelican "github.com/pelican-io/pelican/sdks/go"
+	"github.com/redis/go-redis/v9"
+)
+
+var stdout sync.Mutex
+
+type run struct {
+	ID       string `json:"id"`
+	Consumer string `json:"consumer"`
+	Outcome  string `json:"outcome"`
+	MS       int    `json:"ms"`
+}
+
+func report(m pelican.Message, consumer, outcome string, ms int) {
+	line, _ := json.Marshal(run{ID: m.ID, Consumer: consumer, Outcome: outcome, MS: ms})
+	stdout.Lock()
+	defer stdout.Unlock()
+	os.Stdout.Write(append(line, '\n'))
+}
+
+func handler(consumer string) pelican.Handler {
+	return func(ctx context.Context, m pelican.Message) (pelican.Outcome, error) {
+		ms, _ := strconv.Atoi(m.Values["ms"])
+		if ms > 0 {
+			select {
+			case <-time.After(time.Duration(ms) * time.Millisecond):
+			case <-ctx.Done(): // given back on shutdown: the run did not finish, nothing is printed
+				return pelican.Outcome{}, ctx.Err()
+			}
+		}
+		action := m.Values["handle"]
+		switch {
+		case action == "exit":
+			report(m, consumer, "exit", ms)
+			os.Exit(3)
+		case action == "fail":
+			report(m, consumer, "fail", ms)
+			return pelican.Outcome{}, errors.New("the message asked the conformance worker to fail")
+		case strings.HasPrefix(action, "terminal:"):
+			reason := strings.TrimPrefix(action, "terminal:")
+			if err := pelican.CheckReason(reason); err != nil {
+				report(m, consumer, "fail", ms) // the library refuses it before anything is written
+				return pelican.Outcome{}, err
+			}
+			report(m, consumer, "terminal", ms)
+			return pelican.Terminal(reason), nil
+		case action == "retry":
+			report(m, consumer, "retry", ms)
+			return pelican.Retry(), nil
+		}
+		report(m, consumer, "done", ms)
+		return pelican.Done(), nil
+	}
+}
+
+func serve() error {
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	url := os.Getenv("REDIS_URL")
+	if url == "" {
+		url = "redis://127.0.0.1:6379"
+	}
+	options, err := redis.ParseURL(url)
+	if err != nil {
+		return err
+	}
+	grace := time.Duration(0) // the library's default
+	if text := os.Getenv("SHUTDOWN_GRACE_MS"); text != "" {
+		ms, err := strconv.Atoi(text)
+		if err != nil {
+			return fmt.Errorf("SHUTDOWN_GRACE_MS: %w", err)
+		}
+		grace = time.Duration(ms) * time.Millisecond
+		if ms == 0 {
+			grace = -1 // none
+		}
+	}
+	client := redis.NewClient(options)
+	defer client.Close()
+	worker, err := pelican.NewWorker(client, pelican.WorkerOptions{
+		Stream:        os.Getenv("STREAM"),
+		Group:         os.Getenv("GROUP"),
+		Consumer:      os.Getenv("CONSUMER"),
+		ShutdownGrace: grace,
+	})
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	_, err = worker.Run(ctx, handler(worker.Consumer()))
+	return err
+}
+
+// publish publishes m-0 .. m-<messages-1> idempotently; an attempt whose outcome is unknown (its reply was lost) or
+// that found the server unavailable is published again with the same message id, as the contract says.
+func publish(url, stream string, messages int) error {
+	options, err := redis.ParseURL(url)
+	if err != nil {
+		return err
+	}
+	options.MaxRetries = -1 // the contract: the client's own resends off
+	ctx := context.Background()
+	line := func(fields map[string]string) {
+		text, _ := json.Marshal(fields)
+		os.Stdout.Write(append(text, '\n'))
+	}
+	for n := 0; n < messages; n++ {
+		message := fmt.Sprintf("m-%d", n)
+		for {
+			// A client of its own per attempt: a lost reply leaves the last connection broken.
+			client := redis.NewClient(options)
+			producer, err := pelican.NewIdempotentProducer(ctx, client, stream, pelican.PodName())
+			if err != nil {
+				client.Close()
+				return err
+			}
+			id, err := producer.Publish(ctx, message, "n", strconv.Itoa(n))
+			client.Close()
+			var unknown *pelican.OutcomeUnknownError
+			if err == nil {
+				line(map[string]string{"message": message, "outcome": "published", "id": id})
+				break
+			}
+			if !errors.As(err, &unknown) && !errors.Is(err, pelican.ErrUnavailable) {
+				return err
+			}
+			line(map[string]string{"message": message, "outcome": "unknown"})
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+func main() {
+	if os.Getenv("MODE") == "publish" {
+		messages, err := strconv.Atoi(os.Getenv("MESSAGES"))
+		if err == nil {
+			err = publish(os.Getenv("REDIS_URL"), os.Getenv("STREAM"), messages)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "conformance producer:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if err := serve(); err != nil {
+		fmt.Fprintln(os.Stderr, "conformance worker:", err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,60 @@
+package pelican
+
+import (
+	"os"
+	"strings"
+)
+
+// Fields the operator's pass adds last to a requeued copy, after the application's own.
+const (
+	// OriginIDField holds the id the message was first published under.
+	OriginIDField = "pelican-origin-id"
+	// DeliveriesField holds the deliveries before this copy: a copy is a retry, and may have a last error.
+	DeliveriesField = "pelican-deliveries"
+)
+
+// ErrorTextMax is the most bytes of a message's last error a worker writes.
+const ErrorTextMax = 1024
+
+// HashTag is the stream's hash tag: the content of the first {...} of the name when it is not empty, else the
+// whole name (Redis Cluster's rule: the first '{' and the first '}' after it). Every Pelican key of a stream
+// lives in the stream's hash slot.
+func HashTag(stream string) string {
+	if open := strings.IndexByte(stream, '{'); open >= 0 {
+		if close := strings.IndexByte(stream[open+1:], '}'); close > 0 {
+			return stream[open+1 : open+1+close]
+		}
+	}
+	return stream
+}
+
+func streamPrefix(stream string) string {
+	return "{" + HashTag(stream) + "}:pelican:" + stream + ":"
+}
+
+// SettingsKey is {T}:pelican:<stream>:<group>:settings, the group's settings written by the operator.
+func SettingsKey(stream, group string) string { return streamPrefix(stream) + group + ":settings" }
+
+// TerminalKey is {T}:pelican:<stream>:<group>:terminal: reason -> messages ended as terminal.
+func TerminalKey(stream, group string) string { return streamPrefix(stream) + group + ":terminal" }
+
+// ErrorsKey is {T}:pelican:<stream>:<group>:errors: pending entry id -> the text of its last failure.
+func ErrorsKey(stream, group string) string { return streamPrefix(stream) + group + ":errors" }
+
+// BoundsKey is {T}:pelican:<stream>:bounds: group -> backlog.maxLength, read by the bounded publish scripts.
+func BoundsKey(stream string) string { return streamPrefix(stream) + "bounds" }
+
+// RejectedKey is {T}:pelican:<stream>:rejected: group -> publishes refused for it.
+func RejectedKey(stream string) string { return streamPrefix(stream) + "rejected" }
+
+// PodName is the default consumer (and producer) name: POD_NAME, else HOSTNAME, else the host name.
+// spec.consumers.pods matches consumers to Pods by this name.
+func PodName() string {
+	for _, name := range []string{"POD_NAME", "HOSTNAME"} {
+		if v := os.Getenv(name); v != "" {
+			return v
+		}
+	}
+	host, _ := os.Hostname()
+	return host
+}
