@@ -67,15 +67,13 @@ fn libraries() -> Vec<Library> {
         eprintln!("CONFORMANCE_WORKERS={wanted}: only {:?}", libraries.iter().map(|l| &l.name).collect::<Vec<_>>());
     }
     assert!(!libraries.is_empty(), "no conformance worker listed (or none of CONFORMANCE_WORKERS)");
+    // Every path the command names (the program, a jar on a class path) must be there.
     for library in &libraries {
-        let program = &library.command[0];
-        let path = std::path::Path::new(root).join(program);
-        assert!(
-            !program.contains('/') || path.exists(),
-            "{}: {} is not built: run scripts/conformance-build",
-            library.name,
-            path.display()
-        );
+        let paths =
+            library.command.iter().flat_map(|word| word.split(':')).filter(|p| p.contains('/') && !p.contains('*'));
+        for path in paths.map(|p| std::path::Path::new(root).join(p)) {
+            assert!(path.exists(), "{}: {} is not built: run scripts/conformance-build", library.name, path.display());
+        }
     }
     libraries
 }

@@ -1,0 +1,178 @@
+package io.pelican.worker.conformance;
+
+import io.lettuce.core.RedisURI;
+import io.lettuce.core.resource.ClientResources;
+import io.lettuce.core.resource.DefaultClientResources;
+import io.pelican.worker.IdempotentProducer;
+import io.pelican.worker.InvalidReasonException;
+import io.pelican.worker.Message;
+import io.pelican.worker.Outcome;
+import io.pelican.worker.PodName;
+import io.pelican.worker.Producer;
+import io.pelican.worker.PublishException;
+import io.pelican.worker.PublishOutcomeUnknownException;
+import io.pelican.worker.PublishUnavailableException;
+import io.pelican.worker.Worker;
+import java.io.PrintStream;
+import java.time.Duration;
+import java.util.Map;
+
+/**
+ * The conformance worker (contract/README.md, "The conformance worker"), run from the repository root:
+ *
+ * <pre>
+ * java -cp sdks/java/target/pelican-worker.jar:sdks/java/target/lib/* io.pelican.worker.conformance.ConformanceWorker
+ * </pre>
+ *
+ * <p>Configured by environment: {@code REDIS_URL}, {@code STREAM}, {@code GROUP}, {@code CONSUMER} (default: the
+ * Pod's name) and {@code SHUTDOWN_GRACE_MS}. Its handler obeys the message: field {@code ms} = how long it takes,
+ * field {@code handle} = {@code done} | {@code retry} | {@code fail} | {@code terminal:<Reason>} | {@code exit} (the
+ * process exits at once with status 3). It prints one JSON line per handler run that finished on stdout, and exits 0
+ * after a SIGTERM once its shutdown is complete.
+ *
+ * <p>With {@code MODE=publish} it is a producer instead: it publishes {@code MESSAGES} messages idempotently (message
+ * ids {@code m-0}, {@code m-1}, ...; the producer id is the Pod's name), each published again with the same id until
+ * it answers an entry id, one JSON line per attempt.
+ */
+public final class ConformanceWorker {
+    private static final PrintStream OUT = System.out;
+
+    private ConformanceWorker() {}
+
+    public static void main(String[] args) throws PublishException, InterruptedException {
+        String url = System.getenv().getOrDefault("REDIS_URL", "redis://127.0.0.1:6379");
+        if ("publish".equals(env("MODE"))) {
+            publish(RedisURI.create(url), required("STREAM"), Integer.parseInt(required("MESSAGES")));
+            return;
+        }
+        String consumer = env("CONSUMER") != null ? env("CONSUMER") : PodName.get();
+        String grace = env("SHUTDOWN_GRACE_MS");
+        Worker worker = Worker.builder(RedisURI.create(url))
+                .stream(required("STREAM"))
+                .group(required("GROUP"))
+                .consumer(consumer)
+                .shutdownGrace(grace != null ? Duration.ofMillis(Long.parseLong(grace)) : Duration.ofSeconds(20))
+                .handler(message -> handle(message, consumer))
+                .build();
+        // Registered before start(): a SIGTERM while starting still ends in a complete shutdown. halt(0), because a
+        // JVM ended by a signal exits 143 once its hooks have run.
+        Runtime.getRuntime().addShutdownHook(new Thread(() -> {
+            worker.close();
+            OUT.flush();
+            Runtime.getRuntime().halt(0);
+        }, "conformance-shutdown"));
+        try {
+            worker.start();
+        } catch (RuntimeException e) {
+            e.printStackTrace();
+            Runtime.getRuntime().halt(1); // not through the hook, which would exit 0
+        }
+    }
+
+    /**
+     * An attempt whose outcome is unknown (its reply was lost) or that found the server unavailable is published again
+     * with the same message id, as the contract says: the server answers the first entry's id.
+     */
+    static void publish(RedisURI uri, String stream, int messages) throws PublishException, InterruptedException {
+        ClientResources resources = DefaultClientResources.create();
+        try {
+            for (int n = 0; n < messages; n++) {
+                String message = "m-" + n;
+                while (true) {
+                    // A producer of its own per attempt, as the other libraries' programs make; one set of event loops.
+                    try (Producer producer = Producer.builder(uri).stream(stream).clientResources(resources).build()) {
+                        IdempotentProducer idempotent = producer.idempotent();
+                        String id = idempotent.publish(message, Map.of("n", Integer.toString(n)));
+                        line("{\"message\": " + json(message) + ", \"outcome\": \"published\", \"id\": " + json(id) + "}");
+                        break;
+                    } catch (PublishOutcomeUnknownException | PublishUnavailableException e) {
+                        line("{\"message\": " + json(message) + ", \"outcome\": \"unknown\"}");
+                        Thread.sleep(100);
+                    }
+                }
+            }
+        } finally {
+            resources.shutdown();
+        }
+    }
+
+    static Outcome handle(Message message, String consumer) throws InterruptedException {
+        String msText = message.text("ms");
+        long ms = msText != null && !msText.isEmpty() ? Long.parseLong(msText) : 0;
+        if (ms > 0) {
+            Thread.sleep(ms); // interrupted when the shutdown grace runs out: the run did not finish, nothing printed
+        }
+        String action = message.text("handle") != null ? message.text("handle") : "done";
+        if (action.equals("exit")) {
+            report(message, consumer, "exit", ms);
+            Runtime.getRuntime().halt(3);
+        }
+        if (action.equals("fail")) {
+            report(message, consumer, "fail", ms);
+            throw new IllegalStateException("the message asked the conformance worker to fail");
+        }
+        if (action.startsWith("terminal:")) {
+            Outcome outcome;
+            try {
+                outcome = Outcome.terminal(action.substring("terminal:".length()));
+            } catch (InvalidReasonException e) {
+                report(message, consumer, "fail", ms); // refused before anything is written: a failure
+                throw e;
+            }
+            report(message, consumer, "terminal", ms);
+            return outcome;
+        }
+        if (action.equals("retry")) {
+            report(message, consumer, "retry", ms);
+            return Outcome.retry();
+        }
+        report(message, consumer, "done", ms);
+        return Outcome.done();
+    }
+
+    private static void report(Message message, String consumer, String outcome, long ms) {
+        line("{\"id\": " + json(message.id()) + ", \"consumer\": " + json(consumer) + ", \"outcome\": "
+                + json(outcome) + ", \"ms\": " + ms + "}");
+    }
+
+    private static void line(String json) {
+        synchronized (OUT) {
+            OUT.println(json);
+            OUT.flush();
+        }
+    }
+
+    static String json(String text) {
+        StringBuilder out = new StringBuilder("\"");
+        for (char c : text.toCharArray()) {
+            switch (c) {
+                case '"' -> out.append("\\\"");
+                case '\\' -> out.append("\\\\");
+                case '\n' -> out.append("\\n");
+                case '\r' -> out.append("\\r");
+                case '\t' -> out.append("\\t");
+                default -> {
+                    if (c < 0x20) {
+                        out.append(String.format("\\u%04x", (int) c));
+                    } else {
+                        out.append(c);
+                    }
+                }
+            }
+        }
+        return out.append('"').toString();
+    }
+
+    private static String env(String name) {
+        String value = System.getenv(name);
+        return value == null || value.isEmpty() ? null : value;
+    }
+
+    private static String required(String name) {
+        String value = env(name);
+        if (value == null) {
+            throw new IllegalArgumentException(name + " is not set");
+        }
+        return value;
+    }
+}

@@ -1,0 +1,172 @@
+package io.pelican.worker;
+
+import static io.pelican.worker.Support.GROUP;
+import static io.pelican.worker.Support.STREAM;
+import static io.pelican.worker.Support.add;
+import static io.pelican.worker.Support.createGroup;
+import static io.pelican.worker.Support.fresh;
+import static io.pelican.worker.Support.pending;
+import static io.pelican.worker.Support.writeSettings;
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertTrue;
+
+import io.lettuce.core.api.sync.RedisCommands;
+import io.pelican.worker.Support.Pending;
+import java.io.BufferedReader;
+import java.io.IOException;
+import java.io.InputStreamReader;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Path;
+import java.time.Duration;
+import java.util.HashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.TimeUnit;
+import java.util.regex.Matcher;
+import java.util.regex.Pattern;
+import org.junit.jupiter.api.Test;
+
+/** The conformance worker as a process of its own, as the cross-language suite runs it. */
+class ConformanceWorkerTest {
+    private static final Pattern LINE = Pattern.compile(
+            "\\{\"id\": \"([^\"]+)\", \"consumer\": \"([^\"]+)\", \"outcome\": \"([a-z]+)\", \"ms\": (\\d+)}");
+
+    private static Process start(Map<String, String> extra) throws IOException {
+        return start(Support.server().url(), extra);
+    }
+
+    private static Process start(String url, Map<String, String> extra) throws IOException {
+        // Surefire's class path (the JVM's own may be a manifest-only jar): target/classes and the dependencies.
+        String classPath = System.getProperty("surefire.test.class.path", System.getProperty("java.class.path"));
+        ProcessBuilder builder = new ProcessBuilder(
+                Path.of(System.getProperty("java.home"), "bin", "java").toString(), "-cp", classPath,
+                "io.pelican.worker.conformance.ConformanceWorker");
+        builder.environment().putAll(Map.of("REDIS_URL", url, "STREAM", STREAM, "GROUP", GROUP,
+                "CONSUMER", "conformance-1"));
+        builder.environment().putAll(extra);
+        builder.redirectError(ProcessBuilder.Redirect.DISCARD);
+        return builder.start();
+    }
+
+    /** Reads {@code count} run lines: id -> [outcome, ms], checking each line's form and consumer. */
+    private static Map<String, List<String>> runs(BufferedReader out, int count) throws IOException {
+        Map<String, List<String>> runs = new HashMap<>();
+        while (runs.size() < count) {
+            String line = out.readLine();
+            if (line == null) {
+                break;
+            }
+            Matcher m = LINE.matcher(line);
+            assertTrue(m.matches(), line);
+            assertEquals("conformance-1", m.group(2));
+            runs.put(m.group(1), List.of(m.group(3), m.group(4)));
+        }
+        return runs;
+    }
+
+    private static int terminate(Process process) throws InterruptedException {
+        process.toHandle().destroy(); // SIGTERM
+        assertTrue(process.waitFor(30, TimeUnit.SECONDS), "no exit 30 s after SIGTERM");
+        return process.exitValue();
+    }
+
+    @Test
+    void itObeysEachMessageAndExits0OnSigterm() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        writeSettings(r, 60_000, 5000);
+        String done = add(r, "handle", "done", "ms", "30");
+        String terminal = add(r, "handle", "terminal:RecordNotFound");
+        String failed = add(r, "handle", "fail");
+        String retried = add(r, "handle", "retry");
+        String invalid = add(r, "handle", "terminal:not camel");
+        Process process = start(Map.of());
+        Map<String, List<String>> runs;
+        try (BufferedReader out = new BufferedReader(new InputStreamReader(process.getInputStream(), StandardCharsets.UTF_8))) {
+            runs = runs(out, 5);
+            assertEquals(0, terminate(process));
+        } finally {
+            process.destroyForcibly();
+        }
+        assertEquals(Map.of(done, List.of("done", "30"), terminal, List.of("terminal", "0"), failed, List.of("fail", "0"),
+                retried, List.of("retry", "0"), invalid, List.of("fail", "0")), runs);
+        assertEquals(Map.of("RecordNotFound", "1"), r.hgetall(Keys.terminal(STREAM, GROUP)));
+        Map<String, Pending> left = new HashMap<>();
+        pending(r).forEach(p -> left.put(p.id(), p));
+        assertEquals(java.util.Set.of(failed, retried, invalid), left.keySet());
+        assertTrue(left.get(retried).idleMs() >= 60_000, "given back with an idle of minIdle");
+        assertEquals("IllegalStateException: the message asked the conformance worker to fail",
+                r.hget(Keys.errors(STREAM, GROUP), failed));
+    }
+
+    @Test
+    void itGivesBackOnSigtermWithinItsGraceAndPrintsNothingForTheRunCutOff() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        String entry = add(r, "handle", "done", "ms", "60000");
+        Process process = start(Map.of("SHUTDOWN_GRACE_MS", "200"));
+        try {
+            Support.eventually(() -> !pending(r).isEmpty(), Duration.ofSeconds(15), "the message read");
+            process.toHandle().destroy(); // SIGTERM, leaving the pipes open (Process.destroy closes them)
+            assertEquals("", new String(process.getInputStream().readAllBytes(), StandardCharsets.UTF_8));
+            assertTrue(process.waitFor(30, TimeUnit.SECONDS), "no exit 30 s after SIGTERM");
+            assertEquals(0, process.exitValue());
+        } finally {
+            process.destroyForcibly();
+        }
+        Pending p = pending(r).get(0);
+        assertEquals(List.of(entry, "", 0L), List.of(p.id(), p.consumer(), p.deliveries()));
+    }
+
+    @Test
+    void itExitsWith3AtOnce() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        String entry = add(r, "handle", "exit");
+        Process process = start(Map.of());
+        try {
+            assertEquals("{\"id\": \"" + entry + "\", \"consumer\": \"conformance-1\", \"outcome\": \"exit\", \"ms\": 0}\n",
+                    new String(process.getInputStream().readAllBytes(), StandardCharsets.UTF_8));
+            assertTrue(process.waitFor(30, TimeUnit.SECONDS));
+            assertEquals(3, process.exitValue());
+        } finally {
+            process.destroyForcibly();
+        }
+        assertEquals(1, pending(r).size()); // nothing acknowledged
+    }
+
+    @Test
+    void asAProducerItPublishesAgainAfterALostReplyAndEachMessageIsWrittenOnce() throws Exception {
+        RedisServer idmp = RedisServer.idmp();
+        io.lettuce.core.RedisClient admin = io.lettuce.core.RedisClient.create(idmp.uri());
+        try {
+            RedisCommands<String, String> r = admin.connect().sync();
+            r.flushall();
+            r.scriptLoad(Script.BOUNDED_PUBLISH.source); // so the lost reply is the one of a publish written
+            String out;
+            try (LostReply proxy = new LostReply(idmp.port)) {
+                Process process = start("redis://127.0.0.1:" + proxy.port(),
+                        Map.of("MODE", "publish", "MESSAGES", "3", "POD_NAME", "producer-java"));
+                try {
+                    out = new String(process.getInputStream().readAllBytes(), StandardCharsets.UTF_8);
+                    assertTrue(process.waitFor(30, TimeUnit.SECONDS));
+                    assertEquals(0, process.exitValue());
+                } finally {
+                    process.destroyForcibly();
+                }
+                assertTrue(proxy.cut());
+            }
+            List<String> ids = r.xrange(STREAM, io.lettuce.core.Range.unbounded()).stream()
+                    .map(io.lettuce.core.StreamMessage::getId).toList();
+            assertEquals(3, ids.size());
+            StringBuilder expected = new StringBuilder("{\"message\": \"m-0\", \"outcome\": \"unknown\"}\n");
+            for (int n = 0; n < 3; n++) {
+                expected.append("{\"message\": \"m-").append(n).append("\", \"outcome\": \"published\", \"id\": \"")
+                        .append(ids.get(n)).append("\"}\n");
+            }
+            assertEquals(expected.toString(), out);
+        } finally {
+            admin.shutdown();
+        }
+    }
+}
