@@ -121,6 +121,16 @@ pub enum Error {
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
 
+    /// Redis lists a group's consumers only all at once (`XINFO CONSUMERS`), at a cost that grows with their number:
+    /// past [`crate::jobs::CONSUMERS_LISTED_MAX`] Pelican does not list them, and what needs the list waits.
+    #[error(
+        "group {group} of stream {stream} on {server} has {count} consumers, more than the {max} Pelican lists in one \
+         call (XINFO CONSUMERS holds the server for as long as there are consumers): {what} waits until fewer remain; \
+         delete the consumers nobody uses (XGROUP DELCONSUMER) and \
+         give workers stable names (the Pod's; Pelican's libraries leave the group when they stop)"
+    )]
+    TooManyConsumers { server: String, stream: String, group: String, count: u64, max: u64, what: &'static str },
+
     /// A script of Pelican's answered what this operator does not read: its keys written by something else (another
     /// version of Pelican, a person), not a spec to fix.
     #[error("{server} answered what this operator cannot read: {detail}")]
@@ -172,6 +182,7 @@ impl Error {
             Error::ScriptingUnavailable { .. } => "ScriptingUnavailable",
             Error::ResourceConflict(_) => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
+            Error::TooManyConsumers { .. } => "TooManyConsumers",
             Error::UnexpectedReply { .. } => "UnexpectedReply",
             Error::CrossSlot(_) => "CrossSlot",
             Error::Kube(_) => "KubernetesApiError",

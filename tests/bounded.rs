@@ -34,6 +34,7 @@ on_every_server!(
     retention_never_trims_a_stream_without_groups,
     the_trim_asks_the_server_to_keep_unacknowledged_entries_where_it_can,
     retention_keeps_entries_younger_than_min_age,
+    retention_frees_a_large_backlog_a_bounded_call_at_a_time,
 );
 
 const STREAM: &str = "{orders}:in";
@@ -595,4 +596,36 @@ fn a_malformed_batch_writes_nothing_and_says_what_is_wrong(flavor: Flavor) {
     assert!(xrange(&mut conn, STREAM).is_empty(), "nothing written");
     let good = call(&mut conn, &["2", "2", "n", "1", "4", "n", "2", "body", "b"]);
     assert_eq!(xrange(&mut conn, STREAM).len(), 2, "{good}");
+}
+
+/// Defect (issue 57, cost): the trim freed the whole acknowledged backlog in one exact `XTRIM MINID` (a million
+/// entries held Redis 7.0 149 ms, Valkey 9.1 297 ms). A call now frees at most 10,000; the trim calls again until
+/// the safe point, and the count stays exact.
+fn retention_frees_a_large_backlog_a_bounded_call_at_a_time(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let mut conn = server.conn();
+    group_at_zero(&mut conn, GROUP);
+    let mut pipe = redis::pipe();
+    for i in 0..25_000 {
+        pipe.cmd("XADD").arg(STREAM).arg("*").arg("n").arg(i).ignore();
+    }
+    let _: () = pipe.query(&mut conn).unwrap();
+    let read = read_new(&mut conn, STREAM, GROUP, "c1", 25_000);
+    for chunk in read.chunks(5000) {
+        ack_all(&mut conn, GROUP, chunk);
+    }
+    // One call, as the runner makes it.
+    let script = redis::Script::new(include_str!("../src/jobs/scripts/trim_acknowledged.lua"));
+    let reply: Vec<redis::Value> =
+        script.key(STREAM).key(totals_key(STREAM, GROUP)).arg(0).arg(0).arg(10_000).invoke(&mut conn).unwrap();
+    let first: i64 = redis::from_redis_value(reply[0].clone()).unwrap();
+    assert!((1..=10_000).contains(&first), "one call freed {first}");
+    assert_eq!(reply.get(4), Some(&redis::Value::Int(1)), "it says more is left: {reply:?}");
+    // The trim goes on until the safe point: exactly the rest.
+    let rest = trim(&server, Duration::ZERO);
+    assert_eq!(first as u64 + rest.trimmed, 25_000);
+    let length: u64 = redis::cmd("XLEN").arg(STREAM).query(&mut conn).unwrap();
+    assert_eq!(length, 0);
+    let counted: u64 = redis::cmd("HGET").arg(totals_key(STREAM, GROUP)).arg("trimmed").query(&mut conn).unwrap();
+    assert_eq!(counted, 25_000);
 }

@@ -8,6 +8,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use pelican::api::PendingHandling;
+use pelican::jobs::seek::{self as seeking, Outcome, Seek, Target};
+use pelican::redis::{GroupKeys, Pools};
 use serde_json::Value;
 
 on_every_server!(
@@ -459,4 +462,71 @@ fn a_target_no_stream_id_can_be_fails_naming_the_field() {
     let huge = run_seek(&ns, &seek("huge", "{id: \"5-18446744073709551616\"}", "  dryRun: true\n"));
     assert_eq!(failed_reason(&huge), "InvalidSpec");
     assert!(huge["conditions"].to_string().contains("spec.to.id"), "{huge}");
+}
+
+/// One seek run through the library (no operator), with the number of script calls it took.
+fn seek_directly(server: &Server, target: Target, idle_ms: u64) -> (Outcome, usize) {
+    let calls = std::cell::Cell::new(1);
+    let seek = Seek {
+        name: "ns/direct".into(),
+        uid: "uid-1".into(),
+        target,
+        pending: PendingHandling::Keep,
+        idle_ms,
+        dry_run: true,
+        dead_letter_max_len: None,
+    };
+    let keys = GroupKeys { stream: "s", group: "g", dead_letter: "s-dlq" };
+    let outcome = runtime().block_on(async {
+        let mut conn = Pools::default().get(&pelican::redis::Target::new(server.url())).await.unwrap();
+        seeking::run(&mut conn, "test", &keys, &seek, || {
+            calls.set(calls.get() + 1);
+            true
+        })
+        .await
+        .unwrap()
+    });
+    (outcome, calls.get())
+}
+
+/// Defect (issue 57, cost): the check of active consumers listed every consumer inside the script (twice in a dry
+/// run): 300,000 consumers held Redis 7.0 1.3 s. Past `CONSUMERS_LISTED_MAX` the seek is refused, saying why.
+#[test]
+fn a_seek_lists_the_consumers_it_checks_only_while_there_are_few() {
+    for flavor in [Flavor::Redis, Flavor::Valkey] {
+        let server = Server::start(flavor);
+        let mut conn = server.conn();
+        let _: () =
+            redis::cmd("XGROUP").arg("CREATE").arg("s").arg("g").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+        let mut pipe = redis::pipe();
+        for n in 0..=pelican::jobs::CONSUMERS_LISTED_MAX {
+            pipe.cmd("XGROUP").arg("CREATECONSUMER").arg("s").arg("g").arg(format!("c-{n}")).ignore();
+        }
+        let _: () = pipe.query(&mut conn).unwrap();
+        let (outcome, _) = seek_directly(&server, Target::Earliest, 30_000);
+        let Outcome::Refused { reason, message } = outcome else { panic!("{flavor:?}: {outcome:?}") };
+        assert_eq!(reason, "TooManyConsumers", "{flavor:?}: {message}");
+        assert!(message.contains("1001 consumers") && message.contains("consumersIdleFor: 0s"), "{message}");
+        // Without the check, the seek plans as ever.
+        let (outcome, _) = seek_directly(&server, Target::Earliest, 0);
+        assert!(matches!(outcome, Outcome::Done(_)), "{flavor:?}: {outcome:?}");
+    }
+}
+
+/// Defect (issue 57, cost): a seek's first read was 64 entries whatever their size (a walk over 1 MB entries held
+/// the server 176 ms in one call). It now reads one entry first, then what READ_BYTES (2 MB) holds.
+#[test]
+fn a_seek_walks_large_entries_a_budget_at_a_time() {
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    let _: () = redis::cmd("XGROUP").arg("CREATE").arg("s").arg("g").arg("0").arg("MKSTREAM").query(&mut conn).unwrap();
+    let megabyte = vec![b'x'; 1 << 20];
+    let ids: Vec<String> = (0..20)
+        .map(|_| redis::cmd("XADD").arg("s").arg("*").arg("body").arg(&megabyte).query(&mut conn).unwrap())
+        .collect();
+    // The entries after the target are counted by walking them: 18 MB.
+    let (outcome, calls) = seek_directly(&server, Target::Id(ids[2].clone()), 0);
+    let Outcome::Done(plan) = outcome else { panic!("{outcome:?}") };
+    assert_eq!(plan.to.lag, Some(18));
+    assert!(calls >= 8, "18 MB walked in {calls} calls: more than 2 MB a call");
 }

@@ -9,8 +9,9 @@ use serde::Serialize;
 
 use super::{Session, age, cell, now_millis, print_table};
 use crate::redis::id_millis;
+use crate::redis::pager::Pager;
 
-/// Entries read per XRANGE while grouping.
+/// The most entries one XRANGE reads while grouping ([`Pager`] reads fewer of large entries).
 const PAGE: usize = 1000;
 /// Characters of payload shown per entry in a table.
 const PREVIEW: usize = 60;
@@ -83,16 +84,19 @@ pub(super) async fn run(session: &Session, args: DlqArgs) -> anyhow::Result<()> 
     let mut groups: BTreeMap<(String, String), Group> = BTreeMap::new();
     let mut entries = Vec::new();
     let (mut start, mut counted) = ("-".to_string(), 0u64);
+    let mut pager = Pager::new(PAGE);
     while (counted as usize) < args.scan {
+        let count = pager.count().min(args.scan - counted as usize);
         let page: StreamRangeReply = redis::cmd("XRANGE")
             .arg(&stream)
             .arg(&start)
             .arg("+")
             .arg("COUNT")
-            .arg(PAGE.min(args.scan - counted as usize))
+            .arg(count)
             .query_async(&mut conn)
             .await
             .map_err(redis_err)?;
+        pager.saw(&page.ids);
         for entry in &page.ids {
             counted += 1;
             let reason = text(entry, "pelican-reason").unwrap_or_else(|| "-".into());
@@ -111,7 +115,7 @@ pub(super) async fn run(session: &Session, args: DlqArgs) -> anyhow::Result<()> 
             }
         }
         match page.ids.last() {
-            Some(last) if page.ids.len() == PAGE => start = format!("({}", last.id),
+            Some(last) if page.ids.len() == count => start = format!("({}", last.id),
             _ => break,
         }
     }

@@ -95,6 +95,9 @@ pub struct PassReport {
     pub too_large: u64,
     /// Older dead letters dropped by `deadLetter.maxLen` to make room.
     pub dead_letter_evicted: u64,
+    /// `Reassign` needed the group's consumers listed and found this many, more than [`CONSUMERS_LISTED_MAX`]: it
+    /// requeued instead (0: it did not).
+    pub consumers_unlisted: u64,
     /// The pass stopped early because this replica may no longer write.
     pub interrupted: bool,
 }
@@ -132,6 +135,7 @@ impl PassReport {
         self.skipped += batch.skipped;
         self.too_large += batch.too_large;
         self.dead_letter_evicted += batch.dead_letter_evicted;
+        self.consumers_unlisted = self.consumers_unlisted.max(batch.consumers_unlisted);
     }
 }
 
@@ -359,6 +363,7 @@ async fn reclaim_call(
         .arg(limit)
         .arg(settings.handover_grace.as_millis() as u64)
         .arg(gone_age.as_millis() as u64)
+        .arg(CONSUMERS_LISTED_MAX)
         .arg(gone.len())
         .arg(gone)
         .arg(known)
@@ -375,9 +380,9 @@ async fn reclaim_call(
         _ => String::new(),
     };
     let position = Some(text(9)).filter(|id| !id.is_empty());
-    // After the twelve values: (id, earlier deliveries) of each requeued copy read and found not due yet.
+    // After the thirteen values: (id, earlier deliveries) of each requeued copy read and found not due yet.
     let waiting = reply
-        .get(12..)
+        .get(13..)
         .unwrap_or_default()
         .chunks_exact(2)
         .filter_map(|pair| match &pair[0] {
@@ -395,13 +400,50 @@ async fn reclaim_call(
         scanned: count(6) as usize,
         dead_letter_evicted: count(7),
         idle: count(8) as usize,
+        consumers_unlisted: count(12),
         interrupted: false,
     };
     Ok(Call { report, position, reached_end: count(10) == 1, known: text(11), waiting })
 }
 
-/// The consumers of the group (the operator's own left out), from one `XINFO CONSUMERS`.
-pub async fn consumers(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<Vec<String>> {
+/// The most consumers Pelican lists in one call. Redis lists a group's consumers only all at once (`XINFO
+/// CONSUMERS`), holding the server for as long as there are (300,000 took 97-151 ms on Redis 7.0, 190-456 ms on
+/// Valkey 9.1; inside a script, where each is made a Lua table, several times that): past this number, nothing that
+/// needs the list runs (consumer expiry, `spec.consumers.pods`; `Reassign` requeues instead) and the policy says so.
+/// A thousand are listed in about a millisecond.
+pub const CONSUMERS_LISTED_MAX: u64 = 1_000;
+
+/// The group's consumers, from one `XINFO CONSUMERS` once `XINFO GROUPS` (which costs what the stream's groups
+/// cost, not its consumers) told there are at most [`CONSUMERS_LISTED_MAX`]; `what` names the job that needs them,
+/// for the error past that.
+async fn listed_consumers(
+    conn: &mut Conn,
+    server: &str,
+    keys: &GroupKeys<'_>,
+    what: &'static str,
+) -> Result<Vec<reply::Fields>> {
+    let groups: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(keys.stream)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    let count = groups
+        .into_iter()
+        .filter_map(reply::fields)
+        .find(|g| reply::get::<String>(g, "name").as_deref() == Some(keys.group))
+        .and_then(|g| reply::get::<u64>(&g, "consumers"))
+        .unwrap_or(0);
+    if count > CONSUMERS_LISTED_MAX {
+        return Err(Error::TooManyConsumers {
+            server: server.into(),
+            stream: keys.stream.into(),
+            group: keys.group.into(),
+            count,
+            max: CONSUMERS_LISTED_MAX,
+            what,
+        });
+    }
     let listed: Vec<redis::Value> = redis::cmd("XINFO")
         .arg("CONSUMERS")
         .arg(keys.stream)
@@ -409,7 +451,14 @@ pub async fn consumers(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> R
         .query_async(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))?;
-    let names = listed.into_iter().filter_map(reply::fields).filter_map(|c| reply::get::<String>(&c, "name"));
+    Ok(listed.into_iter().filter_map(reply::fields).collect())
+}
+
+/// The consumers of the group (the operator's own left out), when there are at most [`CONSUMERS_LISTED_MAX`].
+pub async fn consumers(conn: &mut Conn, server: &str, keys: &GroupKeys<'_>) -> Result<Vec<String>> {
+    let listed =
+        listed_consumers(conn, server, keys, "spec.consumers.pods (taking a gone Pod's entries at once)").await?;
+    let names = listed.iter().filter_map(|c| reply::get::<String>(c, "name"));
     Ok(names.filter(|name| name != OPERATOR_CONSUMER).collect())
 }
 
@@ -432,25 +481,18 @@ const EXPIRE_BATCH: usize = 100;
 const EXPIRE_PER_PASS: usize = 1000;
 
 /// Deletes consumers idle for `expire_after` that own no pending entry; returns how many. The candidates come
-/// from one `XINFO CONSUMERS` (a command, not a script: the server lists 300,000 consumers in about 50 ms); the
-/// script checks each again and deletes it, [`EXPIRE_BATCH`] a call, [`EXPIRE_PER_PASS`] a pass.
+/// from one `XINFO CONSUMERS` while there are at most [`CONSUMERS_LISTED_MAX`] consumers; the script checks each
+/// again and deletes it, [`EXPIRE_BATCH`] a call, [`EXPIRE_PER_PASS`] a pass.
 pub async fn expire_consumers(
     conn: &mut Conn,
     server: &str,
     keys: &GroupKeys<'_>,
     expire_after: Duration,
 ) -> Result<u64> {
-    let listed: Vec<redis::Value> = redis::cmd("XINFO")
-        .arg("CONSUMERS")
-        .arg(keys.stream)
-        .arg(keys.group)
-        .query_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
+    let listed = listed_consumers(conn, server, keys, "spec.consumers.expireAfter").await?;
     let idle_ms = expire_after.as_millis() as i64;
     let candidates: Vec<String> = listed
         .into_iter()
-        .filter_map(reply::fields)
         .filter(|c| {
             reply::get::<i64>(c, "pending") == Some(0)
                 && reply::get::<i64>(c, "idle").is_some_and(|idle| idle >= idle_ms)
@@ -499,8 +541,14 @@ impl std::fmt::Display for Pin {
     }
 }
 
-/// Trims, atomically on the server, the entries every group of the stream acknowledged that are older than
-/// `min_age`, with the safe-point method that works on Redis 7.0 and every Valkey (the script's header says how);
+/// Most entries one call of `trim_acknowledged.lua` frees: about a millisecond and a half of the server's time.
+const TRIM_PER_CALL: u64 = 10_000;
+/// A trim goes on, a call at a time, for at most this long; the next sweep's trim frees the rest.
+const TRIM_SLICE: Duration = Duration::from_secs(1);
+
+/// Trims, on the server, the entries every group of the stream acknowledged that are older than `min_age`, with
+/// the safe-point method that works on Redis 7.0 and every Valkey (the script's header says how), each call atomic
+/// and freeing at most [`TRIM_PER_CALL`] entries, calls following each other for at most [`TRIM_SLICE`];
 /// `acked`: the server has `XTRIM ... ACKED` and checks every group itself too.
 pub async fn trim_acknowledged(
     conn: &mut Conn,
@@ -509,16 +557,24 @@ pub async fn trim_acknowledged(
     min_age: Duration,
     acked: bool,
 ) -> Result<Trim> {
-    let (trimmed, group, why, id): (u64, String, String, String) = TRIM_ACKNOWLEDGED
-        .key(keys.stream)
-        .key(totals_key(keys.stream, keys.group))
-        .arg(min_age.as_millis() as u64)
-        .arg(if acked { "1" } else { "0" })
-        .invoke_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
-    let pinned_by = (!group.is_empty()).then(|| Pin { group, pending: why == "pending", id });
-    Ok(Trim { trimmed, pinned_by })
+    let started = std::time::Instant::now();
+    let mut total = 0;
+    loop {
+        let (trimmed, group, why, id, more): (u64, String, String, String, u8) = TRIM_ACKNOWLEDGED
+            .key(keys.stream)
+            .key(totals_key(keys.stream, keys.group))
+            .arg(min_age.as_millis() as u64)
+            .arg(if acked { "1" } else { "0" })
+            .arg(TRIM_PER_CALL)
+            .invoke_async(conn)
+            .await
+            .map_err(|e| Error::from_redis(server, e))?;
+        total += trimmed;
+        if more == 0 || started.elapsed() >= TRIM_SLICE {
+            let pinned_by = (!group.is_empty()).then(|| Pin { group, pending: why == "pending", id });
+            return Ok(Trim { trimmed: total, pinned_by });
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,13 +11,14 @@ use redis::streams::{StreamId, StreamRangeReply};
 use super::{BYTE_BUDGET, MAX_FIELDS};
 use crate::keys::slot;
 use crate::redis::Conn;
+use crate::redis::pager::Pager;
 use crate::tenancy::KeyRules;
 use crate::{Error, Result};
 
 static REDRIVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/redrive.lua")));
 static REDRIVE_LOCK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/redrive_lock.lua")));
 
-/// Dead-letter entries read per `XRANGE`.
+/// The most dead-letter entries one `XRANGE` of the snapshot reads ([`Pager`] reads fewer of large entries).
 const PAGE: usize = 256;
 
 /// The field the reclaim script writes with the stream an entry was dead-lettered from.
@@ -179,9 +180,12 @@ pub async fn snapshot(conn: &mut Conn, server: &str, plan: &Plan) -> Result<Snap
     let mut start = plan.from.clone().unwrap_or_else(|| "-".into());
     let mut to_move = 0;
     let mut checked = BTreeSet::new();
+    let mut pager = Pager::new(PAGE);
     'scan: loop {
-        let entries = page(conn, server, &plan.dead_letter, &start, &until_id, PAGE).await?;
-        let done = entries.len() < PAGE;
+        let count = pager.count();
+        let entries = page(conn, server, &plan.dead_letter, &start, &until_id, count).await?;
+        pager.saw(&entries);
+        let done = entries.len() < count;
         for entry in &entries {
             if plan.matches(entry) {
                 let destination = plan.destination(entry);

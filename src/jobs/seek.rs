@@ -192,7 +192,8 @@ pub async fn run(
         .arg(OPERATOR_CONSUMER)
         .arg(if seek.dry_run { "1" } else { "0" })
         .arg(seek.dead_letter_max_len.unwrap_or(0))
-        .arg(ERROR_TEXT_MAX);
+        .arg(ERROR_TEXT_MAX)
+        .arg(crate::jobs::CONSUMERS_LISTED_MAX);
     loop {
         let reply: Vec<String> = invocation.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
         match parse(server, &seeks, &seek.name, reply)? {

@@ -215,8 +215,12 @@ async fn group_names(conn: &mut Conn, server: &str, stream: &str) -> Result<Vec<
     Ok(groups.into_iter().filter_map(reply::fields).filter_map(|g| reply::get::<String>(&g, "name")).collect())
 }
 
+/// Pending entries acknowledged, and consumers deleted, per call of `destroy_group.lua` before the group goes.
+const DESTROY_BATCH: usize = 1000;
+
 /// `XGROUP DESTROY` of the group of a deleted policy with `deletionPolicy: Delete` (`uid`), when that policy created
-/// the group or `adopt`s it (`scripts/destroy_group.lua`). The streams themselves are never deleted.
+/// the group or `adopt`s it (`scripts/destroy_group.lua`), taken apart a bounded step per call first. The streams
+/// themselves are never deleted.
 pub async fn destroy_group(
     conn: &mut Conn,
     server: &str,
@@ -225,16 +229,20 @@ pub async fn destroy_group(
     uid: &str,
     adopt: bool,
 ) -> Result<Destroyed> {
-    let reply: Vec<String> = DESTROY_GROUP
-        .key(stream)
+    let mut call = DESTROY_GROUP.prepare_invoke();
+    call.key(stream)
         .key(creator_key(stream, group))
         .key(settings_key(stream, group))
         .arg(group)
         .arg(uid)
         .arg(if adopt { "1" } else { "0" })
-        .invoke_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
+        .arg(DESTROY_BATCH);
+    let reply = loop {
+        let reply: Vec<String> = call.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
+        if reply.first().map(String::as_str) != Some("step") {
+            break reply;
+        }
+    };
     match reply.as_slice() {
         [done] if done == "destroyed" => Ok(Destroyed::Destroyed),
         [absent] if absent == "absent" => Ok(Destroyed::Absent),

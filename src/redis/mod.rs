@@ -4,6 +4,7 @@ mod backlog;
 pub mod features;
 mod group;
 mod health;
+pub mod pager;
 mod pool;
 pub(crate) mod reply;
 

@@ -165,6 +165,8 @@ pub enum JobKind {
     Reclaim,
     Retention,
     ConsumerExpiry,
+    /// `spec.consumers.pods`: listing the consumers to match them with Pods.
+    ConsumerPods,
 }
 
 impl JobKind {
@@ -174,6 +176,7 @@ impl JobKind {
             JobKind::Reclaim => "reclaim",
             JobKind::Retention => "retention",
             JobKind::ConsumerExpiry => "consumer-expiry",
+            JobKind::ConsumerPods => "consumer-pods",
         }
     }
 }
@@ -335,6 +338,9 @@ impl PolicyTask {
                             state.failures.remove(&JobKind::Retention);
                         });
                     }
+                    if self.job.borrow().pods.is_none() {
+                        self.update_state(|state| _ = state.failures.remove(&JobKind::ConsumerPods));
+                    }
                     // New settings take effect at once (a shorter interval, say).
                     due = Instant::now();
                     continue;
@@ -419,7 +425,8 @@ impl PolicyTask {
 
     /// The consumers whose Pod is gone: missing from the Pods the selector matches now and at the last sweep's start
     /// (`suspects`, replaced by what is missing now). None while the watch has not listed the Pods, or when the
-    /// consumers cannot be listed (the pass says why).
+    /// consumers cannot be listed (the `consumer-pods` job's failure says why: more than
+    /// [`jobs::CONSUMERS_LISTED_MAX`], say).
     async fn without_pods(&self, job: &Job, pods: &PodsOf, suspects: &mut BTreeSet<String>) -> Vec<String> {
         let Some(live) = pods.names() else {
             // Nothing is taken for gone on a store that may be stale; two sweeps of a current one are needed again.
@@ -427,7 +434,9 @@ impl PolicyTask {
             return Vec::new();
         };
         let mut conn = job.conn.clone();
-        let Ok(consumers) = jobs::consumers(&mut conn, &job.server, &job.keys()).await else { return Vec::new() };
+        let listed = jobs::consumers(&mut conn, &job.server, &job.keys()).await;
+        self.outcome(JobKind::ConsumerPods, &listed);
+        let Ok(consumers) = listed else { return Vec::new() };
         let missing: BTreeSet<String> = consumers.into_iter().filter(|c| !live.contains(c)).collect();
         let gone: Vec<String> = missing.intersection(suspects).take(jobs::GONE_MAX).cloned().collect();
         *suspects = missing;
@@ -530,6 +539,17 @@ impl PolicyTask {
             );
             warn!(namespace, name, evicted = report.dead_letter_evicted, "{note}");
             self.publish(job, EventType::Warning, "DeadLettersEvicted", note).await;
+        }
+        if report.consumers_unlisted > 0 {
+            let note = format!(
+                "Reassign requeued instead of handing over: the group has {} consumers, more than the {} Pelican lists \
+                 in one call (XINFO CONSUMERS holds the server for as long as there are); delete the consumers nobody \
+                 uses (XGROUP DELCONSUMER) and give workers stable names (the Pod's)",
+                report.consumers_unlisted,
+                jobs::CONSUMERS_LISTED_MAX
+            );
+            warn!(namespace, name, consumers = report.consumers_unlisted, "{note}");
+            self.publish(job, EventType::Warning, "TooManyConsumers", note).await;
         }
         if report.moved() == 0 && report.too_large == 0 {
             return;

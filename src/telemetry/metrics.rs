@@ -207,7 +207,7 @@ impl Metrics {
         self.job_failures.0.lock().expect("metrics lock").retain(|(policy, _, _), _| policy != key);
     }
 
-    /// Counts one failed run of a policy's job (`reclaim`, `retention`, `consumer-expiry`) by the error's reason.
+    /// Counts one failed run of a policy's job (`reclaim`, `retention`, `consumer-expiry`, `consumer-pods`) by the error's reason.
     pub fn job_failed(&self, key: PolicyKey, job: &'static str, reason: &'static str) {
         *self.job_failures.0.lock().expect("metrics lock").entry((key, job, reason)).or_default() += 1;
     }
@@ -551,7 +551,7 @@ impl Collector for JobFailureSeries {
         let failures = self.0.lock().expect("metrics lock");
         let mut metric = encoder.encode_descriptor(
             "pelican_job_failures",
-            "Failed runs of a policy's jobs (reclaim, retention, consumer-expiry), by the error's reason",
+            "Failed runs of a policy's jobs (reclaim, retention, consumer-expiry, consumer-pods), by the error's reason",
             None,
             ConstCounter::new(0u64).metric_type(),
         )?;

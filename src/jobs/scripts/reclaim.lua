@@ -6,21 +6,24 @@
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
--- ARGV[8] byte budget: after reading this many bytes the script stops, and the next call goes on from there
+-- ARGV[8] byte budget: after reading this many bytes the script stops, and the next call goes on from there (each
+--         field counts FIELD_COST bytes beyond its length)
 -- ARGV[9] backoff factor   ARGV[10] backoff max (ms; 0: no backoff)   ARGV[11] most bytes of an error text kept
 -- ARGV[12] where the page starts: '-' (the PEL's first entry) or '(' followed by the last id already looked at
 -- ARGV[13] most PEL entries to look at
 -- ARGV[14] hand-over grace (ms): an entry Reassign handed over is not handed over again sooner
 -- ARGV[15] how long ago (ms) the consumers below were found without a Pod
--- ARGV[16] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
--- ARGV[17+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
+-- ARGV[16] most consumers the group may have for Reassign to list them (XINFO CONSUMERS)
+-- ARGV[17] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
+-- ARGV[18+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
 --           calls found them (see Backoff)
 --
 -- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, scanned, deadLetterEvicted, idle,
--- position, reachedEnd, known, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
+-- position, reachedEnd, known, unlisted, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
 -- including `position` (the next call starts after it; '' when none was), of which `idle` were idle long enough to
--- be taken and `skipped` of those were left alone; `reachedEnd` is 1 when the page was the PEL's last. `known` has
--- one character per pair of ARGV[16+k..]: 'w' the copy is in the page and still waits, 't' it was in the page and
+-- be taken and `skipped` of those were left alone; `reachedEnd` is 1 when the page was the PEL's last. `unlisted` is
+-- the group's number of consumers when Reassign needed them listed and there were more than ARGV[16] (0 otherwise).
+-- `known` has one character per pair of ARGV[18+k..]: 'w' the copy is in the page and still waits, 't' it was in the page and
 -- read (moved, or returned again below), '-' not in the part of the page looked at. The pairs name the requeued
 -- copies read and found not due, with the deliveries each carries from before.
 --
@@ -67,7 +70,10 @@
 -- byte budget keeps one call short, so other clients of the server never see BUSY because of large entries.
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
 -- when the new owner never re-reads its PEL; a hand-over is counted only when the claim took the entry. With no
--- consumer that looks live (idle less than minIdle, its Pod not gone), Reassign requeues instead.
+-- consumer that looks live (idle less than minIdle, its Pod not gone), Reassign requeues instead; so it does when the
+-- group has more consumers than ARGV[16]: XINFO CONSUMERS lists them all, each made a Lua table, and would hold the
+-- server for as long as there are. The live consumers are listed once per call, and the hand-overs go to the
+-- CANDIDATES least loaded of them, so a due entry costs a look at a few consumers, not at every one.
 
 local src, dlq, totals, terminal, errors, handovers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local group = ARGV[1]
@@ -81,13 +87,19 @@ local byte_budget = tonumber(ARGV[8])
 local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local start, limit, grace = ARGV[12], tonumber(ARGV[13]), tonumber(ARGV[14])
 -- Consumers whose Pod is gone, by name.
-local gone_age, gone, pairs_from = tonumber(ARGV[15]), {}, 17 + tonumber(ARGV[16])
-for i = 17, pairs_from - 1 do gone[ARGV[i]] = true end
+local gone_age, gone, pairs_from = tonumber(ARGV[15]), {}, 18 + tonumber(ARGV[17])
+for i = 18, pairs_from - 1 do gone[ARGV[i]] = true end
+local max_consumers = tonumber(ARGV[16])
 -- Copy id -> index of its pair; what became of each, as the reply tells it.
 local known, fate = {}, {}
 for i = pairs_from, #ARGV, 2 do known[ARGV[i]] = i end
 -- The most entries one XRANGE reads.
 local RUN = 64
+-- The live consumers Reassign hands over to: the least loaded, listed once per call.
+local CANDIDATES = 16
+-- What a field costs beyond its bytes, charged to the byte budget: reading and copying a field costs the server
+-- about what 64 bytes of its value do, so an entry of thousands of empty fields is no longer free.
+local FIELD_COST = 64
 
 local function expect_type(key, wanted)
   local t = redis.call('TYPE', key)['ok']
@@ -126,12 +138,26 @@ local acks = {src, group}
 -- Requeued copies not due: id, earlier deliveries, ...
 local waiting = {}
 
--- Live consumers and their PEL sizes, read once per call, for Reassign.
+-- The group's consumers when Reassign needed them listed and there were too many (see the header).
+local unlisted = 0
+-- The group's entry of XINFO GROUPS (which costs what the stream's groups cost, not its consumers).
+local function group_info()
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', src)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    if info['name'] == group then return info end
+  end
+  return {}
+end
+-- Live consumers and their PEL sizes, read once per call, for Reassign: the CANDIDATES least loaded.
 local live
 local function least_loaded(except)
   if not live then
     live = {}
-    for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', src, group)) do
+    local count = tonumber(group_info()['consumers']) or 0
+    local listed = {}
+    if count > max_consumers then unlisted = count else listed = redis.call('XINFO', 'CONSUMERS', src, group) end
+    for _, c in ipairs(listed) do
       local info = {}
       for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
       local name = info['name']
@@ -139,6 +165,8 @@ local function least_loaded(except)
         live[#live + 1] = {name = name, pending = tonumber(info['pending'])}
       end
     end
+    table.sort(live, function(a, b) return a.pending < b.pending end)
+    for i = #live, CANDIDATES + 1, -1 do live[i] = nil end
   end
   local best, owner
   for _, c in ipairs(live) do
@@ -201,7 +229,7 @@ local function fields_of(id, last)
   run, run_size, run_used = {}, 0, 1
   for _, entry in ipairs(redis.call('XRANGE', src, id, last, 'COUNT', count)) do
     local f = entry[2]
-    for i = 1, #f do read_bytes = read_bytes + #f[i] end
+    for i = 1, #f do read_bytes = read_bytes + #f[i] + FIELD_COST end
     read_entries = read_entries + 1
     run_size = run_size + 1
     run[entry[1]] = f
@@ -377,12 +405,7 @@ end
 
 -- The group's last-delivered-id: entries after it were never read by the group.
 local function last_delivered()
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', src)) do
-    local info = {}
-    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    if info['name'] == group then return info['last-delivered-id'] end
-  end
-  return '0-0'
+  return group_info()['last-delivered-id'] or '0-0'
 end
 
 -- Fields of entries that left the PEL without Pelican (a client ACKed and left its field): a few per call. A field
@@ -443,5 +466,6 @@ local reply = {requeued, reassigned, dead_lettered, payload_deleted, skipped, to
 local fates = {}
 for i = pairs_from, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
 reply[12] = table.concat(fates)
+reply[13] = unlisted
 for _, v in ipairs(waiting) do reply[#reply + 1] = v end
 return reply

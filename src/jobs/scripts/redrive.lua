@@ -7,6 +7,7 @@
 -- ARGV[4] the last id of the range (inclusive)
 -- ARGV[5] most entries to move in this call
 -- ARGV[6] most fields an entry may have to be moved    ARGV[7] byte budget: the call stops after copying this much
+--         (each field counts FIELD_COST bytes beyond its length)
 -- ARGV[8] where entries go: 'stream' (all to KEYS[4]) or 'source' (each to its `pelican-source-stream`)
 -- ARGV[9] with 'source': where an entry without `pelican-source-stream` goes
 -- ARGV[10..] the `pelican-reason` values to move (all entries when there are none)
@@ -35,6 +36,9 @@ local budget, max_fields, byte_budget = tonumber(ARGV[5]), tonumber(ARGV[6]), to
 local to_source, fallback = ARGV[8] == 'source', ARGV[9]
 local RUN = 256
 local READ_MAX = 4096
+-- What a field costs beyond its bytes, charged to the byte budget (reading and copying alike): a field costs the
+-- server about what 64 bytes of its value do, so an entry of thousands of empty fields is no longer free.
+local FIELD_COST = 64
 
 local function expect_type(key, wanted)
   local t = redis.call('TYPE', key)['ok']
@@ -107,7 +111,7 @@ local function take(id, fields)
   for f = 1, #fields, 2 do
     if string.sub(fields[f], 1, 8) ~= 'pelican-' then
       args[#args + 1] = fields[f]; args[#args + 1] = fields[f + 1]
-      copied = copied + #fields[f] + #fields[f + 1]
+      copied = copied + #fields[f] + #fields[f + 1] + 2 * FIELD_COST
     end
   end
   args[#args + 1] = 'pelican-redriven-from'; args[#args + 1] = id
@@ -133,7 +137,7 @@ local function step()
     local run = redis.call('XRANGE', dlq, start, until_id, 'COUNT', count)
     for _, entry in ipairs(run) do
       local fields = entry[2]
-      for f = 1, #fields do read_bytes = read_bytes + #fields[f] end
+      for f = 1, #fields do read_bytes = read_bytes + #fields[f] + FIELD_COST end
       read_entries = read_entries + 1
     end
     for _, entry in ipairs(run) do

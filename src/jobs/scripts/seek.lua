@@ -12,6 +12,7 @@
 --         (ms; 0: no check)
 -- ARGV[8] the operator's consumer name (never counted as active)    ARGV[9] '1': plan only, change nothing
 -- ARGV[10] dead-letter MAXLEN (0: no cap)                  ARGV[11] most bytes of an error text kept
+-- ARGV[12] most consumers the group may have for the check of ARGV[7] to list them (XINFO CONSUMERS)
 --
 -- Returns {'step'}: this call did its share, call again; {'done', <JSON>} with from {id, entriesRead, lag}, to {id,
 -- entriesRead, lag}, redelivered, skipped, pendingHandled, oldestAvailable, dryRun; {'refused', reason, message};
@@ -24,9 +25,11 @@
 -- `<ms>-18446744073709551615` a time seek reports) is exact. ENTRIES-READ is set to entries-added minus the
 -- entries after the new position, so the lag the server reports afterwards is exact.
 --
--- Cost: a call reads at most READ_ENTRIES entries or READ_BYTES bytes of them (whichever comes first), and handles
+-- Cost: a call reads at most READ_ENTRIES entries or READ_BYTES bytes of them (whichever comes first; each field
+-- counts FIELD_COST bytes beyond its length), and handles
 -- at most PENDING_BATCH pending entries: a few milliseconds whatever the stream's length, the PEL's size or the
--- shift. The work that needs more (counting the entries after a position, walking a shift, handling the PEL) goes
+-- shift. The check of active consumers lists them (XINFO CONSUMERS, each made a Lua table) only while the group has
+-- at most ARGV[12]; past that the seek is refused with TooManyConsumers, and made once per call. The work that needs more (counting the entries after a position, walking a shift, handling the PEL) goes
 -- on in the next call from a cursor recorded in the seek's record, so a caller that stops (a timeout, an operator
 -- restart, another replica taking over) resumes where the last call ended and never walks the stream again.
 -- The entries after a position are counted by walking from it to the stream's end, except where the server knows
@@ -48,8 +51,12 @@ local src, dlq, totals, seeks, redrive_lock, errors = KEYS[1], KEYS[2], KEYS[3],
 local group, uid, name, target, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local pending_mode, idle_floor, operator = ARGV[6], tonumber(ARGV[7]), ARGV[8]
 local dry_run, dlq_maxlen, error_max = ARGV[9] == '1', tonumber(ARGV[10]), tonumber(ARGV[11])
+local max_consumers = tonumber(ARGV[12])
 
 local READ_ENTRIES, READ_BYTES, PENDING_BATCH, RESTARTS = 4096, 2 * 1024 * 1024, 512, 5
+-- What a field costs beyond its bytes, charged to READ_BYTES: a field costs the server about what 64 bytes of its
+-- value do, so an entry of thousands of empty fields is no longer free.
+local FIELD_COST = 64
 local MAX_SEQ = '18446744073709551615'
 
 local raw = redis.call('HGET', seeks, name)
@@ -132,11 +139,11 @@ local now_ms = tonumber(now_parts[1]) * 1000 + math.floor(tonumber(now_parts[2])
 -- What this call may still read.
 local read_entries, read_bytes = 0, 0
 local function spent() return read_entries >= READ_ENTRIES or read_bytes >= READ_BYTES end
--- How many entries the next read may ask for: one page at most, fewer as the budget runs out, and 64 until the
--- entries' size is known.
+-- How many entries the next read may ask for: one page at most, fewer as the budget runs out, and one until the
+-- entries' size is known (a first page of 64 entries of a megabyte would be 64 MB).
 local function page_size(want)
   local n = math.min(want or 1000, 1000, READ_ENTRIES - read_entries)
-  if read_entries == 0 then return math.max(1, math.min(n, 64)) end
+  if read_entries == 0 then return 1 end
   local average = math.max(1, read_bytes / read_entries)
   return math.max(1, math.min(n, math.floor((READ_BYTES - read_bytes) / average)))
 end
@@ -144,7 +151,7 @@ local function read(command, a, b, count)
   local page = redis.call(command, src, a, b, 'COUNT', count)
   for _, entry in ipairs(page) do
     read_entries = read_entries + 1
-    for _, f in ipairs(entry[2]) do read_bytes = read_bytes + #f end
+    for _, f in ipairs(entry[2]) do read_bytes = read_bytes + #f + FIELD_COST end
   end
   return page
 end
@@ -162,11 +169,20 @@ local function advance(walk)
 end
 local function new_walk(after) return {after = after, cursor = after, n = 0} end
 
--- The refusals, decided before the first write (and again before the move, unless pending entries were handled).
+-- The refusals, decided before the first write (and again before the move, unless pending entries were handled),
+-- once per call: the call is atomic.
+local checked = false
 local function refusal(start)
+  if checked then return end
+  checked = true
   if redis.call('EXISTS', redrive_lock) == 1 then
     return 'SeekInProgress', 'a DeadLetterRedrive moves entries of ' .. dlq .. ' back into the stream now (' ..
       tostring(redis.call('HGET', redrive_lock, 'name')) .. '): seek once it has finished'
+  end
+  if idle_floor > 0 and tonumber(info['consumers']) > max_consumers then
+    return 'TooManyConsumers', 'group ' .. group .. ' has ' .. info['consumers'] .. ' consumers, more than the ' ..
+      ARGV[12] .. ' a seek lists to see which were active (XINFO CONSUMERS holds the server for as long as there ' ..
+      'are): delete the consumers nobody uses (XGROUP DELCONSUMER), or set consumersIdleFor: 0s to move under them'
   end
   if idle_floor > 0 then
     local active = {}
