@@ -293,6 +293,52 @@ fn secret_namespaces_grant_secrets_there_only() {
     assert!(!ok && out.contains("rbac.secretNamespaces is for an operator watching all namespaces"), "{out}");
 }
 
+/// The rendered objects of a chart, as JSON.
+fn documents(manifests: &str) -> Vec<serde_json::Value> {
+    manifests
+        .split("\n---")
+        .filter_map(|d| serde_yaml::from_str::<serde_json::Value>(d).ok())
+        .filter(|d| d.is_object())
+        .collect()
+}
+
+/// Issue 57: `list` and `watch` on Pods (for `spec.consumers.pods`) are the value `rbac.consumerPods`: granted by
+/// default, bound cluster-wide only where the install watches every namespace (with `watchNamespace`, by the
+/// RoleBinding in that namespace), and not granted at all when the value is off.
+#[test]
+fn the_pod_watch_is_a_value_bound_where_the_install_watches() {
+    let pod_rules = |docs: &[serde_json::Value]| -> Vec<serde_json::Value> {
+        let role = docs.iter().find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "pw-pelican");
+        let rules = role.expect("the operator's ClusterRole")["rules"].as_array().unwrap().clone();
+        rules.into_iter().filter(|r| r["resources"].as_array().unwrap().iter().any(|r| r == "pods")).collect()
+    };
+    let bindings = |docs: &[serde_json::Value], kind: &str| -> Vec<serde_json::Value> {
+        docs.iter().filter(|d| d["kind"] == kind && d["roleRef"]["name"] == "pw-pelican").cloned().collect()
+    };
+
+    let default = documents(&render("pw", "pelican-system", &[]));
+    assert_eq!(
+        pod_rules(&default),
+        [serde_json::json!({"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]})]
+    );
+    assert_eq!(bindings(&default, "ClusterRoleBinding").len(), 1, "bound cluster-wide");
+
+    let off = documents(&render("pw", "pelican-system", &["rbac.consumerPods=false"]));
+    assert_eq!(pod_rules(&off), Vec::<serde_json::Value>::new(), "no Pod rule with rbac.consumerPods=false");
+    assert_eq!(bindings(&off, "ClusterRoleBinding").len(), 1, "the other rules stay bound");
+
+    let one = documents(&render("pw", "pelican-system", &["watchNamespace=apps"]));
+    assert_eq!(pod_rules(&one).len(), 1);
+    assert!(bindings(&one, "ClusterRoleBinding").is_empty(), "no ClusterRoleBinding with watchNamespace");
+    let role_bindings = bindings(&one, "RoleBinding");
+    assert_eq!(role_bindings.len(), 1, "{role_bindings:?}");
+    assert_eq!(role_bindings[0]["metadata"]["namespace"], "apps");
+    assert_eq!(role_bindings[0]["roleRef"]["kind"], "ClusterRole");
+
+    let (ok, out) = helm(&["template", "x", CHART, "--set", "rbac.consumerPods=maybe"]);
+    assert!(!ok && out.contains("consumerPods"), "the schema takes a boolean only: {out}");
+}
+
 #[test]
 fn the_notes_point_the_first_policy_at_a_server_the_pod_can_reach() {
     let ns = namespace("chart-notes");
