@@ -96,6 +96,13 @@ pub enum Error {
     )]
     ServerSecretsForbidden { server: String, namespace: String },
 
+    #[error(
+        "the operator may not list and watch Pods ({detail}): spec.consumers.pods reads them to tell which consumers \
+         are gone; grant list and watch on pods in the watched namespaces (the chart's rbac.consumerPods: true). \
+         Until then no consumer is taken for gone: their entries are retried after minIdle"
+    )]
+    PodsForbidden { detail: String },
+
     #[error("spec.startId {start_id:?}: {why}")]
     InvalidStartId { start_id: String, why: String },
 
@@ -173,6 +180,7 @@ impl Error {
             Error::KeyNotAllowed { .. } => "KeyNotAllowed",
             Error::InlineConnectionDenied => "InlineConnectionDenied",
             Error::ServerSecretsForbidden { .. } => "Forbidden",
+            Error::PodsForbidden { .. } => "PodsForbidden",
             Error::NotACluster { .. } => "NotACluster",
             Error::ClusterNode { .. } => "ClusterNode",
             Error::SentinelMasterUnknown { .. } => "SentinelMasterUnknown",
@@ -208,6 +216,7 @@ impl Error {
                 | Error::ServerNotAllowed { .. }
                 | Error::KeyNotAllowed { .. }
                 | Error::InlineConnectionDenied
+                | Error::PodsForbidden { .. }
                 | Error::NotACluster { .. }
                 | Error::ClusterNode { .. }
                 | Error::SentinelMasterUnknown { .. }

@@ -160,9 +160,20 @@ fn pods_are_restricted_and_labelled() {
 /// Installs the chart's RBAC for a release that watches `watched`, and returns a kubeconfig holding a token of the
 /// chart's ServiceAccount.
 fn install_rbac(release: &str, watched: &str, edit: impl Fn(String) -> String) -> (String, tempfile::TempDir) {
+    install_rbac_with(release, watched, &[], edit)
+}
+
+/// The same, with values set.
+fn install_rbac_with(
+    release: &str,
+    watched: &str,
+    sets: &[&str],
+    edit: impl Fn(String) -> String,
+) -> (String, tempfile::TempDir) {
     let system = format!("{watched}-system");
     kubectl_ok(&["create", "namespace", &system]);
-    let manifests = edit(render(release, &system, &[&format!("watchNamespace={watched}")]));
+    let watch = format!("watchNamespace={watched}");
+    let manifests = edit(render(release, &system, &[&[watch.as_str()], sets].concat()));
     let out = kubectl(&["apply", "-f", "-"], Some(&manifests));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let token = kubectl_ok(&["create", "token", &format!("{release}-pelican"), "-n", &system, "--duration=1h"]);
@@ -235,6 +246,29 @@ fn a_missing_rbac_rule_fails_with_a_message_naming_it() {
     assert!(logs.contains("consumergrouppolicies/status") && logs.contains("cannot patch"), "{logs}");
     let status = get_policy(&ns, "p")["status"].clone();
     assert!(status.is_null(), "no status can be written without the rule: {status}\n{logs}");
+}
+
+/// Issue 57: with `rbac.consumerPods=false` the operator may not watch Pods. A policy that sets
+/// `spec.consumers.pods` says so in its Ready condition, naming the right and the value to set; its passes go on.
+#[test]
+fn without_the_pod_rule_a_policy_naming_pods_says_which_right_and_value_it_lacks() {
+    let server = Server::start(Flavor::Redis);
+    let ns = namespace("nopods");
+    let (kubeconfig, _dir) = install_rbac_with("nopods", &ns, &["rbac.consumerPods=false"], |m| m);
+    let operator = operator_as_service_account(&kubeconfig, &ns);
+    let pods = "  consumers:\n    pods:\n      matchLabels:\n        app: workers\n";
+    assert!(kubectl_apply(&ns, &policy("p", &server.url(), "s", "g", pods)).0);
+    let p = wait_condition(&ns, "p", "Ready", "False", "PodsForbidden");
+    let conditions = p["status"]["conditions"].as_array().unwrap();
+    let ready = conditions.iter().find(|c| c["type"] == "Ready").unwrap();
+    let message = ready["message"].as_str().unwrap();
+    println!("Ready False PodsForbidden: {message}");
+    for needle in ["the consumer-pods job failed", "cannot list resource \"pods\"", "rbac.consumerPods: true"] {
+        assert!(message.contains(needle), "{needle:?} missing from the Ready message: {message}");
+    }
+    assert!(p["status"]["lastPassTime"].is_string(), "the passes go on: {p}");
+    let logs = operator.logs();
+    assert!(logs.contains("watching Pods for spec.consumers.pods failed"), "{logs}");
 }
 
 #[test]

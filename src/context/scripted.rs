@@ -23,6 +23,19 @@ pub async fn expect(handle: &mut Handle, reply: serde_json::Value) -> (Method, S
     (method, path, body)
 }
 
+/// The next request: method and path, refused as the API server refuses it (`code`, a `Status` with `reason` and
+/// `message`).
+pub async fn refuse(handle: &mut Handle, code: u16, reason: &str, message: &str) -> (Method, String) {
+    let (request, respond) = handle.next_request().await.expect("a request");
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let status = serde_json::json!({
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason, "message": message,
+    });
+    let body = Body::from(serde_json::to_vec(&status).unwrap());
+    respond.send_response(Response::builder().status(code).body(body).unwrap());
+    (method, path)
+}
+
 /// Whether the client sent nothing within 100 ms.
 pub async fn silent(handle: &mut Handle) -> bool {
     tokio::time::timeout(std::time::Duration::from_millis(100), handle.next_request()).await.is_err()

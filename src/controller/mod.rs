@@ -101,6 +101,8 @@ impl Context {
                 let (store, writer) = reflector::store();
                 let current = Arc::new(AtomicBool::new(false));
                 let health = current.clone();
+                let forbidden = Arc::new(Mutex::new(None));
+                let refusal = forbidden.clone();
                 let watch = watcher(api, watcher::Config::default())
                     .default_backoff()
                     .modify(|pod| {
@@ -118,20 +120,39 @@ impl Context {
                             Ok(watcher::Event::Init) => Some(false),
                             Ok(watcher::Event::InitApply(_)) => None,
                             Err(e) => {
-                                warn!(error = %e, "watching Pods for spec.consumers.pods failed; retrying (the operator needs list and watch on pods); no consumer is taken for gone meanwhile");
+                                warn!(error = %e, "watching Pods for spec.consumers.pods failed; retrying (the operator needs list and watch on pods: the chart's rbac.consumerPods); no consumer is taken for gone meanwhile");
+                                if let Some(detail) = forbidden_detail(e) {
+                                    *refusal.lock().expect("pod watch lock") = Some(detail);
+                                }
                                 Some(false)
                             }
                         };
                         if let Some(now_current) = now_current {
                             health.store(now_current, Ordering::Relaxed);
+                            if now_current {
+                                *refusal.lock().expect("pod watch lock") = None;
+                            }
                         }
                         std::future::ready(())
                     });
                 tokio::spawn(watch);
-                PodWatch { store, current }
+                PodWatch { store, current, forbidden }
             })
             .clone()
     }
+}
+
+/// The API server's message when it refused a watch for lack of a right (403 Forbidden): no retry heals that until
+/// someone grants the right, unlike a watch that failed on the way.
+fn forbidden_detail(error: &watcher::Error) -> Option<String> {
+    let status = match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status))
+        | watcher::Error::WatchError(status) => status,
+        _ => return None,
+    };
+    status.is_forbidden().then(|| status.message.clone())
 }
 
 /// The uids of recently deleted policies. A reconcile lasts seconds (a slow server), so a uid is kept
@@ -683,6 +704,49 @@ mod tests {
             "{body}"
         );
         assert_eq!(action, Action::await_change());
+    }
+
+    /// Issue 57: a Pod watch the API server refuses for lack of a right (the chart's `rbac.consumerPods: false`)
+    /// keeps the API server's words for the policies that name Pods, and forgets them once a listing succeeds.
+    #[tokio::test]
+    async fn a_forbidden_pod_watch_keeps_the_refusal_until_a_listing_succeeds() {
+        let (ctx, mut handle) = context(Leadership::always());
+        let watch = ctx.pods();
+        let refusal = r#"pods is forbidden: User "system:serviceaccount:pelican-system:pelican" cannot list resource "pods" in API group "" at the cluster scope"#;
+        let (method, path) = scripted::refuse(&mut handle, 403, "Forbidden", refusal).await;
+        assert_eq!((method, path.as_str()), (Method::GET, "/api/v1/pods"));
+        let forbidden = || watch.forbidden.lock().unwrap().clone();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while forbidden().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(forbidden().as_deref(), Some(refusal));
+        assert!(!watch.current.load(Ordering::Relaxed));
+
+        // The right granted: the retried listing succeeds.
+        let listing = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+                                         "metadata": {"resourceVersion": "1"}, "items": []});
+        let (method, path, _) = expect(&mut handle, listing).await;
+        assert_eq!((method, path.as_str()), (Method::GET, "/api/v1/pods"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while forbidden().is_some() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(forbidden(), None);
+        assert!(watch.current.load(Ordering::Relaxed));
+    }
+
+    /// Only a refusal is kept: a listing that failed on the way (the API server restarting) heals by itself.
+    #[test]
+    fn only_a_403_counts_as_a_forbidden_watch() {
+        let status = |code: u16, reason: &str| {
+            kube::Error::Api(kube::core::Status::failure("no", reason).with_code(code).boxed())
+        };
+        let forbidden = || status(403, "Forbidden");
+        assert_eq!(forbidden_detail(&watcher::Error::InitialListFailed(forbidden())).as_deref(), Some("no"));
+        assert_eq!(forbidden_detail(&watcher::Error::WatchStartFailed(forbidden())).as_deref(), Some("no"));
+        assert_eq!(forbidden_detail(&watcher::Error::InitialListFailed(status(500, "InternalError"))), None);
+        assert_eq!(forbidden_detail(&watcher::Error::NoResourceVersion), None);
     }
 
     #[tokio::test]

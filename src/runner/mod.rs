@@ -97,6 +97,9 @@ pub struct PodsOf {
 pub struct PodWatch {
     pub store: Store<PartialObjectMeta<Pod>>,
     pub current: Arc<std::sync::atomic::AtomicBool>,
+    /// The API server's words when it refused the watch for lack of a right (403), until the watch is current again:
+    /// shown on every policy that names Pods, since no retry heals it until someone grants the right.
+    pub forbidden: Arc<Mutex<Option<String>>>,
 }
 
 impl PartialEq for PodsOf {
@@ -165,12 +168,12 @@ pub enum JobKind {
     Reclaim,
     Retention,
     ConsumerExpiry,
-    /// `spec.consumers.pods`: listing the consumers to match them with Pods.
+    /// `spec.consumers.pods`: matching the consumers to the Pods of the operator's watch.
     ConsumerPods,
 }
 
 impl JobKind {
-    /// As the condition message, the log and the `job` label of `pelican_job_failures_total` name it.
+    /// As the condition message, the log and the `task` label of `pelican_job_failures_total` name it.
     pub fn name(self) -> &'static str {
         match self {
             JobKind::Reclaim => "reclaim",
@@ -339,7 +342,9 @@ impl PolicyTask {
                         });
                     }
                     if self.job.borrow().pods.is_none() {
-                        self.update_state(|state| _ = state.failures.remove(&JobKind::ConsumerPods));
+                        self.update_state(|state| {
+                            state.failures.remove(&JobKind::ConsumerPods);
+                        });
                     }
                     // New settings take effect at once (a shorter interval, say).
                     due = Instant::now();
@@ -431,6 +436,9 @@ impl PolicyTask {
         let Some(live) = pods.names() else {
             // Nothing is taken for gone on a store that may be stale; two sweeps of a current one are needed again.
             suspects.clear();
+            if let Some(detail) = pods.watch.forbidden.lock().expect("pod watch lock").clone() {
+                self.outcome(JobKind::ConsumerPods, &Err::<(), _>(crate::Error::PodsForbidden { detail }));
+            }
             return Vec::new();
         };
         let mut conn = job.conn.clone();

@@ -207,7 +207,8 @@ impl Metrics {
         self.job_failures.0.lock().expect("metrics lock").retain(|(policy, _, _), _| policy != key);
     }
 
-    /// Counts one failed run of a policy's job (`reclaim`, `retention`, `consumer-expiry`, `consumer-pods`) by the error's reason.
+    /// Counts one failed run of a policy's job (`reclaim`, `retention`, `consumer-expiry`, `consumer-pods`) by the
+    /// error's reason.
     pub fn job_failed(&self, key: PolicyKey, job: &'static str, reason: &'static str) {
         *self.job_failures.0.lock().expect("metrics lock").entry((key, job, reason)).or_default() += 1;
     }
