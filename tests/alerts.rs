@@ -15,13 +15,19 @@ use serde_json::Value;
 const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican");
 
 /// One template of the chart rendered with alerts and dashboard on (release `pelican`, so the job is
-/// `pelican-metrics`), as JSON.
+/// `pelican-metrics`) and one shard, `shard1` (so that every alert renders), as JSON.
 fn render(template: &str) -> Value {
-    let out = Command::new(bed().var("PELICAN_HELM"))
-        .args(["template", "pelican", CHART, "--set", "alerts.enabled=true", "--set", "dashboard.enabled=true"])
-        .args(["--show-only", template])
-        .output()
-        .expect("run helm");
+    render_with(template, &["sharding.shards={shard1}"])
+}
+
+/// The same with the values `sets` instead of the shard.
+fn render_with(template: &str, sets: &[&str]) -> Value {
+    let mut helm = Command::new(bed().var("PELICAN_HELM"));
+    helm.args(["template", "pelican", CHART, "--set", "alerts.enabled=true", "--set", "dashboard.enabled=true"]);
+    for set in sets {
+        helm.args(["--set", set]);
+    }
+    let out = helm.args(["--show-only", template]).output().expect("run helm");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_yaml::from_slice(&out.stdout).unwrap()
 }
@@ -218,6 +224,10 @@ tests:
               summary: 'No Pelican operator replica is up (job pelican-metrics)'
               description: 'No replica answers its metrics scrape: reclaim, dead-letter and retention jobs are not running.'
               runbook_url: 'http://localhost:3000/runbooks/operator-down.html'
+      # Every replica down is PelicanOperatorDown's, not one more alert per shard.
+      - eval_time: 14m
+        alertname: PelicanShardDown
+        exp_alerts: []
       - eval_time: 4m
         alertname: PelicanNotLeading
         exp_alerts: []
@@ -229,6 +239,52 @@ tests:
               summary: 'No Pelican replica holds the leader Lease pelican-leader-shard1'
               description: 'Replicas are up but none leads: no policy is reconciled. Check the operator logs and the Lease.'
               runbook_url: 'http://localhost:3000/runbooks/not-leading.html'
+  # Sharded (shards [shard1]): shard1's two replicas go down at minute 5 while the unlabelled shard's stay up.
+  # PelicanOperatorDown and PelicanNotLeading stay silent (some replica is up; no replica reports shard1's Lease at
+  # all): only PelicanShardDown tells.
+  - interval: 1m
+    input_series:
+      - series: 'up{job="pelican-metrics",instance="a"}'
+        values: '1x20'
+      - series: 'up{job="pelican-metrics",instance="b"}'
+        values: '1x20'
+      - series: 'pelican_leader{job="pelican-metrics",instance="a",lease="pelican-leader"}'
+        values: '1x20'
+      - series: 'pelican_leader{job="pelican-metrics",instance="b",lease="pelican-leader"}'
+        values: '0x20'
+      - series: 'up{job="pelican-metrics",instance="d"}'
+        values: '1x4 0x16'
+      - series: 'up{job="pelican-metrics",instance="e"}'
+        values: '1x4 0x16'
+      - series: 'pelican_leader{job="pelican-metrics",instance="d",lease="pelican-leader-shard1"}'
+        values: '1x4 stale'
+      - series: 'pelican_leader{job="pelican-metrics",instance="e",lease="pelican-leader-shard1"}'
+        values: '0x4 stale'
+      # Another install (another job) whose replicas are down must not matter.
+      - series: 'up{job="other-pelican-metrics",instance="f"}'
+        values: '0x20'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: PelicanShardDown
+        exp_alerts: []
+      # Down for 3 minutes (a rollout, a Pod rescheduled): not yet.
+      - eval_time: 8m
+        alertname: PelicanShardDown
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: PelicanShardDown
+        exp_alerts:
+          - exp_labels: {severity: critical, job: pelican-metrics, lease: pelican-leader-shard1, shard: shard1}
+            exp_annotations:
+              summary: 'No Pelican replica of shard shard1 is up (Lease pelican-leader-shard1)'
+              description: 'Shard shard1 serves the policies labelled sharding.pelican.io/key=shard1 (the shard unlabelled: those without that label). None of them is reconciled or swept (no reclaim, dead-letter or retention jobs, no status) while the other shards run. kubectl get pods -n default -l pelican.io/shard=shard1 shows why.'
+              runbook_url: 'http://localhost:3000/runbooks/shard-down.html'
+      - eval_time: 12m
+        alertname: PelicanOperatorDown
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: PelicanNotLeading
+        exp_alerts: []
 "#;
 
 #[test]
@@ -261,6 +317,28 @@ fn promtool_test_rules_fire_what_must_fire_and_nothing_else() {
     for alert in &alerts {
         assert!(TESTS.contains(&format!("alertname: {alert}\n")), "{alert} has no test");
     }
+}
+
+/// Issue 57: with sharding, one shard's replicas all down fired nothing (`PelicanOperatorDown` looks at the whole
+/// job, `PelicanNotLeading` at the Leases replicas report). `PelicanShardDown` renders with sharding only (unsharded,
+/// the one Deployment is the whole job), with one term per Deployment: each shard's Lease, and the unlabelled one.
+#[test]
+fn the_shard_alert_renders_with_sharding_only_and_watches_every_deployment() {
+    let rules = |sets: &[&str]| -> Vec<Value> {
+        let groups = render_with("templates/prometheusrule.yaml", sets)["spec"]["groups"].clone();
+        groups.as_array().unwrap().iter().flat_map(|g| g["rules"].as_array().unwrap().clone()).collect()
+    };
+    let unsharded = rules(&[]);
+    assert!(unsharded.len() >= 12, "{unsharded:?}");
+    assert!(unsharded.iter().all(|r| r["alert"] != "PelicanShardDown"), "{unsharded:?}");
+    let sharded = rules(&["sharding.shards={a,b}"]);
+    let alert = sharded.iter().find(|r| r["alert"] == "PelicanShardDown").expect("PelicanShardDown with shards");
+    let expr = alert["expr"].as_str().unwrap();
+    for (lease, shard) in [("pelican-leader", "unlabelled"), ("pelican-leader-a", "a"), ("pelican-leader-b", "b")] {
+        let term = format!(r#"absent(pelican_leader{{job="pelican-metrics",lease="{lease}"}}), "shard", "{shard}""#);
+        assert!(expr.contains(&term), "{term} missing from {expr}");
+    }
+    assert_eq!(expr.matches("absent(").count(), 3, "one term per Deployment: {expr}");
 }
 
 /// Metric names in a PromQL expression (ours, and the controller-runtime ones).
