@@ -114,6 +114,12 @@ pub fn bounds_key(stream: &str) -> String {
     format!("{{{}}}:pelican:{stream}:bounds", hash_tag(stream))
 }
 
+/// `{T}:pelican:<stream>:idempotence`: policy uid -> the window of idempotent production it declares and when it
+/// last said so (`scripts/idempotence_window.lua`), so that policies naming the server differently agree on one.
+pub fn idempotence_key(stream: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:idempotence", hash_tag(stream))
+}
+
 /// `{T}:pelican:<stream>:rejected`: group -> publishes the bounded-publish script refused for it.
 pub fn rejected_key(stream: &str) -> String {
     format!("{{{}}}:pelican:{stream}:rejected", hash_tag(stream))

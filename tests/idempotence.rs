@@ -209,3 +209,73 @@ fn the_policy_sets_the_window_once_and_shows_the_duplicates_refused(flavor: Flav
     assert_eq!(stream_info(&mut conn, "iids-tracked"), 0);
     drop(operator);
 }
+
+/// Defect (issue 57.11): two policies of one stream that name its server differently (here `127.0.0.1` and
+/// `localhost`) do not see each other as neighbours, so each put its own window in place at every reconcile:
+/// `XCFGSET` back and forth, each time clearing the server's record, and a retried publish duplicated. They now
+/// agree on the server (the longest duration, the largest size): the window is set once and the record kept.
+#[test]
+fn two_policies_naming_one_server_differently_agree_on_one_window() {
+    let server = Server::start(Flavor::Redis86);
+    let mut conn = server.conn();
+    let first = policy("p", &server.url(), STREAM, "billing", "  idempotence:\n    duration: 10m\n    maxSize: 1000\n");
+    let (ns, _operator) = ready_policy("idmpnames", &first, "p");
+    let other_url = server.url().replace("127.0.0.1", "localhost");
+    let second = policy("q", &other_url, STREAM, "shipping", "  idempotence:\n    duration: 5m\n    maxSize: 2000\n")
+        .replace(&format!("\"{STREAM}:dlq\""), "\"{orders}:dlq-shipping\"");
+    assert!(kubectl_apply(&ns, &second).0);
+    for name in ["p", "q"] {
+        let policy = wait_condition(&ns, name, "Idempotent", "True", "WindowApplied");
+        let said =
+            policy["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Idempotent").cloned();
+        println!("{name}: {}", said.unwrap()["message"]);
+    }
+    wait_for("the window 600 s, 2000 ids", Duration::from_secs(30), || {
+        match (stream_info(&mut conn, "idmp-duration"), stream_info(&mut conn, "idmp-maxsize")) {
+            (600, 2000) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let producer = idempotent_producer(&runtime, &server.url(), "pod-0");
+    let id = runtime.block_on(producer.publish("order-1", &[("order", "1")])).unwrap();
+    // Both policies reconcile every second: several rounds each.
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(stream_info(&mut conn, "iids-tracked"), 1, "XCFGSET ran again and cleared the record");
+    assert_eq!(runtime.block_on(producer.publish("order-1", &[("order", "1")])).unwrap(), id);
+    assert_eq!(xlen(&mut conn), 1);
+    assert_eq!((stream_info(&mut conn, "idmp-duration"), stream_info(&mut conn, "idmp-maxsize")), (600, 2000));
+    let set = events(&ns, "IdempotenceWindowSet");
+    assert!(set.len() <= 2, "the window set {} times: {set:?}", set.len());
+}
+
+/// Defect (issue 57.13): an operator user without `+command|docs` (the features then unknown) made `Idempotent`
+/// say `ServerWithoutIdmp` on Redis 8.6. The stream's own `XINFO STREAM` fields tell it: the window is applied.
+#[test]
+fn without_command_docs_the_window_is_still_applied_where_the_server_has_idmp() {
+    let server = Server::start(Flavor::Redis86);
+    let mut conn = server.conn();
+    let path = format!("{}/examples/acl/pelican.acl", env!("CARGO_MANIFEST_DIR"));
+    let file = std::fs::read_to_string(path).unwrap();
+    let line = file.lines().find(|l| l.starts_with("user ")).unwrap();
+    let mut setuser = redis::cmd("ACL");
+    setuser.arg("SETUSER").arg("pelican").arg("reset");
+    for rule in line.split_whitespace().skip(2) {
+        match rule {
+            "+command|docs" => {}
+            ">CHANGE-ME" => _ = setuser.arg(">pelican-pw"),
+            "~STREAM" | "~DEAD_LETTER_STREAM" | "~{T}:pelican:*" | "~{D}:pelican:*" => _ = setuser.arg("~{orders}*"),
+            rule => _ = setuser.arg(rule),
+        }
+    }
+    let _: () = setuser.arg("+xcfgset").query(&mut conn).unwrap();
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-acl\nstringData:\n  username: pelican\n  password: pelican-pw\n";
+    let refs = "    usernameSecretRef: {name: redis-acl, key: username}\n    passwordSecretRef: {name: redis-acl, key: password}\n";
+    let manifest =
+        policy("p", &server.url(), STREAM, "billing", "  idempotence:\n    duration: 10m\n    maxSize: 1000\n")
+            .replacen("  stream:", &format!("{refs}  stream:"), 1);
+    let (ns, _operator) = ready_policy("idmpacl", &format!("{secret}---\n{manifest}"), "p");
+    let policy = wait_condition(&ns, "p", "Idempotent", "True", "WindowApplied");
+    assert!(policy["status"]["serverFeatures"].as_array().is_none_or(|f| f.is_empty()), "{}", policy["status"]);
+    assert_eq!((stream_info(&mut conn, "idmp-duration"), stream_info(&mut conn, "idmp-maxsize")), (600, 1000));
+}

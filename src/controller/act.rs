@@ -124,19 +124,25 @@ pub async fn converge(
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
     let window = validate::effective_idempotence(policy, schedule.idempotence, others);
-    let mut idempotence = plan::idempotence(window, facts.idempotence.as_ref(), features.has("XADD IDMP"));
-    if let plan::Idempotence::Set(window) = idempotence {
-        idempotence = match redis_ops::set_idempotence(&mut conn, &server, keys.stream, window.seconds, window.max_size)
-            .await
+    // The stream's own `idmp-*` fields tell as well as COMMAND DOCS, which an ACL without +command|docs refuses.
+    let has_idmp = features.has("XADD IDMP") || facts.idempotence.is_some();
+    let mut idempotence = plan::idempotence(window, facts.idempotence.as_ref(), has_idmp);
+    if let plan::Idempotence::Set(window) | plan::Idempotence::Applied(window) = idempotence {
+        let uid = policy.uid().unwrap_or_default();
+        let (seconds, max_size) = (window.seconds, window.max_size);
+        idempotence = match redis_ops::agree_idempotence(&mut conn, &server, keys.stream, &uid, seconds, max_size).await
         {
-            Ok(()) => {
-                announce(ctx, policy, plan::idempotence_announcement(keys.stream, window, facts.idempotence.as_ref()))
-                    .await;
-                if let Some(now) = facts.idempotence.as_mut() {
-                    (now.duration_seconds, now.max_size, now.producers, now.message_ids) =
-                        (window.seconds, window.max_size, 0, 0);
+            Ok((seconds, max_size, set)) => {
+                let in_force = validate::Window { seconds, max_size };
+                if set {
+                    let before = facts.idempotence.as_ref();
+                    announce(ctx, policy, plan::idempotence_announcement(keys.stream, in_force, before)).await;
+                    if let Some(now) = facts.idempotence.as_mut() {
+                        (now.duration_seconds, now.max_size, now.producers, now.message_ids) =
+                            (seconds, max_size, 0, 0);
+                    }
                 }
-                plan::Idempotence::Applied(window)
+                plan::Idempotence::Applied(in_force)
             }
             // Nothing else depends on it: the policy stays Ready, and the condition says why.
             Err(e) => plan::Idempotence::Refused(window, e.to_string()),
@@ -293,6 +299,10 @@ async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy:
     let (target, mut conn) = ctx.shared.pools.reach_primary(&target).await?;
     let server = target.server();
     redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
+    if policy.spec.idempotence.is_some() {
+        let uid = policy.uid().unwrap_or_default();
+        redis_ops::withdraw_idempotence(&mut conn, &server, &policy.spec.stream, &uid).await?;
+    }
     if !destroy {
         return Ok(());
     }

@@ -11,12 +11,15 @@ use redis::{Script, Value, pipe};
 use super::Conn;
 use super::reply::{self, Fields};
 use crate::keys::{
-    WorkerSettings, bounds_key, creator_key, legacy_keys, rejected_key, settings_key, terminal_key, totals_key,
+    WorkerSettings, bounds_key, creator_key, idempotence_key, legacy_keys, rejected_key, settings_key, terminal_key,
+    totals_key,
 };
 use crate::{Error, Result};
 
 static CARRY_OVER_COUNTERS: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/carry_over_counters.lua")));
+static IDEMPOTENCE_WINDOW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/idempotence_window.lua")));
 static DESTROY_GROUP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/destroy_group.lua")));
 static PUBLISH_SETTINGS: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/publish_settings.lua")));
 
@@ -282,15 +285,43 @@ pub async fn set_bound(conn: &mut Conn, server: &str, stream: &str, group: &str,
     cmd.query_async::<()>(conn).await.map_err(|e| Error::from_redis(server, e))
 }
 
-/// Sets the stream's window of idempotent production (`XCFGSET`, Redis 8.6+). It clears the server's record of
-/// producers and message ids: called only when the window differs.
-pub async fn set_idempotence(conn: &mut Conn, server: &str, stream: &str, seconds: i64, max_size: i64) -> Result<()> {
-    redis::cmd("XCFGSET")
-        .arg(stream)
-        .arg("IDMP-DURATION")
+/// How long a policy's declared window of idempotent production counts without being said again: a deleted policy
+/// whose cleanup never reached the server stops widening the window after this.
+const IDEMPOTENCE_DECLARATION_LASTS: Duration = Duration::from_secs(30 * 60);
+/// The most declarations of one stream read (one per policy of the stream).
+const IDEMPOTENCE_DECLARATIONS_READ: u64 = 100;
+
+/// Says the policy's (`uid`) window of idempotent production to the server and answers the window in force there,
+/// over every policy of the stream however it names the server, with whether this call set it (`XCFGSET`, Redis
+/// 8.6+, which clears the server's record of producers and message ids: run only when the stream's window differs;
+/// `scripts/idempotence_window.lua`).
+pub async fn agree_idempotence(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    uid: &str,
+    seconds: i64,
+    max_size: i64,
+) -> Result<(i64, i64, bool)> {
+    let (seconds, max_size, set): (i64, i64, u8) = IDEMPOTENCE_WINDOW
+        .key(stream)
+        .key(idempotence_key(stream))
+        .arg(uid)
         .arg(seconds)
-        .arg("IDMP-MAXSIZE")
         .arg(max_size)
+        .arg(IDEMPOTENCE_DECLARATION_LASTS.as_millis() as u64)
+        .arg(IDEMPOTENCE_DECLARATIONS_READ)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok((seconds, max_size, set == 1))
+}
+
+/// Withdraws a deleted policy's declared window (see [`agree_idempotence`]); the window in force stays.
+pub async fn withdraw_idempotence(conn: &mut Conn, server: &str, stream: &str, uid: &str) -> Result<()> {
+    redis::cmd("HDEL")
+        .arg(idempotence_key(stream))
+        .arg(uid)
         .query_async::<()>(conn)
         .await
         .map_err(|e| Error::from_redis(server, e))

@@ -11,7 +11,7 @@ pub(crate) mod reply;
 pub use backlog::{Backlog, Readings, probe_backlog};
 pub use features::Features;
 pub use group::{
-    Destroyed, GroupFacts, GroupKeys, GroupSetup, OldestPending, PassMinIdle, ServerInfo, Unread, destroy_group,
-    ensure_group, id_millis, probe_group, publish_settings, set_bound, set_idempotence,
+    Destroyed, GroupFacts, GroupKeys, GroupSetup, OldestPending, PassMinIdle, ServerInfo, Unread, agree_idempotence,
+    destroy_group, ensure_group, id_millis, probe_group, publish_settings, set_bound, withdraw_idempotence,
 };
 pub use pool::{Conn, Credentials, PoolKey, Pools, Sentinel, Target, Tls, canonical_url, server_identity};
