@@ -17,10 +17,10 @@
 -- 100 by default; a node of tiny entries within `stream-node-max-bytes` holds fewer than NODE_MARGIN).
 -- Invariant: no entry any group still has pending or has not read is removed, and a stream without groups is never
 -- trimmed. The script runs atomically, so no group can be created, and no entry read, between the look and the trim.
--- `trimmed` is added to the totals hash (a field holding no integer starts again). With ARGV[2], the trim is
--- `XTRIM MINID <id> ACKED` (exact, never `~`, and only ever on a stream with groups: on 8.6 ACKED on a stream without
--- groups trims everything): the server itself also keeps every entry some group has not acknowledged, a second net
--- under the computed safe point, which stays the reason `pinnedBy` gives.
+-- `trimmed` is added to the totals hash (a field holding no integer starts again). With ARGV[2], the exact trim of
+-- the last node is `XTRIM MINID <id> ACKED` (never with `~`, and only ever on a stream with groups: on 8.6 ACKED on a
+-- stream without groups trims everything): the server itself also keeps every entry some group has not acknowledged
+-- there, a second net under the computed safe point, which stays the reason `pinnedBy` gives.
 local function split(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return ms, seq
@@ -77,14 +77,16 @@ end
 local v = redis.call('HGET', KEYS[2], 'trimmed')
 local NODE_MARGIN = 2000
 local limit = ARGV[3]
-local function trim(args)
-  if ARGV[2] == '1' then args[#args + 1] = 'ACKED' end
-  return redis.call('XTRIM', KEYS[1], 'MINID', unpack(args))
-end
-local trimmed = trim({'~', minid, 'LIMIT', limit})
+-- Whole nodes first, without ACKED (whose `~` deleted nothing on 8.2.2 and 8.4.0): the safe point computed above
+-- holds for them, in this same atomic call.
+local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', '~', minid, 'LIMIT', limit)
 local more = 1
 if trimmed <= tonumber(limit) - NODE_MARGIN then
-  trimmed = trimmed + trim({minid})
+  if ARGV[2] == '1' then
+    trimmed = trimmed + redis.call('XTRIM', KEYS[1], 'MINID', minid, 'ACKED')
+  else
+    trimmed = trimmed + redis.call('XTRIM', KEYS[1], 'MINID', minid)
+  end
   more = 0
 end
 if trimmed > 0 then
