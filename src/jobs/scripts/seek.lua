@@ -54,9 +54,9 @@ local dry_run, dlq_maxlen, error_max = ARGV[9] == '1', tonumber(ARGV[10]), tonum
 local max_consumers = tonumber(ARGV[12])
 
 local READ_ENTRIES, READ_BYTES, PENDING_BATCH, RESTARTS = 4096, 2 * 1024 * 1024, 512, 5
--- What a field costs beyond its bytes, charged to READ_BYTES: a field costs the server about what 64 bytes of its
+-- What a field costs beyond its bytes, charged to READ_BYTES: a field costs the server about what 512 bytes of its
 -- value do, so an entry of thousands of empty fields is no longer free.
-local FIELD_COST = 64
+local FIELD_COST = 512
 local MAX_SEQ = '18446744073709551615'
 
 local raw = redis.call('HGET', seeks, name)
