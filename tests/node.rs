@@ -114,6 +114,33 @@ fn redis_in_pod(ip: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// Who the policy `orders` connects to Redis as.
+enum Auth {
+    /// The server's default user, by the password in the Secret `redis-auth`.
+    Default,
+    /// The ACL user `pelican` with these rules (`ACL SETUSER` arguments), its name and password in the Secret
+    /// `pelican-redis`.
+    Acl(Vec<String>),
+}
+
+/// The password of the ACL user `pelican`.
+const PELICAN_PW: &str = "pelican-pw";
+
+/// The `user pelican ...` line of an ACL file as the docs write it, filled in for the policy `orders` as its comments
+/// say (STREAM, DEAD_LETTER_STREAM, the hash tags {T} and {D}, the password): the rules `ACL SETUSER` takes.
+fn documented_acl(file: &str) -> Vec<String> {
+    let line = file.lines().find(|l| l.starts_with("user pelican ")).expect("a `user pelican` line");
+    line.split_whitespace()
+        .skip(2)
+        .map(|rule| match rule {
+            ">CHANGE-ME" => format!(">{PELICAN_PW}"),
+            "~STREAM" => "~orders".to_string(),
+            "~DEAD_LETTER_STREAM" => "~orders:dlq".to_string(),
+            other => other.replace("{T}", "{orders}").replace("{D}", "{orders:dlq}"),
+        })
+        .collect()
+}
+
 /// The chart installed by `helm install` into a fresh namespace enforcing `restricted`, beside a namespace `apps`
 /// (restricted too) for the workloads; with `with_policy`, Redis runs there as a pod behind a Service, its password
 /// in a Secret the chart lets the operator read, and the policy `orders` (dead-letters after one delivery left idle
@@ -136,11 +163,13 @@ impl Installed {
         let values = |apps: &str| {
             vec![format!("rbac.secretNamespaces={{{apps}}}"), "autoscaling.externalScaler.enabled=true".to_string()]
         };
-        Installed::install(concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican"), values, with_policy)
+        let policy = with_policy.then_some(Auth::Default);
+        Installed::install(concat!(env!("CARGO_MANIFEST_DIR"), "/charts/pelican"), values, policy)
     }
 
-    /// `chart` installed with the `values` (`--set`) given for the workloads' namespace.
-    fn install(chart: &str, values: impl Fn(&str) -> Vec<String>, with_policy: bool) -> Installed {
+    /// `chart` installed with the `values` (`--set`) given for the workloads' namespace; with a `policy`, Redis and
+    /// the policy `orders` connecting as it says.
+    fn install(chart: &str, values: impl Fn(&str) -> Vec<String>, policy: Option<Auth>) -> Installed {
         let system = restricted_namespace("pelican-system");
         let apps = restricted_namespace("apps");
         let release = system.replace("-system", "");
@@ -154,8 +183,11 @@ impl Installed {
             orders: String::new(),
             uninstalled: false,
         };
-        if with_policy {
+        if let Some(auth) = &policy {
             installed.start_redis();
+            if let Auth::Acl(rules) = auth {
+                installed.set_acl_user(rules);
+            }
         }
         let start = Instant::now();
         let values = values(&installed.apps);
@@ -168,9 +200,15 @@ impl Installed {
         }
         helm_ok(&args);
         println!("helm install: both replicas Ready after {:.1}s", start.elapsed().as_secs_f64());
-        if with_policy {
+        if let Some(auth) = &policy {
+            let credentials = match auth {
+                Auth::Default => "passwordSecretRef: {name: redis-auth, key: password}",
+                Auth::Acl(_) => {
+                    "usernameSecretRef: {name: pelican-redis, key: username}\n    passwordSecretRef: {name: pelican-redis, key: password}"
+                }
+            };
             installed.orders = format!(
-                "apiVersion: pelican.io/v1alpha1\nkind: ConsumerGroupPolicy\nmetadata:\n  name: orders\nspec:\n  redis:\n    url: redis://{}:6379\n    passwordSecretRef: {{name: redis-auth, key: password}}\n  stream: orders\n  group: billing\n  startId: \"0\"\n  reclaim: {{minIdle: 1s, interval: 1s}}\n  retry: {{maxDeliveries: 1}}\n  deadLetter: {{stream: \"orders:dlq\"}}\n  deletionPolicy: Delete\n",
+                "apiVersion: pelican.io/v1alpha1\nkind: ConsumerGroupPolicy\nmetadata:\n  name: orders\nspec:\n  redis:\n    url: redis://{}:6379\n    {credentials}\n  stream: orders\n  group: billing\n  startId: \"0\"\n  reclaim: {{minIdle: 1s, interval: 1s}}\n  retry: {{maxDeliveries: 1}}\n  deadLetter: {{stream: \"orders:dlq\"}}\n  deletionPolicy: Delete\n",
                 installed.redis_ip
             );
             let (ok, out) = kubectl_apply(&installed.apps, &installed.orders);
@@ -193,6 +231,19 @@ impl Installed {
             let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
             if text == "PONG" { Ok(()) } else { Err(format!("{text} {}", String::from_utf8_lossy(&out.stderr))) }
         });
+    }
+
+    /// The ACL user `pelican` given exactly `rules` (`ACL SETUSER pelican reset ...`: an ACL file's line replaced
+    /// whole), and the Secret `pelican-redis` naming it.
+    fn set_acl_user(&self, rules: &[String]) {
+        let mut args = vec!["ACL", "SETUSER", "pelican", "reset"];
+        args.extend(rules.iter().map(String::as_str));
+        assert_eq!(redis_in_pod(&self.redis_ip, &args), "OK");
+        let secret = format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: pelican-redis\nstringData:\n  username: pelican\n  password: {PELICAN_PW}\n"
+        );
+        let (ok, out) = kubectl_apply(&self.apps, &secret);
+        assert!(ok, "{out}");
     }
 
     /// The release's Pods: (name, IP, Ready).
@@ -492,18 +543,23 @@ fn helm_upgrade_rolls_the_pods_with_never_two_leaders_at_once() {
 /// it: the CRDs server-side applied, `helm upgrade ... --reset-then-reuse-values`, `kubectl rollout status`. Poison
 /// messages (read, never acknowledged) arrive every 300 ms before, during and after the rollout. Every one ends in
 /// the dead-letter stream exactly once, whichever version moved it; the 0.1 counts are carried over to the 0.2
-/// keys (Event `CountersCarriedOver`), so `status.totals.deadLettered` counts them all; no `AnotherPelican`.
+/// keys (Event `CountersCarriedOver`), so `status.totals.deadLettered` counts them all; no `AnotherPelican`. The
+/// operator connects as the ACL user each release documents (`examples/acl/pelican.acl`): 0.1's line, replaced whole
+/// by 0.2's between the CRDs and the chart as the CHANGELOG's step 2 says; the server refuses none of its commands.
 #[test]
 #[ignore = "needs the node and both operator images: scripts/test runs it (scripts/testenv node up, then --ignored)"]
 fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_and_keeps_its_counts() {
     let (_old, old_chart) = previous_chart();
+    // The operator connects as the ACL user its release documents: 0.1's line first, replaced whole by 0.2's during
+    // the upgrade (the CHANGELOG's step 2).
+    let old_acl = documented_acl(&previous_file("examples/acl/pelican.acl"));
     let mut installed = Installed::install(
         old_chart.to_str().unwrap(),
         // 0.1's default image is a registry's; here it is the one `scripts/image previous` built, imported. It
         // watches the test's namespace only (0.1 has no `rbac.secretNamespaces`): cluster-wide, it would first work
         // through the thousands of policies the suite left on the bed, whose servers are gone.
         |apps| vec!["image.repository=localhost/pelican".to_string(), format!("watchNamespace={apps}")],
-        true,
+        Some(Auth::Acl(old_acl)),
     );
     let (system, apps, ip) = (installed.system.clone(), installed.apps.clone(), installed.redis_ip.clone());
     let old_image = kubectl_ok(&["get", "deploy", &installed.release, "-n", &system, "-o", "jsonpath={..image}"]);
@@ -559,6 +615,10 @@ fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_a
     let start = Instant::now();
     let crds = command("kubectl apply --server-side");
     kubectl_ok(&crds.iter().map(String::as_str).collect::<Vec<_>>());
+    // The CHANGELOG's step 2: the operator's ACL line replaced with examples/acl/pelican.acl whole, the 0.1
+    // operator still running under it.
+    redis_in_pod(&ip, &["ACL", "LOG", "RESET"]);
+    installed.set_acl_user(&documented_acl(include_str!("../examples/acl/pelican.acl")));
     let upgrade = command("helm upgrade pelican charts/pelican");
     helm_ok(&upgrade.iter().map(String::as_str).collect::<Vec<_>>());
     let mut rollout = command("kubectl rollout status");
@@ -600,6 +660,10 @@ fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_a
     assert_eq!(carried.len(), 1, "{carried:?}");
     println!("{}", carried[0]["message"]);
     assert!(events(&apps, "AnotherPelican").is_empty(), "the upgrade is a hand-over, not a second install");
+    // Both versions ran as the ACL user, and the server refused neither anything under the documented 0.2 line.
+    assert!(redis_in_pod(&ip, &["CLIENT", "LIST"]).contains(" user=pelican "), "the operator connects as pelican");
+    assert_eq!(redis_in_pod(&ip, &["ACL", "LOG"]), "", "commands the documented ACL refused");
+    wait_condition(&apps, "orders", "Ready", "True", "Reconciled");
     println!(
         "{} messages, {} dead-lettered once each, status.totals.deadLettered {}",
         sent.len(),

@@ -237,19 +237,33 @@ pub fn leads(metrics: &str) -> bool {
     metrics.contains("pelican_leader{lease=\"pelican-leader\"} 1")
 }
 
+/// The commit of the previous release, as `hack/previous-release` names it.
+fn previous_commit() -> String {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/hack/previous-release");
+    std::fs::read_to_string(file).unwrap().trim().to_string()
+}
+
 /// The previous release's chart, from git history: the commit `hack/previous-release` names (the one that
 /// `scripts/image previous` builds the operator of), its `charts/pelican` extracted into a directory that lives as
 /// long as the returned guard; with the chart's path.
 pub fn previous_chart() -> (tempfile::TempDir, PathBuf) {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let commit = std::fs::read_to_string(format!("{root}/hack/previous-release")).unwrap();
+    let (root, commit) = (env!("CARGO_MANIFEST_DIR"), previous_commit());
     let dir = tempfile::tempdir().unwrap();
     let archive = Command::new("sh")
         .arg("-c")
-        .arg(format!("git -C {root} archive {} charts/pelican | tar -x -C {}", commit.trim(), dir.path().display()))
+        .arg(format!("git -C {root} archive {commit} charts/pelican | tar -x -C {}", dir.path().display()))
         .output()
         .unwrap();
     assert!(archive.status.success(), "{}", String::from_utf8_lossy(&archive.stderr));
     let chart = dir.path().join("charts/pelican");
     (dir, chart)
+}
+
+/// A file of the previous release (the commit `hack/previous-release` names), as its users read it.
+pub fn previous_file(path: &str) -> String {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out =
+        Command::new("git").args(["-C", root, "show", &format!("{}:{path}", previous_commit())]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
 }
