@@ -94,6 +94,19 @@ impl Server {
         Server { label, address: target.server(), child, _dir: dir, conn, raw }
     }
 
+    /// A line of the table for this server: `job` on data of `size`, its longest command beside the baseline's.
+    fn row(
+        &self,
+        job: &'static str,
+        size: &str,
+        pelican: Longest,
+        outcome: String,
+        baseline: &'static str,
+        reference: Longest,
+    ) -> Row {
+        Row { server: self.label.clone(), job, size: size.to_string(), pelican, outcome, baseline, reference }
+    }
+
     /// Runs `job` with every command the server runs meanwhile in the slow log; its longest command.
     async fn measure<T>(&mut self, job: impl AsyncFnOnce(&mut Conn, &str) -> T) -> (T, Longest) {
         slowlog_on(&mut self.raw).await;
@@ -208,6 +221,12 @@ impl Row {
             self.pelican.micros as f64 / self.reference.micros.max(1) as f64
         )
     }
+}
+
+/// `row` printed as it is measured and kept for the summary.
+fn record(rows: &mut Vec<Row>, row: Row) {
+    row.print();
+    rows.push(row);
 }
 
 fn header() {
@@ -366,45 +385,18 @@ async fn many_consumers(server: &mut Server, count: usize, rows: &mut Vec<Row>) 
     let (outcome, pelican) = server.measure(async |conn, at| seek::run(conn, at, &keys, &seek, || true).await).await;
     let reference = server.baseline(&xinfo_consumers(STREAM)).await;
     let outcome = said(&outcome.unwrap());
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "seek dry run, consumersIdleFor",
-        size: size.clone(),
-        pelican,
-        outcome,
-        baseline,
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(rows, server.row("seek dry run, consumersIdleFor", &size, pelican, outcome, baseline, reference));
 
     let (expired, pelican) =
         server.measure(async |conn, at| jobs::expire_consumers(conn, at, &keys, Duration::ZERO).await).await;
     let reference = server.baseline(&xinfo_consumers(STREAM)).await;
     let outcome = expired.map_or_else(|e| format!("failed {}", e.reason()), |n| format!("expired {n}"));
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "consumer expiry",
-        size: size.clone(),
-        pelican,
-        outcome,
-        baseline,
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(rows, server.row("consumer expiry", &size, pelican, outcome, baseline, reference));
 
     let (listed, pelican) = server.measure(async |conn, at| jobs::consumers(conn, at, &keys).await).await;
     let reference = server.baseline(&xinfo_consumers(STREAM)).await;
     let outcome = listed.map_or_else(|e| format!("failed {}", e.reason()), |c| format!("listed {}", c.len()));
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "consumers.pods (listing)",
-        size: size.clone(),
-        pelican,
-        outcome,
-        baseline,
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(rows, server.row("consumers.pods (listing)", &size, pelican, outcome, baseline, reference));
 
     let settings = pass_settings(ReclaimStrategy::Reassign);
     let (report, pelican) = server
@@ -417,16 +409,10 @@ async fn many_consumers(server: &mut Server, count: usize, rows: &mut Vec<Row>) 
         "requeued {} reassigned {} (consumers unlisted: {})",
         report.requeued, report.reassigned, report.consumers_unlisted
     );
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "reclaim Reassign, 32 due",
-        size: format!("{size}, 32 due"),
-        pelican,
-        outcome,
-        baseline,
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(
+        rows,
+        server.row("reclaim Reassign, 32 due", &format!("{size}, 32 due"), pelican, outcome, baseline, reference),
+    );
     server.del(&[STREAM]).await;
 }
 
@@ -485,16 +471,17 @@ async fn many_fields_requeued(server: &mut Server, count: usize, rows: &mut Vec<
         })
         .await;
     assert_eq!(requeued, count as u64);
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "reclaim Requeue",
-        size: format!("{count} pending x 3,900 1-byte fields"),
-        pelican,
-        outcome: format!("requeued {requeued}"),
-        baseline: "XAUTOCLAIM COUNT 256",
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(
+        rows,
+        server.row(
+            "reclaim Requeue",
+            &format!("{count} pending x 3,900 1-byte fields"),
+            pelican,
+            format!("requeued {requeued}"),
+            "XAUTOCLAIM COUNT 256",
+            reference,
+        ),
+    );
     server.del(&[STREAM]).await;
 }
 
@@ -532,16 +519,17 @@ async fn many_fields_redriven(server: &mut Server, count: usize, rows: &mut Vec<
     let plan = redrive_plan(DLQ, Vec::new());
     let (moved, pelican) = server.measure(async |conn, at| redrive_all(conn, at, &plan).await).await;
     assert_eq!(moved, count as u64);
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "redrive (snapshot + steps)",
-        size: format!("{count} dead letters x 3,990 empty fields"),
-        pelican,
-        outcome: format!("moved {moved}"),
-        baseline: "XRANGE COUNT 128",
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(
+        rows,
+        server.row(
+            "redrive (snapshot + steps)",
+            &format!("{count} dead letters x 3,990 empty fields"),
+            pelican,
+            format!("moved {moved}"),
+            "XRANGE COUNT 128",
+            reference,
+        ),
+    );
     server.del(&[DLQ, REDRIVEN, &plan.progress_key]).await;
 }
 
@@ -581,31 +569,23 @@ async fn large_entries(server: &mut Server, count: usize, rows: &mut Vec<Row>) {
     let (outcome, pelican) = server.measure(async |conn, at| seek::run(conn, at, &keys, &seek, || true).await).await;
     let reference = server.baseline(&xrange(STREAM, page)).await;
     let outcome = said(&outcome.unwrap());
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "seek dry run, walk",
-        size: size.clone(),
-        pelican,
-        outcome,
-        baseline,
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(rows, server.row("seek dry run, walk", &size, pelican, outcome, baseline, reference));
 
     let plan = redrive_plan(STREAM, vec!["MaxDeliveriesExceeded".into()]);
     let (counted, pelican) = server.measure(async |conn, at| snapshot(conn, at, &plan).await.unwrap().to_move).await;
     assert_eq!(counted, count as u64);
     let reference = server.baseline(&xrange(STREAM, page)).await;
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "redrive snapshot, reason filter",
-        size: format!("{count} dead letters of 1 MB"),
-        pelican,
-        outcome: format!("counted {counted}"),
-        baseline,
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(
+        rows,
+        server.row(
+            "redrive snapshot, reason filter",
+            &format!("{count} dead letters of 1 MB"),
+            pelican,
+            format!("counted {counted}"),
+            baseline,
+            reference,
+        ),
+    );
     server.del(&[STREAM]).await;
 }
 
@@ -646,16 +626,17 @@ async fn backlog_trimmed(server: &mut Server, count: usize, rows: &mut Vec<Row>)
     let mut xtrim = redis::cmd("XTRIM");
     xtrim.arg(STREAM).arg("MINID").arg(&after_last);
     let reference = server.baseline(&xtrim).await;
-    rows.push(Row {
-        server: server.label.clone(),
-        job: "retention trim (Acknowledged)",
-        size: format!("{count} acknowledged entries"),
-        pelican,
-        outcome: format!("trimmed {trimmed}"),
-        baseline: "XTRIM MINID (all of it)",
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(
+        rows,
+        server.row(
+            "retention trim (Acknowledged)",
+            &format!("{count} acknowledged entries"),
+            pelican,
+            format!("trimmed {trimmed}"),
+            "XTRIM MINID (all of it)",
+            reference,
+        ),
+    );
     server.del(&[STREAM]).await;
 }
 
@@ -698,16 +679,17 @@ async fn group_destroyed(server: &mut Server, count: usize, owning: bool, rows: 
     let mut destroy = redis::cmd("XGROUP");
     destroy.arg("DESTROY").arg(STREAM).arg(GROUP);
     let reference = server.baseline(&destroy).await;
-    rows.push(Row {
-        server: server.label.clone(),
-        job: if owning { "destroy group" } else { "destroy group, idle consumers" },
-        size: format!("{count} consumers, {count} pending ({layout})"),
-        pelican,
-        outcome: "destroyed".into(),
-        baseline: "XGROUP DESTROY",
-        reference,
-    });
-    rows.last().unwrap().print();
+    record(
+        rows,
+        server.row(
+            if owning { "destroy group" } else { "destroy group, idle consumers" },
+            &format!("{count} consumers, {count} pending ({layout})"),
+            pelican,
+            "destroyed".into(),
+            "XGROUP DESTROY",
+            reference,
+        ),
+    );
     server.del(&[STREAM]).await;
 }
 
