@@ -142,7 +142,7 @@ fn documented_acl(file: &str) -> Vec<String> {
 }
 
 /// The chart installed by `helm install` into a fresh namespace enforcing `restricted`, beside a namespace `apps`
-/// (restricted too) for the workloads; with `with_policy`, Redis runs there as a pod behind a Service, its password
+/// (restricted too) for the workloads; with a policy, Redis runs there as a pod behind a Service, its password
 /// in a Secret the chart lets the operator read, and the policy `orders` (dead-letters after one delivery left idle
 /// a second) is Ready. Dropped without `uninstall`, it uninstalls the release and deletes both namespaces, so no
 /// operator watching every namespace is left behind for the next test.
@@ -152,7 +152,7 @@ struct Installed {
     release: String,
     selector: String,
     chart: String,
-    /// The Service's address of the Redis pod, with `with_policy`.
+    /// The Service's address of the Redis pod, with a policy.
     redis_ip: String,
     orders: String,
     uninstalled: bool,
@@ -660,7 +660,8 @@ fn the_previous_release_upgraded_as_documented_dead_letters_every_message_once_a
     assert_eq!(carried.len(), 1, "{carried:?}");
     println!("{}", carried[0]["message"]);
     assert!(events(&apps, "AnotherPelican").is_empty(), "the upgrade is a hand-over, not a second install");
-    // Both versions ran as the ACL user, and the server refused neither anything under the documented 0.2 line.
+    // The 0.2 operator connects as the ACL user, and since the line was replaced the server refused nothing of
+    // either version (0.1 ran as the user before: its policy names it and dead-lettered under it).
     assert!(redis_in_pod(&ip, &["CLIENT", "LIST"]).contains(" user=pelican "), "the operator connects as pelican");
     assert_eq!(redis_in_pod(&ip, &["ACL", "LOG"]), "", "commands the documented ACL refused");
     wait_condition(&apps, "orders", "Ready", "True", "Reconciled");
