@@ -68,7 +68,7 @@ async fn sdk(client: &redis::Client, stream: &str, count: usize, concurrency: us
         counter.fetch_add(1, Ordering::Relaxed);
         async { Ok(Outcome::Done) }
     };
-    let stats = worker.run(handler, all_acked).await;
+    let stats = worker.run(handler, all_acked).await.expect("contract 1");
     assert_eq!(stats.done as usize, count, "{stats:?}");
     start.elapsed()
 }

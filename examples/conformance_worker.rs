@@ -4,7 +4,9 @@
 //!   REDIS_URL=redis://127.0.0.1:6379/0 STREAM=orders GROUP=billing cargo run --example conformance_worker
 //!
 //! The handler obeys the message: field `handle` = `done` | `retry` | `fail` | `terminal:<Reason>` | `exit` (the
-//! process exits at once with status 3), field `ms` = how long it takes. One JSON line per handler run on stdout.
+//! process exits at once with status 3), field `ms` = how long it takes. One JSON line per handler run on stdout;
+//! the SDK's logs as JSON lines on stderr (`RUST_LOG`, `info` by default). A worker contract the SDK does not know
+//! stops it (after its shutdown) with status 4.
 //! With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
 //! `m-1`, ...), each retried until it answers an id, one JSON line per attempt.
 
@@ -16,6 +18,11 @@ use pelican::worker::{
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .json()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
     let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is required"));
     let client = redis::Client::open(var("REDIS_URL")?)?;
     if std::env::var("MODE").as_deref() == Ok("publish") {
@@ -31,7 +38,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM");
         term.recv().await;
     };
-    worker.run(move |message: Message| handle(message, consumer.clone()), shutdown).await;
+    if let Err(stopped) = worker.run(move |message: Message| handle(message, consumer.clone()), shutdown).await {
+        eprintln!("{stopped}");
+        std::process::exit(4);
+    }
     Ok(())
 }
 

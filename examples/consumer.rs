@@ -46,7 +46,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
             shutdown,
         )
-        .await;
+        .await?;
     println!("stopped: {stats:?}");
     Ok(())
 }

@@ -39,15 +39,33 @@ pub fn errors_key(stream: &str, group: &str) -> String {
 }
 
 /// `{T}:pelican:<stream>:<group>:handovers`: pending entry id -> when `Reassign` last handed it over (ms), so that
-/// the new owner gets [`HANDOVER_GRACE`] to take it up before it is handed over (and counted) again; removed when
+/// the new owner gets [`handover_grace`] to take it up before it is handed over (and counted) again; removed when
 /// the entry leaves the PEL.
 pub fn handovers_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:handovers", hash_tag(stream))
 }
 
-/// How long an entry `Reassign` handed over is left to its new owner: twice the SDK's `pel_check_interval` (30 s),
-/// so an SDK worker always looks at its PEL before the entry could be handed over again.
-pub const HANDOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+/// `{T}:pelican:<stream>:<group>:consumers`: consumer -> its worker's last lease tick (the server's time, ms),
+/// written by `lease.lua` at every tick. `Reassign` hands entries only to consumers with a heartbeat younger than
+/// `minIdle`: Redis' own idle time of a consumer is reset by the pass's own `XCLAIM` to it and starts again when the
+/// server loads its AOF, so it cannot tell a live process from a dead one.
+pub fn consumers_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:consumers", hash_tag(stream))
+}
+
+/// How often a worker extends its leases, re-reads the settings, beats its heart and takes up hand-overs: three
+/// times per `minIdle` (so an entry in flight is never idle half of it), at least every 10 s (so a lowered `minIdle`
+/// is followed well within the operator's hold of it, `MIN_IDLE_HOLD`), at most every 100 ms (contract/README.md).
+pub fn lease_interval(min_idle: std::time::Duration) -> std::time::Duration {
+    (min_idle / 3).clamp(std::time::Duration::from_millis(100), std::time::Duration::from_secs(10))
+}
+
+/// How long an entry `Reassign` handed over is left to its new owner before it may be handed over (and counted)
+/// again: three of the owner's lease ticks, at each of which a worker takes up what it was handed
+/// (contract/README.md, "Hand-overs"), and never less than 2 s.
+pub fn handover_grace(min_idle: std::time::Duration) -> std::time::Duration {
+    (lease_interval(min_idle) * 3).max(std::time::Duration::from_secs(2))
+}
 
 /// `{T}:pelican:<stream>:<group>:creator`: the uid of the policy that created the group, so that `deletionPolicy:
 /// Delete` destroys only a group its policy made (or one it says it adopts).
@@ -78,28 +96,49 @@ pub struct WorkerSettings {
     pub contract_version: Option<u32>,
 }
 
-impl WorkerSettings {
-    /// The settings a hash holds, when it holds the first three as numbers.
-    pub fn from_fields(hash: &std::collections::BTreeMap<String, String>) -> Option<WorkerSettings> {
-        let field = |name: &str| hash.get(name)?.parse::<u64>().ok();
-        Some(WorkerSettings {
-            min_idle_ms: field("minIdleMs")?,
-            retry_after_ms: field("retryAfterMs")?,
-            max_deliveries: u32::try_from(field("maxDeliveries")?).ok()?,
-            contract_version: field("contractVersion").and_then(|v| u32::try_from(v).ok()),
-        })
-    }
+/// The settings name a worker contract this build does not know: the version the operator published, as written
+/// (anything but ASCII digits is no version this build knows).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownContract {
+    pub operator: String,
+}
 
-    /// The contract the publishing operator speaks, when this build knows it; else an error that names both
-    /// versions and what to do.
-    pub fn check_contract(&self) -> Result<(), String> {
-        match self.contract_version.unwrap_or(1) {
-            CONTRACT_VERSION => Ok(()),
-            other => Err(format!(
-                "the operator speaks worker contract {other}, this SDK knows {CONTRACT_VERSION}: upgrade the SDK \
-                 (contract/README.md says what changed)"
-            )),
-        }
+impl std::fmt::Display for UnknownContract {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the operator speaks worker contract {:?}, this SDK knows {CONTRACT_VERSION}: upgrade the SDK \
+             (contract/README.md says what changed)",
+            self.operator
+        )
+    }
+}
+
+impl std::error::Error for UnknownContract {}
+
+impl WorkerSettings {
+    /// The settings a hash holds: `Ok(None)` when it lacks one of the first three or holds no number there, and an
+    /// error when it names a contract this build does not know. The version is read first, on its own: a hash
+    /// whose other fields are missing or unreadable still says which contract it speaks.
+    pub fn from_fields(
+        hash: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Option<WorkerSettings>, UnknownContract> {
+        let contract_version = match hash.get("contractVersion") {
+            None => None,
+            Some(text) => match text.parse::<u32>() {
+                Ok(CONTRACT_VERSION) if text.bytes().all(|b| b.is_ascii_digit()) => Some(CONTRACT_VERSION),
+                _ => return Err(UnknownContract { operator: text.clone() }),
+            },
+        };
+        let field = |name: &str| hash.get(name)?.parse::<u64>().ok();
+        Ok((|| {
+            Some(WorkerSettings {
+                min_idle_ms: field("minIdleMs")?,
+                retry_after_ms: field("retryAfterMs")?,
+                max_deliveries: u32::try_from(field("maxDeliveries")?).ok()?,
+                contract_version,
+            })
+        })())
     }
 }
 
@@ -160,6 +199,7 @@ pub fn group_keys(stream: &str, group: &str) -> Vec<String> {
         terminal_key(stream, group),
         errors_key(stream, group),
         handovers_key(stream, group),
+        consumers_key(stream, group),
         creator_key(stream, group),
         settings_key(stream, group),
         seeks_key(stream, group),
@@ -191,18 +231,38 @@ mod tests {
         assert_eq!(folder, CONTRACT_VERSION.to_string());
     }
 
+    fn fields(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
     #[test]
     fn a_contract_version_this_build_does_not_know_is_refused_by_name() {
-        let mut hash: std::collections::BTreeMap<String, String> =
-            [("minIdleMs", "3000"), ("retryAfterMs", "3000"), ("maxDeliveries", "3")]
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-        let unversioned = WorkerSettings::from_fields(&hash).unwrap();
-        assert_eq!(unversioned.check_contract(), Ok(()), "an older operator's hash is version 1");
+        let mut hash = fields(&[("minIdleMs", "3000"), ("retryAfterMs", "3000"), ("maxDeliveries", "3")]);
+        let unversioned = WorkerSettings::from_fields(&hash).unwrap().unwrap();
+        assert_eq!(unversioned.contract_version, None, "an older operator's hash is version 1");
         hash.insert("contractVersion".into(), "2".into());
-        let error = WorkerSettings::from_fields(&hash).unwrap().check_contract().unwrap_err();
-        assert!(error.contains("contract 2") && error.contains("knows 1") && error.contains("upgrade"), "{error}");
+        let error = WorkerSettings::from_fields(&hash).unwrap_err().to_string();
+        assert!(error.contains("contract \"2\"") && error.contains("knows 1") && error.contains("upgrade"), "{error}");
+    }
+
+    /// Defect (issue 65.3): the version was checked only when every other field parsed (`maxDeliveries` absent: the
+    /// worker started and handled), and `2.0` read as 1. The version is read first, and only digits are a version.
+    #[test]
+    fn the_version_is_read_first_and_only_digits_are_one() {
+        let unknown = |pairs: &[(&str, &str)]| WorkerSettings::from_fields(&fields(pairs)).is_err();
+        assert!(unknown(&[("contractVersion", "2")]), "no other field");
+        assert!(unknown(&[("minIdleMs", "x"), ("contractVersion", "2")]), "another field unreadable");
+        for text in ["2.0", "1.0", " 1", "1 ", "+1", "", "01x", "99999999999"] {
+            assert!(unknown(&[("minIdleMs", "1000"), ("retryAfterMs", "1000"), ("contractVersion", text)]), "{text:?}");
+        }
+        let known = fields(&[
+            ("minIdleMs", "1000"),
+            ("retryAfterMs", "1000"),
+            ("maxDeliveries", "2"),
+            ("contractVersion", "1"),
+        ]);
+        assert_eq!(WorkerSettings::from_fields(&known).unwrap().unwrap().contract_version, Some(1));
+        assert_eq!(WorkerSettings::from_fields(&fields(&[("contractVersion", "1")])), Ok(None), "known, incomplete");
     }
 
     #[test]

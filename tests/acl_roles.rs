@@ -133,11 +133,7 @@ fn every_role_runs_with_its_rules(bed: Bed, stream: &str, dead_letter: &str) {
         runtime.block_on(producer.publish(&[("n", n)])).unwrap_or_else(|e| panic!("producer: {e}"));
     }
     // The worker: fails message 0 every time, ends message 1 as terminal, handles the rest.
-    let config = WorkerConfig {
-        block: Duration::from_millis(100),
-        pel_check_interval: Duration::from_millis(500),
-        ..WorkerConfig::new(stream, GROUP, "w1")
-    };
+    let config = WorkerConfig { block: Duration::from_millis(100), ..WorkerConfig::new(stream, GROUP, "w1") };
     let stats = runtime.block_on(async {
         let worker = Worker::connect_to(bed.source("worker", "worker-pw"), config).await.unwrap();
         let handler = |m: Message| async move {
@@ -147,7 +143,7 @@ fn every_role_runs_with_its_rules(bed: Bed, stream: &str, dead_letter: &str) {
                 _ => Ok(Outcome::Done),
             }
         };
-        worker.run(handler, tokio::time::sleep(Duration::from_secs(8))).await
+        worker.run(handler, tokio::time::sleep(Duration::from_secs(8))).await.unwrap()
     });
     assert!(stats.done >= 3 && stats.terminal == 1 && stats.failed >= 1, "{stats:?}");
     // The worker reads the group's settings and cannot rewrite them for everyone (issue 57.9).

@@ -97,7 +97,7 @@ fn sdk_workers_slower_than_min_idle_handle_each_message_once(flavor: Flavor) {
         tokio::time::sleep(Duration::from_secs(3)).await;
         stop.notify_waiters();
         for worker in workers {
-            worker.await.unwrap();
+            worker.await.unwrap().unwrap();
         }
     });
     let mut runs = runs.lock().unwrap().clone();
@@ -326,7 +326,7 @@ fn a_shutdown_gives_back_what_its_grace_cut_off_at_once_and_uncounted(flavor: Fl
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         };
-        worker.run(handler, shutdown).await
+        worker.run(handler, shutdown).await.unwrap()
     });
     let stopped = Instant::now();
     assert_eq!(stats.abandoned, 4, "{stats:?}");
@@ -375,7 +375,7 @@ fn outcome_retry_is_retried_by_the_next_pass_and_counted(flavor: Flavor) {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         };
-        worker.run(handler, done).await
+        worker.run(handler, done).await.unwrap()
     });
     let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 2, "handled once, retried once: {seen:?}");
@@ -495,7 +495,7 @@ fn a_handler_past_max_handling_loses_its_lease(flavor: Flavor) {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         };
-        let stats = worker.run(handler, watch).await;
+        let stats = worker.run(handler, watch).await.unwrap();
         (rx.await.unwrap(), stats)
     });
     let (after, stats) = copy_after;
@@ -540,7 +540,7 @@ fn under_reassign_a_shutdowns_work_goes_to_the_next_worker_not_the_leaver(flavor
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         };
-        worker.run(slow, shutdown).await
+        worker.run(slow, shutdown).await.unwrap()
     });
     assert_eq!(stats.abandoned, 2, "{stats:?}");
     // The drain: no worker for a few passes.
@@ -565,7 +565,7 @@ fn under_reassign_a_shutdowns_work_goes_to_the_next_worker_not_the_leaver(flavor
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         };
-        worker.run(handler, stop).await;
+        worker.run(handler, stop).await.unwrap();
         started.elapsed()
     });
     assert_eq!(*handled.lock().unwrap(), 2, "the next worker handled both, {next:?} after it started");

@@ -44,6 +44,7 @@ on_both_servers!(
     consumer_expiry_and_pod_matching_refuse_to_list_too_many_consumers,
     a_call_charges_entries_of_many_empty_fields_what_they_cost,
     a_group_is_destroyed_a_bounded_step_at_a_time,
+    reassign_hands_over_only_to_consumers_whose_worker_beats,
 );
 
 const STREAM: &str = "{jobs}:in";
@@ -112,6 +113,21 @@ fn read_and_leave_idle(conn: &mut redis::Connection, consumer: &str, count: usiz
     let ids = read_new(conn, STREAM, GROUP, consumer, count);
     std::thread::sleep(IDLE * 2);
     ids
+}
+
+const HEARTBEATS: &str = "{jobs}:pelican:{jobs}:in:workers:consumers";
+
+/// The workers named `consumers` beat their hearts now (the server's time, as `lease.lua` writes it at every lease
+/// tick), so Reassign takes them for live for `minIdle`.
+fn beat(conn: &mut redis::Connection, consumers: &[&str]) {
+    let (seconds, micros): (u64, u64) = redis::cmd("TIME").query(conn).unwrap();
+    let now = seconds * 1000 + micros / 1000;
+    let mut cmd = redis::cmd("HSET");
+    cmd.arg(HEARTBEATS);
+    for consumer in consumers {
+        cmd.arg(*consumer).arg(now);
+    }
+    let _: i64 = cmd.query(conn).unwrap();
 }
 
 fn hget(conn: &mut redis::Connection, key: &str, field: &str) -> i64 {
@@ -341,8 +357,9 @@ fn reassign_gives_the_entry_to_the_least_loaded_live_consumer(flavor: Flavor) {
     let mut conn = server.conn();
     read_and_leave_idle(&mut conn, "dead", 1);
     read_new(&mut conn, STREAM, GROUP, "busy", 2);
-    // "idle" is a consumer that is alive (just polled) and owns nothing.
+    // "idle" is a consumer that is alive (just polled, and its worker beats) and owns nothing.
     read_new(&mut conn, STREAM, GROUP, "idle", 0);
+    beat(&mut conn, &["busy", "idle"]);
     let report = runtime().block_on(async {
         let mut c = connect(&server).await;
         let s = settings(ReclaimStrategy::Reassign, 3);
@@ -392,13 +409,14 @@ fn reassigned_entry_nobody_rereads_reaches_the_cap_and_is_dead_lettered(flavor: 
     let mut reassigned = 0;
     for _ in 0..10 {
         std::thread::sleep(IDLE * 2);
-        // Both consumers are alive (they read and acknowledge new messages; Redis 7.0 counts a consumer as active
-        // only when a read gives it something) but never re-read their own PEL.
+        // Both consumers are alive (they read and acknowledge new messages, and their workers beat) but never
+        // re-read their own PEL.
         for consumer in ["a", "b"] {
             let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("filler").arg(1).query(&mut conn).unwrap();
             let ids = read_new(&mut conn, STREAM, GROUP, consumer, 1);
             let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
         }
+        beat(&mut conn, &["a", "b"]);
         let report = pass(&server, &s);
         reassigned += report.reassigned;
         if report.dead_lettered == 1 {
@@ -813,6 +831,7 @@ fn reassign_hands_back_to_a_lone_owner_once_per_grace(flavor: Flavor) {
     let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&done).query(&mut conn).unwrap();
     let grace = Duration::from_secs(3);
     let s = PassSettings { handover_grace: grace, ..settings(ReclaimStrategy::Reassign, 5) };
+    beat(&mut conn, &["only"]);
     assert_eq!(pass(&server, &s).reassigned, 1, "handed back to its owner, the only live consumer");
     let owners: Vec<(String, String, i64)> =
         pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.0, p.1, p.3)).collect();
@@ -823,6 +842,7 @@ fn reassign_hands_back_to_a_lone_owner_once_per_grace(flavor: Flavor) {
         let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("filler").arg(1).query(&mut conn).unwrap();
         let ids = read_new(&mut conn, STREAM, GROUP, "only", 1);
         let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
+        beat(&mut conn, &["only"]);
         assert_eq!(pass(&server, &s).reassigned, 0);
     }
     assert_eq!(pel(&mut conn, STREAM, GROUP)[0].3, 2, "the count grows no faster than the owner takes it up");
@@ -831,6 +851,7 @@ fn reassign_hands_back_to_a_lone_owner_once_per_grace(flavor: Flavor) {
     let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("filler").arg(1).query(&mut conn).unwrap();
     let ids = read_new(&mut conn, STREAM, GROUP, "only", 1);
     let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&ids).query(&mut conn).unwrap();
+    beat(&mut conn, &["only"]);
     assert_eq!(pass(&server, &s).reassigned, 1);
     assert_eq!(pel(&mut conn, STREAM, GROUP)[0].3, 3);
     // Acknowledged by its owner: the record of its hand-over goes with the next passes.
@@ -851,6 +872,7 @@ fn reassign_hands_a_gone_consumers_and_unowned_entries_over_at_once(flavor: Flav
     assert_eq!(read_new(&mut conn, STREAM, GROUP, "gone-pod", 4).len(), 4);
     assert_eq!(read_new(&mut conn, STREAM, GROUP, "", 1).len(), 1);
     assert_eq!(read_new(&mut conn, STREAM, GROUP, "live", 1).len(), 1);
+    beat(&mut conn, &["live"]);
     // minIdle an hour: nothing here is idle; the gone consumer's and the unowned entry are due all the same.
     let s = PassSettings { min_idle: Duration::from_secs(3600), ..settings(ReclaimStrategy::Reassign, 5) };
     let report = runtime().block_on(async {
@@ -951,6 +973,7 @@ fn the_last_hand_over_is_left_to_its_new_owner_for_the_grace(flavor: Flavor) {
     // "b" is live (Redis 7.0 creates a consumer only when a read gives it something).
     let done = read_new(&mut conn, STREAM, GROUP, "b", 1);
     let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&done).query(&mut conn).unwrap();
+    beat(&mut conn, &["b"]);
     let grace = Duration::from_secs(2);
     let s = PassSettings { handover_grace: grace, ..settings(ReclaimStrategy::Reassign, 2) };
     assert_eq!(pass(&server, &s).reassigned, 1);
@@ -962,13 +985,15 @@ fn the_last_hand_over_is_left_to_its_new_owner_for_the_grace(flavor: Flavor) {
     assert_eq!(pass(&server, &s).dead_lettered, 1, "after the grace, at the cap");
 }
 
-/// `count` consumers named `prefix-<n>`, created now (so they look live), pipelined.
+/// `count` consumers named `prefix-<n>`, created now and their workers beating (so they are live), pipelined.
 fn create_consumers(conn: &mut redis::Connection, prefix: &str, count: usize) {
     let mut pipe = redis::pipe();
     for n in 0..count {
         pipe.cmd("XGROUP").arg("CREATECONSUMER").arg(STREAM).arg(GROUP).arg(format!("{prefix}-{n}")).ignore();
     }
     let _: () = pipe.query(conn).unwrap();
+    let names: Vec<String> = (0..count).map(|n| format!("{prefix}-{n}")).collect();
+    beat(conn, &names.iter().map(String::as_str).collect::<Vec<_>>());
 }
 
 /// One script call of a pass (the pass stops before its second call, as it does when leadership is lost).
@@ -1102,4 +1127,39 @@ fn a_group_is_destroyed_a_bounded_step_at_a_time(flavor: Flavor) {
     assert_eq!(xrange(&mut conn, STREAM).len(), 2500, "the stream itself stays");
     let exists: bool = redis::cmd("EXISTS").arg(&creator).query(&mut conn).unwrap();
     assert!(!exists);
+}
+
+/// Defect (issue 65.12, found by the chaos soak): Reassign took a consumer whose `XINFO` idle was under `minIdle` for
+/// live and preferred the one with the fewest pending. A consumer whose process died owns nothing and won, each
+/// hand-over counted a delivery no handler saw, and the hand-over itself (an `XCLAIM` to a consumer resets its idle)
+/// kept it looking live for the next; Redis 7.0 also starts every consumer's idle again when it loads its AOF. Only
+/// a worker's own heartbeat, which `lease.lua` writes at every lease tick, makes a consumer live now.
+fn reassign_hands_over_only_to_consumers_whose_worker_beats(flavor: Flavor) {
+    let server = Server::start(flavor);
+    seed(&server, &plain(4));
+    let mut conn = server.conn();
+    let due = read_and_leave_idle(&mut conn, "crashed", 2);
+    // "dead" read a moment ago (its XINFO idle is small) and owns nothing, but no worker of it beats.
+    let read = read_new(&mut conn, STREAM, GROUP, "dead", 1);
+    let _: i64 = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(&read).query(&mut conn).unwrap();
+    // "alive" holds one entry, and its worker beats through the contract's own script.
+    let held = read_new(&mut conn, STREAM, GROUP, "alive", 1);
+    let lease = redis::Script::new(include_str!("../contract/scripts/lease.lua"));
+    let extended: Vec<String> =
+        lease.key(STREAM).key(HEARTBEATS).arg(GROUP).arg("alive").arg(&held).invoke(&mut conn).unwrap();
+    assert_eq!(extended, held, "the lease still extends what the worker holds");
+    // A heartbeat left by a worker long gone is pruned by the pass.
+    let _: i64 = redis::cmd("HSET").arg(HEARTBEATS).arg("left-last-year").arg(1_000).query(&mut conn).unwrap();
+    let report = pass(&server, &settings(ReclaimStrategy::Reassign, 5));
+    assert_eq!(report.reassigned, 2, "{report:?}");
+    let owners: Vec<(String, String)> = pel(&mut conn, STREAM, GROUP).into_iter().map(|p| (p.0, p.1)).collect();
+    let expected: Vec<(String, String)> =
+        [&due[..], &held[..]].concat().into_iter().map(|id| (id, "alive".to_string())).collect();
+    assert_eq!(owners, expected, "every hand-over went to the consumer whose worker beats, none to \"dead\"");
+    let left: Option<String> = redis::cmd("HGET").arg(HEARTBEATS).arg("left-last-year").query(&mut conn).unwrap();
+    assert_eq!(left, None, "the stale heartbeat is pruned");
+    // Without a heartbeat younger than minIdle, nobody is live: the next due entries are requeued, never handed over.
+    std::thread::sleep(IDLE * 2);
+    let report = pass(&server, &settings(ReclaimStrategy::Reassign, 5));
+    assert_eq!((report.reassigned, report.requeued), (0, 3), "{report:?}");
 }

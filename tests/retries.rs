@@ -81,7 +81,7 @@ fn sdk_workers_keep_the_cap_and_the_spacing(flavor: Flavor, strategy: &str, cons
         tokio::time::sleep(Duration::from_secs(6)).await;
         stop.notify_waiters();
         for worker in workers {
-            worker.await.unwrap();
+            worker.await.unwrap().unwrap();
         }
         dead
     });
@@ -165,11 +165,7 @@ fn the_dead_letter_carries_the_last_of_three_errors_recorded_by_the_sdk(flavor: 
     let _: String = redis::cmd("XADD").arg("files").arg("*").arg("path").arg("a.pdf").query(&mut conn).unwrap();
     // A message that is ACKed after failing once: its field goes with the ACK.
     let _: String = redis::cmd("XADD").arg("files").arg("*").arg("path").arg("ok.pdf").query(&mut conn).unwrap();
-    let config = WorkerConfig {
-        block: Duration::from_millis(100),
-        pel_check_interval: Duration::from_secs(30),
-        ..WorkerConfig::new("files", "converters", "w1")
-    };
+    let config = WorkerConfig { block: Duration::from_millis(100), ..WorkerConfig::new("files", "converters", "w1") };
     let handler = |message: Message| async move {
         let attempt = message.field_str("pelican-deliveries").map_or(1, |n| n.parse::<u32>().unwrap() + 1);
         let path = message.field_str("path").unwrap_or_default().to_string();
@@ -183,7 +179,7 @@ fn the_dead_letter_carries_the_last_of_three_errors_recorded_by_the_sdk(flavor: 
     runtime().block_on(async {
         let client = redis::Client::open(server.url()).unwrap();
         let worker = Worker::connect(&client, config).await.unwrap();
-        worker.run(handler, tokio::time::sleep(Duration::from_secs(8))).await
+        worker.run(handler, tokio::time::sleep(Duration::from_secs(8))).await.unwrap()
     });
     let dead = wait_for("the dead letter", Duration::from_secs(20), || {
         let entries = xrange(&mut conn, "files:dlq");

@@ -15,7 +15,7 @@ use common::*;
 use handler::{FileJobs, RedisJobStore};
 use std::future::ready;
 
-use pelican::worker::{Message, Outcome, Reason, Worker, WorkerConfig, WorkerStats, ack_terminal};
+use pelican::worker::{ContractStop, Message, Outcome, Reason, Worker, WorkerConfig, WorkerStats, ack_terminal};
 
 on_both_servers!(
     record_gone_is_terminal_acked_and_counted_without_heavy_work,
@@ -30,6 +30,11 @@ on_both_servers!(
     entries_reassigned_to_a_running_worker_are_handled,
     a_failed_message_is_left_pending_for_the_operator_not_read_again,
     a_counter_field_holding_no_integer_still_counts_the_terminal_ack,
+    a_contract_version_met_while_running_shuts_the_worker_down,
+    the_contract_version_is_checked_before_the_other_settings,
+    a_block_of_zero_is_refused_when_the_worker_is_built,
+    a_missing_group_is_waited_out_and_said_once,
+    an_idle_worker_beats_its_heart_at_every_lease_tick,
 );
 
 const STREAM: &str = "files";
@@ -75,7 +80,7 @@ where
         let client = redis::Client::open(server.url()).unwrap();
         let worker = Worker::connect(&client, config).await.unwrap();
         let (handler, kept) = setup.await;
-        (worker.run(handler, tokio::time::sleep(stop_after)).await, kept)
+        (worker.run(handler, tokio::time::sleep(stop_after)).await.unwrap(), kept)
     });
     (stats, logs.text(), kept)
 }
@@ -341,10 +346,6 @@ fn terminal_acks_show_up_in_status_and_metrics_next_to_the_operators_reasons(fla
     assert!(metrics.lines().any(|l| l == line), "missing {line}\n{metrics}");
 }
 
-fn fast_pel_check() -> WorkerConfig {
-    WorkerConfig { pel_check_interval: Duration::from_millis(300), ..config() }
-}
-
 /// Defect: the worker read its own PEL only at start, so an entry the operator reassigned to it (strategy
 /// Reassign) while it ran was never handled.
 fn entries_reassigned_to_a_running_worker_are_handled(flavor: Flavor) {
@@ -383,7 +384,7 @@ fn entries_reassigned_to_a_running_worker_are_handled(flavor: Flavor) {
         tokio::spawn(reassign);
         (handler, ())
     };
-    let (stats, logs, ()) = run_worker(&server, fast_pel_check(), setup_handler, Duration::from_millis(2500));
+    let (stats, logs, ()) = run_worker(&server, config(), setup_handler, Duration::from_millis(2500));
     assert_eq!(*handled.lock().unwrap(), ids, "{logs}");
     assert_eq!(stats.done, 1);
     assert!(pel(&mut conn, STREAM, GROUP).is_empty());
@@ -401,8 +402,7 @@ fn a_failed_message_is_left_pending_for_the_operator_not_read_again(flavor: Flav
         seen.lock().unwrap().push(m.field_str("job_id").unwrap().to_string());
         ready(if m.field_str("job_id") == Some("job-1") { Err("flaky".into()) } else { Ok(Outcome::Done) })
     };
-    let (stats, logs, ()) =
-        run_worker(&server, fast_pel_check(), async move { (handler, ()) }, Duration::from_millis(2000));
+    let (stats, logs, ()) = run_worker(&server, config(), async move { (handler, ()) }, Duration::from_millis(2000));
     let attempts = attempts.lock().unwrap().clone();
     assert_eq!(attempts.iter().filter(|j| *j == "job-1").count(), 1, "{attempts:?} {logs}");
     assert_eq!(attempts.iter().filter(|j| *j == "job-2").count(), 1, "a message done is not read again");
@@ -426,4 +426,194 @@ fn a_counter_field_holding_no_integer_still_counts_the_terminal_ack(flavor: Flav
     assert!(!logs.contains("stays pending"), "{logs}");
     assert!(pel(&mut conn, STREAM, GROUP).is_empty());
     assert_eq!(terminal_count(&mut conn, "RecordNotFound"), 1);
+}
+
+const SETTINGS: &str = "{files}:pelican:files:converters:settings";
+
+/// Publishes the group's settings as the operator does (`contractVersion` as given).
+fn publish_settings(conn: &mut redis::Connection, min_idle_ms: u64, version: &str) {
+    let _: () = redis::cmd("HSET")
+        .arg(SETTINGS)
+        .arg("minIdleMs")
+        .arg(min_idle_ms)
+        .arg("retryAfterMs")
+        .arg(min_idle_ms)
+        .arg("maxDeliveries")
+        .arg(3)
+        .arg("contractVersion")
+        .arg(version)
+        .query(conn)
+        .unwrap();
+}
+
+/// Defect (issue 65.2): a worker started before its policy (no settings yet) met `contractVersion: 2` first at a lease
+/// tick, logged once and went on handling every message (3 of 3). It now shuts down as on SIGTERM (what it holds
+/// finishes or is given back) and `run` answers the unknown version; nothing is handled after it.
+fn a_contract_version_met_while_running_shuts_the_worker_down(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &[]);
+    let mut conn = server.conn();
+    let handled = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = handled.clone();
+    let url = server.url();
+    let result: Result<WorkerStats, ContractStop> = runtime().block_on(async move {
+        let client = redis::Client::open(url.clone()).unwrap();
+        let worker = Worker::connect(&client, config()).await.unwrap();
+        let handler = move |m: Message| {
+            seen.lock().unwrap().push(m.id.clone());
+            ready(Ok(Outcome::Done))
+        };
+        let operator = async move {
+            // The worker reads with no settings (it leases every second); then the operator speaks contract 2 and
+            // messages arrive.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut c = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+            let _: () =
+                redis::cmd("HSET").arg(SETTINGS).arg("contractVersion").arg("2").query_async(&mut c).await.unwrap();
+            for n in 0..3 {
+                tokio::time::sleep(Duration::from_millis(700)).await;
+                let _: String =
+                    redis::cmd("XADD").arg(STREAM).arg("*").arg("n").arg(n).query_async(&mut c).await.unwrap();
+            }
+        };
+        let run = worker.run(handler, tokio::time::sleep(Duration::from_secs(20)));
+        let (result, ()) = tokio::time::timeout(Duration::from_secs(15), async { tokio::join!(run, operator) })
+            .await
+            .expect("the worker stopped by itself well before its shutdown signal (20 s)");
+        result
+    });
+    let stopped = result.expect_err("run answers the unknown contract");
+    assert!(stopped.to_string().contains("contract \"2\""), "{stopped}");
+    // At most what it read before its tick saw the version (the first message, read within the same second).
+    let handled = handled.lock().unwrap().clone();
+    assert!(handled.len() <= 1, "handled under an unknown contract: {handled:?}");
+    let unread: usize = xrange(&mut conn, STREAM).len() - handled.len();
+    assert!(unread >= 2, "messages were left for a worker that knows the contract");
+    assert!(pel(&mut conn, STREAM, GROUP).iter().all(|p| p.1.is_empty()), "nothing left leased to the worker");
+}
+
+/// Defect (issue 65.3): the version was checked only when every other settings field parsed: with `maxDeliveries`
+/// absent the worker started and handled. And `2.0` read as 1.
+fn the_contract_version_is_checked_before_the_other_settings(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-1"]);
+    let mut conn = server.conn();
+    for (fields, version) in [
+        (&["minIdleMs", "5000"][..], "2"),
+        (&["minIdleMs", "5000", "retryAfterMs", "5000", "maxDeliveries", "3"][..], "2.0"),
+    ] {
+        let _: i64 = redis::cmd("DEL").arg(SETTINGS).query(&mut conn).unwrap();
+        let _: () =
+            redis::cmd("HSET").arg(SETTINGS).arg(fields).arg("contractVersion").arg(version).query(&mut conn).unwrap();
+        let refused = runtime().block_on(async {
+            let client = redis::Client::open(server.url()).unwrap();
+            Worker::connect(&client, config()).await.err()
+        });
+        let refused = refused.unwrap_or_else(|| panic!("started under contractVersion {version:?} with {fields:?}"));
+        assert!(refused.to_string().contains(&format!("contract {version:?}")), "{refused}");
+    }
+}
+
+/// Defect (issue 65.6): `block` 0 became `BLOCK 0`, a read that waits for ever on the server while the client gives
+/// up after its timeout: entries delivered to reads nobody awaits waited for the operator's pass.
+fn a_block_of_zero_is_refused_when_the_worker_is_built(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &[]);
+    let refused = runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        Worker::connect(&client, WorkerConfig { block: Duration::ZERO, ..config() }).await.err()
+    });
+    let refused = refused.expect("a worker with block 0 was built");
+    assert!(refused.to_string().contains("WorkerConfig.block must be at least 1 ms"), "{refused}");
+}
+
+/// Defect (issue 65.8): without its group the worker logged a WARN and sent an `XREADGROUP` every 500 ms (12 reads,
+/// 13 warnings in 6 s). The contract: wait 1 s, then doubling up to 10 s, say so once, and go on once it exists.
+fn a_missing_group_is_waited_out_and_said_once(flavor: Flavor) {
+    let server = Server::start(flavor);
+    let url = server.url();
+    let handled = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = handled.clone();
+    let setup_handler = async move {
+        tokio::spawn(async move {
+            // The operator creates the group 4 s later, and a message arrives.
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            let mut c = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+            let _: () = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(STREAM)
+                .arg(GROUP)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            let _: String = redis::cmd("XADD").arg(STREAM).arg("*").arg("n").arg(1).query_async(&mut c).await.unwrap();
+        });
+        let handler = move |m: Message| {
+            seen.lock().unwrap().push(m.id.clone());
+            ready(Ok(Outcome::Done))
+        };
+        (handler, ())
+    };
+    let mut stats_conn = server.conn();
+    let before: String = redis::cmd("INFO").arg("commandstats").query(&mut stats_conn).unwrap();
+    let (stats, logs, ()) = run_worker(&server, config(), setup_handler, Duration::from_secs(12));
+    let after: String = redis::cmd("INFO").arg("commandstats").query(&mut stats_conn).unwrap();
+    let reads = |info: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_xreadgroup:calls="))
+            .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let failed_reads = |info: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_xreadgroup:"))
+            .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix("failed_calls="))?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(stats.done, 1, "handled once the group exists\n{logs}");
+    let warnings = logs.lines().filter(|l| l.contains("the group does not exist yet")).count();
+    assert_eq!(warnings, 1, "said once\n{logs}");
+    assert!(!logs.contains("read failed"), "NOGROUP is no read failure\n{logs}");
+    // 4 s without the group: reads at 0, 1, 3 s (waits of 1, 2, 4 s), not 8 of them.
+    let missed = failed_reads(&after) - failed_reads(&before);
+    assert!(
+        (2..=4).contains(&missed),
+        "{missed} reads refused with NOGROUP (of {} reads)",
+        reads(&after) - reads(&before)
+    );
+}
+
+/// Issue 65.12: the worker's heartbeat, which `Reassign` hands entries over on, is written at every lease tick, also
+/// while nothing is in flight.
+fn an_idle_worker_beats_its_heart_at_every_lease_tick(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &[]);
+    let mut conn = server.conn();
+    publish_settings(&mut conn, 600, "1");
+    let url = server.url();
+    let beats = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let seen = beats.clone();
+    let setup_handler = async move {
+        tokio::spawn(async move {
+            let mut c = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let beat: Option<u64> = redis::cmd("HGET")
+                    .arg("{files}:pelican:files:converters:consumers")
+                    .arg("worker-1")
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                seen.lock().unwrap().extend(beat);
+            }
+        });
+        (|_: Message| ready(Ok(Outcome::Done)), ())
+    };
+    let (_, logs, ()) = run_worker(&server, config(), setup_handler, Duration::from_millis(2300));
+    let mut beats = beats.lock().unwrap().clone();
+    beats.dedup();
+    // minIdle 600 ms: a tick every 200 ms, so 2 s of samples see several distinct beats.
+    assert!(beats.len() >= 4, "heartbeats seen: {beats:?}\n{logs}");
 }

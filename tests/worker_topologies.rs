@@ -42,7 +42,7 @@ fn a_worker_on_a_cluster_acks_and_counts_on_the_streams_node(flavor: Flavor) {
             producer.publish(&[("n", n)]).await.unwrap();
         }
         let worker = Worker::connect_to(source, config()).await.unwrap();
-        worker.run(handle, tokio::time::sleep(Duration::from_secs(3))).await
+        worker.run(handle, tokio::time::sleep(Duration::from_secs(3))).await.unwrap()
     });
     assert_eq!((stats.done, stats.terminal, stats.failed), (10, 10, 0), "{stats:?}");
     let pending: (i64, redis::Value, redis::Value, redis::Value) =
@@ -107,7 +107,7 @@ fn a_worker_through_sentinel_keeps_working_across_a_failover(flavor: Flavor) {
             second
         };
         let (stats, second) = tokio::join!(run, produce);
-        (stats, second)
+        (stats.unwrap(), second)
     });
     let (stats, second) = stats;
     assert_ne!(second, first);

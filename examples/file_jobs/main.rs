@@ -37,7 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let _ = tokio::signal::ctrl_c().await;
             },
         )
-        .await;
+        .await?;
     println!("{stats:?}");
     Ok(())
 }

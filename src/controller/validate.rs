@@ -8,7 +8,7 @@ use kube::ResourceExt;
 
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, IdempotenceSpec, RetentionMode, parse_duration};
 use crate::jobs::{Backoff, PassSettings};
-use crate::keys::{self, HANDOVER_GRACE};
+use crate::keys;
 use crate::redis::server_identity;
 use crate::{Error, Result};
 
@@ -55,10 +55,11 @@ impl Schedule {
         let duration =
             |field: &str, text: &str| parse_duration(text).map_err(|e| Error::InvalidSpec(format!("{field}: {e}")));
         let expire_after = spec.consumers.as_ref().and_then(|c| c.expire_after.as_deref());
+        let min_idle = duration("spec.reclaim.minIdle", &spec.reclaim.min_idle)?;
         Ok(Schedule {
             interval: duration("spec.reclaim.interval", &spec.reclaim.interval)?,
             pass: PassSettings {
-                min_idle: duration("spec.reclaim.minIdle", &spec.reclaim.min_idle)?,
+                min_idle,
                 max_per_pass: spec.reclaim.max_per_pass.max(1) as usize,
                 max_deliveries: spec.retry.max_deliveries.max(1) as u32,
                 strategy: spec.reclaim.strategy,
@@ -74,7 +75,7 @@ impl Schedule {
                         })
                     })
                     .transpose()?,
-                handover_grace: HANDOVER_GRACE,
+                handover_grace: keys::handover_grace(min_idle),
                 slice: crate::runner::PASS_SLICE,
             },
             expire_after: expire_after.map(|text| duration("spec.consumers.expireAfter", text)).transpose()?,

@@ -15,7 +15,8 @@ use redis::Script;
 
 use crate::api::ReclaimStrategy;
 use crate::keys::{
-    ERROR_TEXT_MAX, OPERATOR_CONSUMER, WorkerSettings, errors_key, handovers_key, terminal_key, totals_key,
+    ERROR_TEXT_MAX, OPERATOR_CONSUMER, WorkerSettings, consumers_key, errors_key, handovers_key, terminal_key,
+    totals_key,
 };
 use crate::redis::{Conn, GroupKeys, reply};
 use crate::{Error, Result};
@@ -48,7 +49,7 @@ pub struct PassSettings {
     pub dead_letter_max_len: Option<u64>,
     /// `retry.backoff`: the idle threshold grows by `factor` per delivery, up to `max`.
     pub backoff: Option<Backoff>,
-    /// `Reassign`: an entry handed over is not handed over again sooner ([`crate::keys::HANDOVER_GRACE`] in the operator).
+    /// `Reassign`: an entry handed over is not handed over again sooner ([`crate::keys::handover_grace`] in the operator).
     pub handover_grace: Duration,
     /// A pass ends after the script call during which this much time went by, its cursor kept for the next pass
     /// ([`crate::runner::PASS_SLICE`] in the operator): a server's pass permits change hands at least this often.
@@ -348,6 +349,7 @@ async fn reclaim_call(
         .key(terminal_key(keys.stream, keys.group))
         .key(errors_key(keys.stream, keys.group))
         .key(handovers_key(keys.stream, keys.group))
+        .key(consumers_key(keys.stream, keys.group))
         .arg(keys.group)
         .arg(settings.min_idle.as_millis() as u64)
         .arg(settings.max_deliveries)

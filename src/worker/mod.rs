@@ -24,12 +24,16 @@
 //! consumer, so it could release an entry the pass has meanwhile handed to another worker; the script checks the
 //! owner in the same atomic call. The worker contract all of this follows is `contract/README.md`.
 //!
-//! Every `pel_check_interval` it looks at its own PEL again for entries the operator handed to it (`strategy:
-//! Reassign`, whose `XCLAIM ... RETRYCOUNT` counted the delivery): it takes each with `XCLAIM ... JUSTID` (its idle
-//! time starts again, its count stays) and reads it with `XRANGE`. Entries whose handler failed here are never
+//! At every lease tick the lease call is also the worker's heartbeat (`{T}:pelican:<stream>:<group>:consumers`, the
+//! evidence `strategy: Reassign` hands entries over on), and the worker looks at its own PEL again for entries the
+//! operator handed to it (Reassign, whose `XCLAIM ... RETRYCOUNT` counted the delivery): it takes each with the lease
+//! script (its idle time starts again, its count stays) and reads it with `XRANGE`. Entries whose handler failed here are never
 //! read again by the worker itself: they wait for the operator's pass, which retries them as the policy says
 //! (`minIdle`, `retry.backoff`, `maxDeliveries`), whatever this interval is. Re-reading them (each read a delivery
 //! that resets the idle time) would retry a failing message every interval, never dead-lettered.
+//!
+//! A contract version the worker does not know stops it: refused by [`Worker::connect_to`], and met while running (a
+//! worker started before its policy) it shuts down as on SIGTERM and [`Worker::run`] answers [`ContractStop`].
 //!
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
@@ -57,9 +61,12 @@ use redis::{Client, RedisError, RedisResult, Script, Value};
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
-use crate::keys::{DELIVERIES_FIELD, ERROR_TEXT_MAX, WorkerSettings, errors_key, settings_key, terminal_key};
+use crate::keys::{
+    DELIVERIES_FIELD, ERROR_TEXT_MAX, UnknownContract, WorkerSettings, consumers_key, errors_key, settings_key,
+    terminal_key,
+};
 
 static TERMINAL_ACK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../contract/scripts/terminal_ack.lua")));
@@ -118,13 +125,11 @@ pub struct WorkerConfig {
     pub consumer: String,
     /// Messages handled at once.
     pub concurrency: usize,
-    /// How long one read waits for new entries.
+    /// How long one read waits for new entries (`XREADGROUP ... BLOCK`): at least a millisecond, since `BLOCK 0`
+    /// waits for ever on the server ([`Worker::connect_to`] refuses zero).
     pub block: Duration,
     /// On shutdown, how long in-flight handlers may take before they are abandoned (not acknowledged).
     pub shutdown_grace: Duration,
-    /// How often the worker looks at its own PEL for entries the operator reassigned to it. Entries that failed
-    /// here are left to the operator's retries, whatever this interval.
-    pub pel_check_interval: Duration,
     /// How long the worker keeps a message it is handling from looking idle (its lease). Past it the worker stops
     /// extending the lease and logs so: a handler stuck that long lets the operator's pass retry the message.
     pub max_handling: Duration,
@@ -135,9 +140,13 @@ pub struct WorkerConfig {
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
 
 /// The Pod's name, as a worker's default consumer name (`spec.consumers.pods` matches consumers to Pods by it):
-/// `POD_NAME` (the downward API), else `HOSTNAME` (which Kubernetes sets to the Pod's name), else `None`.
+/// `POD_NAME` (the downward API), else `HOSTNAME` (which Kubernetes sets to the Pod's name), else the host's name
+/// (contract/README.md, "Name"); `None` only when the host has no name either.
 pub fn pod_name() -> Option<String> {
-    ["POD_NAME", "HOSTNAME"].into_iter().find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+    ["POD_NAME", "HOSTNAME"]
+        .into_iter()
+        .find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+        .or_else(|| hostname::get().ok()?.into_string().ok().filter(|name| !name.is_empty()))
 }
 
 impl WorkerConfig {
@@ -154,7 +163,6 @@ impl WorkerConfig {
             concurrency: 16,
             block: Duration::from_secs(1),
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
-            pel_check_interval: Duration::from_secs(30),
             max_handling: Duration::from_secs(30 * 60),
         }
     }
@@ -169,9 +177,40 @@ pub struct WorkerStats {
     pub failed: u64,
     /// `Outcome::Retry`: given back to the operator's pass, counted as a delivery.
     pub retried: u64,
-    /// Still running when the shutdown grace ran out: given back to the operator's pass, not counted.
+    /// Still running when the shutdown grace ran out (or read after the shutdown began): given back to the
+    /// operator's pass, not counted. Only entries the give-back found still this consumer's.
     pub abandoned: u64,
 }
+
+/// A worker that stopped by itself: the operator speaks a worker contract this SDK does not know. It shut down as on
+/// SIGTERM first (its handlers finished within the grace, the rest was given back uncounted); `stats` are its counts.
+#[derive(Debug)]
+pub struct ContractStop {
+    pub unknown: UnknownContract,
+    pub stats: WorkerStats,
+}
+
+impl std::fmt::Display for ContractStop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}; the worker shut down", self.unknown)
+    }
+}
+
+impl std::error::Error for ContractStop {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.unknown)
+    }
+}
+
+/// An entry being handled: when its handler started, and whether its outcome is being written (it is no longer
+/// leased then: a lease after a retry's give-back would undo the idle time the give-back set, and one during a
+/// failure's error write would make the entry look handed back).
+struct Flight {
+    started: Instant,
+    settled: bool,
+}
+
+type InFlight = Arc<Mutex<HashMap<String, Flight>>>;
 
 #[derive(Default)]
 struct Counters {
@@ -186,6 +225,8 @@ struct Counters {
     /// Entries whose handler failed here and that stay pending, with when: the operator's pass retries them, never
     /// this worker.
     failed_here: Mutex<HashMap<String, Instant>>,
+    /// The contract the settings named when the worker stopped by itself for it.
+    unknown_contract: Mutex<Option<UnknownContract>>,
 }
 
 pub struct Worker {
@@ -208,11 +249,16 @@ impl Worker {
     /// failed read the worker asks the sentinel again). Refused when the group's settings name a worker contract
     /// this SDK does not know (the error says which, and to upgrade).
     pub async fn connect_to(source: Source, config: WorkerConfig) -> RedisResult<Worker> {
+        if config.block.as_millis() == 0 {
+            return Err(RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "WorkerConfig.block must be at least 1 ms",
+                "0 would send BLOCK 0, which waits for ever on the server while the client gives up".to_string(),
+            )));
+        }
         let (reader, mut writer) = connections(&source, &config).await?;
-        if let Ok(Some(settings)) = read_settings(&mut writer, &config).await
-            && let Err(unknown) = settings.check_contract()
-        {
-            return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown)));
+        if let Ok(Err(unknown)) = read_settings(&mut writer, &config).await {
+            return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown.to_string())));
         }
         Ok(Worker { source, reader, writer: watch::Sender::new(writer), config })
     }
@@ -224,23 +270,35 @@ impl Worker {
 
     /// Runs until `shutdown` resolves: then stops reading, lets in-flight handlers finish (up to the grace period)
     /// and returns. Read errors (the server restarting, say) are logged and retried; they do not stop the worker.
-    pub async fn run<H, Fut>(mut self, handler: H, shutdown: impl Future<Output = ()>) -> WorkerStats
+    /// When the settings name a worker contract this SDK does not know (met at a lease tick: an operator upgraded
+    /// under running workers, or a worker started before its policy) it shuts down the same way by itself and
+    /// answers [`ContractStop`].
+    pub async fn run<H, Fut>(
+        mut self,
+        handler: H,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<WorkerStats, ContractStop>
     where
         H: Fn(Message) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
     {
         let handler = Arc::new(handler);
         let counters = Arc::new(Counters::default());
-        refresh_settings(&mut self.writer(), &self.config, &counters).await;
+        if let Err(unknown) = refresh_settings(&mut self.writer(), &self.config, &counters).await {
+            error!(stream = %self.config.stream, group = %self.config.group, "{unknown}; not starting");
+            return Err(ContractStop { unknown, stats: WorkerStats::default() });
+        }
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
-        // The entries being handled, with when their handler started.
-        let in_flight = Arc::new(Mutex::new(HashMap::<String, Instant>::new()));
+        let in_flight: InFlight = Arc::default();
+        // Set by the lease loop when the settings name a contract this SDK does not know: the worker shuts down.
+        let (stop_tx, mut stop_rx) = watch::channel(false);
         // On the writer's connection: a lease sent before a give-back is served before it.
         let leases = tokio::spawn(hold_leases(
             self.config.clone(),
             self.writer.subscribe(),
             in_flight.clone(),
             counters.clone(),
+            stop_tx,
         ));
         // Acknowledgements of handlers that finish together go in one XACK.
         let (acks, pending_acks) = mpsc::unbounded_channel();
@@ -248,10 +306,18 @@ impl Worker {
         let mut tasks = JoinSet::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
-        let mut next_pel_check = Instant::now() + self.config.pel_check_interval;
+        // Hand-overs are looked for at every lease tick.
+        let mut next_pel_check = Instant::now();
+        let shutdown = async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = stop_rx.wait_for(|stop| *stop) => {}
+            }
+        };
         let mut shutdown = std::pin::pin!(shutdown);
         // Entries a read brought after the shutdown began: never handled, given back.
         let mut unread = Vec::new();
+        let mut missing_group = MissingGroup::default();
         loop {
             let first = tokio::select! {
                 _ = &mut shutdown => break,
@@ -266,7 +332,8 @@ impl Worker {
             }
             let pel_check_due = own_pel_cursor.is_none() && Instant::now() >= next_pel_check;
             if pel_check_due {
-                next_pel_check = Instant::now() + self.config.pel_check_interval;
+                let settings = *counters.settings.lock().expect("settings lock");
+                next_pel_check = Instant::now() + lease_interval(settings);
             }
             let skip: HashSet<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
             let outcome = {
@@ -285,7 +352,18 @@ impl Worker {
                     unread.extend(late.into_iter().map(|m| m.id));
                     break;
                 }
-                Ok(Ok(messages)) => messages,
+                Ok(Ok(messages)) => {
+                    missing_group.found(&self.config);
+                    messages
+                }
+                Ok(Err(e)) if e.code() == Some("NOGROUP") => {
+                    // The group is the operator's to create: wait for it, saying so once.
+                    let wait = missing_group.missing(&self.config);
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(wait) => continue,
+                    }
+                }
                 Ok(Err(e)) => {
                     warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -306,10 +384,12 @@ impl Worker {
                 let (handler, counters, writers, config) =
                     (handler.clone(), counters.clone(), self.writer.subscribe(), self.config.clone());
                 let (in_flight, acks) = (in_flight.clone(), acks.clone());
-                in_flight.lock().expect("in-flight lock").insert(message.id.clone(), Instant::now());
+                let flight = Flight { started: Instant::now(), settled: false };
+                in_flight.lock().expect("in-flight lock").insert(message.id.clone(), flight);
                 tasks.spawn(async move {
                     let id = message.id.clone();
-                    let runtime = Dispatch { config: &config, writers, acks: &acks, counters: &counters };
+                    let runtime =
+                        Dispatch { config: &config, writers, acks: &acks, counters: &counters, in_flight: &in_flight };
                     dispatch(runtime, message, handler.as_ref()).await;
                     in_flight.lock().expect("in-flight lock").remove(&id);
                     drop(permit);
@@ -332,30 +412,35 @@ impl Worker {
         // work to it.
         let mut left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
         left.append(&mut unread);
-        self.give_back_and_leave(&left, &counters).await;
-        let abandoned = left.len() as u64;
-        WorkerStats {
+        let abandoned = self.give_back_and_leave(&left, &counters).await;
+        let stats = WorkerStats {
             done: counters.done.load(Ordering::Relaxed),
             terminal: counters.terminal.load(Ordering::Relaxed),
             failed: counters.failed.load(Ordering::Relaxed),
             retried: counters.retried.load(Ordering::Relaxed),
             abandoned,
+        };
+        match counters.unknown_contract.lock().expect("contract lock").take() {
+            Some(unknown) => Err(ContractStop { unknown, stats }),
+            None => Ok(stats),
         }
     }
 
     /// Gives back what a shutdown cut off: the next pass retries it at once, and the cut-off delivery does not
-    /// count (`give_back.lua`, which leaves an entry no longer ours alone); then leaves the group.
-    async fn give_back_and_leave(&mut self, left: &[String], counters: &Counters) {
+    /// count (`give_back.lua`, which leaves an entry no longer ours alone); then leaves the group. Returns how many
+    /// entries were given back (those still this consumer's).
+    async fn give_back_and_leave(&mut self, left: &[String], counters: &Counters) -> u64 {
         let (stream, group) = (&self.config.stream, &self.config.group);
         let idle = counters.settings.lock().expect("settings lock").map(|s| s.retry_after_ms);
         let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
         match give_back(&mut self.writer(), &self.config, left, idle, false).await {
-            Ok(0) => {}
             Ok(given) => {
-                warn!(%stream, %group, given, "shutdown grace ran out: messages still being handled were given back for the next pass, their delivery not counted")
+                info!(%stream, %group, given, "shut down: messages not finished were given back for the next pass, their delivery not counted");
+                given.max(0) as u64
             }
             Err(e) => {
-                warn!(%stream, %group, error = %e, left = left.len(), "shutdown grace ran out and the messages still being handled could not be given back: they are retried after minIdle")
+                warn!(%stream, %group, error = %e, left = left.len(), "shut down, and the messages not finished could not be given back: they are retried after minIdle");
+                0
             }
         }
     }
@@ -440,13 +525,7 @@ impl Worker {
         }
         // Taken with the lease script, which checks the owner: a plain XCLAIM would take back an entry the pass
         // handed to another worker since the XPENDING above.
-        let taken: Vec<String> = LEASE
-            .key(&config.stream)
-            .arg(&config.group)
-            .arg(&config.consumer)
-            .arg(&ids)
-            .invoke_async(&mut writer)
-            .await?;
+        let taken = lease(&mut writer, config, &ids).await?;
         if taken.is_empty() {
             return Ok(Vec::new());
         }
@@ -467,81 +546,126 @@ const LEASE_BATCH: usize = 100;
 /// The idle time given back entries get when the operator published no settings: Pelican's default `minIdle`.
 const UNPUBLISHED_IDLE: Duration = Duration::from_secs(5 * 60);
 
-/// How often the leases are extended and the settings re-read: three times per `minIdle` (so an entry in flight is
-/// never idle half of it), at least every 10 s (so a lowered `minIdle` is followed well within the operator's hold of
-/// it, `MIN_IDLE_HOLD`), every second when no settings are published.
+/// How often the leases are extended, the settings re-read and hand-overs looked for: [`crate::keys::lease_interval`]
+/// of the published `minIdle`, every second when no settings are published.
 fn lease_interval(settings: Option<WorkerSettings>) -> Duration {
-    settings.map_or(Duration::from_secs(1), |s| {
-        Duration::from_millis(s.min_idle_ms / 3).clamp(Duration::from_millis(100), LEASE_TICK_MAX)
-    })
+    settings.map_or(Duration::from_secs(1), |s| crate::keys::lease_interval(Duration::from_millis(s.min_idle_ms)))
 }
 
-/// The longest time between two lease ticks (contract/README.md).
-const LEASE_TICK_MAX: Duration = Duration::from_secs(10);
-
 /// The group's settings as the operator published them, or `None` when it published none (no policy, an older
-/// operator).
-async fn read_settings(conn: &mut Connection, config: &WorkerConfig) -> RedisResult<Option<WorkerSettings>> {
+/// operator); an error inside when they name a contract this SDK does not know.
+async fn read_settings(
+    conn: &mut Connection,
+    config: &WorkerConfig,
+) -> RedisResult<Result<Option<WorkerSettings>, UnknownContract>> {
     let key = settings_key(&config.stream, &config.group);
     let hash: BTreeMap<String, String> = redis::cmd("HGETALL").arg(&key).query_async(conn).await?;
     Ok(WorkerSettings::from_fields(&hash))
 }
 
-/// Re-reads the settings into `counters`. Best effort: a failed read (an ACL without `hgetall` on the key, the server
-/// restarting) or settings of a contract this SDK does not know keep the last ones read, and say so; without any,
-/// leases are extended every second and give-backs use [`UNPUBLISHED_IDLE`].
-async fn refresh_settings(conn: &mut Connection, config: &WorkerConfig, counters: &Counters) {
+/// Re-reads the settings into `counters`. A failed read (an ACL without `hgetall` on the key, the server restarting)
+/// keeps the last ones read, and says so; without any, leases are extended every second and give-backs use
+/// [`UNPUBLISHED_IDLE`]. Settings of a contract this SDK does not know are the error.
+async fn refresh_settings(
+    conn: &mut Connection,
+    config: &WorkerConfig,
+    counters: &Counters,
+) -> Result<(), UnknownContract> {
     let (stream, group) = (&config.stream, &config.group);
     match read_settings(conn, config).await {
-        Ok(Some(settings)) => match settings.check_contract() {
-            Ok(()) => *counters.settings.lock().expect("settings lock") = Some(settings),
-            Err(unknown) => error!(%stream, %group, "{unknown}; the last settings read stay"),
-        },
-        Ok(None) => *counters.settings.lock().expect("settings lock") = None,
+        Ok(Ok(settings)) => *counters.settings.lock().expect("settings lock") = settings,
+        Ok(Err(unknown)) => return Err(unknown),
         Err(e) => warn!(%stream, %group, error = %e, "could not read the group's settings; the last ones read stay"),
     }
+    Ok(())
 }
 
-/// Extends the lease of every entry in flight for up to `max_handling`, until aborted. Past it, the entry is left to
-/// go idle, once, with a warning: the operator's pass may then retry it while its handler still runs.
+/// Every lease tick, until aborted: re-reads the settings, then extends the lease of every entry in flight for up to
+/// `max_handling` and not settled, with the worker's heartbeat (also with nothing in flight). Past `max_handling` an
+/// entry is left to go idle, once, with a warning: the operator's pass may then retry it while its handler still
+/// runs. Settings of a contract this SDK does not know stop the worker (`stop`), once; the leases go on while its
+/// handlers finish.
 async fn hold_leases(
     config: WorkerConfig,
     writers: watch::Receiver<Connection>,
-    in_flight: Arc<Mutex<HashMap<String, Instant>>>,
+    in_flight: InFlight,
     counters: Arc<Counters>,
+    stop: watch::Sender<bool>,
 ) {
     let mut overdue = HashSet::<String>::new();
+    let (stream, group) = (&config.stream, &config.group);
     loop {
         let settings = *counters.settings.lock().expect("settings lock");
         tokio::time::sleep(lease_interval(settings)).await;
         let mut conn = writers.borrow().clone();
         // Before the lease: a lowered minIdle is followed from this tick on.
-        refresh_settings(&mut conn, &config, &counters).await;
+        if let Err(unknown) = refresh_settings(&mut conn, &config, &counters).await
+            && !*stop.borrow()
+        {
+            error!(%stream, %group, "{unknown}; shutting down");
+            *counters.unknown_contract.lock().expect("contract lock") = Some(unknown);
+            stop.send_replace(true);
+        }
         let now = Instant::now();
         let ids: Vec<String> = {
             let held = in_flight.lock().expect("in-flight lock");
             overdue.retain(|id| held.contains_key(id));
             let mut ids = Vec::with_capacity(held.len());
-            for (id, since) in held.iter() {
-                if now.saturating_duration_since(*since) < config.max_handling {
+            for (id, flight) in held.iter().filter(|(_, flight)| !flight.settled) {
+                if now.saturating_duration_since(flight.started) < config.max_handling {
                     ids.push(id.clone());
                 } else if overdue.insert(id.clone()) {
-                    warn!(stream = %config.stream, group = %config.group, entry_id = %id, max_handling = ?config.max_handling, "handler still running after max_handling: its lease is no longer extended, and the operator's pass may retry the message");
+                    warn!(%stream, %group, entry_id = %id, max_handling = ?config.max_handling, "handler still running after max_handling: its lease is no longer extended, and the operator's pass may retry the message");
                 }
             }
             ids
         };
-        for chunk in ids.chunks(LEASE_BATCH) {
-            let extended: RedisResult<Vec<String>> = LEASE
-                .key(&config.stream)
-                .arg(&config.group)
-                .arg(&config.consumer)
-                .arg(chunk)
-                .invoke_async(&mut conn)
-                .await;
-            if let Err(e) = extended {
-                warn!(stream = %config.stream, group = %config.group, error = %e, "could not extend the leases of the messages being handled; retrying");
+        // At least one call: the heartbeat.
+        for chunk in ids.chunks(LEASE_BATCH).chain(ids.is_empty().then_some(&[][..])) {
+            if let Err(e) = lease(&mut conn, &config, chunk).await {
+                warn!(%stream, %group, error = %e, "could not extend the leases of the messages being handled; retrying");
             }
+        }
+    }
+}
+
+/// `lease.lua`: extends `ids` (this consumer's) and beats the worker's heart; answers the ids still this consumer's.
+async fn lease(conn: &mut Connection, config: &WorkerConfig, ids: &[String]) -> RedisResult<Vec<String>> {
+    LEASE
+        .key(&config.stream)
+        .key(consumers_key(&config.stream, &config.group))
+        .arg(&config.group)
+        .arg(&config.consumer)
+        .arg(ids)
+        .invoke_async(conn)
+        .await
+}
+
+/// Waiting out a group that does not exist yet (`NOGROUP`): the operator creates it. The wait starts at a second and
+/// doubles up to 10 s; the first miss is said once, and the group's appearance once.
+#[derive(Default)]
+struct MissingGroup {
+    wait: Option<Duration>,
+}
+
+impl MissingGroup {
+    /// The group is missing: how long to wait before the next read.
+    fn missing(&mut self, config: &WorkerConfig) -> Duration {
+        let wait = match self.wait {
+            None => {
+                warn!(stream = %config.stream, group = %config.group, "the group does not exist yet: waiting for the operator to create it (no policy names it yet?)");
+                Duration::from_secs(1)
+            }
+            Some(wait) => (wait * 2).min(Duration::from_secs(10)),
+        };
+        self.wait = Some(wait);
+        wait
+    }
+
+    /// A read succeeded.
+    fn found(&mut self, config: &WorkerConfig) {
+        if self.wait.take().is_some() {
+            info!(stream = %config.stream, group = %config.group, "the group exists now: reading");
         }
     }
 }
@@ -650,12 +774,16 @@ where
     H: Fn(Message) -> Fut,
     Fut: Future<Output = Result<Outcome, BoxError>>,
 {
-    let Dispatch { config, writers, acks, counters } = runtime;
+    let Dispatch { config, writers, acks, counters, in_flight } = runtime;
     let id = message.id.clone();
     let (stream, group) = (config.stream.as_str(), config.group.as_str());
     // A requeued copy carries the message's earlier deliveries, and its last error under the copy's id.
     let retried = message.field(DELIVERIES_FIELD).is_some();
     let result = AssertUnwindSafe(handler(message)).catch_unwind().await;
+    // Its outcome is being written from here on: no longer leased.
+    if let Some(flight) = in_flight.lock().expect("in-flight lock").get_mut(&id) {
+        flight.settled = true;
+    }
     // The writer as it is now: a failover while the handler ran gave a new one.
     let mut conn = writers.borrow().clone();
     match result {
@@ -731,6 +859,7 @@ struct Dispatch<'a> {
     writers: watch::Receiver<Connection>,
     acks: &'a mpsc::UnboundedSender<AckRequest>,
     counters: &'a Counters,
+    in_flight: &'a InFlight,
 }
 
 /// A `Done` acknowledgement for the acknowledger, with whether the entry's last error goes with it.

@@ -3,6 +3,7 @@
 -- KEYS[1] source stream    KEYS[2] dead-letter stream    KEYS[3] totals hash    KEYS[4] terminal hash
 -- KEYS[5] errors hash: entry id -> the text of its last failure, written by workers
 -- KEYS[6] hand-overs hash: entry id -> when Reassign last handed it over (ms)
+-- KEYS[7] heartbeats hash: consumer -> its worker's last lease tick (ms, the server's time; contract/README.md)
 -- ARGV[1] group            ARGV[2] min idle (ms)         ARGV[3] max deliveries
 -- ARGV[4] strategy: Requeue | Reassign | DeadLetterOnly  ARGV[5] dead-letter MAXLEN (0: no cap)
 -- ARGV[6] the operator's consumer name                   ARGV[7] most fields an entry may have to be moved
@@ -69,13 +70,17 @@
 -- are reset before the first move, instead of making an HINCRBY raise an error half way through the call). The
 -- byte budget keeps one call short, so other clients of the server never see BUSY because of large entries.
 -- Reassign hands an entry over with its delivery count raised by one (RETRYCOUNT), so the retry cap holds even
--- when the new owner never re-reads its PEL; a hand-over is counted only when the claim took the entry. With no
--- consumer that looks live (idle less than minIdle, its Pod not gone), Reassign requeues instead; so it does when the
+-- when the new owner never re-reads its PEL; a hand-over is counted only when the claim took the entry. A consumer
+-- is live when its worker's heartbeat (KEYS[7], written by the contract's lease.lua at every lease tick) is younger
+-- than minIdle and its Pod is not gone. Never by its XINFO idle time: this script's own XCLAIM to a consumer resets
+-- it (one phantom hand-over keeps a dead consumer looking live for the next), and a server loading its AOF starts
+-- every consumer's again. With no live consumer, Reassign requeues instead; so it does when the
 -- group has more consumers than ARGV[16]: XINFO CONSUMERS lists them all, each made a Lua table, and would hold the
 -- server for as long as there are. The live consumers are listed once per call, and the hand-overs go to the
 -- CANDIDATES least loaded of them, so a due entry costs a look at a few consumers, not at every one.
 
 local src, dlq, totals, terminal, errors, handovers = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local heartbeats = KEYS[7]
 local group = ARGV[1]
 local min_idle = tonumber(ARGV[2])
 local max_deliveries = tonumber(ARGV[3])
@@ -111,7 +116,7 @@ local function expect_type(key, wanted)
 end
 local bad = expect_type(src, 'stream') or expect_type(dlq, 'stream')
   or expect_type(totals, 'hash') or expect_type(terminal, 'hash') or expect_type(errors, 'hash')
-  or expect_type(handovers, 'hash')
+  or expect_type(handovers, 'hash') or expect_type(heartbeats, 'hash')
 if bad then return bad end
 -- Raises NOGROUP before any write when the group is gone.
 local page = redis.call('XPENDING', src, group, start, '+', limit)
@@ -159,13 +164,21 @@ local function least_loaded(except)
     local count = tonumber(group_info()['consumers']) or 0
     local listed = {}
     if count > max_consumers then unlisted = count else listed = redis.call('XINFO', 'CONSUMERS', src, group) end
+    local candidates, names = {}, {}
     for _, c in ipairs(listed) do
       local info = {}
       for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
       local name = info['name']
-      if name ~= operator and name ~= '' and not gone[name] and tonumber(info['idle']) < min_idle then
-        live[#live + 1] = {name = name, pending = tonumber(info['pending'])}
+      if name ~= operator and name ~= '' and not gone[name] then
+        candidates[#candidates + 1] = {name = name, pending = tonumber(info['pending'])}
+        names[#names + 1] = name
       end
+    end
+    -- At most CONSUMERS_LISTED_MAX names, like the listing itself.
+    local beats = #names > 0 and redis.call('HMGET', heartbeats, unpack(names)) or {}
+    for i, c in ipairs(candidates) do
+      local beat = tonumber(beats[i])
+      if beat and tonumber(now_ms) - beat < min_idle then live[#live + 1] = c end
     end
     table.sort(live, function(a, b) return a.pending < b.pending end)
     for i = #live, CANDIDATES + 1, -1 do live[i] = nil end
@@ -440,9 +453,22 @@ local function prune_handovers()
   end
 end
 
+-- Heartbeats of workers long gone (a Pod's name changes with every rollout): a few per call, those older than
+-- HEARTBEAT_KEPT or ten minIdles, whichever is longer; a live worker writes its own again at its next tick.
+local HEARTBEAT_KEPT = 3600000
+local function prune_heartbeats()
+  local kept = math.max(HEARTBEAT_KEPT, min_idle * 10)
+  local sample = redis.call('HRANDFIELD', heartbeats, 16, 'WITHVALUES')
+  for i = 1, #sample, 2 do
+    local beat = tonumber(sample[i + 1])
+    if not beat or tonumber(now_ms) - beat > kept then redis.call('HDEL', heartbeats, sample[i]) end
+  end
+end
+
 local ok, failure = pcall(move_page)
 if ok then ok, failure = pcall(prune_errors) end
 if ok then ok, failure = pcall(prune_handovers) end
+if ok then ok, failure = pcall(prune_heartbeats) end
 if #acks > 2 then
   redis.call('XACK', unpack(acks))
   if has_handovers then redis.call('HDEL', handovers, unpack(acks, 3)) end
