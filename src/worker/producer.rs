@@ -2,13 +2,14 @@
 //! refusal (certainly not written, try again later) from an unknown outcome (may have been written).
 
 use std::fmt;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use super::connection::{Connection, Source, Timeouts};
 use redis::{Client, RedisError, RedisResult, Script, ToRedisArgs};
 
 use crate::keys::{bounds_key, rejected_key};
+use tracing::warn;
 
 /// The bounded-publish script, the same file any client can load (`KEYS = [stream, bounds, rejected]`,
 /// `ARGV = field/value pairs`).
@@ -34,7 +35,8 @@ pub enum PublishError {
     /// was written, and publishing again will fail the same way until that is fixed.
     Failed(RedisError),
     /// Nothing was written, and publishing again may succeed: the server is a replica now (`READONLY`, after a
-    /// failover: a producer on a sentinel source reconnects to the new primary), loading, or busy.
+    /// failover: a producer on a sentinel source asks the sentinel again, and its next publish goes to the new
+    /// primary), unreachable (the connection was refused: nothing was sent), loading, or busy.
     Unavailable(RedisError),
 }
 
@@ -88,6 +90,10 @@ impl PublishError {
                 return PublishError::Refused { group: group.to_string(), backlog, max };
             }
         }
+        // No connection could be made (the server down, restarting, failing over): nothing was sent.
+        if error.is_connection_refusal() {
+            return PublishError::Unavailable(error);
+        }
         // A batch that failed after its first entries were added.
         if error.is_io_error()
             || error.is_timeout()
@@ -103,10 +109,15 @@ impl PublishError {
     }
 }
 
-/// Publishes into one stream through the bounded-publish script. Cheap to clone; clones share the connection.
+/// Publishes into one stream through the bounded-publish script. Cheap to clone; clones share the connection. On a
+/// sentinel source a publish the server refused as a replica (`READONLY`, after a failover) or whose connection was
+/// refused asks the sentinel again for the primary: the publish answers `Unavailable`, and the next one goes to the
+/// primary the sentinel names now.
 #[derive(Clone)]
 pub struct Producer {
-    conn: Connection,
+    conn: Arc<Mutex<Connection>>,
+    source: Source,
+    timeouts: Timeouts,
     stream: String,
     bounds: String,
     rejected: String,
@@ -131,9 +142,39 @@ impl Producer {
         response: Duration,
     ) -> RedisResult<Producer> {
         // A publish is never sent twice by the connection itself: whether to republish is the caller's call.
-        let conn = source.connect(Timeouts { response, retries: 0 }).await?;
+        let timeouts = Timeouts { response, retries: 0 };
+        let conn = Arc::new(Mutex::new(source.connect(timeouts).await?));
         let stream = stream.into();
-        Ok(Producer { bounds: bounds_key(&stream), rejected: rejected_key(&stream), stream, conn })
+        Ok(Producer {
+            bounds: bounds_key(&stream),
+            rejected: rejected_key(&stream),
+            stream,
+            conn,
+            source: source.clone(),
+            timeouts,
+        })
+    }
+
+    /// The current connection.
+    fn conn(&self) -> Connection {
+        self.conn.lock().expect("producer connection lock").clone()
+    }
+
+    /// Classifies a failed call; on a sentinel source, a primary that is gone or demoted is asked for again.
+    async fn failed(&self, error: RedisError) -> PublishError {
+        let error = PublishError::classify(error);
+        if let PublishError::Unavailable(cause) = &error
+            && self.source.follows_failovers()
+            && (cause.is_connection_refusal() || cause.code() == Some("READONLY"))
+        {
+            match self.source.connect(self.timeouts).await {
+                Ok(conn) => *self.conn.lock().expect("producer connection lock") = conn,
+                Err(e) => {
+                    warn!(stream = %self.stream, error = %e, "no primary from the sentinel yet; the next publish asks again")
+                }
+            }
+        }
+        error
     }
 
     /// Adds one entry (field/value pairs, in order) and returns its id.
@@ -152,7 +193,7 @@ impl Producer {
         let docs: redis::Value = redis::cmd("COMMAND")
             .arg("DOCS")
             .arg("xadd")
-            .query_async(&mut self.conn.clone())
+            .query_async(&mut self.conn())
             .await
             .map_err(IdempotenceError::Redis)?;
         if !crate::command_docs::has_argument(&docs, "xadd", "IDMP") {
@@ -174,7 +215,10 @@ impl Producer {
         for (field, value) in fields {
             invocation.arg(field).arg(value);
         }
-        invocation.invoke_async(&mut self.conn.clone()).await.map_err(PublishError::classify)
+        match invocation.invoke_async(&mut self.conn()).await {
+            Ok(id) => Ok(id),
+            Err(e) => Err(self.failed(e).await),
+        }
     }
 
     /// Adds entries in order, with one backlog check for all of them, as many as every bounded group has room for:
@@ -218,8 +262,10 @@ impl Producer {
             }
         }
         // The refusal's counts come as integers, read here as text like the group name.
-        let (ids, refusal): (Vec<String>, Vec<String>) =
-            invocation.invoke_async(&mut self.conn.clone()).await.map_err(PublishError::classify)?;
+        let (ids, refusal): (Vec<String>, Vec<String>) = match invocation.invoke_async(&mut self.conn()).await {
+            Ok(reply) => reply,
+            Err(e) => return Err(self.failed(e).await),
+        };
         let refused = match refusal.as_slice() {
             [group, backlog, max] => Some(Refusal {
                 group: group.clone(),
@@ -326,6 +372,15 @@ mod tests {
         let error = PublishError::classify(RedisError::from(io));
         assert!(matches!(error, PublishError::OutcomeUnknown(_)), "{error:?}");
         assert!(!error.certainly_not_written());
+    }
+
+    /// Defect (issue 65.7): a publish whose connection was refused was "outcome unknown"; it was never sent.
+    #[test]
+    fn a_refused_connection_is_unavailable() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let error = PublishError::classify(RedisError::from(io));
+        assert!(matches!(error, PublishError::Unavailable(_)), "{error:?}");
+        assert!(error.certainly_not_written());
     }
 
     #[test]
