@@ -35,6 +35,7 @@ on_both_servers!(
     a_block_of_zero_is_refused_when_the_worker_is_built,
     a_missing_group_is_waited_out_and_said_once,
     an_idle_worker_beats_its_heart_at_every_lease_tick,
+    live_stats_show_what_a_running_worker_does,
 );
 
 const STREAM: &str = "files";
@@ -616,4 +617,32 @@ fn an_idle_worker_beats_its_heart_at_every_lease_tick(flavor: Flavor) {
     beats.dedup();
     // minIdle 600 ms: a tick every 200 ms, so 2 s of samples see several distinct beats.
     assert!(beats.len() >= 4, "heartbeats seen: {beats:?}\n{logs}");
+}
+
+/// Issue 65.8: the Rust worker's counts were known only once `run` returned; an exporter reads them while it runs.
+fn live_stats_show_what_a_running_worker_does(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-1", "job-2"]);
+    let (seen, stats) = runtime().block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let worker = Worker::connect(&client, config()).await.unwrap();
+        let live = worker.live_stats();
+        let handler = |m: Message| async move {
+            tokio::time::sleep(Duration::from_millis(if m.field_str("job_id") == Some("job-1") { 100 } else { 1500 }))
+                .await;
+            Ok(Outcome::Done)
+        };
+        let watch = async {
+            let mut seen = Vec::new();
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                seen.push((live.snapshot().done, live.in_flight()));
+            }
+            seen
+        };
+        let (stats, seen) = tokio::join!(worker.run(handler, tokio::time::sleep(Duration::from_secs(3))), watch);
+        (seen, stats.unwrap())
+    });
+    assert!(seen.contains(&(1, 1)), "one done, one in flight, while it ran: {seen:?}");
+    assert_eq!(stats.done, 2);
 }

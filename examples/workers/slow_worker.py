@@ -68,9 +68,10 @@ def main():
             last_lease = time.monotonic()
             with lock:
                 ids = list(in_flight)
-            if ids:
-                # The lease: Pelican's pass never takes an entry whose idle time stays below minIdle.
-                lease(keys=[stream], args=[group, consumer, *ids])
+            # The lease: Pelican's pass never takes an entry whose idle time stays below minIdle. Also with no ids:
+            # the call is the worker's heartbeat (`strategy: Reassign` hands entries only to workers that beat).
+            lease(keys=[stream, settings_key(stream, group).removesuffix(":settings") + ":consumers"],
+                  args=[group, consumer, *ids])
             every = lease_interval()
 
 

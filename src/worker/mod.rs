@@ -218,6 +218,7 @@ struct Counters {
     terminal: AtomicU64,
     failed: AtomicU64,
     retried: AtomicU64,
+    abandoned: AtomicU64,
     /// The group's settings as the operator published them; `None` until read (or when no policy publishes any).
     settings: Mutex<Option<WorkerSettings>>,
     /// Entries whose last error this worker recorded: their field goes with their ACK.
@@ -237,6 +238,34 @@ pub struct Worker {
     /// the current one.
     writer: watch::Sender<Connection>,
     config: WorkerConfig,
+    counters: Arc<Counters>,
+    in_flight: InFlight,
+}
+
+/// A running worker's counts, read at any time (for a metrics exporter): [`Worker::live_stats`].
+#[derive(Clone)]
+pub struct LiveStats {
+    counters: Arc<Counters>,
+    in_flight: InFlight,
+}
+
+impl LiveStats {
+    /// The counts so far.
+    pub fn snapshot(&self) -> WorkerStats {
+        let c = &self.counters;
+        WorkerStats {
+            done: c.done.load(Ordering::Relaxed),
+            terminal: c.terminal.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            retried: c.retried.load(Ordering::Relaxed),
+            abandoned: c.abandoned.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The messages being handled now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.lock().expect("in-flight lock").len()
+    }
 }
 
 impl Worker {
@@ -260,7 +289,19 @@ impl Worker {
         if let Ok(Err(unknown)) = read_settings(&mut writer, &config).await {
             return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown.to_string())));
         }
-        Ok(Worker { source, reader, writer: watch::Sender::new(writer), config })
+        Ok(Worker {
+            source,
+            reader,
+            writer: watch::Sender::new(writer),
+            config,
+            counters: Arc::default(),
+            in_flight: Arc::default(),
+        })
+    }
+
+    /// The worker's counts while it runs (take it before [`Worker::run`], which consumes the worker).
+    pub fn live_stats(&self) -> LiveStats {
+        LiveStats { counters: self.counters.clone(), in_flight: self.in_flight.clone() }
     }
 
     /// The current writer.
@@ -283,13 +324,13 @@ impl Worker {
         Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
     {
         let handler = Arc::new(handler);
-        let counters = Arc::new(Counters::default());
+        let counters = self.counters.clone();
         if let Err(unknown) = refresh_settings(&mut self.writer(), &self.config, &counters).await {
             error!(stream = %self.config.stream, group = %self.config.group, "{unknown}; not starting");
             return Err(ContractStop { unknown, stats: WorkerStats::default() });
         }
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
-        let in_flight: InFlight = Arc::default();
+        let in_flight = self.in_flight.clone();
         // Set by the lease loop when the settings name a contract this SDK does not know: the worker shuts down.
         let (stop_tx, mut stop_rx) = watch::channel(false);
         // On the writer's connection: a lease sent before a give-back is served before it.
@@ -413,13 +454,8 @@ impl Worker {
         let mut left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
         left.append(&mut unread);
         let abandoned = self.give_back_and_leave(&left, &counters).await;
-        let stats = WorkerStats {
-            done: counters.done.load(Ordering::Relaxed),
-            terminal: counters.terminal.load(Ordering::Relaxed),
-            failed: counters.failed.load(Ordering::Relaxed),
-            retried: counters.retried.load(Ordering::Relaxed),
-            abandoned,
-        };
+        counters.abandoned.store(abandoned, Ordering::Relaxed);
+        let stats = self.live_stats().snapshot();
         match counters.unknown_contract.lock().expect("contract lock").take() {
             Some(unknown) => Err(ContractStop { unknown, stats }),
             None => Ok(stats),
