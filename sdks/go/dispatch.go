@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
@@ -115,16 +114,13 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 func runHandler(ctx context.Context, handler Handler, m Message) (outcome Outcome, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = &panicError{value: r, stack: debug.Stack()}
+			err = &panicError{value: r}
 		}
 	}()
 	return handler(ctx, m)
 }
 
-type panicError struct {
-	value any
-	stack []byte
-}
+type panicError struct{ value any }
 
 func (e *panicError) Error() string { return fmt.Sprintf("panic: %v", e.value) }
 
@@ -271,13 +267,14 @@ func (w *Worker) retry(ctx context.Context, id string) {
 // fail records the error's text as the entry's last error, without an ACK: the pass retries it.
 func (w *Worker) fail(ctx context.Context, id string, err error) {
 	text := cutUTF8(err.Error(), ErrorTextMax)
+	// One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
+	kind := fmt.Sprintf("%T", err)
 	var p *panicError
 	if errors.As(err, &p) {
-		w.log.Warn("handler panicked; the message stays pending for the operator's retry",
-			"entry_id", id, "error", text, "stack", string(p.stack))
-	} else {
-		w.log.Warn("handler failed; the message stays pending for the operator's retry", "entry_id", id, "error", text)
+		kind = fmt.Sprintf("panic(%T)", p.value)
 	}
+	w.log.Warn("handler failed; the message stays pending for the operator's retry",
+		"entry_id", id, "error_type", kind, "error", text)
 	w.mu.Lock()
 	w.failedHere[id] = time.Now()
 	w.mu.Unlock()

@@ -619,15 +619,15 @@ wait:
 	}
 	stopLeases()
 	given, err := w.giveBack(ctx, left, w.retryAfter(), true)
-	w.abandoned.Add(uint64(len(left)))
-	switch {
-	case err != nil:
+	// Only what the give-back released: an entry the pass took meanwhile is not this worker's to count.
+	w.abandoned.Add(uint64(given))
+	if err != nil {
 		w.log.Warn("shutdown: could not give back (and leave the group): what is left is retried after minIdle",
 			"left", len(left), "error", err)
-	case len(left) > 0:
-		w.log.Warn("shutdown: messages not handled were given back for the next pass, their delivery not counted",
-			"given", given)
+		return
 	}
+	w.log.Info("shutdown: messages given back for the next pass (not finished within the grace, or read "+
+		"unhandled), their delivery not counted", "given", given)
 }
 
 // sleep waits d, or less when ctx ends; false when it did.

@@ -135,18 +135,45 @@ func TestAFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain(t *testing.T) {
 	}
 }
 
-func TestAPanicIsAFailure(t *testing.T) {
+func TestAPanicIsAFailureAndTheWorkerGoesOn(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
-	entry := add(t, c, "n", "1")
-	w, _ := newWorker(t, WorkerOptions{})
-	r := start(t, w, func(context.Context, Message) (Outcome, error) { panic("boom") })
-	eventually(t, 5*time.Second, "the error recorded", func() bool {
-		return c.HGet(bg, ErrorsKey(testStream, testGroup), entry).Val() == "panic: boom"
+	var panicked []string
+	for range 5 {
+		panicked = append(panicked, add(t, c, "panic", "yes"))
+	}
+	ordinary := []string{add(t, c, "n", "1"), add(t, c, "n", "2"), add(t, c, "n", "3")}
+	var s seen
+	w, logs := newWorker(t, WorkerOptions{Concurrency: 2})
+	r := start(t, w, func(_ context.Context, m Message) (Outcome, error) {
+		if _, ok := m.Values["panic"]; ok {
+			panic("boom")
+		}
+		s.add(m.ID)
+		return Done(), nil
+	})
+	eventually(t, 5*time.Second, "the ordinary messages handled after 5 panics", func() bool {
+		return len(s.list()) == 3 && c.HLen(bg, ErrorsKey(testStream, testGroup)).Val() == 5
 	})
 	stats, _ := r.stop(t)
-	if stats.Failed != 1 || len(pending(t, c)) != 1 {
-		t.Fatalf("stats %+v, pending %v", stats, pending(t, c))
+	if got := slices.Sorted(slices.Values(s.list())); !equal(got, ordinary) || stats.Failed != 5 || stats.Done != 3 {
+		t.Fatalf("handled %v, stats %+v", got, stats)
+	}
+	var left []string
+	for _, p := range pending(t, c) {
+		left = append(left, p.ID)
+	}
+	if !equal(left, panicked) {
+		t.Fatalf("pending %v, want %v", left, panicked)
+	}
+	for _, id := range panicked {
+		if text := c.HGet(bg, ErrorsKey(testStream, testGroup), id).Val(); text != "panic: boom" {
+			t.Fatalf("%s: %q", id, text)
+		}
+	}
+	// One WARN line per failure, with the id and the error, never a stack trace.
+	if n := logs.count("level=WARN msg=\"handler failed"); n != 5 || logs.count("goroutine") != 0 {
+		t.Fatalf("%d failure lines, stack traces %d", n, logs.count("goroutine"))
 	}
 }
 
@@ -337,7 +364,7 @@ func TestShutdownGivesBackUnownedWithTheDeliveryUncounted(t *testing.T) {
 	entry := add(t, c, "n", "1")
 	started := make(chan string, 1)
 	cancelled := make(chan struct{})
-	w, _ := newWorker(t, WorkerOptions{ShutdownGrace: 300 * time.Millisecond})
+	w, logs := newWorker(t, WorkerOptions{ShutdownGrace: 300 * time.Millisecond})
 	r := start(t, w, func(ctx context.Context, m Message) (Outcome, error) {
 		started <- m.ID
 		<-ctx.Done() // cancelled when the grace ran out
@@ -363,6 +390,10 @@ func TestShutdownGivesBackUnownedWithTheDeliveryUncounted(t *testing.T) {
 	}
 	if c.Exists(bg, ErrorsKey(testStream, testGroup)).Val() != 0 {
 		t.Fatal("a message given back was recorded as failed")
+	}
+	// One INFO line with the count.
+	if n := logs.count(`level=INFO msg="shutdown: messages given back`); n != 1 || logs.count("given=1") != 1 {
+		t.Fatalf("%d shutdown lines", n)
 	}
 }
 

@@ -543,12 +543,11 @@ public final class Worker implements AutoCloseable {
         Outcome outcome;
         try {
             outcome = handler.handle(message);
-        } catch (Exception e) {
+        } catch (Throwable e) {
+            // An Error as well (StackOverflowError, NoClassDefFoundError, AssertionError): a failure of the message,
+            // never of the worker, whose thread goes on with the next one.
             settle(message, entry, null, e);
             return;
-        } catch (Error e) {
-            settle(message, entry, null, e);
-            throw e;
         }
         settle(message, entry, outcome,
                 outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null);
@@ -639,8 +638,9 @@ public final class Worker implements AutoCloseable {
 
     private CompletableFuture<Void> fail(String id, Throwable error) {
         String text = errorText(error);
-        LOG.log(Level.WARNING, where + "handler failed on " + id + "; the message stays pending for the operator's retry",
-                error);
+        // One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
+        LOG.log(Level.WARNING, where + "handler failed on " + id + " (" + text + "); the message stays pending for the "
+                + "operator's retry");
         failedHere.put(id, System.nanoTime());
         failed.increment();
         return writes.hset(errorsKey, bytes(id), bytes(text)).toCompletableFuture().handle((ignored, failure) -> {
@@ -831,15 +831,14 @@ public final class Worker implements AutoCloseable {
      * nothing is left), so {@code strategy: Reassign} never hands work to a worker that left.
      */
     private void giveBackOnShutdown(List<String> left) {
-        abandoned.add(left.size());
         Settings current = settings;
         long idle = current != null ? current.retryAfterMs() : Settings.UNPUBLISHED_IDLE_MS;
         try {
             long given = await(giveBack(left, idle, true));
-            if (!left.isEmpty()) {
-                LOG.log(Level.WARNING, where + "shutdown: " + given + " messages not finished within the grace or read "
-                        + "unhandled were given back for the next pass, their delivery not counted");
-            }
+            // Only what the give-back released: an entry the pass took meanwhile is not this worker's to count.
+            abandoned.add(given);
+            LOG.log(Level.INFO, where + "shutdown: " + given + " messages given back for the next pass (not finished "
+                    + "within the grace, or read unhandled), their delivery not counted");
         } catch (RuntimeException e) {
             LOG.log(Level.WARNING, where + "could not give back " + left.size() + " messages on shutdown (nor leave the "
                     + "group): they are retried after minIdle: " + e);

@@ -24,6 +24,7 @@ import io.lettuce.core.RedisClient;
 import io.lettuce.core.api.sync.RedisCommands;
 import io.lettuce.core.codec.ByteArrayCodec;
 import io.lettuce.core.protocol.ProtocolVersion;
+import io.pelican.worker.Support.Logs;
 import io.pelican.worker.Support.Pending;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
@@ -36,9 +37,8 @@ import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
-import java.util.logging.Handler;
+import java.util.logging.Level;
 import java.util.logging.LogRecord;
-import java.util.logging.Logger;
 import org.junit.jupiter.api.Test;
 
 /** The worker against a real server: what it leaves in Redis for each outcome, lease, hand-over and shutdown. */
@@ -138,12 +138,20 @@ class WorkerTest {
             runs.incrementAndGet();
             throw new IllegalArgumentException("€".repeat(2000));
         }, b -> b.pelCheckInterval(Duration.ofMillis(100)).block(Duration.ofMillis(50)));
-        try (w) {
-            w.start();
-            eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
-            // Several hand-over looks: an entry that failed here is left to the operator's retry.
-            RedisServer.sleep(800);
+        List<LogRecord> failures;
+        try (Logs logs = new Logs()) {
+            try (w) {
+                w.start();
+                eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
+                // Several hand-over looks: an entry that failed here is left to the operator's retry.
+                RedisServer.sleep(800);
+            }
+            failures = logs.at(Level.WARNING, "handler failed on " + entry);
         }
+        // One line, with the class and the message, never a stack trace.
+        assertEquals(1, failures.size());
+        assertNull(failures.get(0).getThrown(), "a stack trace was logged");
+        assertTrue(failures.get(0).getMessage().contains("IllegalArgumentException: €€"), failures.get(0).getMessage());
         assertEquals(1, runs.get());
         assertEquals(1, w.stats().failed());
         byte[] text = bytes(r.hget(Keys.errors(STREAM, GROUP), entry));
@@ -154,6 +162,48 @@ class WorkerTest {
         assertEquals(1, left.size());
         assertEquals(List.of(entry, CONSUMER, 1L), List.of(left.get(0).id(), left.get(0).consumer(), left.get(0).deliveries()));
         assertEquals(List.of(CONSUMER), consumers(r)); // it still owns the failed entry: kept
+    }
+
+    @Test
+    void anErrorThrownByTheHandlerIsAFailureAndTheWorkerGoesOn() {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        List<String> thrown = new ArrayList<>();
+        for (int i = 0; i < 5; i++) {
+            thrown.add(add(r, "throw", "error"));
+        }
+        List<String> ordinary = List.of(add(r, "n", "1"), add(r, "n", "2"), add(r, "n", "3"));
+        List<String> handled = new CopyOnWriteArrayList<>();
+        Worker w = worker(m -> {
+            if (m.text("throw") != null) {
+                throw new StackOverflowError("deep");
+            }
+            handled.add(m.id());
+            return Outcome.done();
+        }, b -> b.concurrency(2));
+        List<LogRecord> failures;
+        try (Logs logs = new Logs()) {
+            try (w) {
+                w.start();
+                eventually(() -> handled.size() == 3, "the ordinary messages handled after 5 errors");
+                eventually(() -> r.hlen(Keys.errors(STREAM, GROUP)) == 5, "5 errors recorded");
+            }
+            failures = logs.at(Level.WARNING, "handler failed");
+        }
+        // One WARNING line per failure, with the id, the class and the message, never a stack trace.
+        assertEquals(5, failures.size());
+        for (LogRecord failure : failures) {
+            assertNull(failure.getThrown());
+            assertTrue(failure.getMessage().contains("StackOverflowError: deep"), failure.getMessage());
+        }
+        assertEquals(ordinary, handled.stream().sorted().toList());
+        assertEquals(new WorkerStats(3, 0, 5, 0, 0, 0), w.stats());
+        for (String id : thrown) {
+            assertEquals("StackOverflowError: deep", r.hget(Keys.errors(STREAM, GROUP), id));
+        }
+        // Failed here, still this consumer's (never given back on shutdown): the pass retries them.
+        assertEquals(thrown, pending(r).stream().map(Pending::id).toList());
+        assertEquals(List.of(CONSUMER), consumers(r));
     }
 
     @Test
@@ -348,11 +398,14 @@ class WorkerTest {
             Thread.sleep(60_000);
             return Outcome.done();
         }, b -> b.shutdownGrace(Duration.ofMillis(300)));
-        try (w) {
-            w.start();
-            assertTrue(await(started));
-            Pending p = pending(r).get(0);
-            assertEquals(List.of(CONSUMER, 1L), List.of(p.consumer(), p.deliveries()));
+        try (Logs logs = new Logs()) {
+            try (w) {
+                w.start();
+                assertTrue(await(started));
+                Pending p = pending(r).get(0);
+                assertEquals(List.of(CONSUMER, 1L), List.of(p.consumer(), p.deliveries()));
+            }
+            assertEquals(1, logs.at(Level.INFO, "shutdown: 1 messages given back").size(), logs.messages().toString());
         }
         Pending p = pending(r).get(0);
         assertEquals(List.of(entry, "", 0L), List.of(p.id(), p.consumer(), p.deliveries()));
@@ -436,40 +489,25 @@ class WorkerTest {
     @Test
     void noGroupIsWaitedOutSaidOnceAndTheGroupNeverCreated() {
         RedisCommands<String, String> r = fresh();
-        List<String> said = new CopyOnWriteArrayList<>();
-        Handler capture = new Handler() {
-            @Override
-            public void publish(LogRecord record) {
-                said.add(record.getMessage());
-            }
-
-            @Override
-            public void flush() {}
-
-            @Override
-            public void close() {}
-        };
-        Logger log = Logger.getLogger("io.pelican.worker");
-        log.addHandler(capture);
         List<String> seen = new CopyOnWriteArrayList<>();
-        try (Worker w = worker(m -> {
-            seen.add(m.id());
-            return Outcome.done();
-        })) {
-            w.start();
-            RedisServer.sleep(1500);
-            assertEquals(0, r.exists(STREAM));
-            add(r, "n", "0");
-            RedisServer.sleep(500);
-            assertEquals(List.of(), r.xinfoGroups(STREAM));
-            createGroup(r);
-            String entry = add(r, "n", "1");
-            eventually(() -> seen.size() == 2, Duration.ofSeconds(12), "both entries handled");
-            assertEquals(entry, seen.get(1));
-        } finally {
-            log.removeHandler(capture);
+        try (Logs logs = new Logs()) {
+            try (Worker w = worker(m -> {
+                seen.add(m.id());
+                return Outcome.done();
+            })) {
+                w.start();
+                RedisServer.sleep(1500);
+                assertEquals(0, r.exists(STREAM));
+                add(r, "n", "0");
+                RedisServer.sleep(500);
+                assertEquals(List.of(), r.xinfoGroups(STREAM));
+                createGroup(r);
+                String entry = add(r, "n", "1");
+                eventually(() -> seen.size() == 2, Duration.ofSeconds(12), "both entries handled");
+                assertEquals(entry, seen.get(1));
+            }
+            assertEquals(1, logs.at(Level.WARNING, "does not exist").size(), logs.messages().toString());
         }
-        assertEquals(1, said.stream().filter(text -> text.contains("does not exist")).count(), said.toString());
     }
 
     @Test
