@@ -97,7 +97,6 @@ public final class Worker implements AutoCloseable {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
-    private final Duration pelCheckInterval;
     private final Duration maxHandling;
     private final Handler handler;
     private final Executor givenExecutor;
@@ -107,6 +106,7 @@ public final class Worker implements AutoCloseable {
     private final byte[] errorsKey;
     private final byte[] terminalKey;
     private final byte[] settingsKey;
+    private final byte[] consumersKey;
     private final String where;
 
     private final LongAdder done = new LongAdder();
@@ -135,6 +135,13 @@ public final class Worker implements AutoCloseable {
     private State state = State.NEW;
     private final CompletableFuture<Void> closed = new CompletableFuture<>();
     private volatile boolean stopping;
+    /** Set once the read loop read its own PEL to the end: hand-overs are looked for from then on. */
+    private volatile boolean ownPelRead;
+    /**
+     * When (nanoTime) the read in flight was sent; {@code null} once what it brought is in flight. An entry delivered
+     * since may be that read's, not a hand-over.
+     */
+    private volatile Long readSentAt;
     /** Counted down by the stop: ends the read loop's pauses at once. */
     private final CountDownLatch stopSignal = new CountDownLatch(1);
 
@@ -162,7 +169,6 @@ public final class Worker implements AutoCloseable {
         this.concurrency = b.concurrency;
         this.block = b.block;
         this.shutdownGrace = b.shutdownGrace;
-        this.pelCheckInterval = b.pelCheckInterval;
         this.maxHandling = b.maxHandling;
         this.handler = b.handler;
         this.givenExecutor = b.executor;
@@ -172,6 +178,7 @@ public final class Worker implements AutoCloseable {
         this.errorsKey = bytes(Keys.errors(stream, group));
         this.terminalKey = bytes(Keys.terminal(stream, group));
         this.settingsKey = bytes(Keys.settings(stream, group));
+        this.consumersKey = bytes(Keys.consumers(stream, group));
         this.where = "[" + stream + " " + group + " " + consumer + "] ";
     }
 
@@ -326,7 +333,6 @@ public final class Worker implements AutoCloseable {
 
     private void readLoop() {
         String cursor = "0"; // own PEL first: entries delivered to this name before a restart
-        long nextCheck = System.nanoTime() + pelCheckInterval.toNanos();
         long groupWait = 0; // not waiting for the group
         while (!stopping) {
             int free = freeSlots();
@@ -334,20 +340,20 @@ public final class Worker implements AutoCloseable {
                 break;
             }
             List<Message> found;
+            readSentAt = System.nanoTime();
             try {
                 if (cursor != null) {
                     List<StreamMessage<byte[], byte[]>> read = readGroup(XReadArgs.Builder.count(free),
                             StreamOffset.from(streamKey, cursor));
                     cursor = read.isEmpty() ? null : read.get(read.size() - 1).getId();
+                    ownPelRead = cursor == null;
                     found = messages(read);
-                } else if (System.nanoTime() - nextCheck >= 0) {
-                    nextCheck = System.nanoTime() + pelCheckInterval.toNanos();
-                    found = takeHandedOver(free);
                 } else {
                     found = messages(readGroup(XReadArgs.Builder.count(free).block(block),
                             StreamOffset.lastConsumed(streamKey)));
                 }
             } catch (RedisCommandExecutionException e) {
+                readSentAt = null;
                 if (!String.valueOf(e.getMessage()).startsWith("NOGROUP")) {
                     LOG.log(Level.WARNING, where + "read refused; retrying: " + e.getMessage());
                     pause(500);
@@ -363,6 +369,7 @@ public final class Worker implements AutoCloseable {
                 groupWait = Math.min(groupWait * 2, 10_000);
                 continue;
             } catch (RuntimeException e) {
+                readSentAt = null;
                 LOG.log(Level.WARNING, where + "read failed; retrying: " + e);
                 pause(500);
                 continue;
@@ -379,6 +386,7 @@ public final class Worker implements AutoCloseable {
             for (Message message : found) {
                 start(message);
             }
+            readSentAt = null;
             if (!found.isEmpty() && drainers.get() == 0) {
                 startDrainers(1);
             }
@@ -435,9 +443,31 @@ public final class Worker implements AutoCloseable {
     }
 
     /**
+     * At a lease tick, once the worker read its own PEL: takes up what {@code strategy: Reassign} handed over, as many
+     * as slots are free (the rest at the next tick), and queues them as new messages.
+     */
+    private void takeUpHandOvers() {
+        int free;
+        synchronized (slots) {
+            free = stopping || !ownPelRead ? 0 : concurrency - running;
+        }
+        if (free <= 0) {
+            return;
+        }
+        List<Message> found = takeHandedOver(free);
+        if (found.isEmpty()) {
+            return;
+        }
+        for (Message message : found) {
+            start(message);
+        }
+        startDrainers(found.size());
+    }
+
+    /**
      * Up to {@code count} entries of the own PEL that are neither in flight nor failed here (or failed here and handed
-     * back since: idle for less than the time since they failed, less a second): the ones {@code strategy: Reassign}
-     * handed over. Taken with {@code lease.lua} (never a plain XCLAIM, which would take back what the pass meanwhile
+     * back since: idle for less than the time since they failed, less a second) nor delivered since the read in flight
+     * was sent (they may be its own): the ones {@code strategy: Reassign} handed over. Taken with {@code lease.lua} (never a plain XCLAIM, which would take back what the pass meanwhile
      * gave to someone else), then read with {@code XRANGE}.
      */
     private List<Message> takeHandedOver(int count) {
@@ -447,6 +477,9 @@ public final class Worker implements AutoCloseable {
         long askedAt = System.nanoTime();
         List<PendingMessage> pending = await(writes.xpending(streamKey, Consumer.from(groupName, consumerName),
                 Range.unbounded(), Limit.from(asked)));
+        // Taken after the reply: an entry delivered by the read in flight is idle at most this long.
+        Long readAt = readSentAt;
+        long sinceRead = readAt == null ? -1 : (System.nanoTime() - readAt) / 1_000_000;
         if (pending.size() < asked) {
             // The whole own PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
             Set<String> listed = new HashSet<>();
@@ -458,7 +491,8 @@ public final class Worker implements AutoCloseable {
             Long failedAt = failedBefore.get(p.getId());
             boolean handedBack = failedAt == null
                     || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failedAt) / 1_000_000;
-            if (!inFlight.containsKey(p.getId()) && handedBack && candidates.size() < count) {
+            boolean beforeRead = p.getMsSinceLastDelivery() > sinceRead;
+            if (!inFlight.containsKey(p.getId()) && handedBack && beforeRead && candidates.size() < count) {
                 candidates.add(p.getId());
             }
         }
@@ -681,8 +715,9 @@ public final class Worker implements AutoCloseable {
 
     /**
      * One tick: re-read the settings (a lowered {@code minIdle} is leased at its new pace before it counts), then
-     * extend every entry whose handler runs for less than {@code maxHandling}; one handled longer is no longer
-     * extended, said once.
+     * extend every entry whose handler runs for less than {@code maxHandling} (one handled longer is no longer
+     * extended, said once) with {@code lease.lua}, which is also the worker's heartbeat (run with no ids as well), then
+     * take up what was handed over.
      */
     private void leaseTick() {
         try {
@@ -717,13 +752,12 @@ public final class Worker implements AutoCloseable {
                 }
                 return;
             }
-            Set<String> extended = new HashSet<>(kept);
-            for (String id : ids) {
-                InFlight entry = inFlight.get(id);
-                if (!extended.contains(id) && entry != null && entry.state.get() == InFlight.RUNNING && !entry.lost) {
-                    entry.lost = true;
-                    LOG.log(Level.WARNING, where + id + " is no longer this consumer's (the operator's pass took it) "
-                            + "while its handler runs: it may be handled twice");
+            warnLost(ids, kept);
+            try {
+                takeUpHandOvers();
+            } catch (RuntimeException e) {
+                if (!leaser.isShutdown()) {
+                    LOG.log(Level.WARNING, where + "could not take up hand-overs; looking again at the next tick: " + e);
                 }
             }
         } finally {
@@ -731,18 +765,35 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** Extends (or takes up) {@code ids}; answers those still this consumer's. */
+    /** Says once of each id leased and not kept that the pass took it while its handler runs. */
+    private void warnLost(List<String> ids, List<String> kept) {
+        Set<String> extended = new HashSet<>(kept);
+        for (String id : ids) {
+            InFlight entry = inFlight.get(id);
+            if (!extended.contains(id) && entry != null && entry.state.get() == InFlight.RUNNING && !entry.lost) {
+                entry.lost = true;
+                LOG.log(Level.WARNING, where + id + " is no longer this consumer's (the operator's pass took it) "
+                        + "while its handler runs: it may be handled twice");
+            }
+        }
+    }
+
+    /**
+     * Extends (or takes up) {@code ids} and writes the heartbeat (so it runs once with no ids); answers the ids still
+     * this consumer's.
+     */
     private List<String> lease(List<String> ids) {
         List<String> kept = new ArrayList<>();
-        for (int from = 0; from < ids.size(); from += ID_BATCH) {
-            List<String> batch = ids.subList(from, Math.min(ids.size(), from + ID_BATCH));
+        for (int from = 0; from < Math.max(ids.size(), 1); from += ID_BATCH) {
+            List<String> batch = ids.subList(Math.min(from, ids.size()), Math.min(ids.size(), from + ID_BATCH));
             byte[][] args = new byte[2 + batch.size()][];
             args[0] = groupName;
             args[1] = consumerName;
             for (int i = 0; i < batch.size(); i++) {
                 args[2 + i] = bytes(batch.get(i));
             }
-            List<?> reply = await(Script.LEASE.<List<?>>run(writes, ScriptOutputType.MULTI, new byte[][] {streamKey}, args));
+            List<?> reply = await(Script.LEASE.<List<?>>run(writes, ScriptOutputType.MULTI,
+                    new byte[][] {streamKey, consumersKey}, args));
             for (Object id : reply) {
                 kept.add(new String((byte[]) id, StandardCharsets.UTF_8));
             }
@@ -1057,7 +1108,6 @@ public final class Worker implements AutoCloseable {
         private int concurrency = 16;
         private Duration block = Duration.ofSeconds(1);
         private Duration shutdownGrace = Duration.ofSeconds(20);
-        private Duration pelCheckInterval = Duration.ofSeconds(30);
         private Duration maxHandling = Duration.ofMinutes(30);
         private Handler handler;
         private Executor executor;
@@ -1102,12 +1152,6 @@ public final class Worker implements AutoCloseable {
             return this;
         }
 
-        /** How often the own PEL is looked at for hand-overs. Default 30 s (below the operator's 60 s grace). */
-        public Builder pelCheckInterval(Duration pelCheckInterval) {
-            this.pelCheckInterval = pelCheckInterval;
-            return this;
-        }
-
         /** How long a message's lease is extended; past it the pass may retry the message. Default 30 minutes. */
         public Builder maxHandling(Duration maxHandling) {
             this.maxHandling = maxHandling;
@@ -1139,9 +1183,8 @@ public final class Worker implements AutoCloseable {
             if (concurrency < 1) {
                 throw new IllegalArgumentException("concurrency must be at least 1");
             }
-            if (!positive(block) || !positive(pelCheckInterval) || !positive(maxHandling) || shutdownGrace.isNegative()) {
-                throw new IllegalArgumentException(
-                        "block, pelCheckInterval and maxHandling must be positive, shutdownGrace not negative");
+            if (!positive(block) || !positive(maxHandling) || shutdownGrace.isNegative()) {
+                throw new IllegalArgumentException("block and maxHandling must be positive, shutdownGrace not negative");
             }
             return new Worker(this);
         }

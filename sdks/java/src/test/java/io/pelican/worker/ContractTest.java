@@ -75,6 +75,7 @@ class ContractTest {
         assertEquals("{orders}:pelican:{orders}:events:billing:settings", Keys.settings("{orders}:events", "billing"));
         assertEquals("{orders}:pelican:{orders}:events:billing:terminal", Keys.terminal("{orders}:events", "billing"));
         assertEquals("{jobs}:pelican:jobs:w:errors", Keys.errors("jobs", "w"));
+        assertEquals("{orders}:pelican:{orders}:events:billing:consumers", Keys.consumers("{orders}:events", "billing"));
         assertEquals("{orders}:pelican:{orders}:events:bounds", Keys.bounds("{orders}:events"));
         assertEquals("{jobs}:pelican:jobs:rejected", Keys.rejected("jobs"));
     }

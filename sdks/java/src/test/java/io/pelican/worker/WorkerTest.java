@@ -21,6 +21,7 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.ClientOptions;
 import io.lettuce.core.RedisClient;
+import io.lettuce.core.XClaimArgs;
 import io.lettuce.core.api.sync.RedisCommands;
 import io.lettuce.core.codec.ByteArrayCodec;
 import io.lettuce.core.protocol.ProtocolVersion;
@@ -132,18 +133,19 @@ class WorkerTest {
     void aFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain() {
         RedisCommands<String, String> r = fresh();
         createGroup(r);
+        writeSettings(r, 300, 60_000); // a lease tick, and a look for hand-overs, every 100 ms
         String entry = add(r, "n", "1");
         AtomicInteger runs = new AtomicInteger();
         Worker w = worker(m -> {
             runs.incrementAndGet();
             throw new IllegalArgumentException("€".repeat(2000));
-        }, b -> b.pelCheckInterval(Duration.ofMillis(100)).block(Duration.ofMillis(50)));
+        }, b -> b.block(Duration.ofMillis(50)));
         List<LogRecord> failures;
         try (Logs logs = new Logs()) {
             try (w) {
                 w.start();
                 eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
-                // Several hand-over looks: an entry that failed here is left to the operator's retry.
+                // Several lease ticks' hand-over looks: an entry that failed here is left to the operator's retry.
                 RedisServer.sleep(800);
             }
             failures = logs.at(Level.WARNING, "handler failed on " + entry);
@@ -210,6 +212,7 @@ class WorkerTest {
     void aFailedMessageHandedBackIsHandledAndItsErrorRemovedWithTheAck() {
         RedisCommands<String, String> r = fresh();
         createGroup(r);
+        writeSettings(r, 300, 60_000); // a lease tick every 100 ms
         String entry = add(r, "n", "1");
         List<Object> outcomes = Collections.synchronizedList(
                 new ArrayList<>(List.of(new IllegalStateException("first delivery fails"), Outcome.done())));
@@ -219,7 +222,7 @@ class WorkerTest {
                 throw e;
             }
             return (Outcome) outcome;
-        }, b -> b.pelCheckInterval(Duration.ofMillis(100)));
+        });
         try (w) {
             w.start();
             eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
@@ -461,9 +464,10 @@ class WorkerTest {
     }
 
     @Test
-    void aHandOverIsTakenUpWithItsCountUnchanged() throws InterruptedException {
+    void aHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged() throws InterruptedException {
         RedisCommands<String, String> r = fresh();
         createGroup(r);
+        writeSettings(r, 3000, 60_000); // a lease tick every second
         String entry = add(r, "n", "1");
         Support.deliver(r, "other");
         CountDownLatch handling = new CountDownLatch(1);
@@ -471,19 +475,41 @@ class WorkerTest {
             handling.countDown();
             Thread.sleep(300);
             return Outcome.done();
-        }, b -> b.pelCheckInterval(Duration.ofMillis(200)));
+        }, b -> b.block(Duration.ofMillis(200)));
         Pending p;
+        long took;
         try (w) {
             w.start();
-            RedisServer.sleep(300);
+            eventually(() -> consumers(r).contains(CONSUMER), "the first read");
             // What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted.
-            r.xclaim(STREAM, io.lettuce.core.Consumer.from(GROUP, CONSUMER), 0, entry);
-            assertTrue(await(handling));
+            r.xclaim(STREAM, io.lettuce.core.Consumer.from(GROUP, CONSUMER), XClaimArgs.Builder.minIdleTime(0).retryCount(2),
+                    entry);
+            long handedOver = System.nanoTime();
+            assertTrue(handling.await(3, TimeUnit.SECONDS), "not taken up within 3 lease ticks");
+            took = (System.nanoTime() - handedOver) / 1_000_000;
             p = pending(r).get(0);
             eventually(() -> pending(r).isEmpty(), "the ACK");
         }
+        assertTrue(took < 3000, "taken up after " + took + " ms");
         assertEquals(List.of(CONSUMER, 2L), List.of(p.consumer(), p.deliveries())); // lease.lua and XRANGE: not counted
         assertEquals(1, w.stats().done());
+    }
+
+    @Test
+    void theHeartbeatIsWrittenAtEveryLeaseTickWhileIdle() {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        writeSettings(r, 300, 60_000); // a lease tick every 100 ms
+        String heartbeats = Keys.consumers(STREAM, GROUP);
+        try (Worker w = worker(m -> Outcome.done())) {
+            w.start();
+            eventually(() -> r.hget(heartbeats, CONSUMER) != null, "the first heartbeat");
+            long first = Long.parseLong(r.hget(heartbeats, CONSUMER));
+            eventually(() -> Long.parseLong(r.hget(heartbeats, CONSUMER)) > first, "the heartbeat advancing");
+            long now = Long.parseLong(r.time().get(0)) * 1000;
+            assertTrue(Math.abs(now - first) < 5000, "the server's time in ms: " + first);
+            assertEquals(List.of(), pending(r)); // nothing to lease: the heartbeat alone
+        }
     }
 
     @Test
