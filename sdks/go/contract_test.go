@@ -69,11 +69,12 @@ func TestHashTagIsTheFirstNonEmptyBracedPartElseTheName(t *testing.T) {
 
 func TestKeyNames(t *testing.T) {
 	for got, want := range map[string]string{
-		SettingsKey("{orders}:events", "billing"): "{orders}:pelican:{orders}:events:billing:settings",
-		TerminalKey("{orders}:events", "billing"): "{orders}:pelican:{orders}:events:billing:terminal",
-		ErrorsKey("jobs", "w"):                    "{jobs}:pelican:jobs:w:errors",
-		BoundsKey("{orders}:events"):              "{orders}:pelican:{orders}:events:bounds",
-		RejectedKey("jobs"):                       "{jobs}:pelican:jobs:rejected",
+		SettingsKey("{orders}:events", "billing"):  "{orders}:pelican:{orders}:events:billing:settings",
+		TerminalKey("{orders}:events", "billing"):  "{orders}:pelican:{orders}:events:billing:terminal",
+		ErrorsKey("jobs", "w"):                     "{jobs}:pelican:jobs:w:errors",
+		ConsumersKey("{orders}:events", "billing"): "{orders}:pelican:{orders}:events:billing:consumers",
+		BoundsKey("{orders}:events"):               "{orders}:pelican:{orders}:events:bounds",
+		RejectedKey("jobs"):                        "{jobs}:pelican:jobs:rejected",
 	} {
 		if got != want {
 			t.Errorf("got %q, want %q", got, want)

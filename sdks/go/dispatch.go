@@ -73,10 +73,17 @@ func (q *queue) close() {
 
 // dispatch runs the handler and writes its outcome (with wctx, which no shutdown cancels).
 func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message, f *flight) {
-	if hctx.Err() != nil {
+	select {
+	case w.handlers <- struct{}{}:
+	case <-hctx.Done():
 		return // taken after the grace ran out: given back unhandled
 	}
+	if hctx.Err() != nil {
+		<-w.handlers
+		return
+	}
 	outcome, err := runHandler(hctx, handler, m)
+	<-w.handlers
 	w.mu.Lock()
 	if f.abandoned { // given back on shutdown, and no longer in flight
 		w.mu.Unlock()

@@ -26,9 +26,6 @@ type WorkerOptions struct {
 	// ShutdownGrace is how long handlers may still run once Run's context is cancelled, before what is left is
 	// given back; default 20 s (below Kubernetes' default terminationGracePeriodSeconds of 30). Negative: none.
 	ShutdownGrace time.Duration
-	// PELCheckInterval is how often the worker takes up what the operator handed over to it; default 30 s (below
-	// the operator's 60 s hand-over grace).
-	PELCheckInterval time.Duration
 	// MaxHandling is how long a handler's lease is extended; past it the worker warns once and the operator's pass
 	// may retry the message. Default 30 min.
 	MaxHandling time.Duration
@@ -69,7 +66,7 @@ type Worker struct {
 	opt    WorkerOptions
 	log    *slog.Logger
 
-	settingsKey, terminalKey, errorsKey string
+	settingsKey, terminalKey, errorsKey, consumersKey string
 
 	settings        atomic.Pointer[Settings]
 	settingsProblem string // the last problem with the settings reported, so it is said once; lease goroutine only
@@ -88,6 +85,18 @@ type Worker struct {
 	errorsRecorded map[string]struct{}
 
 	freed chan struct{} // a handler returned, or an entry left the flight: wakes the read loop and the shutdown
+	// handlers holds a token per handler running: the hand-overs a lease tick takes up while a read is on its way
+	// may bring more messages than slots for a moment; they wait here, never more than Concurrency run.
+	handlers chan struct{}
+
+	// Guarded by mu.
+	ownPELRead bool // the read loop read its own PEL to the end: hand-overs are looked for from then on
+	// readSentAt is when the read on its way was sent (zero once what it brought is in flight): an entry delivered
+	// since may be that read's, not a hand-over.
+	readSentAt time.Time
+	// handOverMu is held while a lease tick takes up hand-overs; the shutdown takes it once the read loop ended, so
+	// that every hand-over taken is in flight before it looks.
+	handOverMu sync.Mutex
 
 	ackMu         sync.Mutex
 	acks          []ackRequest // waiting for the next read, or for the flush in progress to end
@@ -114,8 +123,8 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 	if opt.Stream == "" || opt.Group == "" {
 		return nil, errors.New("pelican: WorkerOptions needs a Stream and a Group")
 	}
-	if opt.Concurrency < 0 || opt.Block < 0 || opt.PELCheckInterval < 0 || opt.MaxHandling < 0 {
-		return nil, errors.New("pelican: Concurrency, Block, PELCheckInterval and MaxHandling must not be negative")
+	if opt.Concurrency < 0 || opt.Block < 0 || opt.MaxHandling < 0 {
+		return nil, errors.New("pelican: Concurrency, Block and MaxHandling must not be negative")
 	}
 	// go-redis hands each command a pooled connection of its own: the blocking read holds one for up to Block,
 	// and leases, ACKs and give-backs take others, never queueing behind it. A pool of one would make them wait.
@@ -132,7 +141,6 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 	opt.Concurrency = orDefault(opt.Concurrency, 16)
 	opt.Block = max(orDefault(opt.Block, time.Second), time.Millisecond) // BLOCK 0 would wait for ever
 	opt.ShutdownGrace = max(orDefault(opt.ShutdownGrace, 20*time.Second), 0)
-	opt.PELCheckInterval = orDefault(opt.PELCheckInterval, 30*time.Second)
 	opt.MaxHandling = orDefault(opt.MaxHandling, 30*time.Minute)
 	if opt.Logger == nil {
 		opt.Logger = slog.Default()
@@ -144,6 +152,8 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		settingsKey:    SettingsKey(opt.Stream, opt.Group),
 		terminalKey:    TerminalKey(opt.Stream, opt.Group),
 		errorsKey:      ErrorsKey(opt.Stream, opt.Group),
+		consumersKey:   ConsumersKey(opt.Stream, opt.Group),
+		handlers:       make(chan struct{}, opt.Concurrency),
 		inFlight:       map[string]*flight{},
 		failedHere:     map[string]time.Time{},
 		errorsRecorded: map[string]struct{}{},
@@ -216,19 +226,19 @@ func (w *Worker) Run(ctx context.Context, handler Handler) (Stats, error) {
 	}
 	runCtx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
-	leaseCtx, stopLeases := context.WithCancel(rctx)
-	leasesDone := make(chan struct{})
-	go func() {
-		defer close(leasesDone)
-		w.holdLeases(leaseCtx, rctx, stop)
-	}()
-	// Cancelled when the grace runs out, for the handlers still running then.
-	handlerCtx, cancelHandlers := context.WithCancel(rctx)
-	defer cancelHandlers()
 	// Goroutines kept for the handlers: a new one per message would grow its stack through go-redis' calls each
 	// time. Up to Concurrency handlers run, and up to Concurrency outcomes are written meanwhile.
 	q := newQueue()
 	defer q.close()
+	leaseCtx, stopLeases := context.WithCancel(rctx)
+	leasesDone := make(chan struct{})
+	go func() {
+		defer close(leasesDone)
+		w.holdLeases(leaseCtx, runCtx, rctx, stop, q)
+	}()
+	// Cancelled when the grace runs out, for the handlers still running then.
+	handlerCtx, cancelHandlers := context.WithCancel(rctx)
+	defer cancelHandlers()
 	for range 2 * w.opt.Concurrency {
 		go func() {
 			for j, ok := q.take(); ok; j, ok = q.take() {
@@ -238,7 +248,9 @@ func (w *Worker) Run(ctx context.Context, handler Handler) (Stats, error) {
 	}
 
 	unhandled := w.readLoop(runCtx, rctx, q)
-	w.flushAcks(rctx) // those left for a read that will not come
+	w.flushAcks(rctx)   // those left for a read that will not come
+	w.handOverMu.Lock() // a hand-over being taken up is in flight once this returns; none is taken after
+	w.handOverMu.Unlock()
 	w.shutDown(rctx, unhandled, cancelHandlers, func() { stopLeases(); <-leasesDone })
 
 	var version *ContractVersionError
@@ -316,7 +328,6 @@ func (w *Worker) retryAfter() time.Duration {
 // after the stop, unhandled.
 func (w *Worker) readLoop(ctx, rctx context.Context, q *queue) []string {
 	cursor := "0" // own PEL first: entries delivered to this name before a restart
-	nextCheck := time.Now().Add(w.opt.PELCheckInterval)
 	var groupWait time.Duration
 	// A read waits up to a millisecond for half the slots to be free, so that handlers that return together share
 	// it (a read per slot would double the round trips of short handlers).
@@ -356,17 +367,18 @@ func (w *Worker) readLoop(ctx, rctx context.Context, q *queue) []string {
 		gathered = false
 		var found []Message
 		var err error
-		switch {
-		case cursor != "":
+		w.mu.Lock()
+		w.readSentAt = time.Now()
+		w.mu.Unlock()
+		if cursor != "" {
 			found, cursor, err = w.readOwn(rctx, free, cursor)
-		case !time.Now().Before(nextCheck):
-			nextCheck = time.Now().Add(w.opt.PELCheckInterval)
-			w.flushAcks(rctx)
-			found, err = w.takeHandedOver(rctx, free)
-		default:
+		} else {
 			found, err = w.readNew(rctx, free)
 		}
 		if err != nil {
+			w.mu.Lock()
+			w.readSentAt = time.Time{}
+			w.mu.Unlock()
 			if !redis.HasErrorPrefix(err, "NOGROUP") {
 				w.log.Warn("read failed; retrying", "error", err)
 				sleep(ctx, 500*time.Millisecond)
@@ -394,17 +406,50 @@ func (w *Worker) readLoop(ctx, rctx context.Context, q *queue) []string {
 			}
 			return ids
 		}
-		jobs := make([]job, len(found))
-		now := time.Now()
 		w.mu.Lock()
-		for i, m := range found {
-			jobs[i] = job{message: m, flight: &flight{id: m.ID, started: now}}
-			w.inFlight[m.ID] = jobs[i].flight
-		}
+		jobs := w.flyLocked(found)
+		w.readSentAt = time.Time{}
+		w.ownPELRead = cursor == ""
 		w.mu.Unlock()
 		q.put(jobs)
 	}
 	return nil
+}
+
+// flyLocked puts messages in flight: the jobs for the handlers' goroutines.
+func (w *Worker) flyLocked(found []Message) []job {
+	jobs := make([]job, len(found))
+	now := time.Now()
+	for i, m := range found {
+		jobs[i] = job{message: m, flight: &flight{id: m.ID, started: now}}
+		w.inFlight[m.ID] = jobs[i].flight
+	}
+	return jobs
+}
+
+// takeUpHandOvers, at a lease tick once the own PEL was read, takes up what strategy: Reassign handed over, as
+// many as slots are free (the rest at the next tick), and queues them as new messages. None once ctx (Run's) ends.
+func (w *Worker) takeUpHandOvers(ctx, rctx context.Context, q *queue) {
+	w.handOverMu.Lock()
+	defer w.handOverMu.Unlock()
+	w.mu.Lock()
+	free := 0
+	if w.ownPELRead && ctx.Err() == nil {
+		free = w.freeLocked()
+	}
+	w.mu.Unlock()
+	if free <= 0 {
+		return
+	}
+	found, err := w.takeHandedOver(rctx, free)
+	if err != nil {
+		w.log.Warn("could not take up hand-overs; looking again at the next tick", "error", err)
+		return
+	}
+	w.mu.Lock()
+	jobs := w.flyLocked(found)
+	w.mu.Unlock()
+	q.put(jobs)
 }
 
 // readOwn reads the own PEL after cursor; next is where to go on, "" once it is empty.
@@ -471,7 +516,8 @@ func newMessages(read *redis.XStreamSliceCmd) ([]Message, error) {
 }
 
 // takeHandedOver answers up to count entries of the own PEL that are neither in flight nor failed here (or failed
-// here and handed back since): the ones strategy: Reassign handed over. They are taken with lease.lua, which
+// here and handed back since) nor delivered since the read on its way was sent (they may be its own): the ones
+// strategy: Reassign handed over. They are taken with lease.lua, which
 // leaves alone what the pass meanwhile gave to someone else (a plain XCLAIM would take it back), then read with
 // XRANGE.
 func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, error) {
@@ -489,6 +535,11 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 	}
 	var candidates []string
 	w.mu.Lock()
+	// Taken after the reply: an entry delivered by the read on its way is idle at most this long.
+	sinceRead := time.Duration(-1)
+	if !w.readSentAt.IsZero() {
+		sinceRead = time.Since(w.readSentAt)
+	}
 	if len(pending) < asked {
 		// The whole own PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
 		listed := make(map[string]bool, len(pending))
@@ -506,6 +557,9 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 		}
 		if at, ok := failed[p.ID]; ok && p.Idle+handOverMargin > askedAt.Sub(at) {
 			continue // failed here and not handed back since: the pass retries it
+		}
+		if p.Idle <= sinceRead {
+			continue // perhaps the read's: looked at again at the next tick
 		}
 		candidates = append(candidates, p.ID)
 	}

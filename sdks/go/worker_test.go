@@ -106,9 +106,10 @@ func TestValuesArePassedAsTheyAre(t *testing.T) {
 func TestAFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
+	writeSettings(t, c, 300, 60_000) // a lease tick, and a look for hand-overs, every 100 ms
 	entry := add(t, c, "n", "1")
 	var runs atomic.Int32
-	w, _ := newWorker(t, WorkerOptions{PELCheckInterval: 100 * time.Millisecond, Block: 50 * time.Millisecond})
+	w, _ := newWorker(t, WorkerOptions{Block: 50 * time.Millisecond})
 	r := start(t, w, func(context.Context, Message) (Outcome, error) {
 		runs.Add(1)
 		return Outcome{}, errors.New(strings.Repeat("€", 2000))
@@ -116,7 +117,7 @@ func TestAFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain(t *testing.T) {
 	eventually(t, 5*time.Second, "the error recorded", func() bool {
 		return c.HExists(bg, ErrorsKey(testStream, testGroup), entry).Val()
 	})
-	// Several hand-over looks: an entry that failed here is left to the operator's retry.
+	// Several lease ticks' hand-over looks: an entry that failed here is left to the operator's retry.
 	time.Sleep(800 * time.Millisecond)
 	stats, _ := r.stop(t)
 	if runs.Load() != 1 || stats.Failed != 1 {
@@ -180,9 +181,10 @@ func TestAPanicIsAFailureAndTheWorkerGoesOn(t *testing.T) {
 func TestAFailedMessageHandedBackIsHandledAndItsErrorRemovedWithTheAck(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
+	writeSettings(t, c, 300, 60_000) // a lease tick every 100 ms
 	entry := add(t, c, "n", "1")
 	var runs atomic.Int32
-	w, _ := newWorker(t, WorkerOptions{PELCheckInterval: 100 * time.Millisecond})
+	w, _ := newWorker(t, WorkerOptions{})
 	r := start(t, w, func(context.Context, Message) (Outcome, error) {
 		if runs.Add(1) == 1 {
 			return Outcome{}, errors.New("first delivery fails")
@@ -435,26 +437,58 @@ func TestShutdownLetsHandlersFinishWithinTheGrace(t *testing.T) {
 	}
 }
 
-func TestAHandOverIsTakenUpWithItsCountUnchanged(t *testing.T) {
+func TestAHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
+	writeSettings(t, c, 3000, 60_000) // a lease tick every second
 	entry := add(t, c, "n", "1")
 	c.XReadGroup(bg, &redis.XReadGroupArgs{Group: testGroup, Consumer: "other", Streams: []string{testStream, ">"}})
 	started := make(chan string, 1)
-	w, _ := newWorker(t, WorkerOptions{PELCheckInterval: 200 * time.Millisecond})
+	w, _ := newWorker(t, WorkerOptions{Block: 200 * time.Millisecond})
 	r := start(t, w, slow(300*time.Millisecond, started))
-	time.Sleep(300 * time.Millisecond)
+	eventually(t, 5*time.Second, "the first read", func() bool { return slices.Contains(consumers(t, c), testConsumer) })
 	// What strategy: Reassign does: XCLAIM to this worker's name, the delivery counted.
-	c.XClaim(bg, &redis.XClaimArgs{Stream: testStream, Group: testGroup, Consumer: testConsumer, Messages: []string{entry}})
-	if id := <-started; id != entry {
-		t.Fatal(id)
+	if err := c.Do(bg, "XCLAIM", testStream, testGroup, testConsumer, 0, entry, "RETRYCOUNT", 2).Err(); err != nil {
+		t.Fatal(err)
 	}
+	handedOver := time.Now()
+	select {
+	case id := <-started:
+		if id != entry {
+			t.Fatal(id)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("not taken up within 3 lease ticks")
+	}
+	took := time.Since(handedOver)
 	p := pending(t, c)
 	eventually(t, 5*time.Second, "the ACK", func() bool { return len(pending(t, c)) == 0 })
 	stats, _ := r.stop(t)
 	// Taken with lease.lua and XRANGE: not counted again.
 	if len(p) != 1 || p[0].Consumer != testConsumer || p[0].RetryCount != 2 || stats.Done != 1 {
-		t.Fatalf("pending %+v, stats %+v", p, stats)
+		t.Fatalf("pending %+v, stats %+v (taken up after %v)", p, stats, took)
+	}
+}
+
+func TestTheHeartbeatIsWrittenAtEveryLeaseTickWhileIdle(t *testing.T) {
+	c := newClient(t)
+	createGroup(t, c)
+	writeSettings(t, c, 300, 60_000) // a lease tick every 100 ms
+	w, _ := newWorker(t, WorkerOptions{})
+	start(t, w, done(&seen{}))
+	heartbeat := func() int64 {
+		v, _ := c.HGet(bg, ConsumersKey(testStream, testGroup), testConsumer).Int64()
+		return v
+	}
+	eventually(t, 5*time.Second, "the first heartbeat", func() bool { return heartbeat() > 0 })
+	first := heartbeat()
+	eventually(t, 5*time.Second, "the heartbeat advancing", func() bool { return heartbeat() > first })
+	now, err := c.Time(bg).Result()
+	if err != nil || now.Sub(time.UnixMilli(first)).Abs() > 5*time.Second {
+		t.Fatalf("not the server's time in ms: %d (server %v, %v)", first, now, err)
+	}
+	if p := pending(t, c); len(p) != 0 { // nothing to lease: the heartbeat alone
+		t.Fatalf("pending %+v", p)
 	}
 }
 
