@@ -101,7 +101,7 @@ func TestSettingsAreParsedByName(t *testing.T) {
 }
 
 func TestAnUnknownContractVersionNamesBothVersions(t *testing.T) {
-	for _, version := range []string{"2", "0", "v1", ""} {
+	for _, version := range []string{"2", "0", "v1", "", "2.0", " 1", "1x", "１"} {
 		_, err := ParseSettings(map[string]string{"minIdleMs": "4000", "retryAfterMs": "9000", "contractVersion": version})
 		var cv *ContractVersionError
 		if !errors.As(err, &cv) {
@@ -111,6 +111,20 @@ func TestAnUnknownContractVersionNamesBothVersions(t *testing.T) {
 		if !strings.Contains(text, "the operator speaks worker contract "+version+", this library knows 1") ||
 			!strings.Contains(text, "upgrade the library") {
 			t.Errorf("contractVersion %q: %s", version, text)
+		}
+	}
+}
+
+func TestTheContractVersionIsCheckedBeforeAnyOtherField(t *testing.T) {
+	for _, fields := range []map[string]string{
+		{"contractVersion": "2"},
+		{"contractVersion": "2.0", "minIdleMs": "soon"},
+		{"contractVersion": "2", "retryAfterMs": "9000", "maxDeliveries": "many"},
+	} {
+		_, err := ParseSettings(fields)
+		var cv *ContractVersionError
+		if !errors.As(err, &cv) || cv.Operator != fields["contractVersion"] {
+			t.Errorf("%v: got %v, want the contract version error", fields, err)
 		}
 	}
 }

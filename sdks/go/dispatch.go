@@ -82,6 +82,19 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 		<-w.handlers
 		return
 	}
+	if w.versionMet.Load() {
+		<-w.handlers
+		// Never handled under a contract this library does not know: out of the flight, given back on shutdown.
+		w.mu.Lock()
+		if !f.abandoned {
+			f.abandoned = true
+			delete(w.inFlight, f.id)
+			w.refused = append(w.refused, f.id)
+			w.wakeLocked()
+		}
+		w.mu.Unlock()
+		return
+	}
 	outcome, err := runHandler(hctx, handler, m)
 	<-w.handlers
 	w.mu.Lock()

@@ -12,7 +12,6 @@ import (
 func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.CancelCauseFunc, q *queue) {
 	timer := time.NewTimer(LeaseInterval(w.settings.Load()))
 	defer timer.Stop()
-	stopping := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -23,8 +22,7 @@ func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.Canc
 			var version *ContractVersionError
 			if !errors.As(err, &version) {
 				w.log.Warn("could not re-read the group's settings; the last ones stay", "error", err)
-			} else if !stopping {
-				stopping = true
+			} else if !w.versionMet.Swap(true) {
 				w.log.Error("the operator speaks a worker contract this library does not know: shutting down",
 					"error", err)
 				stop(err)

@@ -73,6 +73,8 @@ type Worker struct {
 
 	done, terminal, failed, retried, abandoned atomic.Uint64
 	started                                    atomic.Bool
+	// versionMet: a lease tick met a contract version this library does not know; no handler starts after it.
+	versionMet atomic.Bool
 
 	mu       sync.Mutex
 	inFlight map[string]*flight
@@ -91,6 +93,8 @@ type Worker struct {
 
 	// Guarded by mu.
 	ownPELRead bool // the read loop read its own PEL to the end: hand-overs are looked for from then on
+	// refused are the ids of messages whose handler did not start because of versionMet: given back on shutdown.
+	refused []string
 	// readSentAt is when the read on its way was sent (zero once what it brought is in flight): an entry delivered
 	// since may be that read's, not a hand-over.
 	readSentAt time.Time
@@ -655,8 +659,8 @@ wait:
 			break wait
 		}
 	}
-	left := unhandled
 	w.mu.Lock()
+	left := append(unhandled, w.refused...)
 	for id, f := range w.inFlight {
 		if !f.settled {
 			// No longer this worker's, though its handler may still run: neither leased nor counted in flight.

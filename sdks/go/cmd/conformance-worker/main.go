@@ -2,7 +2,8 @@
 // environment: REDIS_URL, STREAM, GROUP, CONSUMER (default: the Pod's name) and SHUTDOWN_GRACE_MS. Its handler
 // obeys the message: field ms = how long it takes, field handle = done | retry | fail | terminal:<Reason> | exit
 // (the process exits at once with status 3). It prints one JSON line per handler run that finished on stdout, and
-// exits 0 after a SIGTERM once its shutdown is complete.
+// exits 0 after a SIGTERM once its shutdown is complete, 4 when the operator speaks a contract version this library
+// does not know (after its shutdown).
 //
 // With MODE=publish it is a producer instead: it publishes MESSAGES messages idempotently (message ids m-0, m-1,
 // ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
@@ -169,6 +170,10 @@ func main() {
 	}
 	if err := serve(); err != nil {
 		fmt.Fprintln(os.Stderr, "conformance worker:", err)
+		var version *pelican.ContractVersionError
+		if errors.As(err, &version) {
+			os.Exit(4) // after its shutdown, when the operator speaks a contract this library does not know
+		}
 		os.Exit(1)
 	}
 }

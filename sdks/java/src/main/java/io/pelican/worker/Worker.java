@@ -146,9 +146,10 @@ public final class Worker implements AutoCloseable {
     private final CountDownLatch stopSignal = new CountDownLatch(1);
 
     private volatile Settings settings;
-    /** The last problem with the settings (said once each), and whether an unknown contract version was said. */
+    /** The last problem with the settings, said once each. */
     private volatile String settingsProblem;
-    private final AtomicBoolean versionSaid = new AtomicBoolean();
+    /** An unknown contract version met at a lease tick: the worker shuts down, and {@link #run()} throws it. */
+    private volatile ContractVersionException versionMet;
     private RedisClient ownClient;
     private StatefulRedisConnection<byte[], byte[]> reader;
     private StatefulRedisConnection<byte[], byte[]> writer;
@@ -260,6 +261,24 @@ public final class Worker implements AutoCloseable {
     }
 
     /**
+     * {@link #start()}, then waits until the worker is closed ({@link #close()} from another thread: a shutdown hook),
+     * for a program whose main thread has nothing else to do.
+     *
+     * @throws ContractVersionException before anything is read when the operator speaks a contract version this
+     *     library does not know; or, once the worker shut down gracefully, when it started to while the worker ran
+     * @throws RedisException when the server cannot be reached or the settings cannot be read
+     * @throws IllegalStateException when the worker was started or closed before
+     */
+    public void run() {
+        start();
+        closed.join();
+        ContractVersionException met = versionMet;
+        if (met != null) {
+            throw new ContractVersionException(met.operatorVersion());
+        }
+    }
+
+    /**
      * The contract's shutdown: stops reading (a blocking read already sent is awaited, and what it brought is given
      * back unhandled), keeps leasing, lets handlers finish within {@code shutdownGrace}, interrupts the ones still
      * running, then gives back what is left with {@code give_back.lua} (uncounted, without an owner) and leaves the
@@ -299,7 +318,8 @@ public final class Worker implements AutoCloseable {
     /**
      * Reads the settings hash. A refusal (an ACL without {@code hgetall} on it) or a malformed hash leaves the worker
      * without settings (it leases every second), said once; a broken connection throws and keeps the last ones. An
-     * unknown contract version throws at start; at a lease tick it is said once and the last settings stay.
+     * unknown contract version throws at start; at a lease tick it is said once and the worker shuts down as on
+     * {@link #close()}, on a thread of its own (never another handler starts), and {@link #run()} throws it.
      */
     private void refreshSettings(boolean starting) {
         Settings read;
@@ -313,8 +333,10 @@ public final class Worker implements AutoCloseable {
             if (starting) {
                 throw e;
             }
-            if (versionSaid.compareAndSet(false, true)) {
-                LOG.log(Level.ERROR, where + e.getMessage() + "; running on with the settings read before");
+            if (versionMet == null) {
+                versionMet = e;
+                LOG.log(Level.ERROR, where + e.getMessage() + ": shutting down");
+                threads("pelican-shutdown-" + consumer, false).newThread(this::close).start();
             }
             return;
         }
@@ -570,6 +592,10 @@ public final class Worker implements AutoCloseable {
         synchronized (entry) {
             if (entry.state.get() == InFlight.ABANDONED) {
                 freeSlot(); // given back at the end of the grace before it started
+                return;
+            }
+            if (versionMet != null) {
+                freeSlot(); // never handled under a contract this library does not know: given back by the shutdown
                 return;
             }
             entry.thread = Thread.currentThread();

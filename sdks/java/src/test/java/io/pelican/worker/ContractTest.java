@@ -101,13 +101,23 @@ class ContractTest {
 
     @Test
     void anUnknownContractVersionNamesBothVersions() {
-        for (String version : new String[] {"2", "0", "v1", "", "99999999999"}) {
+        for (String version : new String[] {"2", "0", "v1", "", "99999999999", "2.0", " 1", "1x", "１"}) {
             ContractVersionException refused = assertThrows(ContractVersionException.class,
                     () -> Settings.parse(Map.of("minIdleMs", "4000", "retryAfterMs", "9000", "contractVersion", version)));
             assertTrue(refused.getMessage().contains(
                     "the operator speaks worker contract " + version + ", this library knows 1"), refused.getMessage());
             assertTrue(refused.getMessage().contains("upgrade the library"));
             assertEquals(version, refused.operatorVersion());
+        }
+    }
+
+    @Test
+    void theContractVersionIsCheckedBeforeAnyOtherField() {
+        for (Map<String, String> fields : List.of(Map.of("contractVersion", "2"),
+                Map.of("contractVersion", "2.0", "minIdleMs", "soon"),
+                Map.of("contractVersion", "2", "retryAfterMs", "9000", "maxDeliveries", "many"))) {
+            ContractVersionException refused = assertThrows(ContractVersionException.class, () -> Settings.parse(fields));
+            assertEquals(fields.get("contractVersion"), refused.operatorVersion());
         }
     }
 

@@ -15,6 +15,7 @@ import static io.pelican.worker.Support.writeSettings;
 import static org.junit.jupiter.api.Assertions.assertArrayEquals;
 import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertFalse;
+import static org.junit.jupiter.api.Assertions.assertInstanceOf;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
@@ -36,6 +37,7 @@ import java.util.Map;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.logging.Level;
@@ -555,6 +557,40 @@ class WorkerTest {
         List<?> group = (List<?>) r.xinfoGroups(STREAM).get(0);
         assertEquals("0-0", group.get(group.indexOf("last-delivered-id") + 1));
         assertThrows(IllegalStateException.class, w::start);
+    }
+
+    @Test
+    void anUnknownContractVersionMetWhileRunningShutsDownGracefullyAndRunThrowsIt() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r); // no settings yet: a lease tick every second
+        String first = add(r, "n", "1");
+        CountDownLatch started = new CountDownLatch(1);
+        CountDownLatch finish = new CountDownLatch(1);
+        List<String> handled = new CopyOnWriteArrayList<>();
+        Worker w = worker(m -> {
+            handled.add(m.id());
+            started.countDown();
+            assertTrue(await(finish));
+            return Outcome.done();
+        }, b -> b.concurrency(1));
+        try (Logs logs = new Logs()) {
+            CompletableFuture<Void> running = CompletableFuture.runAsync(w::run);
+            assertTrue(await(started));
+            add(r, "n", "2");
+            // Only the version: it is read first, whatever else the hash holds.
+            r.hset(Keys.settings(STREAM, GROUP), "contractVersion", "2.0");
+            eventually(() -> !logs.at(Level.SEVERE, "worker contract 2.0").isEmpty(),
+                    "the version met at a lease tick");
+            finish.countDown(); // the handler running finishes within the grace
+            eventually(() -> !consumers(r).contains(CONSUMER), "the worker left the group");
+            ExecutionException thrown = assertThrows(ExecutionException.class, () -> running.get(5, TimeUnit.SECONDS));
+            ContractVersionException version = assertInstanceOf(ContractVersionException.class, thrown.getCause());
+            assertEquals("2.0", version.operatorVersion());
+            assertEquals(1, logs.at(Level.SEVERE, "worker contract 2.0").size()); // said once
+        }
+        assertEquals(List.of(first), handled); // never another message
+        assertEquals(1, w.stats().done());
+        assertTrue(pending(r).stream().noneMatch(p -> p.id().equals(first) || p.consumer().equals(CONSUMER)));
     }
 
     @Test
