@@ -165,7 +165,7 @@ type ackRequest struct {
 // also those of handlers that return while it is on its way.
 func (w *Worker) ack(ctx context.Context, m Message, f *flight) {
 	// A message that failed before, here or elsewhere before it was requeued as a copy, may have a last error.
-	_, copied := m.Values[DeliveriesField]
+	_, copied := m.Lookup(DeliveriesField)
 	w.mu.Lock()
 	_, recorded := w.errorsRecorded[m.ID]
 	delete(w.errorsRecorded, m.ID)

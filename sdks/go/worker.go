@@ -3,7 +3,6 @@ package pelican
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"maps"
 	"sync"
@@ -458,65 +457,40 @@ func (w *Worker) takeUpHandOvers(ctx, rctx context.Context, q *queue) {
 
 // readOwn reads the own PEL after cursor; next is where to go on, "" once it is empty.
 func (w *Worker) readOwn(ctx context.Context, count int, cursor string) (found []Message, next string, err error) {
-	streams, err := w.readCarrying(ctx, &redis.XReadGroupArgs{
-		Group: w.opt.Group, Consumer: w.opt.Consumer, Streams: []string{w.opt.Stream, cursor},
-		Count: int64(count), Block: -1,
-	}, w.takeAcks()).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
+	entries, err := readReply(w.readCarrying(ctx, cursor, count, w.takeAcks()))
+	if err != nil {
 		return nil, cursor, err
-	}
-	var entries []redis.XMessage
-	for _, s := range streams {
-		entries = append(entries, s.Messages...)
 	}
 	if len(entries) == 0 {
 		return nil, "", nil
 	}
-	return messages(entries), entries[len(entries)-1].ID, nil
+	return payloads(entries), entries[len(entries)-1].ID, nil
 }
 
 // readNew reads new entries. The ACKs that wait for it go first, in the same round trip, with a read that does not
 // block (an ACK never waits behind a blocking read); the blocking read follows when that one brought nothing.
 func (w *Worker) readNew(ctx context.Context, count int) ([]Message, error) {
-	args := &redis.XReadGroupArgs{
-		Group: w.opt.Group, Consumer: w.opt.Consumer, Streams: []string{w.opt.Stream, ">"}, Count: int64(count),
-		Block: -1,
-	}
 	if acks := w.takeAcks(); len(acks) > 0 {
-		if found, err := newMessages(w.readCarrying(ctx, args, acks)); err != nil || len(found) > 0 {
-			return found, err
+		if found, err := readReply(w.readCarrying(ctx, ">", count, acks)); err != nil || len(found) > 0 {
+			return payloads(found), err
 		}
 	}
-	args.Block = w.opt.Block
-	return newMessages(w.client.XReadGroup(ctx, args))
+	found, err := readReply(xReadGroup(ctx, w.client, w.opt.Group, w.opt.Consumer, w.opt.Stream, ">", count,
+		w.opt.Block))
+	return payloads(found), err
 }
 
-// readCarrying reads (args must not block) with acks in the same round trip.
-func (w *Worker) readCarrying(ctx context.Context, args *redis.XReadGroupArgs, acks []ackRequest) *redis.XStreamSliceCmd {
+// readCarrying reads after id without blocking, with acks in the same round trip.
+func (w *Worker) readCarrying(ctx context.Context, id string, count int, acks []ackRequest) *redis.Cmd {
 	if len(acks) == 0 {
-		return w.client.XReadGroup(ctx, args)
+		return xReadGroup(ctx, w.client, w.opt.Group, w.opt.Consumer, w.opt.Stream, id, count, -1)
 	}
 	pipe := w.client.Pipeline()
 	written := w.queueAcks(ctx, pipe, acks)
-	read := pipe.XReadGroup(ctx, args)
+	read := xReadGroup(ctx, pipe, w.opt.Group, w.opt.Consumer, w.opt.Stream, id, count, -1)
 	_, _ = pipe.Exec(ctx) // each command's error is its own
 	w.acked(acks, written)
 	return read
-}
-
-func newMessages(read *redis.XStreamSliceCmd) ([]Message, error) {
-	streams, err := read.Result()
-	if errors.Is(err, redis.Nil) { // nothing new
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var found []Message
-	for _, s := range streams {
-		found = append(found, messages(s.Messages)...)
-	}
-	return found, nil
 }
 
 // takeHandedOver answers up to count entries of the own PEL that are neither in flight nor failed here (or failed
@@ -581,39 +555,22 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 	}
 	w.mu.Unlock()
 	pipe := w.client.Pipeline()
-	ranges := make([]*redis.XMessageSliceCmd, len(taken))
+	ranges := make([]*redis.Cmd, len(taken))
 	for i, id := range taken {
-		ranges[i] = pipe.XRange(ctx, w.opt.Stream, id, id)
+		ranges[i] = pipe.Do(ctx, "XRANGE", w.opt.Stream, id, id)
 	}
 	if _, err := pipe.Exec(ctx); err != nil {
 		return nil, err
 	}
 	var found []Message
 	for _, r := range ranges {
-		found = append(found, messages(r.Val())...)
+		entries, err := rangeReply(r)
+		if err != nil {
+			return nil, err
+		}
+		found = append(found, payloads(entries)...)
 	}
 	return found, nil
-}
-
-// messages are the entries that still have a payload: an entry deleted while pending is no message (the
-// operator's pass drops it).
-func messages(entries []redis.XMessage) []Message {
-	found := make([]Message, 0, len(entries))
-	for _, e := range entries {
-		if e.Values == nil {
-			continue
-		}
-		values := make(map[string]string, len(e.Values))
-		for k, v := range e.Values {
-			s, ok := v.(string)
-			if !ok {
-				s = fmt.Sprint(v)
-			}
-			values[k] = s
-		}
-		found = append(found, Message{ID: e.ID, Values: values})
-	}
-	return found
 }
 
 func (w *Worker) inFlightCount() int {

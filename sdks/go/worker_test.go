@@ -87,19 +87,37 @@ func TestAnEntryWhosePayloadWasDeletedIsNotHandled(t *testing.T) {
 	}
 }
 
-func TestValuesArePassedAsTheyAre(t *testing.T) {
-	c := newClient(t)
-	createGroup(t, c)
-	add(t, c, "job", "\xff\x00", "pelican-origin-id", "1-1", DeliveriesField, "2")
-	got := make(chan Message, 1)
-	w, _ := newWorker(t, WorkerOptions{})
-	start(t, w, func(_ context.Context, m Message) (Outcome, error) {
-		got <- m
-		return Done(), nil
-	})
-	m := <-got
-	if m.Values["job"] != "\xff\x00" || m.Values[OriginIDField] != "1-1" || m.Values[DeliveriesField] != "2" {
-		t.Fatalf("%q", m.Values)
+func TestFieldsArePassedInOrderWithRepeatedNamesOnRESP2AndRESP3(t *testing.T) {
+	for _, protocol := range []int{2, 3} {
+		c := newClient(t)
+		createGroup(t, c)
+		id := add(t, c, "job", "\xff\x00", "a", "1", "a", "2", OriginIDField, "1-1", DeliveriesField, "2")
+		got := make(chan Message, 1)
+		logger, _ := testLogger(t)
+		client := redis.NewClient(&redis.Options{Addr: server.Addr, Protocol: protocol})
+		t.Cleanup(func() { client.Close() })
+		w, err := NewWorker(client, WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer,
+			Logger: logger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := start(t, w, func(_ context.Context, m Message) (Outcome, error) {
+			got <- m
+			return Done(), nil
+		})
+		m := <-got
+		r.stop(t)
+		want := []Field{{"job", "\xff\x00"}, {"a", "1"}, {"a", "2"}, {OriginIDField, "1-1"}, {DeliveriesField, "2"}}
+		if m.ID != id || !slices.Equal(m.Fields, want) {
+			t.Fatalf("RESP%d: %q, want %q", protocol, m.Fields, want)
+		}
+		// The first value of a name, as the other libraries answer it.
+		if v, ok := m.Lookup("a"); v != "1" || !ok || m.Get("b") != "" {
+			t.Fatalf("RESP%d: Lookup(a) = %q, %v; Get(b) = %q", protocol, v, ok, m.Get("b"))
+		}
+		if _, ok := m.Lookup("b"); ok {
+			t.Fatalf("RESP%d: Lookup(b) found one", protocol)
+		}
 	}
 }
 
@@ -147,7 +165,7 @@ func TestAPanicIsAFailureAndTheWorkerGoesOn(t *testing.T) {
 	var s seen
 	w, logs := newWorker(t, WorkerOptions{Concurrency: 2})
 	r := start(t, w, func(_ context.Context, m Message) (Outcome, error) {
-		if _, ok := m.Values["panic"]; ok {
+		if _, ok := m.Lookup("panic"); ok {
 			panic("boom")
 		}
 		s.add(m.ID)
@@ -697,7 +715,7 @@ func TestAnAckIsNotLeftForAReadThatCannotCome(t *testing.T) {
 	flights := []*flight{{id: ids[0], settled: true}, {id: ids[1], settled: true}}
 	w.inFlight = map[string]*flight{ids[0]: flights[0], ids[1]: flights[1]}
 	w.settling, w.wakeAt, w.readerWaiting = 2, 1, true
-	w.ack(bg, Message{ID: ids[1], Values: map[string]string{"n": "2"}}, flights[1])
+	w.ack(bg, Message{ID: ids[1], Fields: []Field{{"n", "2"}}}, flights[1])
 	if p := pending(t, c); len(p) != 1 || p[0].ID != ids[0] || w.Stats().Done != 1 {
 		t.Fatalf("pending %v, stats %+v", p, w.Stats())
 	}

@@ -45,7 +45,7 @@ func report(m pelican.Message, consumer, outcome string, ms int) {
 
 func handler(consumer string) pelican.Handler {
 	return func(ctx context.Context, m pelican.Message) (pelican.Outcome, error) {
-		ms, _ := strconv.Atoi(m.Values["ms"])
+		ms, _ := strconv.Atoi(m.Get("ms"))
 		if ms > 0 {
 			select {
 			case <-time.After(time.Duration(ms) * time.Millisecond):
@@ -53,7 +53,7 @@ func handler(consumer string) pelican.Handler {
 				return pelican.Outcome{}, ctx.Err()
 			}
 		}
-		action := m.Values["handle"]
+		action := m.Get("handle")
 		switch {
 		case action == "exit":
 			report(m, consumer, "exit", ms)
