@@ -3,6 +3,7 @@ package pelican
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"maps"
 	"sync"
@@ -20,7 +21,9 @@ type WorkerOptions struct {
 	Consumer string
 	// Concurrency is how many handlers run at once; default 16.
 	Concurrency int
-	// Block is how long one read waits for new entries; default 1 s. A shutdown awaits the read in flight.
+	// Block is how long one read waits for new entries; default 1 s (the zero value: never BLOCK 0, which waits for
+	// ever). At least 1 ms and below the client's ReadTimeout (5 s by default), which the read waits for: NewWorker
+	// refuses other values. A shutdown awaits the read in flight.
 	Block time.Duration
 	// ShutdownGrace is how long handlers may still run once Run's context is cancelled, before what is left is
 	// given back; default 20 s (below Kubernetes' default terminationGracePeriodSeconds of 30). Negative: none.
@@ -126,8 +129,12 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 	if opt.Stream == "" || opt.Group == "" {
 		return nil, errors.New("pelican: WorkerOptions needs a Stream and a Group")
 	}
-	if opt.Concurrency < 0 || opt.Block < 0 || opt.MaxHandling < 0 {
-		return nil, errors.New("pelican: Concurrency, Block and MaxHandling must not be negative")
+	if opt.Concurrency < 0 || opt.MaxHandling < 0 {
+		return nil, errors.New("pelican: Concurrency and MaxHandling must not be negative")
+	}
+	opt.Block = orDefault(opt.Block, time.Second)
+	if err := checkBlock(opt.Block, readTimeout(client)); err != nil {
+		return nil, err
 	}
 	// go-redis hands each command a pooled connection of its own: the blocking read holds one for up to Block,
 	// and leases, ACKs and give-backs take others, never queueing behind it. A pool of one would make them wait.
@@ -142,7 +149,6 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		return nil, errors.New("pelican: no consumer name (no POD_NAME, HOSTNAME or host name): set Consumer")
 	}
 	opt.Concurrency = orDefault(opt.Concurrency, 16)
-	opt.Block = max(orDefault(opt.Block, time.Second), time.Millisecond) // BLOCK 0 would wait for ever
 	opt.ShutdownGrace = max(orDefault(opt.ShutdownGrace, 20*time.Second), 0)
 	opt.MaxHandling = orDefault(opt.MaxHandling, 30*time.Minute)
 	if opt.Logger == nil {
@@ -170,6 +176,34 @@ func orDefault[T comparable](v, def T) T {
 		return def
 	}
 	return v
+}
+
+// checkBlock refuses a Block that rounds to BLOCK 0 (the server waits for ever while the client gives up) or that
+// the client's ReadTimeout (0: none) cuts off: what the server then delivers to a read nobody awaits waits for
+// the operator's pass.
+func checkBlock(block, readTimeout time.Duration) error {
+	if block < time.Millisecond {
+		return fmt.Errorf("pelican: WorkerOptions.Block is %v: it must be at least 1ms (BLOCK 0 would wait for ever)",
+			block)
+	}
+	if readTimeout > 0 && block >= readTimeout {
+		return fmt.Errorf("pelican: WorkerOptions.Block is %v: it must be below the client's ReadTimeout (%v), "+
+			"which would give up on a read the server still answers", block, readTimeout)
+	}
+	return nil
+}
+
+// readTimeout is how long the client waits for a reply (0: for ever).
+func readTimeout(client redis.UniversalClient) time.Duration {
+	switch c := client.(type) {
+	case *redis.Client:
+		return c.Options().ReadTimeout
+	case *redis.ClusterClient:
+		return c.Options().ReadTimeout
+	case *redis.Ring:
+		return c.Options().ReadTimeout
+	}
+	return 0
 }
 
 func poolSize(client redis.UniversalClient) int {

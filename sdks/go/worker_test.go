@@ -596,6 +596,29 @@ func TestConcurrencyBoundsTheHandlersRunning(t *testing.T) {
 	}
 }
 
+func TestABlockThatRoundsTo0OrReachesTheReadTimeoutIsRefused(t *testing.T) {
+	for _, c := range []struct {
+		readTimeout, block time.Duration
+		refused            bool
+	}{
+		{0, 500 * time.Microsecond, true}, // BLOCK 0
+		{0, -time.Second, true},
+		{0, 5 * time.Second, true},               // go-redis' default ReadTimeout: 5 s
+		{2 * time.Second, 2 * time.Second, true}, // at the timeout
+		{2 * time.Second, 1999 * time.Millisecond, false},
+		{-1, time.Minute, false}, // no timeout
+		{0, 0, false},            // the default, 1 s
+	} {
+		client := redis.NewClient(&redis.Options{Addr: server.Addr, ReadTimeout: c.readTimeout})
+		_, err := NewWorker(client, WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer,
+			Block: c.block})
+		client.Close()
+		if refused := err != nil && strings.Contains(err.Error(), "WorkerOptions.Block"); refused != c.refused {
+			t.Errorf("Block %v, ReadTimeout %v: got %v", c.block, c.readTimeout, err)
+		}
+	}
+}
+
 func TestAPoolOfOneIsRefused(t *testing.T) {
 	client := redis.NewClient(&redis.Options{Addr: server.Addr, PoolSize: 1})
 	defer client.Close()

@@ -222,6 +222,7 @@ public final class Worker implements AutoCloseable {
      * @throws ContractVersionException before anything is read when the operator speaks a contract version this
      *     library does not know
      * @throws RedisException when the server cannot be reached or the settings cannot be read
+     * @throws IllegalArgumentException on a client of the application's, when {@code block} is not below its timeout
      * @throws IllegalStateException when the worker was started or closed before
      */
     public void start() {
@@ -238,6 +239,7 @@ public final class Worker implements AutoCloseable {
                 writer = client.connect(ByteArrayCodec.INSTANCE);
                 writes = writer.async();
                 reader = client.connect(ByteArrayCodec.INSTANCE);
+                Builder.checkBlock(block, reader.getTimeout()); // an application's client: known once connected
                 refreshSettings(true);
             } catch (RuntimeException e) {
                 state = State.CLOSED;
@@ -1166,7 +1168,11 @@ public final class Worker implements AutoCloseable {
             return this;
         }
 
-        /** How long one read waits for new entries (below the client's command timeout). Default 1 s. */
+        /**
+         * How long one read waits for new entries: at least 1 ms and below the client's command timeout (the
+         * {@code RedisURI}'s, 60 s by default), checked by {@link #build()} (by {@link Worker#start()} on a client of
+         * the application's). Default 1 s.
+         */
         public Builder block(Duration block) {
             this.block = block;
             return this;
@@ -1209,10 +1215,26 @@ public final class Worker implements AutoCloseable {
             if (concurrency < 1) {
                 throw new IllegalArgumentException("concurrency must be at least 1");
             }
-            if (!positive(block) || !positive(maxHandling) || shutdownGrace.isNegative()) {
-                throw new IllegalArgumentException("block and maxHandling must be positive, shutdownGrace not negative");
+            if (!positive(maxHandling) || shutdownGrace.isNegative()) {
+                throw new IllegalArgumentException("maxHandling must be positive, shutdownGrace not negative");
+            }
+            // BLOCK 0 waits for ever on the server while the client gives up at its timeout: what the server then
+            // delivers to a read nobody awaits waits for the operator's pass.
+            if (block.toMillis() < 1) {
+                throw new IllegalArgumentException("block must be at least 1 ms (BLOCK 0 would wait for ever), got " + block);
+            }
+            if (uri != null) {
+                checkBlock(block, uri.getTimeout());
             }
             return new Worker(this);
+        }
+
+        /** {@code block} below the timeout of the client's commands, which the blocking read waits for. */
+        static void checkBlock(Duration block, Duration timeout) {
+            if (block.compareTo(timeout) >= 0) {
+                throw new IllegalArgumentException("block (" + block + ") must be below the client's command timeout ("
+                        + timeout + "): the client would give up on a read the server still answers");
+            }
         }
 
         private static boolean positive(Duration duration) {

@@ -22,6 +22,7 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.ClientOptions;
 import io.lettuce.core.RedisClient;
+import io.lettuce.core.RedisURI;
 import io.lettuce.core.XClaimArgs;
 import io.lettuce.core.api.sync.RedisCommands;
 import io.lettuce.core.codec.ByteArrayCodec;
@@ -591,6 +592,29 @@ class WorkerTest {
         assertEquals(List.of(first), handled); // never another message
         assertEquals(1, w.stats().done());
         assertTrue(pending(r).stream().noneMatch(p -> p.id().equals(first) || p.consumer().equals(CONSUMER)));
+    }
+
+    @Test
+    void aBlockOf0OrAtTheClientsTimeoutIsRefusedWhenTheWorkerIsBuilt() {
+        // The RedisURI's timeout: 60 s by default.
+        for (Duration block : List.of(Duration.ZERO, Duration.ofNanos(500_000), Duration.ofSeconds(60))) {
+            IllegalArgumentException refused = assertThrows(IllegalArgumentException.class,
+                    () -> worker(m -> Outcome.done(), b -> b.block(block)), block.toString());
+            assertTrue(refused.getMessage().startsWith("block "), refused.getMessage());
+        }
+        RedisURI shortTimeout = RedisURI.builder(Support.server().uri()).withTimeout(Duration.ofSeconds(2)).build();
+        assertThrows(IllegalArgumentException.class, () -> Worker.builder(shortTimeout).stream(STREAM).group(GROUP)
+                .handler(m -> Outcome.done()).block(Duration.ofSeconds(2)).build());
+        // A client of the application's: its timeout is known once connected, before anything is read.
+        RedisClient app = RedisClient.create(shortTimeout);
+        try {
+            Worker w = Worker.builder(app).stream(STREAM).group(GROUP).handler(m -> Outcome.done())
+                    .block(Duration.ofSeconds(3)).build();
+            IllegalArgumentException refused = assertThrows(IllegalArgumentException.class, w::start);
+            assertTrue(refused.getMessage().startsWith("block "), refused.getMessage());
+        } finally {
+            app.shutdown();
+        }
     }
 
     @Test
