@@ -218,6 +218,12 @@ func poolSize(client redis.UniversalClient) int {
 	return 0
 }
 
+// Stream is the stream the worker reads.
+func (w *Worker) Stream() string { return w.opt.Stream }
+
+// Group is the consumer group the worker reads in.
+func (w *Worker) Group() string { return w.opt.Group }
+
 // Consumer is the consumer name the worker reads as.
 func (w *Worker) Consumer() string { return w.opt.Consumer }
 
