@@ -87,19 +87,17 @@ type Worker struct {
 	// worker (unless the pass hands it back).
 	failedHere     map[string]time.Time
 	errorsRecorded map[string]struct{}
-
-	freed chan struct{} // a handler returned, or an entry left the flight: wakes the read loop and the shutdown
-	// handlers holds a token per handler running: the hand-overs a lease tick takes up while a read is on its way
-	// may bring more messages than slots for a moment; they wait here, never more than Concurrency run.
-	handlers chan struct{}
-
-	// Guarded by mu.
-	ownPELRead bool // the read loop read its own PEL to the end: hand-overs are looked for from then on
+	ownPELRead     bool // the read loop read its own PEL to the end: hand-overs are looked for from then on
 	// refused are the ids of messages whose handler did not start because of versionMet: given back on shutdown.
 	refused []string
 	// readSentAt is when the read on its way was sent (zero once what it brought is in flight): an entry delivered
 	// since may be that read's, not a hand-over.
 	readSentAt time.Time
+
+	freed chan struct{} // a handler returned, or an entry left the flight: wakes the read loop and the shutdown
+	// handlers holds a token per handler running: the hand-overs a lease tick takes up while a read is on its way
+	// may bring more messages than slots for a moment; they wait here, never more than Concurrency run.
+	handlers chan struct{}
 	// handOverMu is held while a lease tick takes up hand-overs; the shutdown takes it once the read loop ended, so
 	// that every hand-over taken is in flight before it looks.
 	handOverMu sync.Mutex
