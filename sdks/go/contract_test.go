@@ -15,9 +15,19 @@ import (
 
 // The contract's pieces without a server: script copies, key names, settings, reasons, error texts.
 
+// contractDir is the repository's contract, when the module is tested in the repository (not from a copy of its
+// own: then the copies are checked there).
 const contractDir = "../../contract"
 
+func inTheRepository(t *testing.T) {
+	t.Helper()
+	if _, err := os.Stat(filepath.Join(contractDir, "VERSION")); err != nil {
+		t.Skipf("no %s: the module is tested out of the repository (%v)", contractDir, err)
+	}
+}
+
 func TestScriptsAreTheContracts(t *testing.T) {
+	inTheRepository(t)
 	theirs, err := filepath.Glob(filepath.Join(contractDir, "scripts", "*.lua"))
 	if err != nil || len(theirs) == 0 {
 		t.Fatalf("no scripts under %s/scripts: %v", contractDir, err)
@@ -42,6 +52,7 @@ func TestScriptsAreTheContracts(t *testing.T) {
 }
 
 func TestTheLibraryKnowsTheContractsVersion(t *testing.T) {
+	inTheRepository(t)
 	text, err := os.ReadFile(filepath.Join(contractDir, "VERSION"))
 	if err != nil {
 		t.Fatal(err)
@@ -69,11 +80,12 @@ func TestHashTagIsTheFirstNonEmptyBracedPartElseTheName(t *testing.T) {
 
 func TestKeyNames(t *testing.T) {
 	for got, want := range map[string]string{
-		SettingsKey("{orders}:events", "billing"): "{orders}:pelican:{orders}:events:billing:settings",
-		TerminalKey("{orders}:events", "billing"): "{orders}:pelican:{orders}:events:billing:terminal",
-		ErrorsKey("jobs", "w"):                    "{jobs}:pelican:jobs:w:errors",
-		BoundsKey("{orders}:events"):              "{orders}:pelican:{orders}:events:bounds",
-		RejectedKey("jobs"):                       "{jobs}:pelican:jobs:rejected",
+		SettingsKey("{orders}:events", "billing"):  "{orders}:pelican:{orders}:events:billing:settings",
+		TerminalKey("{orders}:events", "billing"):  "{orders}:pelican:{orders}:events:billing:terminal",
+		ErrorsKey("jobs", "w"):                     "{jobs}:pelican:jobs:w:errors",
+		ConsumersKey("{orders}:events", "billing"): "{orders}:pelican:{orders}:events:billing:consumers",
+		BoundsKey("{orders}:events"):               "{orders}:pelican:{orders}:events:bounds",
+		RejectedKey("jobs"):                        "{jobs}:pelican:jobs:rejected",
 	} {
 		if got != want {
 			t.Errorf("got %q, want %q", got, want)
@@ -100,7 +112,7 @@ func TestSettingsAreParsedByName(t *testing.T) {
 }
 
 func TestAnUnknownContractVersionNamesBothVersions(t *testing.T) {
-	for _, version := range []string{"2", "0", "v1", ""} {
+	for _, version := range []string{"2", "0", "v1", "", "2.0", " 1", "1x", "１"} {
 		_, err := ParseSettings(map[string]string{"minIdleMs": "4000", "retryAfterMs": "9000", "contractVersion": version})
 		var cv *ContractVersionError
 		if !errors.As(err, &cv) {
@@ -110,6 +122,20 @@ func TestAnUnknownContractVersionNamesBothVersions(t *testing.T) {
 		if !strings.Contains(text, "the operator speaks worker contract "+version+", this library knows 1") ||
 			!strings.Contains(text, "upgrade the library") {
 			t.Errorf("contractVersion %q: %s", version, text)
+		}
+	}
+}
+
+func TestTheContractVersionIsCheckedBeforeAnyOtherField(t *testing.T) {
+	for _, fields := range []map[string]string{
+		{"contractVersion": "2"},
+		{"contractVersion": "2.0", "minIdleMs": "soon"},
+		{"contractVersion": "2", "retryAfterMs": "9000", "maxDeliveries": "many"},
+	} {
+		_, err := ParseSettings(fields)
+		var cv *ContractVersionError
+		if !errors.As(err, &cv) || cv.Operator != fields["contractVersion"] {
+			t.Errorf("%v: got %v, want the contract version error", fields, err)
 		}
 	}
 }

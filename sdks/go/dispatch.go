@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
@@ -74,10 +73,30 @@ func (q *queue) close() {
 
 // dispatch runs the handler and writes its outcome (with wctx, which no shutdown cancels).
 func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message, f *flight) {
-	if hctx.Err() != nil {
+	select {
+	case w.handlers <- struct{}{}:
+	case <-hctx.Done():
 		return // taken after the grace ran out: given back unhandled
 	}
+	if hctx.Err() != nil {
+		<-w.handlers
+		return
+	}
+	if w.versionMet.Load() {
+		<-w.handlers
+		// Never handled under a contract this library does not know: out of the flight, given back on shutdown.
+		w.mu.Lock()
+		if !f.abandoned {
+			f.abandoned = true
+			delete(w.inFlight, f.id)
+			w.refused = append(w.refused, f.id)
+			w.wakeLocked()
+		}
+		w.mu.Unlock()
+		return
+	}
 	outcome, err := runHandler(hctx, handler, m)
+	<-w.handlers
 	w.mu.Lock()
 	if f.abandoned { // given back on shutdown, and no longer in flight
 		w.mu.Unlock()
@@ -115,16 +134,13 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 func runHandler(ctx context.Context, handler Handler, m Message) (outcome Outcome, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = &panicError{value: r, stack: debug.Stack()}
+			err = &panicError{value: r}
 		}
 	}()
 	return handler(ctx, m)
 }
 
-type panicError struct {
-	value any
-	stack []byte
-}
+type panicError struct{ value any }
 
 func (e *panicError) Error() string { return fmt.Sprintf("panic: %v", e.value) }
 
@@ -149,7 +165,7 @@ type ackRequest struct {
 // also those of handlers that return while it is on its way.
 func (w *Worker) ack(ctx context.Context, m Message, f *flight) {
 	// A message that failed before, here or elsewhere before it was requeued as a copy, may have a last error.
-	_, copied := m.Values[DeliveriesField]
+	_, copied := m.Lookup(DeliveriesField)
 	w.mu.Lock()
 	_, recorded := w.errorsRecorded[m.ID]
 	delete(w.errorsRecorded, m.ID)
@@ -271,13 +287,14 @@ func (w *Worker) retry(ctx context.Context, id string) {
 // fail records the error's text as the entry's last error, without an ACK: the pass retries it.
 func (w *Worker) fail(ctx context.Context, id string, err error) {
 	text := cutUTF8(err.Error(), ErrorTextMax)
+	// One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
+	kind := fmt.Sprintf("%T", err)
 	var p *panicError
 	if errors.As(err, &p) {
-		w.log.Warn("handler panicked; the message stays pending for the operator's retry",
-			"entry_id", id, "error", text, "stack", string(p.stack))
-	} else {
-		w.log.Warn("handler failed; the message stays pending for the operator's retry", "entry_id", id, "error", text)
+		kind = fmt.Sprintf("panic(%T)", p.value)
 	}
+	w.log.Warn("handler failed; the message stays pending for the operator's retry",
+		"entry_id", id, "error_type", kind, "error", text)
 	w.mu.Lock()
 	w.failedHere[id] = time.Now()
 	w.mu.Unlock()

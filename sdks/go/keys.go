@@ -41,6 +41,10 @@ func TerminalKey(stream, group string) string { return streamPrefix(stream) + gr
 // ErrorsKey is {T}:pelican:<stream>:<group>:errors: pending entry id -> the text of its last failure.
 func ErrorsKey(stream, group string) string { return streamPrefix(stream) + group + ":errors" }
 
+// ConsumersKey is {T}:pelican:<stream>:<group>:consumers: consumer -> its last lease tick (the server's time, ms),
+// the heartbeat strategy: Reassign hands work to live workers by.
+func ConsumersKey(stream, group string) string { return streamPrefix(stream) + group + ":consumers" }
+
 // BoundsKey is {T}:pelican:<stream>:bounds: group -> backlog.maxLength, read by the bounded publish scripts.
 func BoundsKey(stream string) string { return streamPrefix(stream) + "bounds" }
 

@@ -6,12 +6,12 @@ import (
 	"time"
 )
 
-// holdLeases extends, every tick, every entry in flight for less than MaxHandling, after re-reading the settings:
-// a lowered minIdle is leased at its new pace before the operator applies it.
-func (w *Worker) holdLeases(ctx, rctx context.Context, stop context.CancelCauseFunc) {
+// holdLeases extends, every tick, every entry in flight for less than MaxHandling, after re-reading the settings
+// (a lowered minIdle is leased at its new pace before the operator applies it), then takes up hand-overs until
+// runCtx ends. It stops when ctx ends.
+func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.CancelCauseFunc, q *queue) {
 	timer := time.NewTimer(LeaseInterval(w.settings.Load()))
 	defer timer.Stop()
-	stopping := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -22,19 +22,21 @@ func (w *Worker) holdLeases(ctx, rctx context.Context, stop context.CancelCauseF
 			var version *ContractVersionError
 			if !errors.As(err, &version) {
 				w.log.Warn("could not re-read the group's settings; the last ones stay", "error", err)
-			} else if !stopping {
-				stopping = true
+			} else if !w.versionMet.Swap(true) {
 				w.log.Error("the operator speaks a worker contract this library does not know: shutting down",
 					"error", err)
 				stop(err)
 			}
 		}
-		w.leaseTick(rctx)
+		if w.leaseTick(rctx) {
+			w.takeUpHandOvers(runCtx, rctx, q)
+		}
 		timer.Reset(LeaseInterval(w.settings.Load()))
 	}
 }
 
-func (w *Worker) leaseTick(ctx context.Context) {
+// leaseTick runs lease.lua, also with no ids: its heartbeat says the worker is alive. False when it failed.
+func (w *Worker) leaseTick(ctx context.Context) bool {
 	now := time.Now()
 	var ids []string
 	w.mu.Lock()
@@ -53,7 +55,7 @@ func (w *Worker) leaseTick(ctx context.Context) {
 	kept, err := w.lease(ctx, ids)
 	if err != nil {
 		w.log.Warn("could not extend the leases of the messages being handled; retrying", "error", err)
-		return
+		return false
 	}
 	extended := make(map[string]bool, len(kept))
 	for _, id := range kept {
@@ -70,17 +72,19 @@ func (w *Worker) leaseTick(ctx context.Context) {
 				"entry_id", id)
 		}
 	}
+	return true
 }
 
-// lease runs lease.lua over ids; it answers those still this consumer's.
+// lease runs lease.lua over ids, and so writes the heartbeat (once also without ids); it answers the ids still
+// this consumer's.
 func (w *Worker) lease(ctx context.Context, ids []string) ([]string, error) {
 	var kept []string
-	for start := 0; start < len(ids); start += idBatch {
+	for start := 0; start == 0 || start < len(ids); start += idBatch {
 		args := []any{w.opt.Group, w.opt.Consumer}
 		for _, id := range ids[start:min(start+idBatch, len(ids))] {
 			args = append(args, id)
 		}
-		extended, err := leaseScript.Run(ctx, w.client, []string{w.opt.Stream}, args...).StringSlice()
+		extended, err := leaseScript.Run(ctx, w.client, []string{w.opt.Stream, w.consumersKey}, args...).StringSlice()
 		if err != nil {
 			return kept, err
 		}

@@ -6,11 +6,32 @@ import (
 	"regexp"
 )
 
-// Message is one stream entry as the handler sees it. Values holds the entry's fields as go-redis reads them
-// (a name that repeats keeps its last value); a requeued copy also has OriginIDField and DeliveriesField.
+// Field is one field of a stream entry.
+type Field struct {
+	Name, Value string
+}
+
+// Message is one stream entry as the handler sees it: its fields in the entry's order, every one of a name that
+// repeats; a requeued copy ends with OriginIDField and DeliveriesField.
 type Message struct {
 	ID     string
-	Values map[string]string
+	Fields []Field
+}
+
+// Get answers the first value of the field name, "" when the message has none (as http.Header's Get).
+func (m Message) Get(name string) string {
+	v, _ := m.Lookup(name)
+	return v
+}
+
+// Lookup answers the first value of the field name, and whether the message has one.
+func (m Message) Lookup(name string) (string, bool) {
+	for _, f := range m.Fields {
+		if f.Name == name {
+			return f.Value, true
+		}
+	}
+	return "", false
 }
 
 // Handler handles one message. A non-nil error (or a panic) is a failure: no ACK, the error's text recorded as the

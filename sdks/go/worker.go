@@ -21,14 +21,13 @@ type WorkerOptions struct {
 	Consumer string
 	// Concurrency is how many handlers run at once; default 16.
 	Concurrency int
-	// Block is how long one read waits for new entries; default 1 s. A shutdown awaits the read in flight.
+	// Block is how long one read waits for new entries; default 1 s (the zero value: never BLOCK 0, which waits for
+	// ever). At least 1 ms and below the client's ReadTimeout (5 s by default), which the read waits for: NewWorker
+	// refuses other values. A shutdown awaits the read in flight.
 	Block time.Duration
 	// ShutdownGrace is how long handlers may still run once Run's context is cancelled, before what is left is
 	// given back; default 20 s (below Kubernetes' default terminationGracePeriodSeconds of 30). Negative: none.
 	ShutdownGrace time.Duration
-	// PELCheckInterval is how often the worker takes up what the operator handed over to it; default 30 s (below
-	// the operator's 60 s hand-over grace).
-	PELCheckInterval time.Duration
 	// MaxHandling is how long a handler's lease is extended; past it the worker warns once and the operator's pass
 	// may retry the message. Default 30 min.
 	MaxHandling time.Duration
@@ -69,13 +68,15 @@ type Worker struct {
 	opt    WorkerOptions
 	log    *slog.Logger
 
-	settingsKey, terminalKey, errorsKey string
+	settingsKey, terminalKey, errorsKey, consumersKey string
 
 	settings        atomic.Pointer[Settings]
 	settingsProblem string // the last problem with the settings reported, so it is said once; lease goroutine only
 
 	done, terminal, failed, retried, abandoned atomic.Uint64
 	started                                    atomic.Bool
+	// versionMet: a lease tick met a contract version this library does not know; no handler starts after it.
+	versionMet atomic.Bool
 
 	mu       sync.Mutex
 	inFlight map[string]*flight
@@ -86,8 +87,20 @@ type Worker struct {
 	// worker (unless the pass hands it back).
 	failedHere     map[string]time.Time
 	errorsRecorded map[string]struct{}
+	ownPELRead     bool // the read loop read its own PEL to the end: hand-overs are looked for from then on
+	// refused are the ids of messages whose handler did not start because of versionMet: given back on shutdown.
+	refused []string
+	// readSentAt is when the read on its way was sent (zero once what it brought is in flight): an entry delivered
+	// since may be that read's, not a hand-over.
+	readSentAt time.Time
 
 	freed chan struct{} // a handler returned, or an entry left the flight: wakes the read loop and the shutdown
+	// handlers holds a token per handler running: the hand-overs a lease tick takes up while a read is on its way
+	// may bring more messages than slots for a moment; they wait here, never more than Concurrency run.
+	handlers chan struct{}
+	// handOverMu is held while a lease tick takes up hand-overs; the shutdown takes it once the read loop ended, so
+	// that every hand-over taken is in flight before it looks.
+	handOverMu sync.Mutex
 
 	ackMu         sync.Mutex
 	acks          []ackRequest // waiting for the next read, or for the flush in progress to end
@@ -114,8 +127,12 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 	if opt.Stream == "" || opt.Group == "" {
 		return nil, errors.New("pelican: WorkerOptions needs a Stream and a Group")
 	}
-	if opt.Concurrency < 0 || opt.Block < 0 || opt.PELCheckInterval < 0 || opt.MaxHandling < 0 {
-		return nil, errors.New("pelican: Concurrency, Block, PELCheckInterval and MaxHandling must not be negative")
+	if opt.Concurrency < 0 || opt.MaxHandling < 0 {
+		return nil, errors.New("pelican: Concurrency and MaxHandling must not be negative")
+	}
+	opt.Block = orDefault(opt.Block, time.Second)
+	if err := checkBlock(opt.Block, readTimeout(client)); err != nil {
+		return nil, err
 	}
 	// go-redis hands each command a pooled connection of its own: the blocking read holds one for up to Block,
 	// and leases, ACKs and give-backs take others, never queueing behind it. A pool of one would make them wait.
@@ -130,9 +147,7 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		return nil, errors.New("pelican: no consumer name (no POD_NAME, HOSTNAME or host name): set Consumer")
 	}
 	opt.Concurrency = orDefault(opt.Concurrency, 16)
-	opt.Block = max(orDefault(opt.Block, time.Second), time.Millisecond) // BLOCK 0 would wait for ever
 	opt.ShutdownGrace = max(orDefault(opt.ShutdownGrace, 20*time.Second), 0)
-	opt.PELCheckInterval = orDefault(opt.PELCheckInterval, 30*time.Second)
 	opt.MaxHandling = orDefault(opt.MaxHandling, 30*time.Minute)
 	if opt.Logger == nil {
 		opt.Logger = slog.Default()
@@ -144,6 +159,8 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		settingsKey:    SettingsKey(opt.Stream, opt.Group),
 		terminalKey:    TerminalKey(opt.Stream, opt.Group),
 		errorsKey:      ErrorsKey(opt.Stream, opt.Group),
+		consumersKey:   ConsumersKey(opt.Stream, opt.Group),
+		handlers:       make(chan struct{}, opt.Concurrency),
 		inFlight:       map[string]*flight{},
 		failedHere:     map[string]time.Time{},
 		errorsRecorded: map[string]struct{}{},
@@ -159,6 +176,34 @@ func orDefault[T comparable](v, def T) T {
 	return v
 }
 
+// checkBlock refuses a Block that rounds to BLOCK 0 (the server waits for ever while the client gives up) or that
+// the client's ReadTimeout (0: none) cuts off: what the server then delivers to a read nobody awaits waits for
+// the operator's pass.
+func checkBlock(block, readTimeout time.Duration) error {
+	if block < time.Millisecond {
+		return fmt.Errorf("pelican: WorkerOptions.Block is %v: it must be at least 1ms (BLOCK 0 would wait for ever)",
+			block)
+	}
+	if readTimeout > 0 && block >= readTimeout {
+		return fmt.Errorf("pelican: WorkerOptions.Block is %v: it must be below the client's ReadTimeout (%v), "+
+			"which would give up on a read the server still answers", block, readTimeout)
+	}
+	return nil
+}
+
+// readTimeout is how long the client waits for a reply (0: for ever).
+func readTimeout(client redis.UniversalClient) time.Duration {
+	switch c := client.(type) {
+	case *redis.Client:
+		return c.Options().ReadTimeout
+	case *redis.ClusterClient:
+		return c.Options().ReadTimeout
+	case *redis.Ring:
+		return c.Options().ReadTimeout
+	}
+	return 0
+}
+
 func poolSize(client redis.UniversalClient) int {
 	switch c := client.(type) {
 	case *redis.Client:
@@ -170,6 +215,12 @@ func poolSize(client redis.UniversalClient) int {
 	}
 	return 0
 }
+
+// Stream is the stream the worker reads.
+func (w *Worker) Stream() string { return w.opt.Stream }
+
+// Group is the consumer group the worker reads in.
+func (w *Worker) Group() string { return w.opt.Group }
 
 // Consumer is the consumer name the worker reads as.
 func (w *Worker) Consumer() string { return w.opt.Consumer }
@@ -216,19 +267,19 @@ func (w *Worker) Run(ctx context.Context, handler Handler) (Stats, error) {
 	}
 	runCtx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
-	leaseCtx, stopLeases := context.WithCancel(rctx)
-	leasesDone := make(chan struct{})
-	go func() {
-		defer close(leasesDone)
-		w.holdLeases(leaseCtx, rctx, stop)
-	}()
-	// Cancelled when the grace runs out, for the handlers still running then.
-	handlerCtx, cancelHandlers := context.WithCancel(rctx)
-	defer cancelHandlers()
 	// Goroutines kept for the handlers: a new one per message would grow its stack through go-redis' calls each
 	// time. Up to Concurrency handlers run, and up to Concurrency outcomes are written meanwhile.
 	q := newQueue()
 	defer q.close()
+	leaseCtx, stopLeases := context.WithCancel(rctx)
+	leasesDone := make(chan struct{})
+	go func() {
+		defer close(leasesDone)
+		w.holdLeases(leaseCtx, runCtx, rctx, stop, q)
+	}()
+	// Cancelled when the grace runs out, for the handlers still running then.
+	handlerCtx, cancelHandlers := context.WithCancel(rctx)
+	defer cancelHandlers()
 	for range 2 * w.opt.Concurrency {
 		go func() {
 			for j, ok := q.take(); ok; j, ok = q.take() {
@@ -238,7 +289,9 @@ func (w *Worker) Run(ctx context.Context, handler Handler) (Stats, error) {
 	}
 
 	unhandled := w.readLoop(runCtx, rctx, q)
-	w.flushAcks(rctx) // those left for a read that will not come
+	w.flushAcks(rctx)   // those left for a read that will not come
+	w.handOverMu.Lock() // a hand-over being taken up is in flight once this returns; none is taken after
+	w.handOverMu.Unlock()
 	w.shutDown(rctx, unhandled, cancelHandlers, func() { stopLeases(); <-leasesDone })
 
 	var version *ContractVersionError
@@ -316,7 +369,6 @@ func (w *Worker) retryAfter() time.Duration {
 // after the stop, unhandled.
 func (w *Worker) readLoop(ctx, rctx context.Context, q *queue) []string {
 	cursor := "0" // own PEL first: entries delivered to this name before a restart
-	nextCheck := time.Now().Add(w.opt.PELCheckInterval)
 	var groupWait time.Duration
 	// A read waits up to a millisecond for half the slots to be free, so that handlers that return together share
 	// it (a read per slot would double the round trips of short handlers).
@@ -356,17 +408,18 @@ func (w *Worker) readLoop(ctx, rctx context.Context, q *queue) []string {
 		gathered = false
 		var found []Message
 		var err error
-		switch {
-		case cursor != "":
+		w.mu.Lock()
+		w.readSentAt = time.Now()
+		w.mu.Unlock()
+		if cursor != "" {
 			found, cursor, err = w.readOwn(rctx, free, cursor)
-		case !time.Now().Before(nextCheck):
-			nextCheck = time.Now().Add(w.opt.PELCheckInterval)
-			w.flushAcks(rctx)
-			found, err = w.takeHandedOver(rctx, free)
-		default:
+		} else {
 			found, err = w.readNew(rctx, free)
 		}
 		if err != nil {
+			w.mu.Lock()
+			w.readSentAt = time.Time{}
+			w.mu.Unlock()
 			if !redis.HasErrorPrefix(err, "NOGROUP") {
 				w.log.Warn("read failed; retrying", "error", err)
 				sleep(ctx, 500*time.Millisecond)
@@ -394,84 +447,93 @@ func (w *Worker) readLoop(ctx, rctx context.Context, q *queue) []string {
 			}
 			return ids
 		}
-		jobs := make([]job, len(found))
-		now := time.Now()
 		w.mu.Lock()
-		for i, m := range found {
-			jobs[i] = job{message: m, flight: &flight{id: m.ID, started: now}}
-			w.inFlight[m.ID] = jobs[i].flight
-		}
+		jobs := w.flyLocked(found)
+		w.readSentAt = time.Time{}
+		w.ownPELRead = cursor == ""
 		w.mu.Unlock()
 		q.put(jobs)
 	}
 	return nil
 }
 
+// flyLocked puts messages in flight: the jobs for the handlers' goroutines.
+func (w *Worker) flyLocked(found []Message) []job {
+	jobs := make([]job, len(found))
+	now := time.Now()
+	for i, m := range found {
+		jobs[i] = job{message: m, flight: &flight{id: m.ID, started: now}}
+		w.inFlight[m.ID] = jobs[i].flight
+	}
+	return jobs
+}
+
+// takeUpHandOvers, at a lease tick once the own PEL was read, takes up what strategy: Reassign handed over, as
+// many as slots are free (the rest at the next tick), and queues them as new messages. None once ctx (Run's) ends.
+func (w *Worker) takeUpHandOvers(ctx, rctx context.Context, q *queue) {
+	w.handOverMu.Lock()
+	defer w.handOverMu.Unlock()
+	w.mu.Lock()
+	free := 0
+	if w.ownPELRead && ctx.Err() == nil {
+		free = w.freeLocked()
+	}
+	w.mu.Unlock()
+	if free <= 0 {
+		return
+	}
+	found, err := w.takeHandedOver(rctx, free)
+	if err != nil {
+		w.log.Warn("could not take up hand-overs; looking again at the next tick", "error", err)
+		return
+	}
+	w.mu.Lock()
+	jobs := w.flyLocked(found)
+	w.mu.Unlock()
+	q.put(jobs)
+}
+
 // readOwn reads the own PEL after cursor; next is where to go on, "" once it is empty.
 func (w *Worker) readOwn(ctx context.Context, count int, cursor string) (found []Message, next string, err error) {
-	streams, err := w.readCarrying(ctx, &redis.XReadGroupArgs{
-		Group: w.opt.Group, Consumer: w.opt.Consumer, Streams: []string{w.opt.Stream, cursor},
-		Count: int64(count), Block: -1,
-	}, w.takeAcks()).Result()
-	if err != nil && !errors.Is(err, redis.Nil) {
+	entries, err := readReply(w.readCarrying(ctx, cursor, count, w.takeAcks()))
+	if err != nil {
 		return nil, cursor, err
-	}
-	var entries []redis.XMessage
-	for _, s := range streams {
-		entries = append(entries, s.Messages...)
 	}
 	if len(entries) == 0 {
 		return nil, "", nil
 	}
-	return messages(entries), entries[len(entries)-1].ID, nil
+	return payloads(entries), entries[len(entries)-1].ID, nil
 }
 
 // readNew reads new entries. The ACKs that wait for it go first, in the same round trip, with a read that does not
 // block (an ACK never waits behind a blocking read); the blocking read follows when that one brought nothing.
 func (w *Worker) readNew(ctx context.Context, count int) ([]Message, error) {
-	args := &redis.XReadGroupArgs{
-		Group: w.opt.Group, Consumer: w.opt.Consumer, Streams: []string{w.opt.Stream, ">"}, Count: int64(count),
-		Block: -1,
-	}
 	if acks := w.takeAcks(); len(acks) > 0 {
-		if found, err := newMessages(w.readCarrying(ctx, args, acks)); err != nil || len(found) > 0 {
-			return found, err
+		if found, err := readReply(w.readCarrying(ctx, ">", count, acks)); err != nil || len(found) > 0 {
+			return payloads(found), err
 		}
 	}
-	args.Block = w.opt.Block
-	return newMessages(w.client.XReadGroup(ctx, args))
+	found, err := readReply(xReadGroup(ctx, w.client, w.opt.Group, w.opt.Consumer, w.opt.Stream, ">", count,
+		w.opt.Block))
+	return payloads(found), err
 }
 
-// readCarrying reads (args must not block) with acks in the same round trip.
-func (w *Worker) readCarrying(ctx context.Context, args *redis.XReadGroupArgs, acks []ackRequest) *redis.XStreamSliceCmd {
+// readCarrying reads after id without blocking, with acks in the same round trip.
+func (w *Worker) readCarrying(ctx context.Context, id string, count int, acks []ackRequest) *redis.Cmd {
 	if len(acks) == 0 {
-		return w.client.XReadGroup(ctx, args)
+		return xReadGroup(ctx, w.client, w.opt.Group, w.opt.Consumer, w.opt.Stream, id, count, -1)
 	}
 	pipe := w.client.Pipeline()
 	written := w.queueAcks(ctx, pipe, acks)
-	read := pipe.XReadGroup(ctx, args)
+	read := xReadGroup(ctx, pipe, w.opt.Group, w.opt.Consumer, w.opt.Stream, id, count, -1)
 	_, _ = pipe.Exec(ctx) // each command's error is its own
 	w.acked(acks, written)
 	return read
 }
 
-func newMessages(read *redis.XStreamSliceCmd) ([]Message, error) {
-	streams, err := read.Result()
-	if errors.Is(err, redis.Nil) { // nothing new
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var found []Message
-	for _, s := range streams {
-		found = append(found, messages(s.Messages)...)
-	}
-	return found, nil
-}
-
 // takeHandedOver answers up to count entries of the own PEL that are neither in flight nor failed here (or failed
-// here and handed back since): the ones strategy: Reassign handed over. They are taken with lease.lua, which
+// here and handed back since) nor delivered since the read on its way was sent (they may be its own): the ones
+// strategy: Reassign handed over. They are taken with lease.lua, which
 // leaves alone what the pass meanwhile gave to someone else (a plain XCLAIM would take it back), then read with
 // XRANGE.
 func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, error) {
@@ -489,6 +551,11 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 	}
 	var candidates []string
 	w.mu.Lock()
+	// Taken after the reply: an entry delivered by the read on its way is idle at most this long.
+	sinceRead := time.Duration(-1)
+	if !w.readSentAt.IsZero() {
+		sinceRead = time.Since(w.readSentAt)
+	}
 	if len(pending) < asked {
 		// The whole own PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
 		listed := make(map[string]bool, len(pending))
@@ -507,6 +574,9 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 		if at, ok := failed[p.ID]; ok && p.Idle+handOverMargin > askedAt.Sub(at) {
 			continue // failed here and not handed back since: the pass retries it
 		}
+		if p.Idle <= sinceRead {
+			continue // perhaps the read's: looked at again at the next tick
+		}
 		candidates = append(candidates, p.ID)
 	}
 	w.mu.Unlock()
@@ -523,39 +593,22 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 	}
 	w.mu.Unlock()
 	pipe := w.client.Pipeline()
-	ranges := make([]*redis.XMessageSliceCmd, len(taken))
+	ranges := make([]*redis.Cmd, len(taken))
 	for i, id := range taken {
-		ranges[i] = pipe.XRange(ctx, w.opt.Stream, id, id)
+		ranges[i] = pipe.Do(ctx, "XRANGE", w.opt.Stream, id, id)
 	}
 	if _, err := pipe.Exec(ctx); err != nil {
 		return nil, err
 	}
 	var found []Message
 	for _, r := range ranges {
-		found = append(found, messages(r.Val())...)
+		entries, err := rangeReply(r)
+		if err != nil {
+			return nil, err
+		}
+		found = append(found, payloads(entries)...)
 	}
 	return found, nil
-}
-
-// messages are the entries that still have a payload: an entry deleted while pending is no message (the
-// operator's pass drops it).
-func messages(entries []redis.XMessage) []Message {
-	found := make([]Message, 0, len(entries))
-	for _, e := range entries {
-		if e.Values == nil {
-			continue
-		}
-		values := make(map[string]string, len(e.Values))
-		for k, v := range e.Values {
-			s, ok := v.(string)
-			if !ok {
-				s = fmt.Sprint(v)
-			}
-			values[k] = s
-		}
-		found = append(found, Message{ID: e.ID, Values: values})
-	}
-	return found
 }
 
 func (w *Worker) inFlightCount() int {
@@ -601,8 +654,8 @@ wait:
 			break wait
 		}
 	}
-	left := unhandled
 	w.mu.Lock()
+	left := append(unhandled, w.refused...)
 	for id, f := range w.inFlight {
 		if !f.settled {
 			// No longer this worker's, though its handler may still run: neither leased nor counted in flight.
@@ -619,15 +672,15 @@ wait:
 	}
 	stopLeases()
 	given, err := w.giveBack(ctx, left, w.retryAfter(), true)
-	w.abandoned.Add(uint64(len(left)))
-	switch {
-	case err != nil:
+	// Only what the give-back released: an entry the pass took meanwhile is not this worker's to count.
+	w.abandoned.Add(uint64(given))
+	if err != nil {
 		w.log.Warn("shutdown: could not give back (and leave the group): what is left is retried after minIdle",
 			"left", len(left), "error", err)
-	case len(left) > 0:
-		w.log.Warn("shutdown: messages not handled were given back for the next pass, their delivery not counted",
-			"given", given)
+		return
 	}
+	w.log.Info("shutdown: messages given back for the next pass (not finished within the grace, or read "+
+		"unhandled), their delivery not counted", "given", given)
 }
 
 // sleep waits d, or less when ctx ends; false when it did.

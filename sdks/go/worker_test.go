@@ -87,28 +87,47 @@ func TestAnEntryWhosePayloadWasDeletedIsNotHandled(t *testing.T) {
 	}
 }
 
-func TestValuesArePassedAsTheyAre(t *testing.T) {
-	c := newClient(t)
-	createGroup(t, c)
-	add(t, c, "job", "\xff\x00", "pelican-origin-id", "1-1", DeliveriesField, "2")
-	got := make(chan Message, 1)
-	w, _ := newWorker(t, WorkerOptions{})
-	start(t, w, func(_ context.Context, m Message) (Outcome, error) {
-		got <- m
-		return Done(), nil
-	})
-	m := <-got
-	if m.Values["job"] != "\xff\x00" || m.Values[OriginIDField] != "1-1" || m.Values[DeliveriesField] != "2" {
-		t.Fatalf("%q", m.Values)
+func TestFieldsArePassedInOrderWithRepeatedNamesOnRESP2AndRESP3(t *testing.T) {
+	for _, protocol := range []int{2, 3} {
+		c := newClient(t)
+		createGroup(t, c)
+		id := add(t, c, "job", "\xff\x00", "a", "1", "a", "2", OriginIDField, "1-1", DeliveriesField, "2")
+		got := make(chan Message, 1)
+		logger, _ := testLogger(t)
+		client := redis.NewClient(&redis.Options{Addr: server.Addr, Protocol: protocol})
+		t.Cleanup(func() { client.Close() })
+		w, err := NewWorker(client, WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer,
+			Logger: logger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := start(t, w, func(_ context.Context, m Message) (Outcome, error) {
+			got <- m
+			return Done(), nil
+		})
+		m := <-got
+		r.stop(t)
+		want := []Field{{"job", "\xff\x00"}, {"a", "1"}, {"a", "2"}, {OriginIDField, "1-1"}, {DeliveriesField, "2"}}
+		if m.ID != id || !slices.Equal(m.Fields, want) {
+			t.Fatalf("RESP%d: %q, want %q", protocol, m.Fields, want)
+		}
+		// The first value of a name, as the other libraries answer it.
+		if v, ok := m.Lookup("a"); v != "1" || !ok || m.Get("b") != "" {
+			t.Fatalf("RESP%d: Lookup(a) = %q, %v; Get(b) = %q", protocol, v, ok, m.Get("b"))
+		}
+		if _, ok := m.Lookup("b"); ok {
+			t.Fatalf("RESP%d: Lookup(b) found one", protocol)
+		}
 	}
 }
 
 func TestAFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
+	writeSettings(t, c, 300, 60_000) // a lease tick, and a look for hand-overs, every 100 ms
 	entry := add(t, c, "n", "1")
 	var runs atomic.Int32
-	w, _ := newWorker(t, WorkerOptions{PELCheckInterval: 100 * time.Millisecond, Block: 50 * time.Millisecond})
+	w, _ := newWorker(t, WorkerOptions{Block: 50 * time.Millisecond})
 	r := start(t, w, func(context.Context, Message) (Outcome, error) {
 		runs.Add(1)
 		return Outcome{}, errors.New(strings.Repeat("€", 2000))
@@ -116,7 +135,7 @@ func TestAFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain(t *testing.T) {
 	eventually(t, 5*time.Second, "the error recorded", func() bool {
 		return c.HExists(bg, ErrorsKey(testStream, testGroup), entry).Val()
 	})
-	// Several hand-over looks: an entry that failed here is left to the operator's retry.
+	// Several lease ticks' hand-over looks: an entry that failed here is left to the operator's retry.
 	time.Sleep(800 * time.Millisecond)
 	stats, _ := r.stop(t)
 	if runs.Load() != 1 || stats.Failed != 1 {
@@ -135,27 +154,55 @@ func TestAFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain(t *testing.T) {
 	}
 }
 
-func TestAPanicIsAFailure(t *testing.T) {
+func TestAPanicIsAFailureAndTheWorkerGoesOn(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
-	entry := add(t, c, "n", "1")
-	w, _ := newWorker(t, WorkerOptions{})
-	r := start(t, w, func(context.Context, Message) (Outcome, error) { panic("boom") })
-	eventually(t, 5*time.Second, "the error recorded", func() bool {
-		return c.HGet(bg, ErrorsKey(testStream, testGroup), entry).Val() == "panic: boom"
+	var panicked []string
+	for range 5 {
+		panicked = append(panicked, add(t, c, "panic", "yes"))
+	}
+	ordinary := []string{add(t, c, "n", "1"), add(t, c, "n", "2"), add(t, c, "n", "3")}
+	var s seen
+	w, logs := newWorker(t, WorkerOptions{Concurrency: 2})
+	r := start(t, w, func(_ context.Context, m Message) (Outcome, error) {
+		if _, ok := m.Lookup("panic"); ok {
+			panic("boom")
+		}
+		s.add(m.ID)
+		return Done(), nil
+	})
+	eventually(t, 5*time.Second, "the ordinary messages handled after 5 panics", func() bool {
+		return len(s.list()) == 3 && c.HLen(bg, ErrorsKey(testStream, testGroup)).Val() == 5
 	})
 	stats, _ := r.stop(t)
-	if stats.Failed != 1 || len(pending(t, c)) != 1 {
-		t.Fatalf("stats %+v, pending %v", stats, pending(t, c))
+	if got := slices.Sorted(slices.Values(s.list())); !equal(got, ordinary) || stats.Failed != 5 || stats.Done != 3 {
+		t.Fatalf("handled %v, stats %+v", got, stats)
+	}
+	var left []string
+	for _, p := range pending(t, c) {
+		left = append(left, p.ID)
+	}
+	if !equal(left, panicked) {
+		t.Fatalf("pending %v, want %v", left, panicked)
+	}
+	for _, id := range panicked {
+		if text := c.HGet(bg, ErrorsKey(testStream, testGroup), id).Val(); text != "panic: boom" {
+			t.Fatalf("%s: %q", id, text)
+		}
+	}
+	// One WARN line per failure, with the id and the error, never a stack trace.
+	if n := logs.count("level=WARN msg=\"handler failed"); n != 5 || logs.count("goroutine") != 0 {
+		t.Fatalf("%d failure lines, stack traces %d", n, logs.count("goroutine"))
 	}
 }
 
 func TestAFailedMessageHandedBackIsHandledAndItsErrorRemovedWithTheAck(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
+	writeSettings(t, c, 300, 60_000) // a lease tick every 100 ms
 	entry := add(t, c, "n", "1")
 	var runs atomic.Int32
-	w, _ := newWorker(t, WorkerOptions{PELCheckInterval: 100 * time.Millisecond})
+	w, _ := newWorker(t, WorkerOptions{})
 	r := start(t, w, func(context.Context, Message) (Outcome, error) {
 		if runs.Add(1) == 1 {
 			return Outcome{}, errors.New("first delivery fails")
@@ -337,7 +384,7 @@ func TestShutdownGivesBackUnownedWithTheDeliveryUncounted(t *testing.T) {
 	entry := add(t, c, "n", "1")
 	started := make(chan string, 1)
 	cancelled := make(chan struct{})
-	w, _ := newWorker(t, WorkerOptions{ShutdownGrace: 300 * time.Millisecond})
+	w, logs := newWorker(t, WorkerOptions{ShutdownGrace: 300 * time.Millisecond})
 	r := start(t, w, func(ctx context.Context, m Message) (Outcome, error) {
 		started <- m.ID
 		<-ctx.Done() // cancelled when the grace ran out
@@ -363,6 +410,10 @@ func TestShutdownGivesBackUnownedWithTheDeliveryUncounted(t *testing.T) {
 	}
 	if c.Exists(bg, ErrorsKey(testStream, testGroup)).Val() != 0 {
 		t.Fatal("a message given back was recorded as failed")
+	}
+	// One INFO line with the count.
+	if n := logs.count(`level=INFO msg="shutdown: messages given back`); n != 1 || logs.count("given=1") != 1 {
+		t.Fatalf("%d shutdown lines", n)
 	}
 }
 
@@ -404,26 +455,58 @@ func TestShutdownLetsHandlersFinishWithinTheGrace(t *testing.T) {
 	}
 }
 
-func TestAHandOverIsTakenUpWithItsCountUnchanged(t *testing.T) {
+func TestAHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged(t *testing.T) {
 	c := newClient(t)
 	createGroup(t, c)
+	writeSettings(t, c, 3000, 60_000) // a lease tick every second
 	entry := add(t, c, "n", "1")
 	c.XReadGroup(bg, &redis.XReadGroupArgs{Group: testGroup, Consumer: "other", Streams: []string{testStream, ">"}})
 	started := make(chan string, 1)
-	w, _ := newWorker(t, WorkerOptions{PELCheckInterval: 200 * time.Millisecond})
+	w, _ := newWorker(t, WorkerOptions{Block: 200 * time.Millisecond})
 	r := start(t, w, slow(300*time.Millisecond, started))
-	time.Sleep(300 * time.Millisecond)
+	eventually(t, 5*time.Second, "the first read", func() bool { return slices.Contains(consumers(t, c), testConsumer) })
 	// What strategy: Reassign does: XCLAIM to this worker's name, the delivery counted.
-	c.XClaim(bg, &redis.XClaimArgs{Stream: testStream, Group: testGroup, Consumer: testConsumer, Messages: []string{entry}})
-	if id := <-started; id != entry {
-		t.Fatal(id)
+	if err := c.Do(bg, "XCLAIM", testStream, testGroup, testConsumer, 0, entry, "RETRYCOUNT", 2).Err(); err != nil {
+		t.Fatal(err)
 	}
+	handedOver := time.Now()
+	select {
+	case id := <-started:
+		if id != entry {
+			t.Fatal(id)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("not taken up within 3 lease ticks")
+	}
+	took := time.Since(handedOver)
 	p := pending(t, c)
 	eventually(t, 5*time.Second, "the ACK", func() bool { return len(pending(t, c)) == 0 })
 	stats, _ := r.stop(t)
 	// Taken with lease.lua and XRANGE: not counted again.
 	if len(p) != 1 || p[0].Consumer != testConsumer || p[0].RetryCount != 2 || stats.Done != 1 {
-		t.Fatalf("pending %+v, stats %+v", p, stats)
+		t.Fatalf("pending %+v, stats %+v (taken up after %v)", p, stats, took)
+	}
+}
+
+func TestTheHeartbeatIsWrittenAtEveryLeaseTickWhileIdle(t *testing.T) {
+	c := newClient(t)
+	createGroup(t, c)
+	writeSettings(t, c, 300, 60_000) // a lease tick every 100 ms
+	w, _ := newWorker(t, WorkerOptions{})
+	start(t, w, done(&seen{}))
+	heartbeat := func() int64 {
+		v, _ := c.HGet(bg, ConsumersKey(testStream, testGroup), testConsumer).Int64()
+		return v
+	}
+	eventually(t, 5*time.Second, "the first heartbeat", func() bool { return heartbeat() > 0 })
+	first := heartbeat()
+	eventually(t, 5*time.Second, "the heartbeat advancing", func() bool { return heartbeat() > first })
+	now, err := c.Time(bg).Result()
+	if err != nil || now.Sub(time.UnixMilli(first)).Abs() > 5*time.Second {
+		t.Fatalf("not the server's time in ms: %d (server %v, %v)", first, now, err)
+	}
+	if p := pending(t, c); len(p) != 0 { // nothing to lease: the heartbeat alone
+		t.Fatalf("pending %+v", p)
 	}
 }
 
@@ -510,6 +593,29 @@ func TestConcurrencyBoundsTheHandlersRunning(t *testing.T) {
 	r.stop(t)
 	if highest.Load() != 3 {
 		t.Fatalf("highest %d", highest.Load())
+	}
+}
+
+func TestABlockThatRoundsTo0OrReachesTheReadTimeoutIsRefused(t *testing.T) {
+	for _, c := range []struct {
+		readTimeout, block time.Duration
+		refused            bool
+	}{
+		{0, 500 * time.Microsecond, true}, // BLOCK 0
+		{0, -time.Second, true},
+		{0, 5 * time.Second, true},               // go-redis' default ReadTimeout: 5 s
+		{2 * time.Second, 2 * time.Second, true}, // at the timeout
+		{2 * time.Second, 1999 * time.Millisecond, false},
+		{-1, time.Minute, false}, // no timeout
+		{0, 0, false},            // the default, 1 s
+	} {
+		client := redis.NewClient(&redis.Options{Addr: server.Addr, ReadTimeout: c.readTimeout})
+		_, err := NewWorker(client, WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer,
+			Block: c.block})
+		client.Close()
+		if refused := err != nil && strings.Contains(err.Error(), "WorkerOptions.Block"); refused != c.refused {
+			t.Errorf("Block %v, ReadTimeout %v: got %v", c.block, c.readTimeout, err)
+		}
 	}
 }
 
@@ -632,7 +738,7 @@ func TestAnAckIsNotLeftForAReadThatCannotCome(t *testing.T) {
 	flights := []*flight{{id: ids[0], settled: true}, {id: ids[1], settled: true}}
 	w.inFlight = map[string]*flight{ids[0]: flights[0], ids[1]: flights[1]}
 	w.settling, w.wakeAt, w.readerWaiting = 2, 1, true
-	w.ack(bg, Message{ID: ids[1], Values: map[string]string{"n": "2"}}, flights[1])
+	w.ack(bg, Message{ID: ids[1], Fields: []Field{{"n", "2"}}}, flights[1])
 	if p := pending(t, c); len(p) != 1 || p[0].ID != ids[0] || w.Stats().Done != 1 {
 		t.Fatalf("pending %v, stats %+v", p, w.Stats())
 	}

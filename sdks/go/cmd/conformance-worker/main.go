@@ -2,7 +2,8 @@
 // environment: REDIS_URL, STREAM, GROUP, CONSUMER (default: the Pod's name) and SHUTDOWN_GRACE_MS. Its handler
 // obeys the message: field ms = how long it takes, field handle = done | retry | fail | terminal:<Reason> | exit
 // (the process exits at once with status 3). It prints one JSON line per handler run that finished on stdout, and
-// exits 0 after a SIGTERM once its shutdown is complete.
+// exits 0 after a SIGTERM once its shutdown is complete, 4 when the operator speaks a contract version this library
+// does not know (after its shutdown).
 //
 // With MODE=publish it is a producer instead: it publishes MESSAGES messages idempotently (message ids m-0, m-1,
 // ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
@@ -44,7 +45,7 @@ func report(m pelican.Message, consumer, outcome string, ms int) {
 
 func handler(consumer string) pelican.Handler {
 	return func(ctx context.Context, m pelican.Message) (pelican.Outcome, error) {
-		ms, _ := strconv.Atoi(m.Values["ms"])
+		ms, _ := strconv.Atoi(m.Get("ms"))
 		if ms > 0 {
 			select {
 			case <-time.After(time.Duration(ms) * time.Millisecond):
@@ -52,7 +53,7 @@ func handler(consumer string) pelican.Handler {
 				return pelican.Outcome{}, ctx.Err()
 			}
 		}
-		action := m.Values["handle"]
+		action := m.Get("handle")
 		switch {
 		case action == "exit":
 			report(m, consumer, "exit", ms)
@@ -169,6 +170,10 @@ func main() {
 	}
 	if err := serve(); err != nil {
 		fmt.Fprintln(os.Stderr, "conformance worker:", err)
+		var version *pelican.ContractVersionError
+		if errors.As(err, &version) {
+			os.Exit(4) // after its shutdown, when the operator speaks a contract this library does not know
+		}
 		os.Exit(1)
 	}
 }

@@ -171,3 +171,17 @@ func TestExitEndsTheProcessAtOnceWithStatus3(t *testing.T) {
 		t.Fatalf("run %+v", r)
 	}
 }
+
+func TestAnUnknownContractVersionMetWhileRunningExitsWithStatus4(t *testing.T) {
+	c := setUp(t)
+	cmd, runs := worker(t, c, 20_000)
+	id := add(t, c, "done", 0)
+	if r := <-runs; r.ID != id || r.Outcome != "done" {
+		t.Fatalf("run %+v", r)
+	}
+	// No settings yet: the worker meets the version at a lease tick (every second).
+	c.HSet(bg, pelican.SettingsKey(stream, group), "contractVersion", "2")
+	if code := exitCode(t, cmd); code != 4 {
+		t.Fatalf("exit status %d", code)
+	}
+}

@@ -27,7 +27,7 @@ type Notifier interface {
 
 func handler(n Notifier) pelican.Handler {
 	return func(ctx context.Context, m pelican.Message) (pelican.Outcome, error) {
-		err := n.Notify(ctx, m.Values["subscriberId"], m.Values["targetId"])
+		err := n.Notify(ctx, m.Get("subscriberId"), m.Get("targetId"))
 		if errors.Is(err, ErrRecipientNotFound) {
 			return pelican.Terminal("RecipientNotFound"), nil // no retry will find them
 		}

@@ -37,8 +37,8 @@ func TestTheOutcomes(t *testing.T) {
 			}
 			return nil
 		}))
-		outcome, err := h(context.Background(), pelican.Message{ID: "1-0", Values: map[string]string{
-			"subscriberId": subscriber, "targetId": "7",
+		outcome, err := h(context.Background(), pelican.Message{ID: "1-0", Fields: []pelican.Field{
+			{Name: "subscriberId", Value: subscriber}, {Name: "targetId", Value: "7"},
 		}})
 		if outcome != want.outcome || !errors.Is(err, want.err) {
 			t.Errorf("%s: %v, %v; want %v, %v", subscriber, outcome, err, want.outcome, want.err)

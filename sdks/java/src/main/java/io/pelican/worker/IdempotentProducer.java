@@ -15,8 +15,8 @@ import java.util.Map;
 public final class IdempotentProducer {
     private final Producer producer;
     private final String producerId;
-    private volatile boolean supported;
 
+    /** Made once the server said its {@code XADD} takes {@code IDMP}: see {@link #check(Producer)}. */
     IdempotentProducer(Producer producer, String producerId) {
         this.producer = producer;
         this.producerId = producerId;
@@ -31,16 +31,13 @@ public final class IdempotentProducer {
     }
 
     /**
-     * Asks the server once whether its {@code XADD} takes {@code IDMP} ({@code COMMAND DOCS XADD}: by the command's
-     * arguments, not by the server's version). Every publish asks first; call it at start to learn it early.
+     * Asks the server whether its {@code XADD} takes {@code IDMP} ({@code COMMAND DOCS XADD}: by the command's
+     * arguments, not by the server's version).
      *
      * @throws IdempotenceUnsupportedException when the server has no {@code XADD ... IDMP}
      * @throws PublishException when the server could not be asked (unavailable, or outcome unknown)
      */
-    public void ensureSupported() throws PublishException {
-        if (supported) {
-            return;
-        }
+    static void check(Producer producer) throws PublishException {
         List<Object> docs;
         try {
             docs = producer.commandDocs("XADD");
@@ -52,12 +49,10 @@ public final class IdempotentProducer {
                     + "publish may duplicate; publish with Producer and reconcile by an id of your own in the entry's "
                     + "fields", null);
         }
-        supported = true;
     }
 
     /** Adds the entry unless this producer published {@code messageId} within the window; answers the one entry's id. */
     public String publish(String messageId, Map<String, ?> fields) throws PublishException {
-        ensureSupported();
         return producer.publishArguments(Producer.arguments(idmp(messageId), fields));
     }
 
@@ -66,7 +61,6 @@ public final class IdempotentProducer {
      * batch that ended {@link PublishOutcomeUnknownException} is simply published again whole.
      */
     public Published publishBatch(Map<String, ? extends Map<String, ?>> entries) throws PublishException {
-        ensureSupported();
         List<List<byte[]>> flat = new ArrayList<>(entries.size());
         for (Map.Entry<String, ? extends Map<String, ?>> entry : entries.entrySet()) {
             flat.add(Producer.arguments(idmp(entry.getKey()), entry.getValue()));

@@ -44,6 +44,14 @@ public final class Keys {
         return prefix(stream) + ":" + group + ":errors";
     }
 
+    /**
+     * {@code {T}:pelican:<stream>:<group>:consumers}: consumer -> its last lease tick (the server's time, ms), the
+     * heartbeat {@code strategy: Reassign} hands work to live workers by.
+     */
+    public static String consumers(String stream, String group) {
+        return prefix(stream) + ":" + group + ":consumers";
+    }
+
     /** {@code {T}:pelican:<stream>:bounds}: group -> {@code backlog.maxLength}, read by the bounded publish scripts. */
     public static String bounds(String stream) {
         return prefix(stream) + ":bounds";

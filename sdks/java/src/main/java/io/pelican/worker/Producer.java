@@ -102,20 +102,29 @@ public final class Producer implements AutoCloseable {
         return publishBatchArguments(flat);
     }
 
-    /** This producer's publishes made idempotent under the Pod's name ({@link PodName#get()}) as producer id. */
-    public IdempotentProducer idempotent() {
+    /**
+     * This producer's publishes made idempotent under the Pod's name ({@link PodName#get()}) as producer id.
+     *
+     * @throws IdempotenceUnsupportedException when the server has no {@code XADD ... IDMP} (Redis 8.6+)
+     * @throws PublishException when the server could not be asked (unavailable, or outcome unknown)
+     */
+    public IdempotentProducer idempotent() throws PublishException {
         return idempotent(PodName.get());
     }
 
     /**
      * This producer's publishes made idempotent under {@code producerId}: stable across restarts and unique among the
-     * stream's producers. Needs a server with {@code XADD ... IDMP} (Redis 8.6+): see
-     * {@link IdempotentProducer#ensureSupported()}.
+     * stream's producers. It asks the server first whether its {@code XADD} takes {@code IDMP} (Redis 8.6+), so that
+     * a server without it is refused here, before anything is published.
+     *
+     * @throws IdempotenceUnsupportedException when the server has no {@code XADD ... IDMP}
+     * @throws PublishException when the server could not be asked (unavailable, or outcome unknown)
      */
-    public IdempotentProducer idempotent(String producerId) {
+    public IdempotentProducer idempotent(String producerId) throws PublishException {
         if (producerId == null || producerId.isEmpty()) {
             throw new IllegalArgumentException("the producer id is empty: give one stable across restarts, e.g. the Pod's name");
         }
+        IdempotentProducer.check(this);
         return new IdempotentProducer(this, producerId);
     }
 

@@ -97,7 +97,6 @@ public final class Worker implements AutoCloseable {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
-    private final Duration pelCheckInterval;
     private final Duration maxHandling;
     private final Handler handler;
     private final Executor givenExecutor;
@@ -107,6 +106,7 @@ public final class Worker implements AutoCloseable {
     private final byte[] errorsKey;
     private final byte[] terminalKey;
     private final byte[] settingsKey;
+    private final byte[] consumersKey;
     private final String where;
 
     private final LongAdder done = new LongAdder();
@@ -135,13 +135,21 @@ public final class Worker implements AutoCloseable {
     private State state = State.NEW;
     private final CompletableFuture<Void> closed = new CompletableFuture<>();
     private volatile boolean stopping;
+    /** Set once the read loop read its own PEL to the end: hand-overs are looked for from then on. */
+    private volatile boolean ownPelRead;
+    /**
+     * When (nanoTime) the read in flight was sent; {@code null} once what it brought is in flight. An entry delivered
+     * since may be that read's, not a hand-over.
+     */
+    private volatile Long readSentAt;
     /** Counted down by the stop: ends the read loop's pauses at once. */
     private final CountDownLatch stopSignal = new CountDownLatch(1);
 
     private volatile Settings settings;
-    /** The last problem with the settings (said once each), and whether an unknown contract version was said. */
+    /** The last problem with the settings, said once each. */
     private volatile String settingsProblem;
-    private final AtomicBoolean versionSaid = new AtomicBoolean();
+    /** An unknown contract version met at a lease tick: the worker shuts down, and {@link #run()} throws it. */
+    private volatile ContractVersionException versionMet;
     private RedisClient ownClient;
     private StatefulRedisConnection<byte[], byte[]> reader;
     private StatefulRedisConnection<byte[], byte[]> writer;
@@ -162,7 +170,6 @@ public final class Worker implements AutoCloseable {
         this.concurrency = b.concurrency;
         this.block = b.block;
         this.shutdownGrace = b.shutdownGrace;
-        this.pelCheckInterval = b.pelCheckInterval;
         this.maxHandling = b.maxHandling;
         this.handler = b.handler;
         this.givenExecutor = b.executor;
@@ -172,6 +179,7 @@ public final class Worker implements AutoCloseable {
         this.errorsKey = bytes(Keys.errors(stream, group));
         this.terminalKey = bytes(Keys.terminal(stream, group));
         this.settingsKey = bytes(Keys.settings(stream, group));
+        this.consumersKey = bytes(Keys.consumers(stream, group));
         this.where = "[" + stream + " " + group + " " + consumer + "] ";
     }
 
@@ -214,6 +222,7 @@ public final class Worker implements AutoCloseable {
      * @throws ContractVersionException before anything is read when the operator speaks a contract version this
      *     library does not know
      * @throws RedisException when the server cannot be reached or the settings cannot be read
+     * @throws IllegalArgumentException on a client of the application's, when {@code block} is not below its timeout
      * @throws IllegalStateException when the worker was started or closed before
      */
     public void start() {
@@ -230,6 +239,7 @@ public final class Worker implements AutoCloseable {
                 writer = client.connect(ByteArrayCodec.INSTANCE);
                 writes = writer.async();
                 reader = client.connect(ByteArrayCodec.INSTANCE);
+                Builder.checkBlock(block, reader.getTimeout()); // an application's client: known once connected
                 refreshSettings(true);
             } catch (RuntimeException e) {
                 state = State.CLOSED;
@@ -249,6 +259,24 @@ public final class Worker implements AutoCloseable {
             readerThread = threads("pelican-reader-" + consumer, false).newThread(this::readLoop);
             readerThread.start();
             state = State.RUNNING;
+        }
+    }
+
+    /**
+     * {@link #start()}, then waits until the worker is closed ({@link #close()} from another thread: a shutdown hook),
+     * for a program whose main thread has nothing else to do.
+     *
+     * @throws ContractVersionException before anything is read when the operator speaks a contract version this
+     *     library does not know; or, once the worker shut down gracefully, when it started to while the worker ran
+     * @throws RedisException when the server cannot be reached or the settings cannot be read
+     * @throws IllegalStateException when the worker was started or closed before
+     */
+    public void run() {
+        start();
+        closed.join();
+        ContractVersionException met = versionMet;
+        if (met != null) {
+            throw new ContractVersionException(met.operatorVersion());
         }
     }
 
@@ -292,7 +320,8 @@ public final class Worker implements AutoCloseable {
     /**
      * Reads the settings hash. A refusal (an ACL without {@code hgetall} on it) or a malformed hash leaves the worker
      * without settings (it leases every second), said once; a broken connection throws and keeps the last ones. An
-     * unknown contract version throws at start; at a lease tick it is said once and the last settings stay.
+     * unknown contract version throws at start; at a lease tick it is said once and the worker shuts down as on
+     * {@link #close()}, on a thread of its own (never another handler starts), and {@link #run()} throws it.
      */
     private void refreshSettings(boolean starting) {
         Settings read;
@@ -306,8 +335,10 @@ public final class Worker implements AutoCloseable {
             if (starting) {
                 throw e;
             }
-            if (versionSaid.compareAndSet(false, true)) {
-                LOG.log(Level.ERROR, where + e.getMessage() + "; running on with the settings read before");
+            if (versionMet == null) {
+                versionMet = e;
+                LOG.log(Level.ERROR, where + e.getMessage() + ": shutting down");
+                threads("pelican-shutdown-" + consumer, false).newThread(this::close).start();
             }
             return;
         }
@@ -326,7 +357,6 @@ public final class Worker implements AutoCloseable {
 
     private void readLoop() {
         String cursor = "0"; // own PEL first: entries delivered to this name before a restart
-        long nextCheck = System.nanoTime() + pelCheckInterval.toNanos();
         long groupWait = 0; // not waiting for the group
         while (!stopping) {
             int free = freeSlots();
@@ -334,20 +364,20 @@ public final class Worker implements AutoCloseable {
                 break;
             }
             List<Message> found;
+            readSentAt = System.nanoTime();
             try {
                 if (cursor != null) {
                     List<StreamMessage<byte[], byte[]>> read = readGroup(XReadArgs.Builder.count(free),
                             StreamOffset.from(streamKey, cursor));
                     cursor = read.isEmpty() ? null : read.get(read.size() - 1).getId();
+                    ownPelRead = cursor == null;
                     found = messages(read);
-                } else if (System.nanoTime() - nextCheck >= 0) {
-                    nextCheck = System.nanoTime() + pelCheckInterval.toNanos();
-                    found = takeHandedOver(free);
                 } else {
                     found = messages(readGroup(XReadArgs.Builder.count(free).block(block),
                             StreamOffset.lastConsumed(streamKey)));
                 }
             } catch (RedisCommandExecutionException e) {
+                readSentAt = null;
                 if (!String.valueOf(e.getMessage()).startsWith("NOGROUP")) {
                     LOG.log(Level.WARNING, where + "read refused; retrying: " + e.getMessage());
                     pause(500);
@@ -363,6 +393,7 @@ public final class Worker implements AutoCloseable {
                 groupWait = Math.min(groupWait * 2, 10_000);
                 continue;
             } catch (RuntimeException e) {
+                readSentAt = null;
                 LOG.log(Level.WARNING, where + "read failed; retrying: " + e);
                 pause(500);
                 continue;
@@ -379,6 +410,7 @@ public final class Worker implements AutoCloseable {
             for (Message message : found) {
                 start(message);
             }
+            readSentAt = null;
             if (!found.isEmpty() && drainers.get() == 0) {
                 startDrainers(1);
             }
@@ -435,9 +467,31 @@ public final class Worker implements AutoCloseable {
     }
 
     /**
+     * At a lease tick, once the worker read its own PEL: takes up what {@code strategy: Reassign} handed over, as many
+     * as slots are free (the rest at the next tick), and queues them as new messages.
+     */
+    private void takeUpHandOvers() {
+        int free;
+        synchronized (slots) {
+            free = stopping || !ownPelRead ? 0 : concurrency - running;
+        }
+        if (free <= 0) {
+            return;
+        }
+        List<Message> found = takeHandedOver(free);
+        if (found.isEmpty()) {
+            return;
+        }
+        for (Message message : found) {
+            start(message);
+        }
+        startDrainers(found.size());
+    }
+
+    /**
      * Up to {@code count} entries of the own PEL that are neither in flight nor failed here (or failed here and handed
-     * back since: idle for less than the time since they failed, less a second): the ones {@code strategy: Reassign}
-     * handed over. Taken with {@code lease.lua} (never a plain XCLAIM, which would take back what the pass meanwhile
+     * back since: idle for less than the time since they failed, less a second) nor delivered since the read in flight
+     * was sent (they may be its own): the ones {@code strategy: Reassign} handed over. Taken with {@code lease.lua} (never a plain XCLAIM, which would take back what the pass meanwhile
      * gave to someone else), then read with {@code XRANGE}.
      */
     private List<Message> takeHandedOver(int count) {
@@ -447,6 +501,9 @@ public final class Worker implements AutoCloseable {
         long askedAt = System.nanoTime();
         List<PendingMessage> pending = await(writes.xpending(streamKey, Consumer.from(groupName, consumerName),
                 Range.unbounded(), Limit.from(asked)));
+        // Taken after the reply: an entry delivered by the read in flight is idle at most this long.
+        Long readAt = readSentAt;
+        long sinceRead = readAt == null ? -1 : (System.nanoTime() - readAt) / 1_000_000;
         if (pending.size() < asked) {
             // The whole own PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
             Set<String> listed = new HashSet<>();
@@ -458,7 +515,8 @@ public final class Worker implements AutoCloseable {
             Long failedAt = failedBefore.get(p.getId());
             boolean handedBack = failedAt == null
                     || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failedAt) / 1_000_000;
-            if (!inFlight.containsKey(p.getId()) && handedBack && candidates.size() < count) {
+            boolean beforeRead = p.getMsSinceLastDelivery() > sinceRead;
+            if (!inFlight.containsKey(p.getId()) && handedBack && beforeRead && candidates.size() < count) {
                 candidates.add(p.getId());
             }
         }
@@ -538,17 +596,20 @@ public final class Worker implements AutoCloseable {
                 freeSlot(); // given back at the end of the grace before it started
                 return;
             }
+            if (versionMet != null) {
+                freeSlot(); // never handled under a contract this library does not know: given back by the shutdown
+                return;
+            }
             entry.thread = Thread.currentThread();
         }
         Outcome outcome;
         try {
             outcome = handler.handle(message);
-        } catch (Exception e) {
+        } catch (Throwable e) {
+            // An Error as well (StackOverflowError, NoClassDefFoundError, AssertionError): a failure of the message,
+            // never of the worker, whose thread goes on with the next one.
             settle(message, entry, null, e);
             return;
-        } catch (Error e) {
-            settle(message, entry, null, e);
-            throw e;
         }
         settle(message, entry, outcome,
                 outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null);
@@ -639,8 +700,9 @@ public final class Worker implements AutoCloseable {
 
     private CompletableFuture<Void> fail(String id, Throwable error) {
         String text = errorText(error);
-        LOG.log(Level.WARNING, where + "handler failed on " + id + "; the message stays pending for the operator's retry",
-                error);
+        // One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
+        LOG.log(Level.WARNING, where + "handler failed on " + id + " (" + text + "); the message stays pending for the "
+                + "operator's retry");
         failedHere.put(id, System.nanoTime());
         failed.increment();
         return writes.hset(errorsKey, bytes(id), bytes(text)).toCompletableFuture().handle((ignored, failure) -> {
@@ -681,8 +743,9 @@ public final class Worker implements AutoCloseable {
 
     /**
      * One tick: re-read the settings (a lowered {@code minIdle} is leased at its new pace before it counts), then
-     * extend every entry whose handler runs for less than {@code maxHandling}; one handled longer is no longer
-     * extended, said once.
+     * extend every entry whose handler runs for less than {@code maxHandling} (one handled longer is no longer
+     * extended, said once) with {@code lease.lua}, which is also the worker's heartbeat (run with no ids as well), then
+     * take up what was handed over.
      */
     private void leaseTick() {
         try {
@@ -717,13 +780,12 @@ public final class Worker implements AutoCloseable {
                 }
                 return;
             }
-            Set<String> extended = new HashSet<>(kept);
-            for (String id : ids) {
-                InFlight entry = inFlight.get(id);
-                if (!extended.contains(id) && entry != null && entry.state.get() == InFlight.RUNNING && !entry.lost) {
-                    entry.lost = true;
-                    LOG.log(Level.WARNING, where + id + " is no longer this consumer's (the operator's pass took it) "
-                            + "while its handler runs: it may be handled twice");
+            warnLost(ids, kept);
+            try {
+                takeUpHandOvers();
+            } catch (RuntimeException e) {
+                if (!leaser.isShutdown()) {
+                    LOG.log(Level.WARNING, where + "could not take up hand-overs; looking again at the next tick: " + e);
                 }
             }
         } finally {
@@ -731,18 +793,35 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** Extends (or takes up) {@code ids}; answers those still this consumer's. */
+    /** Says once of each id leased and not kept that the pass took it while its handler runs. */
+    private void warnLost(List<String> ids, List<String> kept) {
+        Set<String> extended = new HashSet<>(kept);
+        for (String id : ids) {
+            InFlight entry = inFlight.get(id);
+            if (!extended.contains(id) && entry != null && entry.state.get() == InFlight.RUNNING && !entry.lost) {
+                entry.lost = true;
+                LOG.log(Level.WARNING, where + id + " is no longer this consumer's (the operator's pass took it) "
+                        + "while its handler runs: it may be handled twice");
+            }
+        }
+    }
+
+    /**
+     * Extends (or takes up) {@code ids} and writes the heartbeat (so it runs once with no ids); answers the ids still
+     * this consumer's.
+     */
     private List<String> lease(List<String> ids) {
         List<String> kept = new ArrayList<>();
-        for (int from = 0; from < ids.size(); from += ID_BATCH) {
-            List<String> batch = ids.subList(from, Math.min(ids.size(), from + ID_BATCH));
+        for (int from = 0; from < Math.max(ids.size(), 1); from += ID_BATCH) {
+            List<String> batch = ids.subList(Math.min(from, ids.size()), Math.min(ids.size(), from + ID_BATCH));
             byte[][] args = new byte[2 + batch.size()][];
             args[0] = groupName;
             args[1] = consumerName;
             for (int i = 0; i < batch.size(); i++) {
                 args[2 + i] = bytes(batch.get(i));
             }
-            List<?> reply = await(Script.LEASE.<List<?>>run(writes, ScriptOutputType.MULTI, new byte[][] {streamKey}, args));
+            List<?> reply = await(Script.LEASE.<List<?>>run(writes, ScriptOutputType.MULTI,
+                    new byte[][] {streamKey, consumersKey}, args));
             for (Object id : reply) {
                 kept.add(new String((byte[]) id, StandardCharsets.UTF_8));
             }
@@ -831,15 +910,14 @@ public final class Worker implements AutoCloseable {
      * nothing is left), so {@code strategy: Reassign} never hands work to a worker that left.
      */
     private void giveBackOnShutdown(List<String> left) {
-        abandoned.add(left.size());
         Settings current = settings;
         long idle = current != null ? current.retryAfterMs() : Settings.UNPUBLISHED_IDLE_MS;
         try {
             long given = await(giveBack(left, idle, true));
-            if (!left.isEmpty()) {
-                LOG.log(Level.WARNING, where + "shutdown: " + given + " messages not finished within the grace or read "
-                        + "unhandled were given back for the next pass, their delivery not counted");
-            }
+            // Only what the give-back released: an entry the pass took meanwhile is not this worker's to count.
+            abandoned.add(given);
+            LOG.log(Level.INFO, where + "shutdown: " + given + " messages given back for the next pass (not finished "
+                    + "within the grace, or read unhandled), their delivery not counted");
         } catch (RuntimeException e) {
             LOG.log(Level.WARNING, where + "could not give back " + left.size() + " messages on shutdown (nor leave the "
                     + "group): they are retried after minIdle: " + e);
@@ -1058,7 +1136,6 @@ public final class Worker implements AutoCloseable {
         private int concurrency = 16;
         private Duration block = Duration.ofSeconds(1);
         private Duration shutdownGrace = Duration.ofSeconds(20);
-        private Duration pelCheckInterval = Duration.ofSeconds(30);
         private Duration maxHandling = Duration.ofMinutes(30);
         private Handler handler;
         private Executor executor;
@@ -1091,7 +1168,11 @@ public final class Worker implements AutoCloseable {
             return this;
         }
 
-        /** How long one read waits for new entries (below the client's command timeout). Default 1 s. */
+        /**
+         * How long one read waits for new entries: at least 1 ms and below the client's command timeout (the
+         * {@code RedisURI}'s, 60 s by default), checked by {@link #build()} (by {@link Worker#start()} on a client of
+         * the application's). Default 1 s.
+         */
         public Builder block(Duration block) {
             this.block = block;
             return this;
@@ -1100,12 +1181,6 @@ public final class Worker implements AutoCloseable {
         /** On shutdown, how long handlers may still run before their messages are given back. Default 20 s. */
         public Builder shutdownGrace(Duration shutdownGrace) {
             this.shutdownGrace = shutdownGrace;
-            return this;
-        }
-
-        /** How often the own PEL is looked at for hand-overs. Default 30 s (below the operator's 60 s grace). */
-        public Builder pelCheckInterval(Duration pelCheckInterval) {
-            this.pelCheckInterval = pelCheckInterval;
             return this;
         }
 
@@ -1140,11 +1215,26 @@ public final class Worker implements AutoCloseable {
             if (concurrency < 1) {
                 throw new IllegalArgumentException("concurrency must be at least 1");
             }
-            if (!positive(block) || !positive(pelCheckInterval) || !positive(maxHandling) || shutdownGrace.isNegative()) {
-                throw new IllegalArgumentException(
-                        "block, pelCheckInterval and maxHandling must be positive, shutdownGrace not negative");
+            if (!positive(maxHandling) || shutdownGrace.isNegative()) {
+                throw new IllegalArgumentException("maxHandling must be positive, shutdownGrace not negative");
+            }
+            // BLOCK 0 waits for ever on the server while the client gives up at its timeout: what the server then
+            // delivers to a read nobody awaits waits for the operator's pass.
+            if (block.toMillis() < 1) {
+                throw new IllegalArgumentException("block must be at least 1 ms (BLOCK 0 would wait for ever), got " + block);
+            }
+            if (uri != null) {
+                checkBlock(block, uri.getTimeout());
             }
             return new Worker(this);
+        }
+
+        /** {@code block} below the timeout of the client's commands, which the blocking read waits for. */
+        static void checkBlock(Duration block, Duration timeout) {
+            if (block.compareTo(timeout) >= 0) {
+                throw new IllegalArgumentException("block (" + block + ") must be below the client's command timeout ("
+                        + timeout + "): the client would give up on a read the server still answers");
+            }
         }
 
         private static boolean positive(Duration duration) {

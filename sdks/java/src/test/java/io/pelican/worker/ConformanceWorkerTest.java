@@ -136,6 +136,22 @@ class ConformanceWorkerTest {
     }
 
     @Test
+    void anUnknownContractVersionMetWhileRunningExitsWith4() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r); // no settings yet: the worker meets the version at a lease tick
+        String entry = add(r, "handle", "done");
+        Process process = start(Map.of());
+        try (BufferedReader out = new BufferedReader(new InputStreamReader(process.getInputStream(), StandardCharsets.UTF_8))) {
+            assertEquals(List.of("done", "0"), runs(out, 1).get(entry));
+            r.hset(Keys.settings(STREAM, GROUP), "contractVersion", "2");
+            assertTrue(process.waitFor(30, TimeUnit.SECONDS), "no exit 30 s after the version was written");
+            assertEquals(4, process.exitValue());
+        } finally {
+            process.destroyForcibly();
+        }
+    }
+
+    @Test
     void asAProducerItPublishesAgainAfterALostReplyAndEachMessageIsWrittenOnce() throws Exception {
         RedisServer idmp = RedisServer.idmp();
         io.lettuce.core.RedisClient admin = io.lettuce.core.RedisClient.create(idmp.uri());

@@ -6,6 +6,7 @@ import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
+import static org.junit.jupiter.api.Assumptions.assumeTrue;
 
 import java.io.IOException;
 import java.net.URISyntaxException;
@@ -24,10 +25,17 @@ import org.junit.jupiter.api.Test;
 
 /** The contract's pieces without a server: script copies, key names, settings parsing, reasons, error texts. */
 class ContractTest {
+    /** The repository's contract, when the library is built in the repository (not from a copy of its own). */
     private static final Path CONTRACT = Path.of(System.getProperty("basedir", ".")).resolve("../../contract").normalize();
+
+    private static void assumeInTheRepository() {
+        assumeTrue(Files.isRegularFile(CONTRACT.resolve("VERSION")),
+                "no " + CONTRACT + ": the library is built out of the repository, its copies are checked there");
+    }
 
     @Test
     void theJarsScriptsAreTheContractsByteForByte() throws IOException, URISyntaxException {
+        assumeInTheRepository();
         Map<String, byte[]> ours = scripts(Path.of(Script.class.getResource("scripts").toURI()));
         Map<String, byte[]> theirs = scripts(CONTRACT.resolve("scripts"));
         assertFalse(theirs.isEmpty(), "no scripts under " + CONTRACT.resolve("scripts"));
@@ -56,6 +64,7 @@ class ContractTest {
 
     @Test
     void theLibraryKnowsTheContractsVersion() throws IOException {
+        assumeInTheRepository();
         int version = Integer.parseInt(Files.readString(CONTRACT.resolve("VERSION")).trim());
         assertTrue(Settings.KNOWN_CONTRACT_VERSIONS.contains(version));
     }
@@ -75,6 +84,7 @@ class ContractTest {
         assertEquals("{orders}:pelican:{orders}:events:billing:settings", Keys.settings("{orders}:events", "billing"));
         assertEquals("{orders}:pelican:{orders}:events:billing:terminal", Keys.terminal("{orders}:events", "billing"));
         assertEquals("{jobs}:pelican:jobs:w:errors", Keys.errors("jobs", "w"));
+        assertEquals("{orders}:pelican:{orders}:events:billing:consumers", Keys.consumers("{orders}:events", "billing"));
         assertEquals("{orders}:pelican:{orders}:events:bounds", Keys.bounds("{orders}:events"));
         assertEquals("{jobs}:pelican:jobs:rejected", Keys.rejected("jobs"));
     }
@@ -100,13 +110,23 @@ class ContractTest {
 
     @Test
     void anUnknownContractVersionNamesBothVersions() {
-        for (String version : new String[] {"2", "0", "v1", "", "99999999999"}) {
+        for (String version : new String[] {"2", "0", "v1", "", "99999999999", "2.0", " 1", "1x", "１"}) {
             ContractVersionException refused = assertThrows(ContractVersionException.class,
                     () -> Settings.parse(Map.of("minIdleMs", "4000", "retryAfterMs", "9000", "contractVersion", version)));
             assertTrue(refused.getMessage().contains(
                     "the operator speaks worker contract " + version + ", this library knows 1"), refused.getMessage());
             assertTrue(refused.getMessage().contains("upgrade the library"));
             assertEquals(version, refused.operatorVersion());
+        }
+    }
+
+    @Test
+    void theContractVersionIsCheckedBeforeAnyOtherField() {
+        for (Map<String, String> fields : List.of(Map.of("contractVersion", "2"),
+                Map.of("contractVersion", "2.0", "minIdleMs", "soon"),
+                Map.of("contractVersion", "2", "retryAfterMs", "9000", "maxDeliveries", "many"))) {
+            ContractVersionException refused = assertThrows(ContractVersionException.class, () -> Settings.parse(fields));
+            assertEquals(fields.get("contractVersion"), refused.operatorVersion());
         }
     }
 

@@ -12,11 +12,15 @@ import io.lettuce.core.api.sync.RedisCommands;
 import io.lettuce.core.protocol.ProtocolVersion;
 import java.time.Duration;
 import java.util.ArrayList;
+import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.function.BooleanSupplier;
 import java.util.function.UnaryOperator;
+import java.util.logging.Level;
+import java.util.logging.LogRecord;
+import java.util.logging.Logger;
 
 /** What the tests share: the server, an admin connection, reading Redis state, waiting for a condition. */
 final class Support {
@@ -128,5 +132,37 @@ final class Support {
 
     static Worker worker(Handler handler) {
         return worker(handler, b -> b);
+    }
+
+    /** The worker's log records while it is open: {@code try (Logs logs = new Logs()) { ... }}. */
+    static final class Logs extends java.util.logging.Handler implements AutoCloseable {
+        private static final Logger LOGGER = Logger.getLogger("io.pelican.worker");
+        private final List<LogRecord> records = new CopyOnWriteArrayList<>();
+
+        Logs() {
+            LOGGER.addHandler(this);
+        }
+
+        @Override
+        public void publish(LogRecord record) {
+            records.add(record);
+        }
+
+        @Override
+        public void flush() {}
+
+        @Override
+        public void close() {
+            LOGGER.removeHandler(this);
+        }
+
+        /** The records at {@code level} whose message contains {@code text}. */
+        List<LogRecord> at(Level level, String text) {
+            return records.stream().filter(r -> r.getLevel().equals(level) && r.getMessage().contains(text)).toList();
+        }
+
+        List<String> messages() {
+            return records.stream().map(LogRecord::getMessage).toList();
+        }
     }
 }

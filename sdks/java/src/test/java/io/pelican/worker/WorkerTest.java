@@ -15,15 +15,19 @@ import static io.pelican.worker.Support.writeSettings;
 import static org.junit.jupiter.api.Assertions.assertArrayEquals;
 import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertFalse;
+import static org.junit.jupiter.api.Assertions.assertInstanceOf;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.ClientOptions;
 import io.lettuce.core.RedisClient;
+import io.lettuce.core.RedisURI;
+import io.lettuce.core.XClaimArgs;
 import io.lettuce.core.api.sync.RedisCommands;
 import io.lettuce.core.codec.ByteArrayCodec;
 import io.lettuce.core.protocol.ProtocolVersion;
+import io.pelican.worker.Support.Logs;
 import io.pelican.worker.Support.Pending;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
@@ -34,11 +38,11 @@ import java.util.Map;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
-import java.util.logging.Handler;
+import java.util.logging.Level;
 import java.util.logging.LogRecord;
-import java.util.logging.Logger;
 import org.junit.jupiter.api.Test;
 
 /** The worker against a real server: what it leaves in Redis for each outcome, lease, hand-over and shutdown. */
@@ -132,18 +136,27 @@ class WorkerTest {
     void aFailureRecordsTheErrorCutAtACharacterAndIsNotReadAgain() {
         RedisCommands<String, String> r = fresh();
         createGroup(r);
+        writeSettings(r, 300, 60_000); // a lease tick, and a look for hand-overs, every 100 ms
         String entry = add(r, "n", "1");
         AtomicInteger runs = new AtomicInteger();
         Worker w = worker(m -> {
             runs.incrementAndGet();
             throw new IllegalArgumentException("€".repeat(2000));
-        }, b -> b.pelCheckInterval(Duration.ofMillis(100)).block(Duration.ofMillis(50)));
-        try (w) {
-            w.start();
-            eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
-            // Several hand-over looks: an entry that failed here is left to the operator's retry.
-            RedisServer.sleep(800);
+        }, b -> b.block(Duration.ofMillis(50)));
+        List<LogRecord> failures;
+        try (Logs logs = new Logs()) {
+            try (w) {
+                w.start();
+                eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
+                // Several lease ticks' hand-over looks: an entry that failed here is left to the operator's retry.
+                RedisServer.sleep(800);
+            }
+            failures = logs.at(Level.WARNING, "handler failed on " + entry);
         }
+        // One line, with the class and the message, never a stack trace.
+        assertEquals(1, failures.size());
+        assertNull(failures.get(0).getThrown(), "a stack trace was logged");
+        assertTrue(failures.get(0).getMessage().contains("IllegalArgumentException: €€"), failures.get(0).getMessage());
         assertEquals(1, runs.get());
         assertEquals(1, w.stats().failed());
         byte[] text = bytes(r.hget(Keys.errors(STREAM, GROUP), entry));
@@ -157,9 +170,52 @@ class WorkerTest {
     }
 
     @Test
+    void anErrorThrownByTheHandlerIsAFailureAndTheWorkerGoesOn() {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        List<String> thrown = new ArrayList<>();
+        for (int i = 0; i < 5; i++) {
+            thrown.add(add(r, "throw", "error"));
+        }
+        List<String> ordinary = List.of(add(r, "n", "1"), add(r, "n", "2"), add(r, "n", "3"));
+        List<String> handled = new CopyOnWriteArrayList<>();
+        Worker w = worker(m -> {
+            if (m.text("throw") != null) {
+                throw new StackOverflowError("deep");
+            }
+            handled.add(m.id());
+            return Outcome.done();
+        }, b -> b.concurrency(2));
+        List<LogRecord> failures;
+        try (Logs logs = new Logs()) {
+            try (w) {
+                w.start();
+                eventually(() -> handled.size() == 3, "the ordinary messages handled after 5 errors");
+                eventually(() -> r.hlen(Keys.errors(STREAM, GROUP)) == 5, "5 errors recorded");
+            }
+            failures = logs.at(Level.WARNING, "handler failed");
+        }
+        // One WARNING line per failure, with the id, the class and the message, never a stack trace.
+        assertEquals(5, failures.size());
+        for (LogRecord failure : failures) {
+            assertNull(failure.getThrown());
+            assertTrue(failure.getMessage().contains("StackOverflowError: deep"), failure.getMessage());
+        }
+        assertEquals(ordinary, handled.stream().sorted().toList());
+        assertEquals(new WorkerStats(3, 0, 5, 0, 0, 0), w.stats());
+        for (String id : thrown) {
+            assertEquals("StackOverflowError: deep", r.hget(Keys.errors(STREAM, GROUP), id));
+        }
+        // Failed here, still this consumer's (never given back on shutdown): the pass retries them.
+        assertEquals(thrown, pending(r).stream().map(Pending::id).toList());
+        assertEquals(List.of(CONSUMER), consumers(r));
+    }
+
+    @Test
     void aFailedMessageHandedBackIsHandledAndItsErrorRemovedWithTheAck() {
         RedisCommands<String, String> r = fresh();
         createGroup(r);
+        writeSettings(r, 300, 60_000); // a lease tick every 100 ms
         String entry = add(r, "n", "1");
         List<Object> outcomes = Collections.synchronizedList(
                 new ArrayList<>(List.of(new IllegalStateException("first delivery fails"), Outcome.done())));
@@ -169,7 +225,7 @@ class WorkerTest {
                 throw e;
             }
             return (Outcome) outcome;
-        }, b -> b.pelCheckInterval(Duration.ofMillis(100)));
+        });
         try (w) {
             w.start();
             eventually(() -> r.hexists(Keys.errors(STREAM, GROUP), entry), "the error recorded");
@@ -348,11 +404,14 @@ class WorkerTest {
             Thread.sleep(60_000);
             return Outcome.done();
         }, b -> b.shutdownGrace(Duration.ofMillis(300)));
-        try (w) {
-            w.start();
-            assertTrue(await(started));
-            Pending p = pending(r).get(0);
-            assertEquals(List.of(CONSUMER, 1L), List.of(p.consumer(), p.deliveries()));
+        try (Logs logs = new Logs()) {
+            try (w) {
+                w.start();
+                assertTrue(await(started));
+                Pending p = pending(r).get(0);
+                assertEquals(List.of(CONSUMER, 1L), List.of(p.consumer(), p.deliveries()));
+            }
+            assertEquals(1, logs.at(Level.INFO, "shutdown: 1 messages given back").size(), logs.messages().toString());
         }
         Pending p = pending(r).get(0);
         assertEquals(List.of(entry, "", 0L), List.of(p.id(), p.consumer(), p.deliveries()));
@@ -408,9 +467,10 @@ class WorkerTest {
     }
 
     @Test
-    void aHandOverIsTakenUpWithItsCountUnchanged() throws InterruptedException {
+    void aHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged() throws InterruptedException {
         RedisCommands<String, String> r = fresh();
         createGroup(r);
+        writeSettings(r, 3000, 60_000); // a lease tick every second
         String entry = add(r, "n", "1");
         Support.deliver(r, "other");
         CountDownLatch handling = new CountDownLatch(1);
@@ -418,58 +478,65 @@ class WorkerTest {
             handling.countDown();
             Thread.sleep(300);
             return Outcome.done();
-        }, b -> b.pelCheckInterval(Duration.ofMillis(200)));
+        }, b -> b.block(Duration.ofMillis(200)));
         Pending p;
+        long took;
         try (w) {
             w.start();
-            RedisServer.sleep(300);
+            eventually(() -> consumers(r).contains(CONSUMER), "the first read");
             // What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted.
-            r.xclaim(STREAM, io.lettuce.core.Consumer.from(GROUP, CONSUMER), 0, entry);
-            assertTrue(await(handling));
+            r.xclaim(STREAM, io.lettuce.core.Consumer.from(GROUP, CONSUMER), XClaimArgs.Builder.minIdleTime(0).retryCount(2),
+                    entry);
+            long handedOver = System.nanoTime();
+            assertTrue(handling.await(3, TimeUnit.SECONDS), "not taken up within 3 lease ticks");
+            took = (System.nanoTime() - handedOver) / 1_000_000;
             p = pending(r).get(0);
             eventually(() -> pending(r).isEmpty(), "the ACK");
         }
+        assertTrue(took < 3000, "taken up after " + took + " ms");
         assertEquals(List.of(CONSUMER, 2L), List.of(p.consumer(), p.deliveries())); // lease.lua and XRANGE: not counted
         assertEquals(1, w.stats().done());
     }
 
     @Test
+    void theHeartbeatIsWrittenAtEveryLeaseTickWhileIdle() {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        writeSettings(r, 300, 60_000); // a lease tick every 100 ms
+        String heartbeats = Keys.consumers(STREAM, GROUP);
+        try (Worker w = worker(m -> Outcome.done())) {
+            w.start();
+            eventually(() -> r.hget(heartbeats, CONSUMER) != null, "the first heartbeat");
+            long first = Long.parseLong(r.hget(heartbeats, CONSUMER));
+            eventually(() -> Long.parseLong(r.hget(heartbeats, CONSUMER)) > first, "the heartbeat advancing");
+            long now = Long.parseLong(r.time().get(0)) * 1000;
+            assertTrue(Math.abs(now - first) < 5000, "the server's time in ms: " + first);
+            assertEquals(List.of(), pending(r)); // nothing to lease: the heartbeat alone
+        }
+    }
+
+    @Test
     void noGroupIsWaitedOutSaidOnceAndTheGroupNeverCreated() {
         RedisCommands<String, String> r = fresh();
-        List<String> said = new CopyOnWriteArrayList<>();
-        Handler capture = new Handler() {
-            @Override
-            public void publish(LogRecord record) {
-                said.add(record.getMessage());
-            }
-
-            @Override
-            public void flush() {}
-
-            @Override
-            public void close() {}
-        };
-        Logger log = Logger.getLogger("io.pelican.worker");
-        log.addHandler(capture);
         List<String> seen = new CopyOnWriteArrayList<>();
-        try (Worker w = worker(m -> {
-            seen.add(m.id());
-            return Outcome.done();
-        })) {
-            w.start();
-            RedisServer.sleep(1500);
-            assertEquals(0, r.exists(STREAM));
-            add(r, "n", "0");
-            RedisServer.sleep(500);
-            assertEquals(List.of(), r.xinfoGroups(STREAM));
-            createGroup(r);
-            String entry = add(r, "n", "1");
-            eventually(() -> seen.size() == 2, Duration.ofSeconds(12), "both entries handled");
-            assertEquals(entry, seen.get(1));
-        } finally {
-            log.removeHandler(capture);
+        try (Logs logs = new Logs()) {
+            try (Worker w = worker(m -> {
+                seen.add(m.id());
+                return Outcome.done();
+            })) {
+                w.start();
+                RedisServer.sleep(1500);
+                assertEquals(0, r.exists(STREAM));
+                add(r, "n", "0");
+                RedisServer.sleep(500);
+                assertEquals(List.of(), r.xinfoGroups(STREAM));
+                createGroup(r);
+                String entry = add(r, "n", "1");
+                eventually(() -> seen.size() == 2, Duration.ofSeconds(12), "both entries handled");
+                assertEquals(entry, seen.get(1));
+            }
+            assertEquals(1, logs.at(Level.WARNING, "does not exist").size(), logs.messages().toString());
         }
-        assertEquals(1, said.stream().filter(text -> text.contains("does not exist")).count(), said.toString());
     }
 
     @Test
@@ -491,6 +558,63 @@ class WorkerTest {
         List<?> group = (List<?>) r.xinfoGroups(STREAM).get(0);
         assertEquals("0-0", group.get(group.indexOf("last-delivered-id") + 1));
         assertThrows(IllegalStateException.class, w::start);
+    }
+
+    @Test
+    void anUnknownContractVersionMetWhileRunningShutsDownGracefullyAndRunThrowsIt() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r); // no settings yet: a lease tick every second
+        String first = add(r, "n", "1");
+        CountDownLatch started = new CountDownLatch(1);
+        CountDownLatch finish = new CountDownLatch(1);
+        List<String> handled = new CopyOnWriteArrayList<>();
+        Worker w = worker(m -> {
+            handled.add(m.id());
+            started.countDown();
+            assertTrue(await(finish));
+            return Outcome.done();
+        }, b -> b.concurrency(1));
+        try (Logs logs = new Logs()) {
+            CompletableFuture<Void> running = CompletableFuture.runAsync(w::run);
+            assertTrue(await(started));
+            add(r, "n", "2");
+            // Only the version: it is read first, whatever else the hash holds.
+            r.hset(Keys.settings(STREAM, GROUP), "contractVersion", "2.0");
+            eventually(() -> !logs.at(Level.SEVERE, "worker contract 2.0").isEmpty(),
+                    "the version met at a lease tick");
+            finish.countDown(); // the handler running finishes within the grace
+            eventually(() -> !consumers(r).contains(CONSUMER), "the worker left the group");
+            ExecutionException thrown = assertThrows(ExecutionException.class, () -> running.get(5, TimeUnit.SECONDS));
+            ContractVersionException version = assertInstanceOf(ContractVersionException.class, thrown.getCause());
+            assertEquals("2.0", version.operatorVersion());
+            assertEquals(1, logs.at(Level.SEVERE, "worker contract 2.0").size()); // said once
+        }
+        assertEquals(List.of(first), handled); // never another message
+        assertEquals(1, w.stats().done());
+        assertTrue(pending(r).stream().noneMatch(p -> p.id().equals(first) || p.consumer().equals(CONSUMER)));
+    }
+
+    @Test
+    void aBlockOf0OrAtTheClientsTimeoutIsRefusedWhenTheWorkerIsBuilt() {
+        // The RedisURI's timeout: 60 s by default.
+        for (Duration block : List.of(Duration.ZERO, Duration.ofNanos(500_000), Duration.ofSeconds(60))) {
+            IllegalArgumentException refused = assertThrows(IllegalArgumentException.class,
+                    () -> worker(m -> Outcome.done(), b -> b.block(block)), block.toString());
+            assertTrue(refused.getMessage().startsWith("block "), refused.getMessage());
+        }
+        RedisURI shortTimeout = RedisURI.builder(Support.server().uri()).withTimeout(Duration.ofSeconds(2)).build();
+        assertThrows(IllegalArgumentException.class, () -> Worker.builder(shortTimeout).stream(STREAM).group(GROUP)
+                .handler(m -> Outcome.done()).block(Duration.ofSeconds(2)).build());
+        // A client of the application's: its timeout is known once connected, before anything is read.
+        RedisClient app = RedisClient.create(shortTimeout);
+        try {
+            Worker w = Worker.builder(app).stream(STREAM).group(GROUP).handler(m -> Outcome.done())
+                    .block(Duration.ofSeconds(3)).build();
+            IllegalArgumentException refused = assertThrows(IllegalArgumentException.class, w::start);
+            assertTrue(refused.getMessage().startsWith("block "), refused.getMessage());
+        } finally {
+            app.shutdown();
+        }
     }
 
     @Test

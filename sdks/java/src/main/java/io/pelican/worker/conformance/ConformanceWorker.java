@@ -3,6 +3,7 @@ package io.pelican.worker.conformance;
 import io.lettuce.core.RedisURI;
 import io.lettuce.core.resource.ClientResources;
 import io.lettuce.core.resource.DefaultClientResources;
+import io.pelican.worker.ContractVersionException;
 import io.pelican.worker.IdempotentProducer;
 import io.pelican.worker.InvalidReasonException;
 import io.pelican.worker.Message;
@@ -27,8 +28,9 @@ import java.util.Map;
  * <p>Configured by environment: {@code REDIS_URL}, {@code STREAM}, {@code GROUP}, {@code CONSUMER} (default: the
  * Pod's name) and {@code SHUTDOWN_GRACE_MS}. Its handler obeys the message: field {@code ms} = how long it takes,
  * field {@code handle} = {@code done} | {@code retry} | {@code fail} | {@code terminal:<Reason>} | {@code exit} (the
- * process exits at once with status 3). It prints one JSON line per handler run that finished on stdout, and exits 0
- * after a SIGTERM once its shutdown is complete.
+ * process exits at once with status 3). It prints one JSON line per handler run that finished on stdout, exits 0
+ * after a SIGTERM once its shutdown is complete, and 4 (after its shutdown) when the operator speaks a contract
+ * version this library does not know.
  *
  * <p>With {@code MODE=publish} it is a producer instead: it publishes {@code MESSAGES} messages idempotently (message
  * ids {@code m-0}, {@code m-1}, ...; the producer id is the Pod's name), each published again with the same id until
@@ -62,7 +64,12 @@ public final class ConformanceWorker {
             Runtime.getRuntime().halt(0);
         }, "conformance-shutdown"));
         try {
-            worker.start();
+            worker.run(); // until the hook's close()
+        } catch (ContractVersionException e) {
+            // After its shutdown; not through the hook, which would exit 0.
+            System.err.println("conformance worker: " + e.getMessage());
+            OUT.flush();
+            Runtime.getRuntime().halt(4);
         } catch (RuntimeException e) {
             e.printStackTrace();
             Runtime.getRuntime().halt(1); // not through the hook, which would exit 0
