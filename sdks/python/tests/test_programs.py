@@ -88,6 +88,45 @@ def test_the_blocking_facade_shuts_down_gracefully_on_sigterm(redis_url: str) ->
     assert r.xpending(STREAM, GROUP)["pending"] == 0
 
 
+BLOCKED_SYNC_WORKER = """
+import os, time
+from pelican_worker import Outcome
+from pelican_worker.sync import Worker
+
+def handle(message):
+    print(message.id, flush=True)
+    time.sleep(60)  # blocking code that ignores the shutdown
+    return Outcome.done()
+
+stats = Worker(os.environ["REDIS_URL"], os.environ["STREAM"], os.environ["GROUP"], "sync-1", shutdown_grace=0.5).run(
+    handle
+)
+print(f"abandoned={stats.abandoned}", flush=True)
+"""
+
+
+def test_the_blocking_facade_s_process_exits_after_the_grace_though_a_handler_blocks(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    entry = r.xadd(STREAM, {"job": "a"})
+    process = _start(["-c", BLOCKED_SYNC_WORKER], _conformance_env(redis_url))
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == entry  # the handler is running
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        # The grace (0.5 s), the cancelled handlers' wait (1 s), the give-back and the interpreter's exit.
+        stdout, stderr = process.communicate(timeout=5)
+        took = time.monotonic() - signalled
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert stdout.strip() == "abandoned=1"
+    assert took < 4, took
+    [p] = r.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert (p["message_id"], p["consumer"], p["times_delivered"]) == (entry, "", 0)  # given back, uncounted
+
+
 def test_the_prometheus_adapter_exports_the_stats(redis_url: str) -> None:
     async def main() -> None:
         r = client(redis_url)
