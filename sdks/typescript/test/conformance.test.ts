@@ -94,3 +94,14 @@ test("exit: the line is printed, then the process exits 3 at once, the message l
     [[id, "c2"]],
   );
 });
+
+test("an operator speaking an unknown contract version: the process exits 4, nothing handled", async () => {
+  const admin = server.admin;
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { minIdleMs: 60_000, retryAfterMs: 45_000, contractVersion: 2 });
+  await admin.xadd(stream, "*", "handle", "done", "ms", "0");
+  const { lines, exited } = startWorker(stream, "c3");
+  assert.equal(await exited, 4);
+  assert.deepEqual(lines, []);
+  assert.deepEqual(await pending(admin, stream, group), []);
+});

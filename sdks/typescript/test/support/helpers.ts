@@ -53,6 +53,7 @@ export function recordingLogger(): Logger & { lines: string[] } {
   const lines: string[] = [];
   return {
     lines,
+    info: (message, fields) => lines.push(`${message} ${JSON.stringify(fields ?? {})}`),
     warn: (message, fields) => lines.push(`${message} ${JSON.stringify(fields ?? {})}`),
     error: (message, fields) => lines.push(`${message} ${JSON.stringify(fields ?? {})}`),
   };
