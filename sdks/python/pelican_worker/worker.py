@@ -205,6 +205,9 @@ class Worker:
             try:
                 await self._read_settings(conn)
                 return True
+            except ContractVersionError as error:
+                log.error("%s", error, extra=self._where())
+                raise
             except (RedisError, OSError) as error:  # the server's refusals are handled inside: a broken connection
                 log.warning("could not read the group's settings yet; retrying: %s", error, extra=self._where())
                 await self._sleep(0.5)

@@ -73,13 +73,19 @@ def test_an_empty_settings_hash_is_no_settings() -> None:
     assert parse_settings({}) is None
 
 
-@pytest.mark.parametrize("version", [b"2", b"0", b"v1", b""])
+@pytest.mark.parametrize("version", [b"2", b"0", b"v1", b"", b"2.0", b"1.0", b" 1", b"1x", "\u00b9".encode()])
 def test_an_unknown_contract_version_names_both_versions(version: bytes) -> None:
     with pytest.raises(ContractVersionError) as raised:
         parse_settings({b"minIdleMs": b"4000", b"retryAfterMs": b"9000", b"contractVersion": version})
     text = str(raised.value)
     assert f"the operator speaks worker contract {version.decode()}, this library knows 1" in text
     assert "upgrade the library" in text
+
+
+def test_the_version_is_read_first_whatever_the_other_fields_hold() -> None:
+    with pytest.raises(ContractVersionError) as raised:
+        parse_settings({b"minIdleMs": b"soon", b"contractVersion": b"2.0"})  # no retryAfterMs either
+    assert raised.value.operator_version == "2.0"
 
 
 @pytest.mark.parametrize(

@@ -248,6 +248,22 @@ def test_the_conformance_worker_exits_with_3_at_once(redis_url: str) -> None:
     assert r.xpending(STREAM, GROUP)["pending"] == 1  # nothing acknowledged
 
 
+def test_the_conformance_worker_exits_with_4_for_an_unknown_contract_version(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    r.hset(
+        "{jobs}:pelican:{jobs}:files:workers:settings",
+        mapping={"minIdleMs": "60000", "retryAfterMs": "5000", "contractVersion": "2"},
+    )
+    r.xadd(STREAM, {"handle": "done"})
+    process = _start(["-m", "pelican_worker.conformance"], _conformance_env(redis_url))
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 4, stderr
+    assert stdout == ""  # nothing handled
+    assert stderr.count("the operator speaks worker contract 2, this library knows 1") == 1, stderr
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
 def test_the_seed_000_example(redis_url: str) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     try:
