@@ -19,7 +19,7 @@ import os
 import sys
 
 from pelican_worker.message import InvalidReason, Message, Outcome
-from pelican_worker.producer import IdempotentProducer, PublishOutcomeUnknown, PublishUnavailable
+from pelican_worker.producer import Producer, PublishOutcomeUnknown, PublishUnavailable
 from pelican_worker.settings import ContractVersionError
 from pelican_worker.worker import Handler, Worker, run_until_signal
 
@@ -72,9 +72,9 @@ async def publish(url: str, stream: str, messages: int) -> None:
         message = f"m-{n}"
         while True:
             # A producer of its own per attempt: a lost reply leaves the last connection broken.
-            async with IdempotentProducer(url, stream) as producer:
+            async with Producer(url, stream) as producer:
                 try:
-                    entry = await producer.publish(message, {"n": str(n)})
+                    entry = await (await producer.idempotent()).publish(message, {"n": str(n)})
                 except (PublishOutcomeUnknown, PublishUnavailable):
                     _line(message=message, outcome="unknown")
                     await asyncio.sleep(0.1)
