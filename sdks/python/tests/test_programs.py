@@ -144,11 +144,18 @@ def test_the_prometheus_adapter_exports_the_stats(redis_url: str) -> None:
         register(w, registry)
         async with running(w, handle):
             await eventually(lambda: _handled(w.stats.done + w.stats.failed, 2))
-        labels = {"stream": STREAM, "group": GROUP, "consumer": CONSUMER}
-        assert registry.get_sample_value("pelican_worker_done_total", labels) == 1
-        assert registry.get_sample_value("pelican_worker_failed_total", labels) == 1
-        assert registry.get_sample_value("pelican_worker_abandoned_total", labels) == 0
-        assert registry.get_sample_value("pelican_worker_in_flight", labels) == 0
+        where = {"stream": STREAM, "group": GROUP}
+        expected = {"done": 1, "terminal": 0, "failed": 1, "retried": 0, "abandoned": 0}
+        for outcome, count in expected.items():
+            labels = {**where, "outcome": outcome}
+            assert registry.get_sample_value("pelican_worker_messages_total", labels) == count, outcome
+        assert registry.get_sample_value("pelican_worker_in_flight", where) == 0
+        # The one schema, exactly: these names, these labels, nothing else (the consumer is the target's label).
+        samples = {(s.name, tuple(sorted(s.labels))) for m in registry.collect() for s in m.samples}
+        assert samples == {
+            ("pelican_worker_messages_total", ("group", "outcome", "stream")),
+            ("pelican_worker_in_flight", ("group", "stream")),
+        }
 
     asyncio.run(main())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from functools import partial
 from typing import Any
 
@@ -724,3 +725,32 @@ def test_run_returns_after_every_stop_even_when_a_cancellation_is_lost(redis_url
         assert _LosesCancellations.lost > 0  # the test did lose cancellations
 
     asyncio.run(main())
+
+
+def test_a_failure_is_one_warn_line_without_a_stack_trace_and_the_shutdown_one_info_line(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pelican_worker")
+
+    async def main() -> str:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            raise ConnectionError("the store did not answer")
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.failed, 1))
+        return str(entry)
+
+    entry = asyncio.run(main())
+    failures = [r for r in caplog.records if entry in r.getMessage()]
+    assert len(failures) == 1
+    [failure] = failures
+    assert failure.levelno == logging.WARNING
+    assert failure.exc_info is None  # no stack trace per message
+    assert "(ConnectionError: the store did not answer)" in failure.getMessage()
+    given = [r for r in caplog.records if r.getMessage().startswith("shutdown:")]
+    assert [(r.levelno, r.getMessage().split(" messages")[0]) for r in given] == [(logging.INFO, "shutdown: 0")]
