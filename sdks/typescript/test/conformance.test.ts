@@ -8,7 +8,7 @@ import { errorsKey, terminalKey } from "../src/index.js";
 import { createGroup, freshStream, pending, waitFor } from "./support/helpers.js";
 import { startRedis, type RedisServer } from "./support/server.js";
 
-const repositoryRoot = fileURLToPath(new URL("../../../../", import.meta.url));
+const program = fileURLToPath(new URL("../conformance/worker.js", import.meta.url));
 const group = "conformance";
 
 let server: RedisServer;
@@ -26,8 +26,7 @@ function startWorker(
   stream: string,
   consumer: string,
 ): { child: ChildProcess; lines: Line[]; exited: Promise<number | null> } {
-  const child = spawn("node", ["sdks/typescript/dist/conformance/worker.js"], {
-    cwd: repositoryRoot,
+  const child = spawn(process.execPath, [program], {
     env: {
       ...process.env,
       REDIS_URL: server.url,

@@ -357,10 +357,14 @@ test("a worker that leaves deletes its consumer once it owns nothing; not while 
   assert.equal((await pending(admin, stream, group)).length, 1);
 });
 
-test("under the contract's worker ACL (examples/acl/worker.acl) every outcome and the shutdown work", async () => {
+test("under the contract's worker ACL (examples/acl/worker.acl) every outcome and the shutdown work", async (t) => {
   const stream = freshStream();
   await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600, retryAfterMs: 45_000 });
   const url = await aclUser(admin, server.url, "worker.acl", stream, group);
+  if (url === undefined) {
+    t.skip("not inside the Pelican repository: no examples/acl to test against");
+    return;
+  }
   for (const handle of ["done", "fail", "terminal", "retry", "slow"]) await admin.xadd(stream, "*", "handle", handle);
   const logger = recordingLogger();
   const worker = new Worker({ redis: url, stream, group, consumer: "w1", blockMs: 200, shutdownGraceMs: 1500, logger });
