@@ -378,8 +378,12 @@ class Worker:
                 if not isinstance(outcome, Outcome):
                     raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
             except BaseException as error:
-                if isinstance(error, asyncio.CancelledError) and _cancelled_by_the_worker():
-                    raise
+                if _cancelled_by_the_worker():
+                    # The grace ran out and the entry is given back: whatever the handler made of its cancellation
+                    # is not written.
+                    if isinstance(error, asyncio.CancelledError):
+                        raise
+                    return
                 # Whatever else the handler raised is a failure of the message, a CancelledError of its own
                 # included. KeyboardInterrupt and SystemExit are recorded as the message's failure, then go on
                 # stopping the process.
@@ -388,6 +392,8 @@ class Worker:
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
                     raise
                 return
+            if _cancelled_by_the_worker():
+                return  # the handler swallowed the cancellation at the end of the grace: its outcome is not written
             self._settle(message.id)
             if outcome.kind == "done":
                 await self._ack(calls, message)

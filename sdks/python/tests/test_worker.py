@@ -755,3 +755,28 @@ def test_a_failure_is_one_warn_line_without_a_stack_trace_and_the_shutdown_one_i
     assert "(ConnectionError: the store did not answer)" in failure.getMessage()
     given = [r for r in caplog.records if r.getMessage().startswith("shutdown:")]
     assert [(r.levelno, r.getMessage().split(" messages")[0]) for r in given] == [(logging.INFO, "shutdown: 0")]
+
+
+def test_a_handler_that_swallows_its_cancellation_at_the_grace_s_end_writes_nothing(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                return Outcome.done()  # too late: the entry is given back
+            return Outcome.done()
+
+        w = worker(redis_url, shutdown_grace=0.2)
+        async with running(w, handle) as task:
+            await asyncio.wait_for(started.wait(), 5)
+        assert (task.result().done, task.result().abandoned) == (0, 1)
+        [p] = await pending(r)
+        assert (p.id, p.consumer, p.deliveries) == (entry, "", 0)  # given back, not acknowledged
+
+    asyncio.run(main())
