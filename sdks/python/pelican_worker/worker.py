@@ -369,7 +369,13 @@ class Worker:
         self._in_flight[message.id] = asyncio.get_running_loop().time()
         task = asyncio.create_task(self._dispatch(handler, calls, message))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            # Retrieved: a KeyboardInterrupt or SystemExit of a handler has stopped the loop already.
+            task.exception()
 
     async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
         try:
