@@ -3,7 +3,8 @@
 Configured by environment: ``REDIS_URL``, ``STREAM``, ``GROUP``, ``CONSUMER`` (default: the Pod's name) and
 ``SHUTDOWN_GRACE_MS``. Its handler obeys the message: field ``ms`` = how long it takes, field ``handle`` = ``done`` |
 ``retry`` | ``fail`` | ``terminal:<Reason>`` | ``exit`` (the process exits at once with status 3). It prints one JSON
-line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is complete.
+line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is complete, or 4 (after its shutdown)
+when the operator speaks a contract version this library does not know.
 
 With ``MODE=publish`` it is a producer instead: it publishes ``MESSAGES`` messages idempotently (message ids ``m-0``,
 ``m-1``, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
@@ -18,7 +19,8 @@ import os
 import sys
 
 from pelican_worker.message import InvalidReason, Message, Outcome
-from pelican_worker.producer import IdempotentProducer, PublishOutcomeUnknown, PublishUnavailable
+from pelican_worker.producer import Producer, PublishOutcomeUnknown, PublishUnavailable
+from pelican_worker.settings import ContractVersionError
 from pelican_worker.worker import Handler, Worker, run_until_signal
 
 
@@ -70,9 +72,9 @@ async def publish(url: str, stream: str, messages: int) -> None:
         message = f"m-{n}"
         while True:
             # A producer of its own per attempt: a lost reply leaves the last connection broken.
-            async with IdempotentProducer(url, stream) as producer:
+            async with Producer(url, stream) as producer:
                 try:
-                    entry = await producer.publish(message, {"n": str(n)})
+                    entry = await (await producer.idempotent()).publish(message, {"n": str(n)})
                 except (PublishOutcomeUnknown, PublishUnavailable):
                     _line(message=message, outcome="unknown")
                     await asyncio.sleep(0.1)
@@ -95,7 +97,10 @@ def main() -> None:
         os.environ.get("CONSUMER") or None,
         shutdown_grace=int(grace_ms) / 1000 if grace_ms else 20.0,  # the library's default
     )
-    asyncio.run(run_until_signal(worker, handler_for(worker.consumer)))
+    try:
+        asyncio.run(run_until_signal(worker, handler_for(worker.consumer)))
+    except ContractVersionError:
+        sys.exit(4)  # the worker logged it
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ __all__ = [
     "ERROR_TEXT_MAX",
     "ORIGIN_ID_FIELD",
     "bounds_key",
+    "consumers_key",
     "errors_key",
     "hash_tag",
     "rejected_key",
@@ -51,6 +52,12 @@ def terminal_key(stream: str, group: str) -> str:
 def errors_key(stream: str, group: str) -> str:
     """``{T}:pelican:<stream>:<group>:errors``: pending entry id -> the text of its last failure."""
     return f"{{{hash_tag(stream)}}}:pelican:{stream}:{group}:errors"
+
+
+def consumers_key(stream: str, group: str) -> str:
+    """``{T}:pelican:<stream>:<group>:consumers``: consumer -> its last lease tick (the server's time, ms), written by
+    ``lease.lua``: the heartbeat that tells the operator's ``strategy: Reassign`` the consumer is alive."""
+    return f"{{{hash_tag(stream)}}}:pelican:{stream}:{group}:consumers"
 
 
 def bounds_key(stream: str) -> str:

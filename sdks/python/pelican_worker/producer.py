@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.commands.core import AsyncScript
-from redis.exceptions import BusyLoadingError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, RedisError, ResponseError, TimeoutError
 
 from pelican_worker._redis import RedisSource, make_client, raw_command, text
 from pelican_worker._scripts import script_source
@@ -62,7 +62,8 @@ class PublishRefused(PublishError):
 
 
 class PublishUnavailable(PublishError):
-    """The server cannot take writes now (a replica, loading, busy): nothing was written, try again."""
+    """The server cannot take writes now (a replica, loading, busy), or no connection could be made to it: nothing
+    was written, try again."""
 
 
 class PublishFailed(PublishError):
@@ -120,7 +121,16 @@ def _classify(error: RedisError) -> PublishError:
         return PublishOutcomeUnknown(str(error))
     if isinstance(error, ResponseError):
         return PublishFailed(str(error))
+    if _not_connected(error):
+        return PublishUnavailable(f"{type(error).__name__}: {error}")
     return PublishOutcomeUnknown(f"{type(error).__name__}: {error}")
+
+
+def _not_connected(error: RedisError) -> bool:
+    """Whether the connection could not be made (refused, no route, a failed TLS handshake, a connect timeout): the
+    command was never sent. redis-py says so in the text, ``Error 111 connecting to <host>:<port>`` and ``Timeout
+    connecting to server``; a connection that broke after the call was sent says ``reading from`` or ``closed``."""
+    return isinstance(error, (ConnectionError, TimeoutError)) and "connecting to" in str(error)
 
 
 def _arguments(fields: Fields) -> list[Any]:
@@ -157,6 +167,26 @@ class Producer:
         """
         return await self._invoke_batch([_arguments(fields) for fields in entries])
 
+    async def idempotent(self, producer_id: str | None = None) -> IdempotentProducer:
+        """This producer, its publishes made idempotent under ``producer_id`` (default: the Pod's name). Raises
+        :class:`IdempotenceUnsupported` here, before anything is published, unless the server's ``XADD`` takes
+        ``IDMP`` (asked with ``COMMAND DOCS XADD``: by the command's arguments, not by the server's version)."""
+        producer_id = producer_id if producer_id is not None else default_consumer_name()
+        if not producer_id:
+            raise ValueError("the producer id is empty: give one stable across restarts, e.g. the Pod's name")
+        try:
+            docs = await raw_command(self._client, "COMMAND", "DOCS", "XADD")
+        except ResponseError as error:
+            raise IdempotenceUnsupported(f"could not ask the server for XADD's arguments: {error}") from error
+        except RedisError as error:
+            raise _classify(error) from error
+        if not _has_token(docs, "IDMP"):
+            raise IdempotenceUnsupported(
+                "the server has no XADD ... IDMP (Redis 8.6 or later): a retried publish may duplicate; publish "
+                "with Producer and reconcile by an id of your own in the entry's fields"
+            )
+        return IdempotentProducer(self, producer_id)
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -187,54 +217,34 @@ class Producer:
 
 
 class IdempotentProducer:
-    """A producer whose every publish carries ``IDMP <producer id> <message id>`` (Redis 8.6+).
+    """A producer whose every publish carries ``IDMP <producer id> <message id>`` (Redis 8.6+), made by
+    :meth:`Producer.idempotent`, which checks the server first.
 
     Within the stream's window, a publish of a message id this producer already published writes nothing and answers
     the first entry's id: a publish that ended :class:`PublishOutcomeUnknown` is simply published again. The producer
     id must be stable across restarts and unique among the stream's producers (default: the Pod's name); the message
-    id is the application's, never random per attempt.
+    id is the application's, never random per attempt. It shares its producer's connection.
     """
 
-    def __init__(
-        self, redis: RedisSource, stream: str, producer_id: str | None = None, *, timeout: float = 10.0
-    ) -> None:
-        self.producer_id = producer_id if producer_id is not None else default_consumer_name()
-        if not self.producer_id:
-            raise ValueError("the producer id is empty: give one stable across restarts, e.g. the Pod's name")
-        self.stream = stream
-        self._producer = Producer(redis, stream, timeout=timeout)
-        self._supported: bool | None = None
-
-    async def ensure_supported(self) -> None:
-        """Raises :class:`IdempotenceUnsupported` unless the server's ``XADD`` takes ``IDMP`` (asked once, with
-        ``COMMAND DOCS XADD``: by the command's arguments, not by the server's version)."""
-        if self._supported is None:
-            try:
-                docs = await raw_command(self._producer._client, "COMMAND", "DOCS", "XADD")
-            except ResponseError as error:
-                raise IdempotenceUnsupported(f"could not ask the server for XADD's arguments: {error}") from error
-            self._supported = _has_token(docs, "IDMP")
-        if not self._supported:
-            raise IdempotenceUnsupported(
-                "the server has no XADD ... IDMP (Redis 8.6 or later): a retried publish may duplicate; publish "
-                "with Producer and reconcile by an id of your own in the entry's fields"
-            )
+    def __init__(self, producer: Producer, producer_id: str) -> None:
+        self.producer_id = producer_id
+        self.stream = producer.stream
+        self._producer = producer
 
     async def publish(self, message_id: str, fields: Fields) -> str:
         """Adds the entry unless this producer published ``message_id`` within the window; either way answers the
         id of the one entry that holds it."""
-        await self.ensure_supported()
         return await self._producer._invoke(["IDMP", self.producer_id, message_id, *_arguments(fields)])
 
     async def publish_batch(self, entries: Sequence[tuple[str, Fields]]) -> Published:
         """:meth:`Producer.publish_batch` with a message id per entry; a batch that ended
         :class:`PublishOutcomeUnknown` is simply published again whole."""
-        await self.ensure_supported()
         return await self._producer._invoke_batch(
             [["IDMP", self.producer_id, message_id, *_arguments(fields)] for message_id, fields in entries]
         )
 
     async def aclose(self) -> None:
+        """Closes the producer's connection (the :class:`Producer` it was made from too)."""
         await self._producer.aclose()
 
     async def __aenter__(self) -> IdempotentProducer:

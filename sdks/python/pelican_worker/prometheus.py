@@ -23,32 +23,35 @@ from pelican_worker.worker import Worker
 
 __all__ = ["WorkerCollector", "register"]
 
-_COUNTERS = (
-    ("done", "Messages acknowledged as done."),
-    ("terminal", "Messages acknowledged as terminal and counted under their reason."),
-    ("failed", "Handler errors (and failed acknowledgements): left pending for the operator's retry."),
-    ("retried", "Messages given back for a retry under the policy's backoff, the delivery counted."),
-    ("abandoned", "Messages given back on shutdown, the delivery not counted."),
-)
+_OUTCOMES = ("done", "terminal", "failed", "retried", "abandoned")
 
 
 class WorkerCollector(Collector):
-    """Reads the worker's stats at each scrape."""
+    """Reads the worker's stats at each scrape, under the contract's one schema:
+
+    ``pelican_worker_messages_total{stream, group, outcome}`` (outcome: done | terminal | failed | retried |
+    abandoned) and ``pelican_worker_in_flight{stream, group}``. The consumer (the Pod) is the scrape target's label.
+    """
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
 
     def collect(self) -> Iterator[Metric]:
         stats = self._worker.stats
-        labels = ["stream", "group", "consumer"]
-        values = [self._worker.stream, self._worker.group, self._worker.consumer]
-        for name, documentation in _COUNTERS:
-            counter = CounterMetricFamily(f"pelican_worker_{name}", documentation, labels=labels)
-            counter.add_metric(values, getattr(stats, name))
-            yield counter
-        gauge = GaugeMetricFamily("pelican_worker_in_flight", "Messages being handled now.", labels=labels)
-        gauge.add_metric(values, stats.in_flight)
-        yield gauge
+        where = [self._worker.stream, self._worker.group]
+        messages = CounterMetricFamily(
+            "pelican_worker_messages",
+            "Handler runs by how they ended (abandoned: given back on shutdown, the delivery not counted).",
+            labels=["stream", "group", "outcome"],
+        )
+        for outcome in _OUTCOMES:
+            messages.add_metric([*where, outcome], getattr(stats, outcome))
+        yield messages
+        in_flight = GaugeMetricFamily(
+            "pelican_worker_in_flight", "Messages being handled now.", labels=["stream", "group"]
+        )
+        in_flight.add_metric(where, stats.in_flight)
+        yield in_flight
 
 
 def register(worker: Worker, registry: CollectorRegistry = REGISTRY) -> WorkerCollector:

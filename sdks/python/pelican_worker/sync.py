@@ -9,17 +9,18 @@
 
     Worker("redis://redis:6379", "jobs", "workers").run(handle)  # until SIGTERM or SIGINT
 
-A handler still running when the shutdown grace runs out cannot be stopped (Python cannot stop a thread): its
-message is given back all the same, and whatever the function answers later is ignored.
+Each message is handled in a daemon thread of its own. A handler still running when the shutdown grace runs out
+cannot be stopped (Python cannot stop a thread): its message is given back all the same, whatever the function
+answers later is ignored, and the process can exit without waiting for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pelican_worker._redis import RedisSource
@@ -66,10 +67,16 @@ class Worker:
             self._loop, self._stopped = loop, stopped
             if self._stop_asked:
                 stopped.set()
-        executor = ThreadPoolExecutor(self.worker.concurrency, thread_name_prefix="pelican-handler")
 
         async def handle(message: Message) -> Outcome:
-            return await loop.run_in_executor(executor, handler, message)
+            answer: asyncio.Future[Outcome] = loop.create_future()
+            # A daemon thread, not a pool's: the interpreter joins a pool's threads at exit, so a handler blocked
+            # past the grace would keep the process alive after run() returned.
+            thread = threading.Thread(
+                target=_call, args=(handler, message, loop, answer), name=f"pelican-handler-{message.id}", daemon=True
+            )
+            thread.start()
+            return await answer
 
         caught = (signal.SIGTERM, signal.SIGINT) if signals else ()
         for sig in caught:
@@ -79,6 +86,31 @@ class Worker:
         finally:
             for sig in caught:
                 loop.remove_signal_handler(sig)
-            executor.shutdown(wait=False, cancel_futures=True)
             with self._lock:
                 self._loop = self._stopped = None
+
+
+def _call(
+    handler: SyncHandler, message: Message, loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Outcome]
+) -> None:
+    """Runs ``handler`` in the calling thread and hands what it answered or raised to ``answer``, on its loop."""
+    try:
+        outcome = handler(message)
+    except BaseException as error:  # whatever the handler raised is the message's failure, on the loop's side
+        _settle(loop, answer, error)
+    else:
+        _settle(loop, answer, outcome)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Outcome], value: Outcome | BaseException) -> None:
+    def settle() -> None:
+        if answer.done():  # cancelled: the grace ran out
+            return
+        if isinstance(value, BaseException):
+            answer.set_exception(value)
+        else:
+            answer.set_result(value)
+
+    # The loop is closed once the worker gave the message back and returned: nothing waits for the answer any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle)

@@ -1,9 +1,9 @@
 """The asyncio worker: the dispatch layer of an application consumer, as the worker contract's checklist says.
 
 It reads its own PEL first, then new entries, hands each message to the handler with at most ``concurrency`` running,
-and is the only place that acknowledges. While a handler runs it holds a lease on the entry; every
-``pel_check_interval`` it takes up the entries the operator handed over to it; on shutdown it gives back what did not
-finish within the grace.
+and is the only place that acknowledges. At every lease tick it extends the lease of each entry in flight (the same
+call is its heartbeat) and takes up the entries the operator handed over to it; on shutdown it gives back what did
+not finish within the grace.
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from redis.exceptions import RedisError, ResponseError
 
 from pelican_worker._redis import RedisSource, make_client, queue_raw, range_entries, raw_command, read_entries, text
 from pelican_worker._scripts import script_source
-from pelican_worker.keys import DELIVERIES_FIELD, ERROR_TEXT_MAX, errors_key, settings_key, terminal_key
+from pelican_worker.keys import (
+    DELIVERIES_FIELD,
+    ERROR_TEXT_MAX,
+    consumers_key,
+    errors_key,
+    settings_key,
+    terminal_key,
+)
 from pelican_worker.message import Message, Outcome
 from pelican_worker.settings import (
     UNPUBLISHED_IDLE_MS,
@@ -41,7 +48,7 @@ log = logging.getLogger("pelican_worker")
 
 Handler = Callable[[Message], Awaitable[Outcome]]
 
-#: The most ids one lease or give-back call carries.
+#: The most ids one lease or give-back call carries, and the most entries of the own PEL listed for hand-overs.
 LEASE_BATCH = 100
 #: An entry that failed here counts as handed back to this worker when its idle time is shorter than the time since
 #: it failed by at least this much (the operator hands over only entries idle ``minIdle``, at least a second).
@@ -50,6 +57,10 @@ HAND_OVER_MARGIN = 1.0
 ERRORS_REMEMBERED = 10_000
 #: How long handlers cancelled at the end of the grace are waited for before their entries are given back.
 CANCEL_WAIT = 1.0
+#: The shortest ``block``: 1 ms (``BLOCK 0`` waits for ever on the server while the client gives up).
+MIN_BLOCK = 0.001
+#: How much longer than ``block`` the reader's client waits for a blocking read's reply (a URL's client).
+READ_TIMEOUT_OVER_BLOCK = 10.0
 
 
 def default_consumer_name() -> str:
@@ -59,15 +70,16 @@ def default_consumer_name() -> str:
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """What a worker did so far."""
+    """What a worker did so far: a frozen dataclass (fields by name, ``dataclasses.asdict``; not a tuple)."""
 
     done: int = 0
     terminal: int = 0
-    #: Handler exceptions, and acknowledgements that failed: left pending for the operator's retry.
+    #: Whatever the handlers raised, and acknowledgements that failed: left pending for the operator's retry.
     failed: int = 0
     #: ``Outcome.retry()``: given back to the operator's pass, the delivery counted.
     retried: int = 0
-    #: Still running when the shutdown grace ran out: given back, the delivery not counted.
+    #: Given back on shutdown (still running when the grace ran out, or read and not started), the delivery not
+    #: counted: only entries the give-back released, never ones acknowledged meanwhile.
     abandoned: int = 0
     in_flight: int = 0
 
@@ -89,39 +101,49 @@ class Worker:
         concurrency: int = 16,
         block: float = 1.0,
         shutdown_grace: float = 20.0,
-        pel_check_interval: float = 30.0,
         max_handling: float = 1800.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        if block <= 0 or shutdown_grace < 0 or pel_check_interval <= 0 or max_handling <= 0:
-            raise ValueError("block, pel_check_interval and max_handling must be positive, shutdown_grace not negative")
+        if not block >= MIN_BLOCK:
+            raise ValueError(f"block must be at least 0.001 s (BLOCK 0 waits for ever on the server); got {block!r}")
+        if shutdown_grace < 0 or max_handling <= 0:
+            raise ValueError("max_handling must be positive, shutdown_grace not negative")
         self.stream = stream
         self.group = group
         self.consumer = consumer or default_consumer_name()
         self.concurrency = concurrency
         self.block = block
         self.shutdown_grace = shutdown_grace
-        self.pel_check_interval = pel_check_interval
         self.max_handling = max_handling
         self._redis = redis
         self._counts = {"done": 0, "terminal": 0, "failed": 0, "retried": 0, "abandoned": 0}
         self._settings: WorkerSettings | None = None
         # The problem with the settings last reported, so a warning is given once, not at every tick.
         self._settings_problem: str | None = None
-        # Entry id -> when its handler started (loop time).
+        # Entry id -> when its handler started (loop time), while the handler runs: these are leased.
         self._in_flight: dict[str, float] = {}
+        # Entries whose handler ended and whose outcome is being written: no longer leased (a lease after a retry's
+        # give-back would undo the idle time it set), never taken up as hand-overs.
+        self._settling: set[str] = set()
+        # Entries delivered to this consumer that wait for a free slot (a read and a hand-over came back together):
+        # leased meanwhile, given back on shutdown.
+        self._queued: dict[str, Message] = {}
+        # The own PEL was read to its end (entries delivered to this name before a restart): hand-overs from now on.
+        self._own_pel_read = False
         # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
         self._failed_here: dict[str, float] = {}
         self._errors_recorded: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        # Set once the shutdown is over: ends the lease loop (a cancellation alone can be lost inside redis-py).
+        self._done = asyncio.Event()
         self._fatal: ContractVersionError | None = None
         self._running = False
 
     @property
     def stats(self) -> WorkerStats:
-        return WorkerStats(**self._counts, in_flight=len(self._in_flight))
+        return WorkerStats(**self._counts, in_flight=len(self._in_flight) + len(self._settling))
 
     @property
     def settings(self) -> WorkerSettings | None:
@@ -138,9 +160,16 @@ class Worker:
         """
         if self._running:
             raise RuntimeError("this worker is already running")
-        self._running, self._fatal = True, None
-        self._stop = asyncio.Event()
-        reader = make_client(self._redis, socket_timeout=self.block + 10.0, resend=True)
+        reader = make_client(self._redis, socket_timeout=self.block + READ_TIMEOUT_OVER_BLOCK, resend=True)
+        read_timeout = reader.connection_pool.connection_kwargs.get("socket_timeout")
+        if read_timeout is not None and read_timeout <= self.block:
+            await reader.aclose()
+            raise ValueError(
+                f"block ({self.block} s) must be below the socket_timeout of the factory's clients ({read_timeout} s): "
+                "the client would give up on every blocking read"
+            )
+        self._running, self._fatal, self._own_pel_read = True, None, False
+        self._stop, self._done = asyncio.Event(), asyncio.Event()
         writer = make_client(self._redis, socket_timeout=10.0, resend=True)
         calls = _Writer(writer, self.stream, self.group, self.consumer)
         bridge = asyncio.create_task(self._follow(stop)) if stop is not None else None
@@ -148,10 +177,11 @@ class Worker:
         try:
             if not await self._first_settings(writer):
                 return self.stats
-            leases = asyncio.create_task(self._hold_leases(calls))
+            leases = asyncio.create_task(self._hold_leases(handler, calls))
             unhandled = await self._read_loop(handler, reader, calls)
             await self._shut_down(calls, unhandled)
         finally:
+            self._done.set()
             background = [t for t in (bridge, leases, calls.flusher) if t is not None]
             for task in (*background, *self._tasks):
                 task.cancel()
@@ -175,6 +205,9 @@ class Worker:
             try:
                 await self._read_settings(conn)
                 return True
+            except ContractVersionError as error:
+                log.error("%s", error, extra=self._where())
+                raise
             except (RedisError, OSError) as error:  # the server's refusals are handled inside: a broken connection
                 log.warning("could not read the group's settings yet; retrying: %s", error, extra=self._where())
                 await self._sleep(0.5)
@@ -203,12 +236,12 @@ class Worker:
 
     async def _read_loop(self, handler: Handler, reader: Redis, calls: _Writer) -> list[str]:
         """Reads and dispatches until the stop; answers the ids of what a read brought after the stop, unhandled."""
-        loop = asyncio.get_running_loop()
         cursor: str | None = "0"  # own PEL first: entries delivered to this name before a restart
-        next_check = loop.time() + self.pel_check_interval
         nogroup_wait: float | None = None
         while not self._stop.is_set():
-            free = self.concurrency - len(self._tasks)
+            while self._queued and self._free_slots() > 0:
+                self._start(handler, calls, self._queued.pop(next(iter(self._queued))))
+            free = self._free_slots() - len(self._queued)
             if free <= 0:
                 await self._first_done(self._tasks)
                 # Handlers whose ACKs came back in the same batch finish together: one read for all their slots.
@@ -217,9 +250,7 @@ class Worker:
             try:
                 if cursor is not None:
                     found, cursor = await self._read_own(reader, free, cursor)
-                elif loop.time() >= next_check:
-                    next_check = loop.time() + self.pel_check_interval
-                    found = await self._take_handed_over(calls, free)
+                    self._own_pel_read = cursor is None
                 else:
                     found = await self._read_new(reader, free)
             except ResponseError as error:
@@ -249,9 +280,22 @@ class Worker:
             if self._stop.is_set():
                 # The read was sent before the stop, and the server delivered to this consumer all the same.
                 return [message.id for message in found]
-            for message in found:
-                self._start(handler, calls, message)
+            self._hand_out(handler, calls, found)
         return []
+
+    def _free_slots(self) -> int:
+        """Handlers that may start now."""
+        return self.concurrency - len(self._tasks)
+
+    def _hand_out(self, handler: Handler, calls: _Writer, messages: Iterable[Message]) -> None:
+        """Starts a handler for each message while slots are free, and queues the rest."""
+        for message in messages:
+            if message.id in self._in_flight or message.id in self._settling or message.id in self._queued:
+                continue  # a hand-over and a read that brought the same entry: handled once
+            if self._free_slots() > 0 and not self._stop.is_set():
+                self._start(handler, calls, message)
+            else:
+                self._queued[message.id] = message
 
     async def _read_own(self, reader: Redis, count: int, cursor: str) -> tuple[list[Message], str | None]:
         reply = await raw_command(
@@ -270,17 +314,31 @@ class Worker:
         )  # fmt: skip
         return _messages(read_entries(reply))
 
+    async def _take_up(self, handler: Handler, calls: _Writer) -> None:
+        """Takes up as many hand-overs as slots are free and starts their handlers; the rest at the next tick. Not
+        before the own PEL was read to its end (that read brings them) nor after the stop."""
+        free = self._free_slots() - len(self._queued)
+        if free <= 0 or not self._own_pel_read or self._stop.is_set():
+            return
+        try:
+            found = await self._take_handed_over(calls, free)
+        except (RedisError, OSError) as error:
+            log.warning("could not take up hand-overs; retrying at the next tick: %s", error, extra=self._where())
+            return
+        self._hand_out(handler, calls, found)
+
     async def _take_handed_over(self, calls: _Writer, count: int) -> list[Message]:
-        """Up to ``count`` entries of the own PEL that are neither in flight nor failed here (or failed here and handed
-        back since): the ones ``strategy: Reassign`` handed over. Taken with ``lease.lua`` (which leaves alone what
-        the pass gave to someone else meanwhile), then read with ``XRANGE``."""
+        """Up to ``count`` entries of the own PEL (its first ``LEASE_BATCH``) that are neither in flight nor failed
+        here (or failed here and handed back since): the ones ``strategy: Reassign`` handed over. Taken with
+        ``lease.lua`` (which leaves alone what the pass gave to someone else meanwhile), then read with ``XRANGE``."""
         failed_here = dict(self._failed_here)
-        asked = count + len(self._in_flight) + len(failed_here)
         # Measured before the server measures idle times: an entry untouched since it failed here is idle this long.
         asked_at = asyncio.get_running_loop().time()
-        pending = await raw_command(calls.conn, "XPENDING", self.stream, self.group, "-", "+", asked, self.consumer)
+        pending = await raw_command(
+            calls.conn, "XPENDING", self.stream, self.group, "-", "+", LEASE_BATCH, self.consumer
+        )
         listed = [(text(p[0]), int(p[2])) for p in pending]
-        if len(listed) < asked:
+        if len(listed) < LEASE_BATCH:
             # The whole PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
             ids_listed = {entry_id for entry_id, _ in listed}
             self._failed_here = {k: v for k, v in self._failed_here.items() if k in ids_listed}
@@ -289,7 +347,8 @@ class Worker:
             failed = failed_here.get(entry_id)
             return failed is None or idle_ms / 1000 + HAND_OVER_MARGIN <= asked_at - failed
 
-        candidates = [i for i, idle in listed if i not in self._in_flight and handed_back(i, idle)][:count]
+        busy = self._in_flight.keys() | self._settling | self._queued.keys()
+        candidates = [i for i, idle in listed if i not in busy and handed_back(i, idle)][:count]
         if not candidates:
             return []
         taken = await calls.lease(candidates)
@@ -310,7 +369,13 @@ class Worker:
         self._in_flight[message.id] = asyncio.get_running_loop().time()
         task = asyncio.create_task(self._dispatch(handler, calls, message))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            # Retrieved: a KeyboardInterrupt or SystemExit of a handler has stopped the loop already.
+            task.exception()
 
     async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
         try:
@@ -318,9 +383,24 @@ class Worker:
                 outcome = await handler(message)
                 if not isinstance(outcome, Outcome):
                     raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
-            except Exception as error:  # every error of the handler is a failure of the message
+            except BaseException as error:
+                if _cancelled_by_the_worker():
+                    # The grace ran out and the entry is given back: whatever the handler made of its cancellation
+                    # is not written.
+                    if isinstance(error, asyncio.CancelledError):
+                        raise
+                    return
+                # Whatever else the handler raised is a failure of the message, a CancelledError of its own
+                # included. KeyboardInterrupt and SystemExit are recorded as the message's failure, then go on
+                # stopping the process.
+                self._settle(message.id)
                 await self._fail(calls, message.id, error)
+                if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    raise
                 return
+            if _cancelled_by_the_worker():
+                return  # the handler swallowed the cancellation at the end of the grace: its outcome is not written
+            self._settle(message.id)
             if outcome.kind == "done":
                 await self._ack(calls, message)
             elif outcome.kind == "terminal":
@@ -329,6 +409,12 @@ class Worker:
                 await self._give_back_for_retry(calls, message.id)
         finally:
             self._in_flight.pop(message.id, None)
+            self._settling.discard(message.id)
+
+    def _settle(self, entry_id: str) -> None:
+        """The handler has ended: the entry's outcome is being written."""
+        self._in_flight.pop(entry_id, None)
+        self._settling.add(entry_id)
 
     async def _ack(self, calls: _Writer, message: Message) -> None:
         # A message that failed before (here, or elsewhere before it was requeued) may have a last error to remove.
@@ -385,11 +471,13 @@ class Worker:
             )  # fmt: skip
         self._counts["retried"] += 1
 
-    async def _fail(self, calls: _Writer, entry_id: str, error: Exception) -> None:
+    async def _fail(self, calls: _Writer, entry_id: str, error: BaseException) -> None:
+        # One line per failure, never a stack trace: a store outage fails every message.
         log.warning(
-            "handler failed on %s; the message stays pending for the operator's retry",
+            "handler failed on %s (%s: %s); the message stays pending for the operator's retry",
             entry_id,
-            exc_info=error,
+            type(error).__name__,
+            error,
             extra={**self._where(), "entry_id": entry_id},
         )
         self._failed_here[entry_id] = asyncio.get_running_loop().time()
@@ -406,16 +494,17 @@ class Worker:
 
     # Leases
 
-    async def _hold_leases(self, calls: _Writer) -> None:
-        """Every tick: re-read the settings, then extend every entry in flight for less than ``max_handling``."""
+    async def _hold_leases(self, handler: Handler, calls: _Writer) -> None:
+        """Every tick until the shutdown is over: re-read the settings, extend the lease of every entry in flight for
+        less than ``max_handling`` (the call is the worker's heartbeat, made also with no ids), then take up the
+        hand-overs. The loop ends by ``_done``: a cancellation can be lost inside a redis-py call on Python 3.11."""
         loop = asyncio.get_running_loop()
         overdue: set[str] = set()
         # Ids a lease did not extend at the last tick: an entry ACKed while the lease was on its way is missed once,
         # one the pass took is missed at every tick.
         missed: set[str] = set()
         lost: set[str] = set()
-        while True:
-            await asyncio.sleep(lease_interval(self._settings))
+        while not await self._wait(self._done, lease_interval(self._settings)):
             try:
                 await self._read_settings(calls.conn)
             except ContractVersionError as error:
@@ -429,7 +518,7 @@ class Worker:
             held = dict(self._in_flight)
             overdue &= held.keys()
             lost &= held.keys()
-            ids = []
+            ids = list(self._queued)
             for entry_id, since in held.items():
                 if now - since < self.max_handling:
                     ids.append(entry_id)
@@ -456,6 +545,7 @@ class Worker:
                     extra=self._where(),
                 )
             missed = now_missed
+            await self._take_up(handler, calls)
 
     # Shutdown
 
@@ -463,7 +553,8 @@ class Worker:
         """Lets handlers finish within the grace (the leases go on), then gives back what is left, uncounted. The
         give-back runs also when nothing is left: it deletes the consumer once it owns nothing, so that
         ``strategy: Reassign`` never hands work to a worker that left."""
-        left = list(unhandled)
+        left = [*unhandled, *self._queued]
+        self._queued.clear()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
             if pending:
@@ -477,27 +568,34 @@ class Worker:
             given = await calls.give_back(left, idle, uncount=True)
         except RedisError as error:
             log.warning(
-                "could not give back %d messages on shutdown: they are retried after minIdle: %s",
+                "shutdown: could not give back %d messages: they are retried after minIdle: %s",
                 len(left),
                 error,
                 extra=self._where(),
             )
-        else:
-            if left:
-                log.warning(
-                    "shutdown: %d messages not finished within the grace or read unhandled were given back for the "
-                    "next pass, their delivery not counted",
-                    given,
-                    extra=self._where(),
-                )
-        self._counts["abandoned"] += len(left)
+            return
+        log.info(
+            "shutdown: %d messages given back for the next pass (not finished within the grace, or read and not "
+            "started), their delivery not counted",
+            given,
+            extra=self._where(),
+        )
+        # Only what the give-back released: an entry acknowledged (or taken by the pass) meanwhile was not.
+        self._counts["abandoned"] += given
 
     # Helpers
 
     async def _sleep(self, seconds: float) -> None:
         """Sleeps, or less when the worker is stopped."""
+        await self._wait(self._stop, seconds)
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, seconds: float) -> bool:
+        """Waits up to ``seconds`` for ``event``; answers whether it is set."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await event.wait()
+        return event.is_set()
 
     async def _first_done(self, tasks: Iterable[asyncio.Task[None]]) -> None:
         """Waits for a handler to finish, or for the stop."""
@@ -519,6 +617,7 @@ class _Writer:
         self.conn = conn
         self._stream, self._group, self._consumer = stream, group, consumer
         self._errors = errors_key(stream, group)
+        self._consumers = consumers_key(stream, group)
         self._lease: AsyncScript = conn.register_script(script_source("lease"))
         self._give_back: AsyncScript = conn.register_script(script_source("give_back"))
         self._terminal_ack: AsyncScript = conn.register_script(script_source("terminal_ack"))
@@ -559,11 +658,12 @@ class _Writer:
                     done.set_exception(failure)
 
     async def lease(self, ids: Sequence[str]) -> list[str]:
-        """Extends (or takes up) ``ids``; answers those still this consumer's."""
+        """Extends (or takes up) ``ids``; answers those still this consumer's. Called also without ids: it writes
+        the worker's heartbeat in the group's consumers hash."""
         extended: list[str] = []
-        for start in range(0, len(ids), LEASE_BATCH):
+        for start in range(0, max(len(ids), 1), LEASE_BATCH):
             batch = ids[start : start + LEASE_BATCH]
-            reply = await self._lease(keys=[self._stream], args=[self._group, self._consumer, *batch])
+            reply = await self._lease(keys=[self._stream, self._consumers], args=[self._group, self._consumer, *batch])
             extended.extend(text(i) for i in reply)
         return extended
 
@@ -592,6 +692,13 @@ def error_text(error: BaseException) -> str:
     message = str(error)
     full = f"{type(error).__name__}: {message}" if message else type(error).__name__
     return full.encode("utf-8", "replace")[:ERROR_TEXT_MAX].decode("utf-8", "ignore")
+
+
+def _cancelled_by_the_worker() -> bool:
+    """Whether the running task was asked to cancel (``Task.cancel``): the worker's own cancellation at the end of
+    the grace, rather than a ``CancelledError`` the handler raised of its own."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]]) -> list[Message]:

@@ -12,22 +12,33 @@ from pelican_worker.keys import bounds_key, errors_key, hash_tag, rejected_key, 
 from pelican_worker.settings import SettingsError, WorkerSettings, lease_interval, parse_settings
 from pelican_worker.worker import error_text
 
+#: The repository's contract folder, when the package is tested inside the Pelican repository.
 CONTRACT = Path(__file__).resolve().parents[3] / "contract"
+SCRIPTS = ["bounded_publish.lua", "bounded_publish_batch.lua", "give_back.lua", "lease.lua", "terminal_ack.lua"]
 
 
-def test_the_package_s_scripts_are_the_contract_s_byte_for_byte() -> None:
-    ours = {
-        p.name: p.read_bytes() for p in files("pelican_worker").joinpath("scripts").iterdir() if p.name.endswith(".lua")
-    }
+def _packaged(name: str) -> bytes:
+    return files("pelican_worker").joinpath(name).read_bytes()
+
+
+def _in_the_repository() -> None:
+    if not (CONTRACT / "VERSION").is_file():
+        pytest.skip(f"not inside the Pelican repository (no {CONTRACT}): the packaged copies are checked alone")
+
+
+def test_the_package_ships_the_contract_s_scripts_and_a_version_it_knows() -> None:
+    shipped = sorted(p.name for p in files("pelican_worker").joinpath("scripts").iterdir() if p.name.endswith(".lua"))
+    assert shipped == SCRIPTS
+    assert int(_packaged("CONTRACT_VERSION").decode().strip()) in KNOWN_CONTRACT_VERSIONS
+
+
+def test_the_package_s_copies_are_the_contract_s_byte_for_byte() -> None:
+    _in_the_repository()
     theirs = {p.name: p.read_bytes() for p in (CONTRACT / "scripts").glob("*.lua")}
-    assert theirs, f"no scripts under {CONTRACT / 'scripts'}"
-    assert sorted(ours) == sorted(theirs)
-    differ = [name for name in theirs if ours[name] != theirs[name]]
+    assert sorted(theirs) == SCRIPTS
+    differ = [name for name in SCRIPTS if _packaged(f"scripts/{name}") != theirs[name]]
     assert differ == [], f"copies differ from contract/scripts: {differ}; run scripts/sync"
-
-
-def test_the_library_knows_the_contract_s_version() -> None:
-    assert int((CONTRACT / "VERSION").read_text().strip()) in KNOWN_CONTRACT_VERSIONS
+    assert _packaged("CONTRACT_VERSION") == (CONTRACT / "VERSION").read_bytes(), "run scripts/sync"
 
 
 def test_hash_tag_is_the_first_non_empty_braced_part_else_the_name() -> None:
@@ -73,13 +84,19 @@ def test_an_empty_settings_hash_is_no_settings() -> None:
     assert parse_settings({}) is None
 
 
-@pytest.mark.parametrize("version", [b"2", b"0", b"v1", b""])
+@pytest.mark.parametrize("version", [b"2", b"0", b"v1", b"", b"2.0", b"1.0", b" 1", b"1x", "\u00b9".encode()])
 def test_an_unknown_contract_version_names_both_versions(version: bytes) -> None:
     with pytest.raises(ContractVersionError) as raised:
         parse_settings({b"minIdleMs": b"4000", b"retryAfterMs": b"9000", b"contractVersion": version})
     text = str(raised.value)
     assert f"the operator speaks worker contract {version.decode()}, this library knows 1" in text
     assert "upgrade the library" in text
+
+
+def test_the_version_is_read_first_whatever_the_other_fields_hold() -> None:
+    with pytest.raises(ContractVersionError) as raised:
+        parse_settings({b"minIdleMs": b"soon", b"contractVersion": b"2.0"})  # no retryAfterMs either
+    assert raised.value.operator_version == "2.0"
 
 
 @pytest.mark.parametrize(

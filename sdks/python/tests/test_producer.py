@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,7 +16,6 @@ from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, R
 
 from pelican_worker import (
     IdempotenceUnsupported,
-    IdempotentProducer,
     Producer,
     PublishFailed,
     PublishOutcomeUnknown,
@@ -106,6 +106,21 @@ def test_a_read_only_replica_is_unavailable(redis_url: str) -> None:
     asyncio.run(main())
 
 
+def test_a_refused_connection_is_unavailable_nothing_sent(redis_url: str) -> None:
+    async def main() -> None:
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        async with Producer(f"redis://127.0.0.1:{port}", STREAM) as producer:
+            with pytest.raises(PublishUnavailable) as raised:
+                await producer.publish({"n": "1"})
+            assert raised.value.certainly_not_written
+            with pytest.raises(PublishUnavailable):
+                await producer.publish_batch([{"n": "1"}])
+
+    asyncio.run(main())
+
+
 def test_server_errors_are_classified_as_the_contract_says() -> None:
     assert isinstance(_classify(ResponseError("PELICAN_BACKLOG_FULL my group 5 5")), PublishRefused)
     refused = _classify(ResponseError("PELICAN_BACKLOG_FULL my group 5 5"))
@@ -123,6 +138,13 @@ def test_server_errors_are_classified_as_the_contract_says() -> None:
         _classify(ResponseError("PELICAN_PARTIAL 1 of 3 entries written before: OOM")), PublishOutcomeUnknown
     )
     assert isinstance(_classify(ResponseError("ERR bounded publish needs field value pairs")), PublishFailed)
+    for unavailable in [
+        ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."),
+        TimeoutError("Timeout connecting to server"),
+    ]:
+        classified = _classify(unavailable)
+        assert isinstance(classified, PublishUnavailable), unavailable
+        assert classified.certainly_not_written
     for unknown in [ConnectionError("Connection closed by server."), TimeoutError("Timeout reading from socket")]:
         classified = _classify(unknown)
         assert isinstance(classified, PublishOutcomeUnknown)
@@ -222,14 +244,12 @@ def test_the_lost_reply_makes_a_resending_client_write_twice(redis_url: str, red
 
 
 async def _idmp(redis_url: str) -> bool:
-    producer = IdempotentProducer(redis_url, STREAM, "producer-0")
-    try:
-        await producer.ensure_supported()
-        return True
-    except IdempotenceUnsupported:
-        return False
-    finally:
-        await producer.aclose()
+    async with Producer(redis_url, STREAM) as producer:
+        try:
+            await producer.idempotent("producer-0")
+            return True
+        except IdempotenceUnsupported:
+            return False
 
 
 def test_an_idempotent_publish_is_written_once(idmp_redis_url: str) -> None:
@@ -237,7 +257,7 @@ def test_an_idempotent_publish_is_written_once(idmp_redis_url: str) -> None:
 
     async def main() -> None:
         assert await _idmp(redis_url), "IDMP_REDIS_SERVER has no XADD ... IDMP"
-        async with IdempotentProducer(redis_url, STREAM, "producer-0") as producer:
+        async with await Producer(redis_url, STREAM).idempotent("producer-0") as producer:
             first = await producer.publish("order-1", {"n": "1"})
             again = await producer.publish("order-1", {"n": "1"})
             batch = await producer.publish_batch([("order-1", {"n": "1"}), ("order-2", {"n": "2"})])
@@ -248,12 +268,11 @@ def test_an_idempotent_publish_is_written_once(idmp_redis_url: str) -> None:
     asyncio.run(main())
 
 
-def test_without_idmp_an_idempotent_producer_refuses_clearly_and_writes_nothing(redis_url: str) -> None:
+def test_without_idmp_an_idempotent_producer_is_refused_up_front_naming_redis_8_6(redis_url: str) -> None:
     async def main() -> None:
-        assert not await _idmp(redis_url), "REDIS_SERVER has XADD ... IDMP: the refusal is for servers without it"
-        async with IdempotentProducer(redis_url, STREAM, "producer-0") as producer:
+        async with Producer(redis_url, STREAM) as producer:
             with pytest.raises(IdempotenceUnsupported, match=r"no XADD \.\.\. IDMP \(Redis 8\.6 or later\)"):
-                await producer.publish("order-1", {"n": "1"})
+                await producer.idempotent("producer-0")  # before any publish
         assert await client(redis_url).exists(STREAM) == 0
 
     asyncio.run(main())

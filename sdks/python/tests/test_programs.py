@@ -88,6 +88,45 @@ def test_the_blocking_facade_shuts_down_gracefully_on_sigterm(redis_url: str) ->
     assert r.xpending(STREAM, GROUP)["pending"] == 0
 
 
+BLOCKED_SYNC_WORKER = """
+import os, time
+from pelican_worker import Outcome
+from pelican_worker.sync import Worker
+
+def handle(message):
+    print(message.id, flush=True)
+    time.sleep(60)  # blocking code that ignores the shutdown
+    return Outcome.done()
+
+stats = Worker(os.environ["REDIS_URL"], os.environ["STREAM"], os.environ["GROUP"], "sync-1", shutdown_grace=0.5).run(
+    handle
+)
+print(f"abandoned={stats.abandoned}", flush=True)
+"""
+
+
+def test_the_blocking_facade_s_process_exits_after_the_grace_though_a_handler_blocks(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    entry = r.xadd(STREAM, {"job": "a"})
+    process = _start(["-c", BLOCKED_SYNC_WORKER], _conformance_env(redis_url))
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == entry  # the handler is running
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        # The grace (0.5 s), the cancelled handlers' wait (1 s), the give-back and the interpreter's exit.
+        stdout, stderr = process.communicate(timeout=5)
+        took = time.monotonic() - signalled
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert stdout.strip() == "abandoned=1"
+    assert took < 4, took
+    [p] = r.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert (p["message_id"], p["consumer"], p["times_delivered"]) == (entry, "", 0)  # given back, uncounted
+
+
 def test_the_prometheus_adapter_exports_the_stats(redis_url: str) -> None:
     async def main() -> None:
         r = client(redis_url)
@@ -105,11 +144,18 @@ def test_the_prometheus_adapter_exports_the_stats(redis_url: str) -> None:
         register(w, registry)
         async with running(w, handle):
             await eventually(lambda: _handled(w.stats.done + w.stats.failed, 2))
-        labels = {"stream": STREAM, "group": GROUP, "consumer": CONSUMER}
-        assert registry.get_sample_value("pelican_worker_done_total", labels) == 1
-        assert registry.get_sample_value("pelican_worker_failed_total", labels) == 1
-        assert registry.get_sample_value("pelican_worker_abandoned_total", labels) == 0
-        assert registry.get_sample_value("pelican_worker_in_flight", labels) == 0
+        where = {"stream": STREAM, "group": GROUP}
+        expected = {"done": 1, "terminal": 0, "failed": 1, "retried": 0, "abandoned": 0}
+        for outcome, count in expected.items():
+            labels = {**where, "outcome": outcome}
+            assert registry.get_sample_value("pelican_worker_messages_total", labels) == count, outcome
+        assert registry.get_sample_value("pelican_worker_in_flight", where) == 0
+        # The one schema, exactly: these names, these labels, nothing else (the consumer is the target's label).
+        samples = {(s.name, tuple(sorted(s.labels))) for m in registry.collect() for s in m.samples}
+        assert samples == {
+            ("pelican_worker_messages_total", ("group", "outcome", "stream")),
+            ("pelican_worker_in_flight", ("group", "stream")),
+        }
 
     asyncio.run(main())
 
@@ -207,6 +253,22 @@ def test_the_conformance_worker_exits_with_3_at_once(redis_url: str) -> None:
         {"id": entry, "consumer": "conformance-1", "outcome": "exit", "ms": 0}
     ]
     assert r.xpending(STREAM, GROUP)["pending"] == 1  # nothing acknowledged
+
+
+def test_the_conformance_worker_exits_with_4_for_an_unknown_contract_version(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    r.hset(
+        "{jobs}:pelican:{jobs}:files:workers:settings",
+        mapping={"minIdleMs": "60000", "retryAfterMs": "5000", "contractVersion": "2"},
+    )
+    r.xadd(STREAM, {"handle": "done"})
+    process = _start(["-m", "pelican_worker.conformance"], _conformance_env(redis_url))
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 4, stderr
+    assert stdout == ""  # nothing handled
+    assert stderr.count("the operator speaks worker contract 2, this library knows 1") == 1, stderr
+    assert r.xpending(STREAM, GROUP)["pending"] == 0
 
 
 def test_the_seed_000_example(redis_url: str) -> None:

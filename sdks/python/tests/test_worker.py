@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+from typing import Any
 
 import pytest
 from helpers import CONSUMER, GROUP, STREAM, client, eventually, pending, running, worker, write_settings
 from redis.asyncio import Redis
 
 from pelican_worker import ContractVersionError, Message, Outcome, Producer, Worker
-from pelican_worker.keys import errors_key, terminal_key
+from pelican_worker._scripts import script_source
+from pelican_worker.keys import consumers_key, errors_key, terminal_key
 
 
 async def _group(r: Redis) -> None:
@@ -111,11 +115,12 @@ def test_a_failure_records_the_error_cut_at_a_character_and_is_not_read_again(re
             runs += 1
             raise ValueError("€" * 2000)
 
-        w = worker(redis_url, pel_check_interval=0.1, block=0.05)
+        await write_settings(r, min_idle_ms=300)  # a lease tick, and a look for hand-overs, every 100 ms
+        w = worker(redis_url, block=0.05)
         async with running(w, handle):
             await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry), what="the error recorded")
-            # Several hand-over passes: an entry that failed here is left to the operator's retry.
-            await asyncio.sleep(0.8)
+            # Several hand-over looks: an entry that failed here is left to the operator's retry.
+            await _lease_ticks(r, 5)
         assert runs == 1
         assert w.stats.failed == 1
         text = await Redis.from_url(redis_url).hget(errors_key(STREAM, GROUP), entry)
@@ -147,7 +152,8 @@ def test_a_failed_message_handed_back_is_handled_and_its_error_removed_with_the_
                 raise outcome
             return outcome
 
-        w = worker(redis_url, pel_check_interval=0.1)
+        await write_settings(r, min_idle_ms=300)
+        w = worker(redis_url)
         async with running(w, handle):
             await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry))
             # What `strategy: Reassign` does once the entry was idle: it hands it over (here, back) with XCLAIM.
@@ -414,10 +420,11 @@ def test_shutdown_lets_handlers_finish_within_the_grace(redis_url: str) -> None:
     asyncio.run(main())
 
 
-def test_a_hand_over_is_taken_up_with_its_count_unchanged(redis_url: str) -> None:
+def test_a_hand_over_is_taken_up_at_the_next_lease_ticks_with_its_count_unchanged(redis_url: str) -> None:
     async def main() -> None:
         r = client(redis_url)
         await _group(r)
+        await write_settings(r, min_idle_ms=600)  # a lease tick every 200 ms
         entry = await r.xadd(STREAM, {"n": "1"})
         await r.xreadgroup(GROUP, "other", {STREAM: ">"})
         handling = asyncio.Event()
@@ -427,14 +434,18 @@ def test_a_hand_over_is_taken_up_with_its_count_unchanged(redis_url: str) -> Non
             await asyncio.sleep(0.3)
             return Outcome.done()
 
-        w = worker(redis_url, pel_check_interval=0.2)
+        # An idle worker: its blocking read (5 s) is not what finds the hand-over.
+        w = worker(redis_url, block=5.0)
         async with running(w, handle):
-            await asyncio.sleep(0.3)
-            # What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted.
-            await r.xclaim(STREAM, GROUP, CONSUMER, 0, [entry])
+            await _lease_ticks(r, 2)
+            # What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted (RETRYCOUNT + 1).
+            await r.xclaim(STREAM, GROUP, CONSUMER, 0, [entry], retrycount=2)
+            handed_at = asyncio.get_running_loop().time()
             await asyncio.wait_for(handling.wait(), 5)
+            took = asyncio.get_running_loop().time() - handed_at
             [p] = await pending(r)
             await eventually(lambda: _empty(r))
+        assert took < 1.0, f"taken up {took:.2f} s after the hand-over: not at the next lease ticks (200 ms)"
         assert (p.consumer, p.deliveries) == (CONSUMER, 2)  # taken with lease.lua and XRANGE: not counted again
         assert w.stats.done == 1
 
@@ -527,5 +538,245 @@ def test_a_handler_answering_no_outcome_fails_the_message(redis_url: str) -> Non
             await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry))
         assert str(await r.hget(errors_key(STREAM, GROUP), entry)).startswith("TypeError: the handler returned None")
         assert [p.id for p in await pending(r)] == [entry]
+
+    asyncio.run(main())
+
+
+async def _heartbeat(r: Redis) -> int | None:
+    value = await r.hget(consumers_key(STREAM, GROUP), CONSUMER)
+    return None if value is None else int(value)
+
+
+async def _lease_ticks(r: Redis, count: int, within: float = 10.0) -> None:
+    """Waits until the worker's heartbeat changed ``count`` times: as many lease ticks went by."""
+    for _ in range(count):
+        before = await _heartbeat(r)
+
+        async def advanced(before: int | None = before) -> bool:
+            return (await _heartbeat(r)) not in (None, before)
+
+        await eventually(advanced, within=within, what="the next lease tick (the heartbeat advancing)")
+
+
+def test_the_heartbeat_is_written_at_every_lease_tick_also_when_idle(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=300)  # a lease tick every 100 ms
+
+        async def handle(message: Message) -> Outcome:
+            raise AssertionError("nothing to handle")
+
+        async with running(worker(redis_url), handle):
+            await eventually(lambda: _has_heartbeat(r), what="the heartbeat field")
+            first = await _heartbeat(r)
+            await _lease_ticks(r, 3)
+            last = await _heartbeat(r)
+            server_ms = (await r.time())[0] * 1000
+        assert first is not None
+        assert last is not None
+        assert last > first
+        assert abs(last - server_ms) < 5000  # the server's time in ms
+
+    asyncio.run(main())
+
+
+async def _has_heartbeat(r: Redis) -> bool:
+    return await _heartbeat(r) is not None
+
+
+def test_a_cancelled_error_the_handler_raises_is_a_failure_handled_once(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=300)  # a look for hand-overs every 100 ms
+        entry = await r.xadd(STREAM, {"n": "1"})
+        runs = 0
+
+        async def handle(message: Message) -> Outcome:
+            nonlocal runs
+            runs += 1
+            raise asyncio.CancelledError("a timeout of the handler's own")
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _exists(r, errors_key(STREAM, GROUP), entry), what="the error recorded")
+            await _lease_ticks(r, 5)
+        assert runs == 1
+        assert (w.stats.failed, w.stats.done) == (1, 0)
+        assert await r.hget(errors_key(STREAM, GROUP), entry) == "CancelledError: a timeout of the handler's own"
+        # Left pending, still this consumer's, for the operator's retry.
+        assert [(p.id, p.consumer, p.deliveries) for p in await pending(r)] == [(entry, CONSUMER, 1)]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_keyboard_interrupt_and_system_exit_are_recorded_then_stop_the_process(
+    redis_url: str, raised: type[BaseException]
+) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            raise raised("stop")
+
+        await worker(redis_url).run(handle, asyncio.Event())
+
+    with pytest.raises(raised):
+        asyncio.run(main())
+    errors = client(redis_url)
+
+    async def recorded() -> dict[Any, Any]:
+        return await errors.hgetall(errors_key(STREAM, GROUP))
+
+    assert list(asyncio.run(recorded()).values()) == [f"{raised.__name__}: stop"]
+
+
+def test_abandoned_counts_only_what_the_give_back_released(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(60)
+            return Outcome.done()
+
+        w = worker(redis_url, shutdown_grace=0.2)
+        async with running(w, handle) as task:
+            await asyncio.wait_for(started.wait(), 5)
+            # Acknowledged while its handler runs (the operator's pass dead-lettered it, say): not this worker's.
+            await r.xack(STREAM, GROUP, entry)
+        assert task.result().abandoned == 0
+        assert await pending(r) == []
+
+    asyncio.run(main())
+
+
+def test_block_below_a_millisecond_is_refused_when_the_worker_is_built(redis_url: str) -> None:
+    for block in (0, 0.0004, -1):
+        with pytest.raises(ValueError, match=r"^block must be at least 0\.001 s"):
+            worker(redis_url, block=block)
+
+
+def test_block_at_or_above_the_factory_s_socket_timeout_is_refused(redis_url: str) -> None:
+    async def main() -> None:
+        w = Worker(lambda: Redis.from_url(redis_url, socket_timeout=2.0), STREAM, GROUP, CONSUMER, block=2.0)
+
+        async def handle(message: Message) -> Outcome:
+            return Outcome.done()
+
+        stopped = asyncio.Event()
+        stopped.set()  # were it accepted, the run would end at once
+        with pytest.raises(ValueError, match=r"^block \(2\.0 s\) must be below the socket_timeout"):
+            await w.run(handle, stopped)
+
+    asyncio.run(main())
+
+
+class _LosesCancellations(Redis):
+    """A client whose lease calls take 100 ms and lose a cancellation that comes meanwhile, as a redis-py call can
+    lose one inside ``asyncio.wait_for`` on Python 3.11."""
+
+    lease_sha = hashlib.sha1(script_source("lease").encode()).hexdigest()
+    lost = 0
+    #: Set when a lease call starts.
+    leasing: asyncio.Event
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        if args[:2] != ("EVALSHA", self.lease_sha):
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        call = asyncio.ensure_future(self._slowly(*args, **options))
+        while True:
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                type(self).lost += 1
+
+    async def _slowly(self, *args: Any, **options: Any) -> Any:
+        type(self).leasing.set()
+        await asyncio.sleep(0.1)
+        return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+def test_run_returns_after_every_stop_even_when_a_cancellation_is_lost(redis_url: str, redis_port: int) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=300)  # a lease tick every 100 ms, each call 100 ms long
+
+        async def handle(message: Message) -> Outcome:
+            return Outcome.done()
+
+        for cycle in range(20):
+            source = lambda: _LosesCancellations(host="127.0.0.1", port=redis_port)  # noqa: E731
+            stop, _LosesCancellations.leasing = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(Worker(source, STREAM, GROUP, f"cycle-{cycle}", block=0.05).run(handle, stop))
+            # Stopped while a lease call is on its way: the run's end cancels the lease loop inside it.
+            await asyncio.wait_for(_LosesCancellations.leasing.wait(), 5)
+            stop.set()
+            done, _ = await asyncio.wait({task}, timeout=5)
+            assert done, f"run() did not return after stop (cycle {cycle}, {_LosesCancellations.lost} lost)"
+            task.result()
+        assert _LosesCancellations.lost > 0  # runs whose end lost the cancellation (most of them)
+
+    asyncio.run(main())
+
+
+def test_a_failure_is_one_warn_line_without_a_stack_trace_and_the_shutdown_one_info_line(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pelican_worker")
+
+    async def main() -> str:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            raise ConnectionError("the store did not answer")
+
+        w = worker(redis_url)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.failed, 1))
+        return str(entry)
+
+    entry = asyncio.run(main())
+    failures = [r for r in caplog.records if entry in r.getMessage()]
+    assert len(failures) == 1
+    [failure] = failures
+    assert failure.levelno == logging.WARNING
+    assert failure.exc_info is None  # no stack trace per message
+    assert "(ConnectionError: the store did not answer)" in failure.getMessage()
+    given = [r for r in caplog.records if r.getMessage().startswith("shutdown:")]
+    assert [(r.levelno, r.getMessage().split(" messages")[0]) for r in given] == [(logging.INFO, "shutdown: 0")]
+
+
+def test_a_handler_that_swallows_its_cancellation_at_the_grace_s_end_writes_nothing(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                return Outcome.done()  # too late: the entry is given back
+            return Outcome.done()
+
+        w = worker(redis_url, shutdown_grace=0.2)
+        async with running(w, handle) as task:
+            await asyncio.wait_for(started.wait(), 5)
+        assert (task.result().done, task.result().abandoned) == (0, 1)
+        [p] = await pending(r)
+        assert (p.id, p.consumer, p.deliveries) == (entry, "", 0)  # given back, not acknowledged
 
     asyncio.run(main())

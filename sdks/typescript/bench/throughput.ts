@@ -12,7 +12,7 @@ import { startRedis } from "../test/support/server.js";
 
 const N = Number(process.env["N"] ?? 20_000);
 const GROUP = "bench";
-const quiet = { warn: () => undefined, error: () => undefined };
+const quiet = { info: () => undefined, warn: () => undefined, error: () => undefined };
 const handle = async (): Promise<void> => undefined;
 
 let runs = 0;

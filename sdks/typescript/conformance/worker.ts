@@ -1,7 +1,8 @@
 /**
  * The conformance worker (contract/README.md, "The conformance worker"): configured by environment, its handler
  * obeys each message's `handle` (done | retry | fail | terminal:<Reason> | exit) after sleeping `ms`, and prints one
- * JSON line per handler run on stdout. Run from the repository root, once built:
+ * JSON line per handler run on stdout, and exits 4 (after its shutdown) when the operator speaks a contract version
+ * this library does not know. Run from the repository root, once built:
  *
  *   REDIS_URL=redis://127.0.0.1:6379 STREAM=jobs GROUP=workers node sdks/typescript/dist/conformance/worker.js
  *
@@ -15,6 +16,7 @@ import {
   Producer,
   PublishOutcomeUnknown,
   PublishUnavailable,
+  ContractVersionError,
   Worker,
   done,
   retry,
@@ -97,6 +99,8 @@ try {
     throw new Error(handle === "fail" ? "the message asked to fail" : `unknown handle ${JSON.stringify(handle)}`);
   });
 } catch (error) {
+  // The worker logged the version error itself.
+  if (error instanceof ContractVersionError) process.exit(4);
   console.error(`conformance worker: ${String(error)}`);
   process.exit(1);
 }

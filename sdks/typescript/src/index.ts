@@ -10,7 +10,7 @@ export {
   leaseIntervalMs,
   type WorkerSettings,
 } from "./settings.js";
-export { hashTag, settingsKey, terminalKey, errorsKey, boundsKey, rejectedKey } from "./keys.js";
+export { hashTag, settingsKey, terminalKey, errorsKey, consumersKey, boundsKey, rejectedKey } from "./keys.js";
 export { podName, type RedisTarget } from "./connection.js";
 export {
   Producer,

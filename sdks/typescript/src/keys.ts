@@ -31,6 +31,14 @@ export function errorsKey(stream: string, group: string): string {
   return `{${hashTag(stream)}}:pelican:${stream}:${group}:errors`;
 }
 
+/**
+ * `{T}:pelican:<stream>:<group>:consumers`: consumer -> its last lease tick (the server's time, ms), written by
+ * `lease.lua`: the heartbeat that tells the operator's `strategy: Reassign` the consumer is alive.
+ */
+export function consumersKey(stream: string, group: string): string {
+  return `{${hashTag(stream)}}:pelican:${stream}:${group}:consumers`;
+}
+
 /** `{T}:pelican:<stream>:bounds`: group -> `backlog.maxLength`, read by the bounded-publish scripts. */
 export function boundsKey(stream: string): string {
   return `{${hashTag(stream)}}:pelican:${stream}:bounds`;

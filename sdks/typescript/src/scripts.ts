@@ -18,7 +18,10 @@ type Call = (...args: Arg[]) => Promise<unknown>;
 
 /** A connection with the contract's scripts as commands; each takes its KEYS first, then its ARGV. */
 export interface ScriptCommands {
-  /** KEYS: stream. ARGV: group, consumer, ids. Replies the ids still this consumer's. */
+  /**
+   * KEYS: stream, the group's consumers hash. ARGV: group, consumer, ids (none: the heartbeat alone). Replies the
+   * ids still this consumer's.
+   */
   pelicanLease: Call;
   /** KEYS: stream. ARGV: group, consumer, idle ms, 1 (shutdown) | 0 (retry), ids. Replies how many. */
   pelicanGiveBack: Call;
@@ -32,7 +35,7 @@ export interface ScriptCommands {
 
 /** Each command's script text (read once) and its number of KEYS. */
 const DEFINITIONS: Record<keyof ScriptCommands, { lua: string; numberOfKeys: number }> = {
-  pelicanLease: { lua: load("lease.lua"), numberOfKeys: 1 },
+  pelicanLease: { lua: load("lease.lua"), numberOfKeys: 2 },
   pelicanGiveBack: { lua: load("give_back.lua"), numberOfKeys: 1 },
   pelicanTerminalAck: { lua: load("terminal_ack.lua"), numberOfKeys: 3 },
   pelicanBoundedPublish: { lua: load("bounded_publish.lua"), numberOfKeys: 3 },

@@ -20,7 +20,8 @@ export interface WorkerSettings {
 /** The operator speaks a contract version this library does not know. */
 export class ContractVersionError extends Error {
   override readonly name = "ContractVersionError";
-  constructor(readonly operatorVersion: number) {
+  /** `contractVersion` as the operator wrote it (`2`, or `2.0`: only digits are a version this library may know). */
+  constructor(readonly operatorVersion: string) {
     super(
       `the operator speaks worker contract ${operatorVersion}, this library knows ` +
         `${KNOWN_CONTRACT_VERSIONS.join(", ")}: upgrade the library (@pelican-io/worker)`,
@@ -29,15 +30,21 @@ export class ContractVersionError extends Error {
 }
 
 /**
- * Reads an `HGETALL` reply field by field, by name. A field that is missing or not a decimal number is left out,
- * so each use falls back on its own default (see `leaseIntervalMs`, `UNPUBLISHED_IDLE_MS`).
+ * Reads an `HGETALL` reply field by field, by name. The contract version first, on its own: only ASCII digits are
+ * a version, and one this library does not know throws a `ContractVersionError` whatever the other fields hold
+ * (without the field: version 1). Any other field that is missing or not a decimal number is left out, so each use
+ * falls back on its own default (see `leaseIntervalMs`, `UNPUBLISHED_IDLE_MS`).
  */
 export function parseSettings(hash: Record<string, string>): WorkerSettings {
+  const version = hash["contractVersion"];
+  if (version !== undefined && !(/^\d+$/.test(version) && KNOWN_CONTRACT_VERSIONS.includes(Number(version)))) {
+    throw new ContractVersionError(version);
+  }
   const number = (name: string): number | undefined => {
     const text = hash[name];
     return text !== undefined && /^\d+$/.test(text) ? Number(text) : undefined;
   };
-  const settings: WorkerSettings = { contractVersion: number("contractVersion") ?? 1 };
+  const settings: WorkerSettings = { contractVersion: version === undefined ? 1 : Number(version) };
   const minIdleMs = number("minIdleMs");
   const retryAfterMs = number("retryAfterMs");
   const maxDeliveries = number("maxDeliveries");
@@ -45,13 +52,6 @@ export function parseSettings(hash: Record<string, string>): WorkerSettings {
   if (retryAfterMs !== undefined) settings.retryAfterMs = retryAfterMs;
   if (maxDeliveries !== undefined) settings.maxDeliveries = maxDeliveries;
   return settings;
-}
-
-/** Throws a `ContractVersionError` when the operator speaks a version this library does not know. */
-export function checkContractVersion(settings: WorkerSettings): void {
-  if (!KNOWN_CONTRACT_VERSIONS.includes(settings.contractVersion)) {
-    throw new ContractVersionError(settings.contractVersion);
-  }
 }
 
 /**

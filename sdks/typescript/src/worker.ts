@@ -1,21 +1,20 @@
 /**
  * The worker: the dispatch layer of an application consumer (contract/README.md, "The worker's loop"). It reads
- * its own PEL first, then new entries, runs at most `concurrency` handlers, holds a lease on every entry in flight,
- * takes up hand-overs, gives back on shutdown, and is the only place that acknowledges.
+ * its own PEL first, then new entries, runs at most `concurrency` handlers; at every lease tick it holds a lease on
+ * every entry in flight (the same call is its heartbeat) and takes up hand-overs; it gives back on shutdown, and is
+ * the only place that acknowledges.
  */
 import { setTimeout as sleep } from "node:timers/promises";
 import type { Redis } from "ioredis";
 
 import { connect, errorText, isReplyError, podName, type RedisTarget } from "./connection.js";
-import { DELIVERIES_FIELD, ERROR_TEXT_MAX, errorsKey, settingsKey, terminalKey } from "./keys.js";
+import { DELIVERIES_FIELD, ERROR_TEXT_MAX, consumersKey, errorsKey, settingsKey, terminalKey } from "./keys.js";
 import { Message } from "./message.js";
 import { checkOutcome, type Outcome } from "./outcome.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
 import {
   ContractVersionError,
-  KNOWN_CONTRACT_VERSIONS,
   UNPUBLISHED_IDLE_MS,
-  checkContractVersion,
   leaseIntervalMs,
   parseSettings,
   type WorkerSettings,
@@ -30,19 +29,22 @@ export interface WorkerOptions {
   consumer?: string;
   /** Handlers running at once. Default 16. */
   concurrency?: number;
-  /** How long one read waits for new entries. Default 1,000 ms. */
+  /**
+   * How long one read waits for new entries, in whole milliseconds: at least 1 (`BLOCK 0` waits for ever on the
+   * server); the reader's own timeout is 10 s above it. Default 1,000 ms.
+   */
   blockMs?: number;
   /** On shutdown, how long handlers may still run before their messages are given back. Default 20,000 ms. */
   shutdownGraceMs?: number;
-  /** How often the own PEL is looked at for hand-overs. Default 30,000 ms (below the operator's 60 s grace). */
-  pelCheckIntervalMs?: number;
   /** How long a message's lease is extended; past it the pass may retry the message. Default 30 minutes. */
   maxHandlingMs?: number;
-  /** Where warnings go. Default: stderr (stdout stays the application's). */
+  /** Where the worker's log lines go. Default: one line per event on stderr (stdout stays the application's). */
   logger?: Logger;
 }
 
+/** One call per event; `fields` are the event's details (stream, group, consumer, entryId, error, ...). */
 export interface Logger {
+  info(message: string, fields?: Record<string, unknown>): void;
   warn(message: string, fields?: Record<string, unknown>): void;
   error(message: string, fields?: Record<string, unknown>): void;
 }
@@ -55,7 +57,10 @@ export interface HandlerContext {
   readonly signal: AbortSignal;
 }
 
-/** Resolves to the message's outcome; a thrown error or a rejection is a failure (no ACK, error recorded). */
+/**
+ * Resolves to the message's outcome. Whatever it throws or rejects with (an `Error` or any other value, whose text
+ * is then `String(value)`) is a failure: no ACK, the error recorded, the worker goes on.
+ */
 export type Handler = (message: Message, context: HandlerContext) => Promise<Outcome>;
 
 export interface RunOptions {
@@ -81,6 +86,8 @@ const ID_BATCH = 100;
 const ERRORS_REMEMBERED = 10_000;
 /** How much shorter than the time since it failed here an entry's idle must be for it to count as handed back. */
 const HAND_OVER_MARGIN_MS = 1000;
+/** How much longer than `blockMs` the reader waits for a blocking read's reply. */
+const READ_TIMEOUT_OVER_BLOCK_MS = 10_000;
 
 /** Why a handler's signal is aborted. */
 const GIVEN_BACK = "the shutdown grace ran out: the message was given back";
@@ -100,9 +107,22 @@ interface InFlight {
   overdue: boolean;
 }
 
+/**
+ * One line: the level, the message, then each field as `key=value`, the value quoted as JSON when it is empty or
+ * holds a space, a quote, an `=` or a line break (a failure's text may hold any of them).
+ */
+export function logLine(level: string, message: string, fields: Record<string, unknown> = {}): string {
+  const parts = Object.entries(fields).map(([key, value]) => {
+    const text = typeof value === "string" ? value : (JSON.stringify(value) ?? String(value));
+    return `${key}=${/^[^\s"=]+$/.test(text) ? text : JSON.stringify(text)}`;
+  });
+  return [`pelican worker ${level}: ${message}`, ...parts].join(" ");
+}
+
 const stderrLogger: Logger = {
-  warn: (message, fields) => console.warn(`pelican worker: ${message}`, fields ?? ""),
-  error: (message, fields) => console.error(`pelican worker: ${message}`, fields ?? ""),
+  info: (message, fields) => process.stderr.write(`${logLine("INFO", message, fields)}\n`),
+  warn: (message, fields) => process.stderr.write(`${logLine("WARN", message, fields)}\n`),
+  error: (message, fields) => process.stderr.write(`${logLine("ERROR", message, fields)}\n`),
 };
 
 export class Worker {
@@ -113,12 +133,21 @@ export class Worker {
   private readonly concurrency: number;
   private readonly blockMs: number;
   private readonly shutdownGraceMs: number;
-  private readonly pelCheckIntervalMs: number;
   private readonly maxHandlingMs: number;
   private readonly log: Logger;
 
   private readonly counters = { done: 0, terminal: 0, failed: 0, retried: 0, abandoned: 0 };
   private readonly inFlight = new Map<string, InFlight>();
+  /**
+   * Entries delivered to this consumer that wait for a free slot (a read and a hand-over came back together):
+   * leased meanwhile, given back on shutdown.
+   */
+  private readonly queued = new Map<string, Message>();
+  /** The own PEL was read to its end (entries delivered to this name before a restart): hand-overs from now on. */
+  private ownPelRead = false;
+  private handler: Handler | undefined;
+  /** An unknown contract version met at a lease tick: the worker shuts down, then `run` rejects with it. */
+  private fatal: ContractVersionError | undefined;
   /** Entries whose handler failed (or asked for a retry) here, with when: the pass retries them, never this worker. */
   private readonly failedHere = new Map<string, number>();
   /** Entries whose last error this worker recorded: the field goes with their ACK. */
@@ -132,7 +161,7 @@ export class Worker {
   private leaseTimer: NodeJS.Timeout | undefined;
   /** Wakes the read loop when a handler finishes or the worker stops. */
   private wake: (() => void) | undefined;
-  /** Said once each: a contract version met at a lease tick, a settings read refused. */
+  /** Said once each: a settings read refused, a settings read failed. */
   private readonly said = new Set<string>();
   /** The connections are closing: no lease is scheduled any more. */
   private closed = false;
@@ -144,17 +173,23 @@ export class Worker {
     this.consumer = options.consumer || podName();
     this.concurrency = Math.max(1, options.concurrency ?? 16);
     this.blockMs = options.blockMs ?? 1000;
+    if (!Number.isInteger(this.blockMs) || this.blockMs < 1) {
+      throw new RangeError(
+        `blockMs must be a whole number of milliseconds, at least 1 (BLOCK 0 waits for ever on the server); ` +
+          `got ${this.blockMs}`,
+      );
+    }
     this.shutdownGraceMs = options.shutdownGraceMs ?? 20_000;
-    this.pelCheckIntervalMs = options.pelCheckIntervalMs ?? 30_000;
     this.maxHandlingMs = options.maxHandlingMs ?? 30 * 60 * 1000;
     this.log = options.logger ?? stderrLogger;
   }
 
   /**
    * Runs until `stop()` (or `signal`): then stops reading, lets handlers finish within the grace, gives back what
-   * is left, closes its connections and resolves with the stats. Rejects with a `ContractVersionError` before
-   * reading anything when the operator speaks a contract version this library does not know. Read errors do not
-   * stop the worker: they are logged and retried.
+   * is left, closes its connections and resolves with the stats. Rejects with a `ContractVersionError` when the
+   * operator speaks a contract version this library does not know: before reading anything when it is there at
+   * the start, after a graceful shutdown (as on `stop()`) when a lease tick meets it. Read errors do not stop the
+   * worker: they are logged and retried.
    */
   run(handler: Handler, options: RunOptions = {}): Promise<WorkerStats> {
     if (this.running) throw new Error("this worker already ran: create a new Worker");
@@ -166,13 +201,17 @@ export class Worker {
     return this.running;
   }
 
-  /** Asks the worker to shut down; resolves as `run()` does, once the shutdown is complete. */
+  /** Asks the worker to shut down; resolves (or rejects) as `run()` does, once the shutdown is complete. */
   stop(): Promise<WorkerStats> {
+    this.requestStop();
+    return this.running ?? Promise.resolve(this.stats());
+  }
+
+  private requestStop(): void {
     if (!this.stopping.signal.aborted) {
       this.stopping.abort();
       this.wake?.();
     }
-    return this.running ?? Promise.resolve(this.stats());
   }
 
   /**
@@ -199,7 +238,7 @@ export class Worker {
     // The reader's timeout covers a blocking read. A read cut by a lost connection is not resent: the loop
     // decides what to read next (entries whose reply was lost are in the own PEL, taken up as hand-overs).
     const reader = connect(this.target, {
-      commandTimeout: this.blockMs + 10_000,
+      commandTimeout: this.blockMs + READ_TIMEOUT_OVER_BLOCK_MS,
       autoResendUnfulfilledCommands: false,
       enableReadyCheck: false,
     });
@@ -210,6 +249,7 @@ export class Worker {
     this.writer = writer;
     this.logConnectionErrors(reader, "reader");
     this.logConnectionErrors(writer, "writer");
+    this.handler = handler;
     try {
       if (await this.startUp()) {
         this.scheduleLease();
@@ -222,6 +262,7 @@ export class Worker {
       reader.disconnect();
       await writer.quit().catch(() => writer.disconnect());
     }
+    if (this.fatal) throw this.fatal;
     return this.stats();
   }
 
@@ -240,10 +281,13 @@ export class Worker {
     let wait = 1000;
     while (!this.stopRequested) {
       try {
-        await this.readSettings(true);
+        await this.readSettings();
         return true;
       } catch (error) {
-        if (error instanceof ContractVersionError) throw error;
+        if (error instanceof ContractVersionError) {
+          this.log.error(error.message, this.where());
+          throw error;
+        }
         this.log.warn("could not read the group's settings; retrying", { ...this.where(), error: errorText(error) });
         await this.pause(wait);
         wait = Math.min(wait * 2, 10_000);
@@ -254,10 +298,9 @@ export class Worker {
 
   /**
    * Reads the group's settings. A refusal (an ACL without `hgetall` on the key) leaves the worker without them:
-   * it leases every second. At start (`starting`) an unknown contract version throws; at a lease tick it is said
-   * once and the last settings stay (the worker already runs).
+   * it leases every second. An unknown contract version throws a `ContractVersionError`.
    */
-  private async readSettings(starting: boolean): Promise<void> {
+  private async readSettings(): Promise<void> {
     let hash: Record<string, string>;
     try {
       hash = await this.writerConn().hgetall(settingsKey(this.stream, this.group));
@@ -266,40 +309,37 @@ export class Worker {
       this.sayOnce("settings refused", "the group's settings cannot be read: leasing every second", error);
       return;
     }
-    const settings = parseSettings(hash);
-    if (starting) checkContractVersion(settings);
-    else if (!KNOWN_CONTRACT_VERSIONS.includes(settings.contractVersion)) {
-      this.sayOnce("contract", new ContractVersionError(settings.contractVersion).message + "; running on", null);
-      return;
-    }
-    this.settings = settings;
+    this.settings = parseSettings(hash);
   }
 
   private sayOnce(key: string, message: string, error: unknown): void {
     if (this.said.has(key)) return;
     this.said.add(key);
-    this.log.warn(message, error === null ? this.where() : { ...this.where(), error: errorText(error) });
+    this.log.warn(message, { ...this.where(), error: errorText(error) });
   }
 
   private async readLoop(handler: Handler): Promise<void> {
     // Our own PEL first (entries delivered to this name before a restart), then new entries.
     let cursor: string | undefined = "0";
-    let nextPelCheck = Date.now() + this.pelCheckIntervalMs;
     let waitingForGroup = false;
     let groupWait = 1000;
     while (!this.stopRequested) {
       await this.freeSlot();
       if (this.stopRequested) break;
-      const free = this.concurrency - this.inFlight.size;
+      for (const [id, message] of this.queued) {
+        if (this.inFlight.size >= this.concurrency) break;
+        this.queued.delete(id);
+        this.start(message, handler);
+      }
+      const free = this.concurrency - this.inFlight.size - this.queued.size;
+      if (free <= 0) continue;
       let messages: Message[];
       try {
         if (cursor !== undefined) {
           const read = await this.readEntries(free, cursor);
           cursor = read.last;
           messages = read.messages;
-        } else if (Date.now() >= nextPelCheck) {
-          nextPelCheck = Date.now() + this.pelCheckIntervalMs;
-          messages = await this.takeHandedOver(free);
+          this.ownPelRead = cursor === undefined;
         } else {
           messages = (await this.readEntries(free, ">")).messages;
         }
@@ -324,13 +364,19 @@ export class Worker {
       if (waitingForGroup) this.log.warn("the consumer group exists now: reading", this.where());
       waitingForGroup = false;
       groupWait = 1000;
-      if (this.stopRequested) {
-        // Delivered by the read in flight when the stop came (awaited: the server delivers to this consumer
-        // whatever becomes of the call): never started, so given back for the next pass.
-        if (messages.length > 0) await this.giveBackOnShutdown(messages.map((m) => m.id));
-        break;
-      }
-      for (const message of messages) this.start(message, handler);
+      // Delivered by a read in flight when the stop came (awaited: the server delivers to this consumer whatever
+      // becomes of the call) are queued, never started, and given back on shutdown.
+      this.handOut(messages, handler);
+    }
+  }
+
+  /** Starts a handler for each message while slots are free (and the worker runs), and queues the rest. */
+  private handOut(messages: readonly Message[], handler: Handler): void {
+    for (const message of messages) {
+      // A hand-over and a read that brought the same entry: handled once.
+      if (this.inFlight.has(message.id) || this.queued.has(message.id)) continue;
+      if (this.inFlight.size < this.concurrency && !this.stopRequested) this.start(message, handler);
+      else this.queued.set(message.id, message);
     }
   }
 
@@ -370,20 +416,36 @@ export class Worker {
   }
 
   /**
-   * Up to `count` entries of the own PEL that are neither in flight nor failed here: handed over by the operator
+   * Takes up as many hand-overs as slots are free and starts their handlers; the rest at the next tick. Not before
+   * the own PEL was read to its end (that read brings them) nor after the stop.
+   */
+  private async takeUp(): Promise<void> {
+    const free = this.concurrency - this.inFlight.size - this.queued.size;
+    if (free <= 0 || !this.ownPelRead || this.stopRequested || !this.handler) return;
+    try {
+      this.handOut(await this.takeHandedOver(free), this.handler);
+    } catch (error) {
+      this.log.warn("could not take up hand-overs; retrying at the next tick", {
+        ...this.where(),
+        error: errorText(error),
+      });
+    }
+  }
+
+  /**
+   * Up to `count` entries of the own PEL (its first 100) that are neither in flight nor failed here: handed over by the operator
    * (`strategy: Reassign`). An entry that failed here counts as handed back only when its idle time is shorter
    * than the time since it failed (less a second): a hand-over reset it. Each is taken with `lease.lua` (never a
    * plain XCLAIM, which would take back what the pass gave someone else meanwhile) and read with `XRANGE`.
    */
   private async takeHandedOver(count: number): Promise<Message[]> {
     const writer = this.writerConn();
-    const asked = count + this.inFlight.size + this.failedHere.size;
     // Taken before the server measures idle times: an entry untouched since it failed has been idle this long.
     const askedAt = Date.now();
     const pending = parsePending(
-      await writer.call("XPENDING", this.stream, this.group, "-", "+", asked, this.consumer),
+      await writer.call("XPENDING", this.stream, this.group, "-", "+", ID_BATCH, this.consumer),
     );
-    if (pending.length < asked) {
+    if (pending.length < ID_BATCH) {
       // The whole own PEL: what failed here and left it (requeued, reassigned, dead-lettered) is forgotten.
       const listed = new Set(pending.map(({ id }) => id));
       for (const id of this.failedHere.keys()) if (!listed.has(id)) this.failedHere.delete(id);
@@ -393,14 +455,14 @@ export class Worker {
       return failedAt === undefined || idleMs + HAND_OVER_MARGIN_MS <= askedAt - failedAt;
     };
     const candidates = pending
-      .filter(({ id, idleMs }) => !this.inFlight.has(id) && handedBack(id, idleMs))
+      .filter(({ id, idleMs }) => !this.inFlight.has(id) && !this.queued.has(id) && handedBack(id, idleMs))
       .slice(0, count)
       .map(({ id }) => id);
     if (candidates.length === 0) return [];
     for (const id of candidates) this.failedHere.delete(id);
     const taken: string[] = [];
     for (const chunk of chunks(candidates, ID_BATCH)) {
-      taken.push(...parseIds(await writer.pelicanLease(this.stream, this.group, this.consumer, ...chunk)));
+      taken.push(...parseIds(await this.lease(chunk)));
     }
     if (taken.length === 0) return [];
     const pipeline = writer.pipeline();
@@ -558,18 +620,25 @@ export class Worker {
   }
 
   /**
-   * One lease tick: re-read the settings (a lowered `minIdle` is leased at its new pace before it counts), then
-   * extend every entry in flight for less than `maxHandlingMs`. An entry handled longer is no longer extended,
-   * said once.
+   * One lease tick: re-read the settings (a lowered `minIdle` is leased at its new pace before it counts), extend
+   * every entry in flight for less than `maxHandlingMs` (the call is the worker's heartbeat, made also with no
+   * ids), then take up the hand-overs. An entry handled longer is no longer extended, said once. An unknown
+   * contract version shuts the worker down, as `stop()` does, and `run` then rejects with it.
    */
   private async leaseTick(): Promise<void> {
     try {
-      await this.readSettings(false);
+      await this.readSettings();
     } catch (error) {
-      this.sayOnce("settings", "could not re-read the group's settings; the last ones stay", error);
+      if (!(error instanceof ContractVersionError)) {
+        this.sayOnce("settings", "could not re-read the group's settings; the last ones stay", error);
+      } else if (!this.fatal) {
+        this.fatal = error;
+        this.log.error(`${error.message}; shutting down`, this.where());
+        this.requestStop();
+      }
     }
     const now = Date.now();
-    const ids: string[] = [];
+    const ids: string[] = [...this.queued.keys()];
     for (const [id, entry] of this.inFlight) {
       // A settled entry's outcome is being written: a lease after its give-back would undo the give-back's idle.
       if (entry.settled) continue;
@@ -583,11 +652,9 @@ export class Worker {
         );
       }
     }
-    for (const chunk of chunks(ids, ID_BATCH)) {
+    for (const chunk of ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]) {
       try {
-        const kept = new Set(
-          parseIds(await this.writerConn().pelicanLease(this.stream, this.group, this.consumer, ...chunk)),
-        );
+        const kept = new Set(parseIds(await this.lease(chunk)));
         for (const id of chunk) {
           const entry = this.inFlight.get(id);
           // Not ours any more while its handler runs: the pass took it (the handler may be slower than a lowered
@@ -606,6 +673,13 @@ export class Worker {
         });
       }
     }
+    await this.takeUp();
+  }
+
+  /** `lease.lua` for `ids` (at most 100; none: the heartbeat alone); replies the ids still this consumer's. */
+  private lease(ids: readonly string[]): Promise<unknown> {
+    const consumers = consumersKey(this.stream, this.group);
+    return this.writerConn().pelicanLease(this.stream, consumers, this.group, this.consumer, ...ids);
   }
 
   /**
@@ -621,7 +695,9 @@ export class Worker {
     const allFinished = Promise.all([...this.inFlight.values()].map((e) => e.finished)).then(() => false);
     const cut = await Promise.race([allFinished, graceOver]);
     clearTimeout(timer);
-    const left: string[] = [];
+    // Read (or handed over) and never started: given back with what the grace cut off.
+    const left: string[] = [...this.queued.keys()];
+    this.queued.clear();
     const writing: Promise<void>[] = [];
     for (const [id, entry] of cut ? this.inFlight : []) {
       if (entry.settled) {
@@ -646,20 +722,19 @@ export class Worker {
    * with no ids when nothing is left), so `strategy: Reassign` never hands work to a worker that left.
    */
   private async giveBackOnShutdown(ids: string[]): Promise<void> {
-    this.counters.abandoned += ids.length;
     const idleMs = this.settings?.retryAfterMs ?? UNPUBLISHED_IDLE_MS;
     try {
-      let given = 0;
       for (const chunk of ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]) {
-        given += Number(
-          await this.writerConn().pelicanGiveBack(this.stream, this.group, this.consumer, idleMs, 1, ...chunk),
+        const given = await this.writerConn().pelicanGiveBack(
+          this.stream,
+          this.group,
+          this.consumer,
+          idleMs,
+          1,
+          ...chunk,
         );
-      }
-      if (ids.length > 0) {
-        this.log.warn("shutdown: messages not handled were given back for the next pass, their delivery not counted", {
-          ...this.where(),
-          given,
-        });
+        // Only what the give-back released: an entry acknowledged (or taken by the pass) meanwhile was not.
+        this.counters.abandoned += Number(given);
       }
     } catch (error) {
       this.log.warn("shutdown: could not give back (and leave the group): what is left is retried after minIdle", {
@@ -668,6 +743,10 @@ export class Worker {
         error: errorText(error),
       });
     }
+    this.log.info("shutdown: messages given back for the next pass, their delivery not counted", {
+      ...this.where(),
+      given: this.counters.abandoned,
+    });
   }
 
   private errorsKey(): string {

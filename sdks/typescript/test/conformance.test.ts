@@ -8,7 +8,7 @@ import { errorsKey, terminalKey } from "../src/index.js";
 import { createGroup, freshStream, pending, waitFor } from "./support/helpers.js";
 import { startRedis, type RedisServer } from "./support/server.js";
 
-const repositoryRoot = fileURLToPath(new URL("../../../../", import.meta.url));
+const program = fileURLToPath(new URL("../conformance/worker.js", import.meta.url));
 const group = "conformance";
 
 let server: RedisServer;
@@ -26,8 +26,7 @@ function startWorker(
   stream: string,
   consumer: string,
 ): { child: ChildProcess; lines: Line[]; exited: Promise<number | null> } {
-  const child = spawn("node", ["sdks/typescript/dist/conformance/worker.js"], {
-    cwd: repositoryRoot,
+  const child = spawn(process.execPath, [program], {
     env: {
       ...process.env,
       REDIS_URL: server.url,
@@ -93,4 +92,15 @@ test("exit: the line is printed, then the process exits 3 at once, the message l
     (await pending(admin, stream, group)).map((e) => [e.id, e.consumer]),
     [[id, "c2"]],
   );
+});
+
+test("an operator speaking an unknown contract version: the process exits 4, nothing handled", async () => {
+  const admin = server.admin;
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { minIdleMs: 60_000, retryAfterMs: 45_000, contractVersion: 2 });
+  await admin.xadd(stream, "*", "handle", "done", "ms", "0");
+  const { lines, exited } = startWorker(stream, "c3");
+  assert.equal(await exited, 4);
+  assert.deepEqual(lines, []);
+  assert.deepEqual(await pending(admin, stream, group), []);
 });

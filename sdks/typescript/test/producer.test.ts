@@ -137,11 +137,16 @@ test("no server listening: unavailable at once, nothing queued to be sent later"
   assert.ok(error instanceof PublishUnavailable, String(error));
 });
 
-test("under the contract's producer ACL (examples/acl/producer.acl): publish, refusal, IDMP detection", async () => {
+test("under the contract's producer ACL (examples/acl/producer.acl): publish, refusal, IDMP detection", async (t) => {
   const stream = freshStream();
   await createGroup(admin, stream, "billing");
   await admin.hset(boundsKey(stream), "billing", 1);
-  const producer = new Producer({ redis: await aclUser(admin, server.url, "producer.acl", stream), stream });
+  const url = await aclUser(admin, server.url, "producer.acl", stream);
+  if (url === undefined) {
+    t.skip("not inside the Pelican repository: no examples/acl to test against");
+    return;
+  }
+  const producer = new Producer({ redis: url, stream });
   await producer.publish({ n: "1" });
   await assert.rejects(producer.publish({ n: "2" }), PublishRefused);
   await admin.hset(boundsKey(stream), "billing", 10);

@@ -23,7 +23,6 @@ import {
 } from "../src/index.js";
 import { checkOutcome } from "../src/outcome.js";
 import { classify, commandTokens } from "../src/producer.js";
-import { checkContractVersion } from "../src/settings.js";
 import { cutUtf8 } from "../src/worker.js";
 
 test("the hash tag is the first non-empty {...}, else the whole name", () => {
@@ -51,15 +50,26 @@ test("settings are parsed by field name; a missing contractVersion is 1", () => 
 });
 
 test("an unknown contract version is refused with both versions and what to do", () => {
-  checkContractVersion(parseSettings({ contractVersion: "1" }));
+  assert.equal(parseSettings({ contractVersion: "1" }).contractVersion, 1);
   assert.throws(
-    () => checkContractVersion(parseSettings({ contractVersion: "2" })),
+    () => parseSettings({ contractVersion: "2" }),
     (error: unknown) =>
       error instanceof ContractVersionError &&
-      error.operatorVersion === 2 &&
+      error.operatorVersion === "2" &&
       error.message ===
         "the operator speaks worker contract 2, this library knows 1: upgrade the library " + "(@pelican-io/worker)",
   );
+});
+
+test("only ASCII digits are a version, read first, before any other field", () => {
+  for (const version of ["2.0", " 1", "1x", "", "0x1", "1.0"]) {
+    assert.throws(
+      // The other fields unreadable: the version is what the error names all the same.
+      () => parseSettings({ minIdleMs: "soon", retryAfterMs: "-", contractVersion: version }),
+      (error: unknown) => error instanceof ContractVersionError && error.operatorVersion === version,
+      JSON.stringify(version),
+    );
+  }
 });
 
 test("leases tick at min(minIdle / 3, 10 s), at least every 100 ms, every second without settings", () => {

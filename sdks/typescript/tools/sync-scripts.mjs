@@ -1,5 +1,5 @@
-// Copies the contract's scripts into this package, byte for byte: the package ships them (`files`), and
-// test/scripts.test.ts fails when a copy differs from ../../contract/scripts.
+// Copies the contract's scripts and VERSION into this package, byte for byte: the package ships them (`files`),
+// and test/scripts.test.ts fails inside the repository when a copy differs from ../../contract.
 import { copyFileSync, readdirSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 
@@ -11,3 +11,8 @@ for (const name of readdirSync(from)
   copyFileSync(from + name, to + name);
   console.log(`scripts/${name}`);
 }
+copyFileSync(
+  fileURLToPath(new URL("../../../contract/VERSION", import.meta.url)),
+  fileURLToPath(new URL("../CONTRACT_VERSION", import.meta.url)),
+);
+console.log("CONTRACT_VERSION");
