@@ -12,12 +12,14 @@
 -- requeued, dead-lettered or handed to another consumer by the operator's pass) and was left alone.
 -- Invariant: the delivery count of every entry stays as it was (XCLAIM ... JUSTID without RETRYCOUNT); only the
 -- consumer's own pending entries are touched, so a lease never takes back what the pass gave to someone else. The
--- heartbeat is written with pcall: an ACL written before it existed refuses it, and the leases still hold (the pass
--- then sees no live consumer and requeues instead of handing over). One HSET, then one XPENDING and one XCLAIM per
+-- heartbeat (TIME, then HSET) is written with pcall: an ACL written before it existed refuses it, and the leases
+-- still hold (the pass then sees no live consumer and requeues instead of handing over). One HSET, then one XPENDING and one XCLAIM per
 -- id: a call costs what its ids cost.
 local stream, heartbeats, group, consumer = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
-local now = redis.call('TIME')
-redis.pcall('HSET', heartbeats, consumer, string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
+local now = redis.pcall('TIME')
+if now[1] then
+  redis.pcall('HSET', heartbeats, consumer, string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
+end
 local extended = {}
 for i = 3, #ARGV do
   local id = ARGV[i]
