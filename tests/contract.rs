@@ -51,3 +51,18 @@ fn every_library_carries_the_contracts_scripts_byte_for_byte() {
         }
     }
 }
+
+/// The libraries that ship the contract's version as a file of their own (so that a copy of the library outside the
+/// repository still knows it) ship the contract folder's.
+#[test]
+fn every_packaged_contract_version_is_the_contracts() {
+    let version = std::fs::read_to_string(Path::new(ROOT).join("contract/VERSION")).unwrap();
+    for copy in ["sdks/python/pelican_worker/CONTRACT_VERSION", "sdks/typescript/CONTRACT_VERSION"] {
+        let packaged = std::fs::read_to_string(Path::new(ROOT).join(copy)).unwrap_or_else(|e| panic!("{copy}: {e}"));
+        assert_eq!(
+            packaged.trim(),
+            version.trim(),
+            "{copy} differs from contract/VERSION: copy the contract's file over it"
+        );
+    }
+}
