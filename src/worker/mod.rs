@@ -226,8 +226,6 @@ struct Counters {
     /// Entries whose handler failed here and that stay pending, with when: the operator's pass retries them, never
     /// this worker.
     failed_here: Mutex<HashMap<String, Instant>>,
-    /// The contract the settings named when the worker stopped by itself for it.
-    unknown_contract: Mutex<Option<UnknownContract>>,
 }
 
 pub struct Worker {
@@ -332,7 +330,8 @@ impl Worker {
         let permits = Arc::new(Semaphore::new(self.config.concurrency.max(1)));
         let in_flight = self.in_flight.clone();
         // Set by the lease loop when the settings name a contract this SDK does not know: the worker shuts down.
-        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let (stop_tx, stopped_by) = watch::channel(None::<UnknownContract>);
+        let mut stop_rx = stopped_by.clone();
         // On the writer's connection: a lease sent before a give-back is served before it.
         let leases = tokio::spawn(hold_leases(
             self.config.clone(),
@@ -352,7 +351,7 @@ impl Worker {
         let shutdown = async move {
             tokio::select! {
                 _ = shutdown => {}
-                _ = stop_rx.wait_for(|stop| *stop) => {}
+                _ = stop_rx.wait_for(Option::is_some) => {}
             }
         };
         let mut shutdown = std::pin::pin!(shutdown);
@@ -456,7 +455,8 @@ impl Worker {
         let abandoned = self.give_back_and_leave(&left, &counters).await;
         counters.abandoned.store(abandoned, Ordering::Relaxed);
         let stats = self.live_stats().snapshot();
-        match counters.unknown_contract.lock().expect("contract lock").take() {
+        let unknown = stopped_by.borrow().clone();
+        match unknown {
             Some(unknown) => Err(ContractStop { unknown, stats }),
             None => Ok(stats),
         }
@@ -626,7 +626,7 @@ async fn hold_leases(
     writers: watch::Receiver<Connection>,
     in_flight: InFlight,
     counters: Arc<Counters>,
-    stop: watch::Sender<bool>,
+    stop: watch::Sender<Option<UnknownContract>>,
 ) {
     let mut overdue = HashSet::<String>::new();
     let (stream, group) = (&config.stream, &config.group);
@@ -636,11 +636,10 @@ async fn hold_leases(
         let mut conn = writers.borrow().clone();
         // Before the lease: a lowered minIdle is followed from this tick on.
         if let Err(unknown) = refresh_settings(&mut conn, &config, &counters).await
-            && !*stop.borrow()
+            && stop.borrow().is_none()
         {
             error!(%stream, %group, "{unknown}; shutting down");
-            *counters.unknown_contract.lock().expect("contract lock") = Some(unknown);
-            stop.send_replace(true);
+            stop.send_replace(Some(unknown));
         }
         let now = Instant::now();
         let ids: Vec<String> = {
