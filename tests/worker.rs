@@ -619,14 +619,17 @@ fn an_idle_worker_beats_its_heart_at_every_lease_tick(flavor: Flavor) {
     assert!(beats.len() >= 4, "heartbeats seen: {beats:?}\n{logs}");
 }
 
-/// Issue 65.8: the Rust worker's counts were known only once `run` returned; an exporter reads them while it runs.
+/// Issue 65.8 and 65.11: the Rust worker's counts were known only once `run` returned, and it exported no metrics;
+/// an exporter reads them while it runs, under the libraries' one schema.
 fn live_stats_show_what_a_running_worker_does(flavor: Flavor) {
     let server = Server::start(flavor);
     setup(&server, &["job-1", "job-2"]);
-    let (seen, stats) = runtime().block_on(async {
+    let (seen, stats, scrape) = runtime().block_on(async {
         let client = redis::Client::open(server.url()).unwrap();
         let worker = Worker::connect(&client, config()).await.unwrap();
         let live = worker.live_stats();
+        let mut registry = prometheus_client::registry::Registry::default();
+        pelican::worker::metrics::register(&mut registry, &worker);
         let handler = |m: Message| async move {
             tokio::time::sleep(Duration::from_millis(if m.field_str("job_id") == Some("job-1") { 100 } else { 1500 }))
                 .await;
@@ -641,8 +644,18 @@ fn live_stats_show_what_a_running_worker_does(flavor: Flavor) {
             seen
         };
         let (stats, seen) = tokio::join!(worker.run(handler, tokio::time::sleep(Duration::from_secs(3))), watch);
-        (seen, stats.unwrap())
+        let mut scrape = String::new();
+        prometheus_client::encoding::text::encode(&mut scrape, &registry).unwrap();
+        (seen, stats.unwrap(), scrape)
     });
     assert!(seen.contains(&(1, 1)), "one done, one in flight, while it ran: {seen:?}");
     assert_eq!(stats.done, 2);
+    // The schema every library exports (contract/README.md, "Stats").
+    let series = |name: &str, labels: &str| format!("{name}{{stream=\"{STREAM}\",group=\"{GROUP}\"{labels}}}");
+    for (outcome, count) in [("done", 2), ("terminal", 0), ("failed", 0), ("retried", 0), ("abandoned", 0)] {
+        let line = format!("{} {count}", series("pelican_worker_messages_total", &format!(",outcome=\"{outcome}\"")));
+        assert!(scrape.lines().any(|l| l == line), "missing {line}\n{scrape}");
+    }
+    let line = format!("{} 0", series("pelican_worker_in_flight", ""));
+    assert!(scrape.lines().any(|l| l == line), "missing {line}\n{scrape}");
 }

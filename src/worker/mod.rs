@@ -38,6 +38,8 @@
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
 mod connection;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 mod producer;
 mod reason;
 
