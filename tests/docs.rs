@@ -417,12 +417,14 @@ fn the_built_book_has_its_tables_anchors_and_links() {
     assert!(broken.is_empty(), "the built book has broken parts:\n{}", broken.join("\n"));
 }
 
-/// Every label a query in the book or the chart puts on a Pelican metric is one the code writes: a runbook that
+/// Every label a query in the book or the chart puts on a Pelican metric is one the code (the operator's or the Rust
+/// worker's) writes: a runbook that
 /// queries a label the metric does not have finds nothing at 3 a.m. (the oldest-pending runbook asked for
 /// `pelican_job_failures_total{job="pass"}`). Prometheus' target label `job` passes only where it names the scrape job.
 #[test]
 fn labels_in_queries_are_labels_the_code_writes() {
-    let code = read(&Path::new(ROOT).join("src/telemetry/metrics.rs"));
+    let code =
+        read(&Path::new(ROOT).join("src/telemetry/metrics.rs")) + &read(&Path::new(ROOT).join("src/worker/metrics.rs"));
     let written: BTreeSet<String> =
         Regex::new(r#"\("([a-z_]+)", "#).unwrap().captures_iter(&code).map(|c| c[1].to_string()).collect();
     let query = Regex::new(r"(pelican_[a-z_]+)\{([^}]*)\}").unwrap();
