@@ -273,11 +273,13 @@ func (w *Worker) ackTerminal(ctx context.Context, id, reason string) {
 
 // retry gives the entry back with an idle of minIdle, the delivery counted: the pass retries it under the backoff.
 func (w *Worker) retry(ctx context.Context, id string) {
-	// Not read again here: the give-back makes it look idle, not handed over.
+	// Not read again here: the give-back makes it look idle, not handed over. It looks untouched since idle ago: a
+	// hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
+	idle := w.minIdle()
 	w.mu.Lock()
-	w.failedHere[id] = time.Now()
+	w.failedHere[id] = time.Now().Add(-idle)
 	w.mu.Unlock()
-	if _, err := w.giveBack(ctx, []string{id}, w.minIdle(), false); err != nil {
+	if _, err := w.giveBack(ctx, []string{id}, idle, false); err != nil {
 		w.log.Warn("could not give the message back for a retry: it is retried after minIdle",
 			"entry_id", id, "error", err)
 	}

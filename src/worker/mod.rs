@@ -861,10 +861,13 @@ where
             };
         }
         Ok(Ok(Outcome::Retry)) => {
-            // Not re-read here: the pass retries it (the give-back makes it look idle, not handed over).
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
+            // Not re-read here: the pass retries it (the give-back makes it look idle, not handed over). It looks
+            // untouched since `idle` ago: a hand-over back to this worker (the only live one) may come within a
+            // second, and is told by its idle all the same.
             let idle = counters.settings.lock().expect("settings lock").map(|s| s.min_idle_ms);
             let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
+            let untouched = Instant::now().checked_sub(Duration::from_millis(idle)).unwrap_or_else(Instant::now);
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), untouched);
             if let Err(e) = give_back(&mut conn, config, std::slice::from_ref(&id), idle, true).await {
                 warn!(stream, group, entry_id = %id, error = %e, "could not give the message back for a retry: it is retried after minIdle");
             }

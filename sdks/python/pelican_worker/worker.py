@@ -460,8 +460,10 @@ class Worker:
 
     async def _give_back_for_retry(self, calls: _Writer, entry_id: str) -> None:
         # Not read again here: the give-back makes it look idle, not handed over, and the pass retries it.
-        self._failed_here[entry_id] = asyncio.get_running_loop().time()
+        # It looks untouched since `idle` ago: a hand-over back to this worker (the only live one) may come within a
+        # second, and is told by its idle all the same.
         idle = self._settings.min_idle_ms if self._settings else UNPUBLISHED_IDLE_MS
+        self._failed_here[entry_id] = asyncio.get_running_loop().time() - idle / 1000
         try:
             await calls.give_back([entry_id], idle, uncount=False)
         except RedisError as error:

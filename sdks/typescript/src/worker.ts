@@ -562,9 +562,10 @@ export class Worker {
 
   /** `give_back.lua` with the group's `minIdleMs`, the delivery counted: the pass retries it under the backoff. */
   private async retry(id: string): Promise<void> {
-    // Not re-read here: the give-back makes it look idle, not handed over.
-    this.failedHere.set(id, Date.now());
+    // Not re-read here: the give-back makes it look idle, not handed over. It looks untouched since `idleMs` ago: a
+    // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
     const idleMs = this.settings?.minIdleMs ?? UNPUBLISHED_IDLE_MS;
+    this.failedHere.set(id, Date.now() - idleMs);
     try {
       await this.writerConn().pelicanGiveBack(this.stream, this.group, this.consumer, idleMs, 0, id);
     } catch (error) {

@@ -684,10 +684,11 @@ public final class Worker implements AutoCloseable {
 
     /** {@code give_back.lua} with {@code minIdleMs}, the delivery counted: the pass retries it under the backoff. */
     private CompletableFuture<Void> giveBackForRetry(String id) {
-        // Not read again here: the give-back makes it look idle, not handed over.
-        failedHere.put(id, System.nanoTime());
+        // Not read again here: the give-back makes it look idle, not handed over. It looks untouched since idle ago: a
+        // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
         Settings current = settings;
         long idle = current != null ? current.minIdleMs() : Settings.UNPUBLISHED_IDLE_MS;
+        failedHere.put(id, System.nanoTime() - idle * 1_000_000);
         return giveBack(List.of(id), idle, false).handle((ignored, error) -> {
             if (error != null) {
                 LOG.log(Level.WARNING, where + "could not give " + id + " back for a retry: it is retried after minIdle: "
