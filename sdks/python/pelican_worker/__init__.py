@@ -19,7 +19,7 @@ from pelican_worker.producer import (
 from pelican_worker.settings import KNOWN_CONTRACT_VERSIONS, ContractVersionError, WorkerSettings
 from pelican_worker.worker import Handler, Worker, WorkerStats, default_consumer_name, run_until_signal
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "KNOWN_CONTRACT_VERSIONS",
