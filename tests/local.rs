@@ -82,11 +82,12 @@ impl Running {
 
 fn read_one(conn: &mut redis::Connection, consumer: &str) -> Option<(String, Vec<(String, String)>)> {
     let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
-        .arg(["GROUP", "billing", consumer, "COUNT", "1", "STREAMS", "orders", ">"])
+        .arg(&["GROUP", "billing", consumer, "COUNT", "1", "STREAMS", "orders", ">"])
         .query(conn)
         .unwrap();
     let entry = reply.keys.into_iter().next()?.ids.into_iter().next()?;
-    let fields = entry.map.iter().map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap())).collect();
+    let fields =
+        entry.map.iter().map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap())).collect();
     Some((entry.id, fields))
 }
 
@@ -101,7 +102,7 @@ fn field<'a>(fields: &'a [(String, String)], name: &str) -> Option<&'a str> {
 fn an_entry_never_acknowledged_is_requeued_then_dead_lettered() {
     let server = Server::start_with(Flavor::Redis, &["--requirepass", PASSWORD]);
     let mut conn = server.conn();
-    let original: String = redis::cmd("XADD").arg(["orders", "*", "job", "42"]).query(&mut conn).unwrap();
+    let original: String = redis::cmd("XADD").arg(&["orders", "*", "job", "42"]).query(&mut conn).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let file = policy_file(&dir, "orders", &server.url(), "");
     let mut command = pelican(&["local", "-f", file.to_str().unwrap(), "--status-every", "1s"]);
@@ -110,10 +111,8 @@ fn an_entry_never_acknowledged_is_requeued_then_dead_lettered() {
 
     local.line_with(&["apps/orders", "created group \"billing\" on stream \"orders\""], Duration::from_secs(20));
     local.line_with(&["apps/orders: health: pending 0"], Duration::from_secs(10));
-    let settings: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(pelican::keys::settings_key("orders", "billing"))
-        .query(&mut conn)
-        .unwrap();
+    let settings: Vec<(String, String)> =
+        redis::cmd("HGETALL").arg(pelican::keys::settings_key("orders", "billing")).query(&mut conn).unwrap();
     assert_eq!(field(&settings, "maxDeliveries"), Some("2"), "{settings:?}");
     assert_eq!(field(&settings, "minIdleMs"), Some("1000"), "{settings:?}");
 
@@ -153,10 +152,7 @@ fn an_entry_never_acknowledged_is_requeued_then_dead_lettered() {
 fn a_policy_the_api_server_would_refuse_is_refused_with_its_message() {
     let dir = tempfile::tempdir().unwrap();
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let file = policy_file(&dir, "bad", &format!("redis://127.0.0.1:{closed}/0"), "")
-        .to_str()
-        .unwrap()
-        .to_string();
+    let file = policy_file(&dir, "bad", &format!("redis://127.0.0.1:{closed}/0"), "").to_str().unwrap().to_string();
     let text = std::fs::read_to_string(&file).unwrap().replace("maxDeliveries: 2", "maxDeliveries: 0");
     std::fs::write(&file, text.replace("stream: orders:dlq", "stream: orders")).unwrap();
     let out = pelican(&["local", "-f", &file]).output().unwrap();

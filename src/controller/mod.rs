@@ -628,13 +628,12 @@ mod tests {
     fn context(leadership: Leadership) -> (Arc<Context>, Handle) {
         let (client, handle) = scripted::client();
         let (shared, _writers) = Shared::new(client, None, Arc::default(), leadership, None, Default::default());
-        let runner =
-            Runner::new(
-                shared.leadership.clone(),
-                Announcer::Events(shared.events.clone()),
-                shared.metrics.clone(),
-                shared.pools.clone(),
-            );
+        let runner = Runner::new(
+            shared.leadership.clone(),
+            Announcer::Events(shared.events.clone()),
+            shared.metrics.clone(),
+            shared.pools.clone(),
+        );
         let ctx = Context {
             shared,
             neighbours: Neighbours::default(),

@@ -2,7 +2,9 @@
 //! required fields, enums, bounds, patterns, defaults) and its CEL rules (`x-kubernetes-validations`), read from the
 //! CRD that `pelican crd` prints, so a file refused here is refused by the cluster with the same message.
 //!
-//! Transition rules (those that read `oldSelf`) are skipped, as the API server skips them when an object is created.
+//! As in the API server, the CEL rules run after the schema, unless the schema found a wrong type, a missing field, a
+//! value outside an enum or a string too long; transition rules (those that read `oldSelf`) are skipped, as at
+//! creation.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,16 +23,48 @@ fn spec_schema() -> Value {
 /// Checks `spec` as the API server would and fills in the schema's defaults, as it does before its checks. Each
 /// error reads as the API server words it: `<field>: <what is wrong>`.
 pub fn admit_spec(spec: &mut Value) -> Result<(), Vec<String>> {
-    let mut errors = Vec::new();
-    check(&spec_schema(), spec, "spec", &mut errors);
+    let schema = spec_schema();
+    let mut errors = Errors::default();
+    check(&schema, spec, "spec", &mut errors);
+    let mut errors = match errors.blocking {
+        true => {
+            let skipped = "some validation rules were not checked because the object was invalid; correct the \
+                           existing errors to complete validation";
+            errors.list.push(skipped.to_string());
+            errors.list
+        }
+        false => {
+            let mut list = errors.list;
+            check_rules(&schema, spec, "spec", &mut list);
+            list
+        }
+    };
+    errors.dedup();
     if errors.is_empty() { Ok(()) } else { Err(errors) }
 }
 
-fn check(schema: &Value, value: &mut Value, path: &str, errors: &mut Vec<String>) {
+/// What the schema found, and whether any of it keeps the CEL rules from running.
+#[derive(Default)]
+struct Errors {
+    list: Vec<String>,
+    blocking: bool,
+}
+
+impl Errors {
+    fn push(&mut self, error: String) {
+        self.list.push(error);
+    }
+
+    fn blocking(&mut self, error: String) {
+        self.list.push(error);
+        self.blocking = true;
+    }
+}
+
+fn check(schema: &Value, value: &mut Value, path: &str, errors: &mut Errors) {
     if value.is_null() && schema["nullable"] == true {
         return;
     }
-    let before = errors.len();
     let type_ = schema["type"].as_str();
     let fits = match type_ {
         Some("object") => value.is_object(),
@@ -43,14 +77,14 @@ fn check(schema: &Value, value: &mut Value, path: &str, errors: &mut Vec<String>
     };
     if !fits {
         let type_ = type_.unwrap_or_default();
-        errors.push(format!("{path}: Invalid value: {value}: {path} in body must be of type {type_}"));
+        errors.blocking(format!("{path}: Invalid value: {value}: {path} in body must be of type {type_}"));
         return;
     }
     if let Some(allowed) = schema["enum"].as_array()
         && !allowed.contains(value)
     {
         let supported = allowed.iter().map(Value::to_string).collect::<Vec<_>>().join(", ");
-        errors.push(format!("{path}: Unsupported value: {value}: supported values: {supported}"));
+        errors.blocking(format!("{path}: Unsupported value: {value}: supported values: {supported}"));
     }
     match value {
         Value::Object(fields) => check_object(schema, fields, path, errors),
@@ -72,18 +106,16 @@ fn check(schema: &Value, value: &mut Value, path: &str, errors: &mut Vec<String>
             if let Some(max) = schema["maximum"].as_f64()
                 && n > max
             {
-                errors.push(format!("{path}: Invalid value: {number}: {path} in body should be less than or equal to {max}"));
+                errors.push(format!(
+                    "{path}: Invalid value: {number}: {path} in body should be less than or equal to {max}"
+                ));
             }
         }
         _ => {}
     }
-    // The API server runs a node's CEL rules only on a node that passed the schema.
-    if errors.len() == before {
-        check_rules(schema, value, path, errors);
-    }
 }
 
-fn check_object(schema: &Value, fields: &mut Map<String, Value>, path: &str, errors: &mut Vec<String>) {
+fn check_object(schema: &Value, fields: &mut Map<String, Value>, path: &str, errors: &mut Errors) {
     let properties = schema["properties"].as_object();
     if let Some(properties) = properties {
         for (name, property) in properties {
@@ -94,7 +126,7 @@ fn check_object(schema: &Value, fields: &mut Map<String, Value>, path: &str, err
     }
     for required in schema["required"].as_array().into_iter().flatten().filter_map(Value::as_str) {
         if !fields.contains_key(required) {
-            errors.push(format!("{path}.{required}: Required value"));
+            errors.blocking(format!("{path}.{required}: Required value"));
         }
     }
     let open = schema["x-kubernetes-preserve-unknown-fields"] == true;
@@ -109,7 +141,7 @@ fn check_object(schema: &Value, fields: &mut Map<String, Value>, path: &str, err
     }
 }
 
-fn check_string(schema: &Value, text: &str, path: &str, errors: &mut Vec<String>) {
+fn check_string(schema: &Value, text: &str, path: &str, errors: &mut Errors) {
     let length = text.chars().count() as u64;
     if let Some(min) = schema["minLength"].as_u64()
         && length < min
@@ -119,7 +151,7 @@ fn check_string(schema: &Value, text: &str, path: &str, errors: &mut Vec<String>
     if let Some(max) = schema["maxLength"].as_u64()
         && length > max
     {
-        errors.push(format!("{path}: Too long: may not be more than {max} bytes"));
+        errors.blocking(format!("{path}: Too long: may not be more than {max} bytes"));
     }
     if let Some(pattern) = schema["pattern"].as_str() {
         match regex::Regex::new(pattern) {
@@ -132,8 +164,24 @@ fn check_string(schema: &Value, text: &str, path: &str, errors: &mut Vec<String>
     }
 }
 
-/// The node's `x-kubernetes-validations`, with `self` the node's value.
+/// The `x-kubernetes-validations` of the node and of every node below it, each with `self` that node's value.
 fn check_rules(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
+    match value {
+        Value::Object(fields) => {
+            for (name, field) in fields {
+                let property = schema["properties"].get(name).or_else(|| schema.get("additionalProperties"));
+                if let Some(property) = property.filter(|p| p.is_object()) {
+                    check_rules(property, field, &format!("{path}.{name}"), errors);
+                }
+            }
+        }
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                check_rules(&schema["items"], item, &format!("{path}[{i}]"), errors);
+            }
+        }
+        _ => {}
+    }
     let rules = schema["x-kubernetes-validations"].as_array().into_iter().flatten();
     for rule in rules {
         let Some(expression) = rule["rule"].as_str() else { continue };
@@ -148,7 +196,9 @@ fn check_rules(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Strin
         match evaluate(expression, value) {
             Ok(true) => {}
             Ok(false) => errors.push(format!("{at}: Invalid value: {:?}: {message}", type_name(value))),
-            Err(e) => errors.push(format!("{at}: Invalid value: {:?}: {e} evaluating rule: {expression}", type_name(value))),
+            Err(e) => {
+                errors.push(format!("{at}: Invalid value: {:?}: {e} evaluating rule: {expression}", type_name(value)))
+            }
         }
     }
 }
@@ -212,7 +262,7 @@ mod tests {
     }
 
     #[test]
-    fn a_valid_spec_is_admitted_and_defaulted() {
+    fn a_valid_spec_is_admitted_and_defaulted_its_transition_rules_skipped() {
         let mut spec = spec(serde_json::json!({}));
         admit_spec(&mut spec).unwrap();
         assert_eq!(spec["reclaim"]["minIdle"], "5m", "{spec}");
@@ -222,7 +272,10 @@ mod tests {
     #[test]
     fn a_cel_rule_refuses_with_its_message() {
         let out = refused(serde_json::json!({"deadLetter": {"stream": "orders"}}));
-        assert!(out.contains("spec.deadLetter.stream: Invalid value: \"object\": spec.deadLetter.stream must differ"), "{out}");
+        assert!(
+            out.contains("spec.deadLetter.stream: Invalid value: \"object\": spec.deadLetter.stream must differ"),
+            "{out}"
+        );
         let out = refused(serde_json::json!({"reclaim": {"minIdle": "0s"}}));
         assert!(out.contains("spec.reclaim.minIdle must be at least 1s"), "{out}");
         let out = refused(serde_json::json!({"redis": {"url": "redis://:hunter2@127.0.0.1:6379/0"}}));
@@ -241,10 +294,6 @@ mod tests {
         assert!(out.contains("spec.retyr: unknown field"), "{out}");
         let out = admit_spec(&mut serde_json::json!({"stream": "s"})).unwrap_err().join("\n");
         assert!(out.contains("spec.redis: Required value") && out.contains("spec.group: Required value"), "{out}");
-    }
-
-    #[test]
-    fn transition_rules_are_skipped_as_at_creation() {
-        admit_spec(&mut spec(serde_json::json!({}))).unwrap();
+        assert!(out.contains("some validation rules were not checked"), "{out}");
     }
 }

@@ -51,7 +51,8 @@ pub struct Options {
 pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Result<()> {
     let policies = load(&options.files)?;
     let server = options.redis_url.as_deref().map(|url| without_credentials(url, &options.credentials)).transpose()?;
-    let targets: Vec<Target> = policies.iter().map(|p| target(p, server.as_ref(), &options.credentials)).collect::<anyhow::Result<_>>()?;
+    let targets: Vec<Target> =
+        policies.iter().map(|p| target(p, server.as_ref(), &options.credentials)).collect::<anyhow::Result<_>>()?;
     // Every policy is validated against the others before any is converged, so a refused one writes nothing.
     let refused: Vec<String> = policies
         .iter()
@@ -100,7 +101,10 @@ pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Re
                     if e.is_stalled() {
                         host.runner.stop(&policy_id(policy));
                     }
-                    line(&policy_id(policy), &format!("{}: {e}; trying again in {}s", e.reason(), RETRY_AFTER.as_secs()));
+                    line(
+                        &policy_id(policy),
+                        &format!("{}: {e}; trying again in {}s", e.reason(), RETRY_AFTER.as_secs()),
+                    );
                     *converge_at = now + RETRY_AFTER;
                 }
             }
@@ -203,7 +207,8 @@ pub fn load(paths: &[PathBuf]) -> anyhow::Result<Vec<Arc<ConsumerGroupPolicy>>> 
     for file in &files {
         let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         for document in serde_yaml::Deserializer::from_str(&text) {
-            let document = serde_json::Value::deserialize(document).with_context(|| format!("parsing {}", file.display()))?;
+            let document =
+                serde_json::Value::deserialize(document).with_context(|| format!("parsing {}", file.display()))?;
             match policy(file, document) {
                 Ok(None) => {}
                 Ok(Some(policy)) => {
@@ -220,7 +225,10 @@ pub fn load(paths: &[PathBuf]) -> anyhow::Result<Vec<Arc<ConsumerGroupPolicy>>> 
         bail!("{}", refused.join("\n"));
     }
     if policies.is_empty() {
-        bail!("no ConsumerGroupPolicy in {}", files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "));
+        bail!(
+            "no ConsumerGroupPolicy in {}",
+            files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+        );
     }
     Ok(policies.into_values().collect())
 }
@@ -230,7 +238,8 @@ fn policy(file: &Path, mut document: serde_json::Value) -> Result<Option<Consume
     if document.is_null() {
         return Ok(None);
     }
-    let (kind, api_version) = (document["kind"].as_str().unwrap_or_default(), document["apiVersion"].as_str().unwrap_or_default());
+    let (kind, api_version) =
+        (document["kind"].as_str().unwrap_or_default(), document["apiVersion"].as_str().unwrap_or_default());
     let name = document["metadata"]["name"].as_str().unwrap_or_default().to_string();
     if kind != "ConsumerGroupPolicy" || !api_version.starts_with("pelican.io/") {
         println!("{}: skipped {kind} {name:?}: `pelican local` runs ConsumerGroupPolicies only", file.display());
@@ -248,7 +257,8 @@ fn policy(file: &Path, mut document: serde_json::Value) -> Result<Option<Consume
     }
     // What the API server keeps of a new object: no status, and the namespace kubectl gives it.
     document.as_object_mut().map(|d| d.remove("status"));
-    let mut policy: ConsumerGroupPolicy = serde_json::from_value(document).map_err(|e| format!("{}: {name}: {e}", file.display()))?;
+    let mut policy: ConsumerGroupPolicy =
+        serde_json::from_value(document).map_err(|e| format!("{}: {name}: {e}", file.display()))?;
     let namespace = policy.namespace().unwrap_or_else(|| "default".into());
     policy.metadata.uid = Some(format!("local:{namespace}/{name}"));
     policy.metadata.namespace = Some(namespace);
@@ -264,14 +274,22 @@ fn without_credentials(url: &str, credentials: &Credentials) -> anyhow::Result<(
     let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
     let bare = if path.is_empty() { format!("{scheme}://{host}") } else { format!("{scheme}://{host}/{path}") };
     let settings = info.redis_settings();
-    let carried = Credentials { username: settings.username().map(str::to_string), password: settings.password().map(str::to_string) };
-    let credentials = if carried.password.is_some() || carried.username.is_some() { carried } else { credentials.clone() };
+    let carried = Credentials {
+        username: settings.username().map(str::to_string),
+        password: settings.password().map(str::to_string),
+    };
+    let credentials =
+        if carried.password.is_some() || carried.username.is_some() { carried } else { credentials.clone() };
     Ok((bare, credentials))
 }
 
 /// The server to run a policy's jobs on: `--redis-url`, else the spec's inline `url`, with the credentials given
 /// to `pelican local` (a Secret has no value without a cluster).
-fn target(policy: &ConsumerGroupPolicy, server: Option<&(String, Credentials)>, credentials: &Credentials) -> anyhow::Result<Target> {
+fn target(
+    policy: &ConsumerGroupPolicy,
+    server: Option<&(String, Credentials)>,
+    credentials: &Credentials,
+) -> anyhow::Result<Target> {
     let redis = &policy.spec.redis;
     let (url, credentials) = match (server, &redis.server_ref) {
         (Some((url, credentials)), _) => (url.clone(), credentials.clone()),
@@ -282,11 +300,13 @@ fn target(policy: &ConsumerGroupPolicy, server: Option<&(String, Credentials)>, 
         ),
         (None, None) => (redis.url.clone(), credentials.clone()),
     };
-    let tls = Tls { insecure_skip_verify: redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify), ..Tls::default() };
-    let sentinel = redis.sentinel.as_ref().filter(|_| redis.mode == RedisMode::Sentinel).map(|s| Sentinel {
-        master_name: s.master_name.clone(),
-        credentials: Credentials::default(),
-    });
+    let tls =
+        Tls { insecure_skip_verify: redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify), ..Tls::default() };
+    let sentinel = redis
+        .sentinel
+        .as_ref()
+        .filter(|_| redis.mode == RedisMode::Sentinel)
+        .map(|s| Sentinel { master_name: s.master_name.clone(), credentials: Credentials::default() });
     Ok(Target { url, credentials, tls, cluster: redis.mode == RedisMode::Cluster, sentinel })
 }
 
