@@ -7,6 +7,9 @@
 //!    read back;
 //! 4. [`report`]: status, conditions, Events, metrics.
 //!
+//! Phases 2 and 3 ask what they need of a [`Host`] (pools, runner, announcements), which the reconcile's
+//! [`Context`] is, and so is `pelican local` ([`crate::local`]), which runs them without a cluster.
+//!
 //! The data-plane work (passes, expiry) lives in [`crate::runner`], on its own clock. A reconcile is woken by a
 //! change of the spec (generation), of the finalizers or deletion, of a referenced Secret, or by its requeue
 //! timer (`interval`), never by its own status writes.
@@ -38,8 +41,7 @@ use tracing::{debug, instrument, warn};
 
 use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::context::{self, Shared, Writers, policy_id};
-use crate::redis::PoolKey;
-use crate::redis::Target;
+use crate::redis::{PoolKey, Target};
 use crate::runner::{Announcer, PodWatch, Runner};
 use crate::telemetry::Readiness;
 use crate::{Error, Result};

@@ -71,20 +71,19 @@ pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Re
         users: Mutex::default(),
         unread: Mutex::default(),
     };
-    // Each policy's next converge and next health line.
-    let mut due: Vec<(Instant, Instant)> = vec![(Instant::now(), Instant::now()); policies.len()];
+    let mut schedules = vec![Schedule::default(); policies.len()];
     let mut first = true;
     tokio::pin!(stop);
     loop {
         let now = Instant::now();
         for (i, policy) in policies.iter().enumerate() {
-            let (converge_at, status_at) = &mut due[i];
+            let Schedule { converge_at, status_at, converged } = &mut schedules[i];
             if *converge_at > now {
                 continue;
             }
             match validate_and_converge(policy, &host, &targets[i], &policies).await {
                 Ok(seen) => {
-                    if first {
+                    if !std::mem::replace(converged, true) {
                         line(&policy_id(policy), &format!("running on {}", targets[i].server()));
                     }
                     if *status_at <= now {
@@ -110,7 +109,7 @@ pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Re
             }
         }
         first = false;
-        let next = due.iter().map(|(at, _)| *at).min().unwrap_or(now + RETRY_AFTER);
+        let next = schedules.iter().map(|s| s.converge_at).min().unwrap_or(now + RETRY_AFTER);
         tokio::select! {
             () = &mut stop => break,
             Some(said) = heard.recv() => line(&said.policy, &said_line(&said)),
@@ -122,6 +121,20 @@ pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Re
     }
     println!("stopped");
     Ok(())
+}
+
+/// When a policy is converged next and its health printed next, and whether it ever converged.
+#[derive(Clone)]
+struct Schedule {
+    converge_at: Instant,
+    status_at: Instant,
+    converged: bool,
+}
+
+impl Default for Schedule {
+    fn default() -> Schedule {
+        Schedule { converge_at: Instant::now(), status_at: Instant::now(), converged: false }
+    }
 }
 
 /// One line of output: the time, the policy, what happened.
