@@ -155,7 +155,7 @@ fn said_line(said: &Said) -> String {
 fn health(seen: &Observation) -> String {
     let facts = &seen.facts;
     let oldest = facts.oldest_pending.as_ref().map_or_else(String::new, |o| {
-        format!(" (oldest {} idle {}s, {} deliveries, held by {})", o.id, o.idle_ms / 1000, o.deliveries, o.consumer)
+        format!(" (oldest {}: idle {}s, deliveries {}, held by {})", o.id, o.idle_ms / 1000, o.deliveries, o.consumer)
     });
     let lag = facts.lag.map_or_else(|| "unknown".to_string(), |lag| lag.to_string());
     format!(
