@@ -49,10 +49,18 @@ pub struct Options {
 
 /// Runs the policies' jobs until `stop`. Returns an error, before anything is written, when a file is refused.
 pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let policies = load(&options.files)?;
-    let server = options.redis_url.as_deref().map(|url| without_credentials(url, &options.credentials)).transpose()?;
-    let targets: Vec<Target> =
-        policies.iter().map(|p| target(p, server.as_ref(), &options.credentials)).collect::<anyhow::Result<_>>()?;
+    let mut policies = load(&options.files)?;
+    let mut credentials = options.credentials.clone();
+    if let Some(url) = &options.redis_url {
+        let (url, carried) = without_credentials(url, &options.credentials)?;
+        // The server every policy is on, as if its spec named it: so the validation compares the real servers.
+        for policy in &mut policies {
+            let policy = Arc::make_mut(policy);
+            (policy.spec.redis.url, policy.spec.redis.server_ref) = (url.clone(), None);
+        }
+        credentials = carried;
+    }
+    let targets: Vec<Target> = policies.iter().map(|p| target(p, &credentials)).collect::<anyhow::Result<_>>()?;
     // Every policy is validated against the others before any is converged, so a refused one writes nothing.
     let refused: Vec<String> = policies
         .iter()
@@ -296,23 +304,17 @@ fn without_credentials(url: &str, credentials: &Credentials) -> anyhow::Result<(
     Ok((bare, credentials))
 }
 
-/// The server to run a policy's jobs on: `--redis-url`, else the spec's inline `url`, with the credentials given
-/// to `pelican local` (a Secret has no value without a cluster).
-fn target(
-    policy: &ConsumerGroupPolicy,
-    server: Option<&(String, Credentials)>,
-    credentials: &Credentials,
-) -> anyhow::Result<Target> {
+/// The server to run a policy's jobs on, the spec's inline `url` (`--redis-url` put there), with the credentials
+/// given to `pelican local` (a Secret has no value without a cluster).
+fn target(policy: &ConsumerGroupPolicy, credentials: &Credentials) -> anyhow::Result<Target> {
     let redis = &policy.spec.redis;
-    let (url, credentials) = match (server, &redis.server_ref) {
-        (Some((url, credentials)), _) => (url.clone(), credentials.clone()),
-        (None, Some(server)) => bail!(
+    if let Some(server) = &redis.server_ref {
+        bail!(
             "{}: spec.redis.serverRef names the RedisServer {:?}, which only a cluster resolves: give --redis-url",
             policy_id(policy),
             server
-        ),
-        (None, None) => (redis.url.clone(), credentials.clone()),
-    };
+        );
+    }
     let tls =
         Tls { insecure_skip_verify: redis.tls.as_ref().is_some_and(|t| t.insecure_skip_verify), ..Tls::default() };
     let sentinel = redis
@@ -320,6 +322,7 @@ fn target(
         .as_ref()
         .filter(|_| redis.mode == RedisMode::Sentinel)
         .map(|s| Sentinel { master_name: s.master_name.clone(), credentials: Credentials::default() });
+    let (url, credentials) = (redis.url.clone(), credentials.clone());
     Ok(Target { url, credentials, tls, cluster: redis.mode == RedisMode::Cluster, sentinel })
 }
 
