@@ -87,10 +87,10 @@ enum Command {
         /// names a RedisServer): `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS.
         #[arg(long, env = "PELICAN_REDIS_URL")]
         redis_url: Option<String>,
-        /// The username, when the URL carries none.
+        /// The username, when the URL carries none. The password, when the URL carries none, is read from the
+        /// environment variable PELICAN_REDIS_PASSWORD only: a flag would show it to `ps`.
         #[arg(long, env = "PELICAN_REDIS_USERNAME")]
         redis_username: Option<String>,
-        /// The password, when the URL carries none: from the environment only, never a flag that `ps` would show.
         #[arg(skip = std::env::var("PELICAN_REDIS_PASSWORD").ok())]
         redis_password: Option<String>,
         /// How often each group's health (pending, oldest pending, lag, dead letters) is printed, e.g. `30s`.
