@@ -22,6 +22,8 @@ pub mod jobs;
 #[cfg(feature = "operator")]
 pub mod leader;
 #[cfg(feature = "operator")]
+pub mod local;
+#[cfg(feature = "operator")]
 pub mod redis;
 #[cfg(feature = "operator")]
 pub mod redrive;

@@ -75,6 +75,28 @@ enum Command {
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
     },
+    /// Run the operator's jobs for ConsumerGroupPolicy files on a Redis, without Kubernetes (a worker developer's
+    /// machine): the files are checked as `kubectl apply` checks them, the group and the worker settings are
+    /// written, and the reclaim / dead-letter / retention passes run every `spec.reclaim.interval` until Ctrl-C,
+    /// printing a line for each pass that moved something and each group's health now and then.
+    Local {
+        /// A policy file (YAML, several documents allowed) or a directory of them; repeat for more.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<std::path::PathBuf>,
+        /// The server for every policy instead of each spec's `redis.url` (and the only way to run a policy that
+        /// names a RedisServer): `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS.
+        #[arg(long, env = "PELICAN_REDIS_URL")]
+        redis_url: Option<String>,
+        /// The username, when the URL carries none. The password, when the URL carries none, is read from the
+        /// environment variable PELICAN_REDIS_PASSWORD only: a flag would show it to `ps`.
+        #[arg(long, env = "PELICAN_REDIS_USERNAME")]
+        redis_username: Option<String>,
+        #[arg(skip = std::env::var("PELICAN_REDIS_PASSWORD").ok())]
+        redis_password: Option<String>,
+        /// How often each group's health (pending, oldest pending, lag, dead letters) is printed, e.g. `30s`.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        status_every: Duration,
+    },
     /// Print the CustomResourceDefinitions as YAML: all, or the one named (`consumergrouppolicies`,
     /// `deadletterredrives`, `groupseeks`, `redisservers`).
     Crd { name: Option<String> },
@@ -106,6 +128,15 @@ async fn main() -> anyhow::Result<()> {
             print!("{}", chosen.join("---\n"));
         }
         Command::Version => println!("pelican {}", env!("CARGO_PKG_VERSION")),
+        Command::Local { files, redis_url, redis_username, redis_password, status_every } => {
+            // What the passes did is printed (stdout); only warnings, job failures say, are logged (stderr).
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+            let credentials = pelican::redis::Credentials { username: redis_username, password: redis_password };
+            let options = pelican::local::Options { files, redis_url, credentials, status_every };
+            pelican::local::run(options, shutdown_signal()).await?;
+        }
         Command::Run {
             namespace,
             secret_namespaces,

@@ -20,8 +20,8 @@ use super::validate::{self, Schedule};
 use super::{Context, id, publish};
 use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
 use crate::context::policy_id;
-use crate::redis::{self as redis_ops, Destroyed, Features, GroupFacts, GroupKeys, ServerInfo, Target};
-use crate::runner::{Job, PodsOf};
+use crate::redis::{self as redis_ops, Destroyed, Features, GroupFacts, GroupKeys, Pools, ServerInfo, Target, Unread};
+use crate::runner::{Job, PodWatch, PodsOf, Runner};
 use crate::{Error, Result};
 
 /// What one reconcile saw on the server.
@@ -42,6 +42,49 @@ pub struct Observation {
     pub min_idle_held_for: Duration,
 }
 
+/// What converging a policy needs from whoever runs it: the operator's reconcile ([`Context`]), or `pelican local`,
+/// which has Redis and no cluster. Both converge through [`converge`], so the jobs have one code path.
+pub trait Host {
+    fn pools(&self) -> &Arc<Pools>;
+    fn runner(&self) -> &Runner;
+    /// The policy uses this connection now (an earlier one no policy uses any more is closed).
+    fn uses(&self, policy: &ConsumerGroupPolicy, target: &Target);
+    /// What the last probe of the group saw unread, so the next probe can skip its `XRANGE`.
+    fn unread(&self, policy: &ConsumerGroupPolicy) -> Option<Unread>;
+    /// The watch of Pod metadata for `spec.consumers.pods`; `None` without a cluster.
+    fn pods(&self) -> Option<PodWatch>;
+    /// Says what a step of the plan did: an Event and a log line, or a printed line.
+    fn announce(&self, policy: &ConsumerGroupPolicy, said: plan::Announcement) -> impl Future<Output = ()> + Send;
+}
+
+impl Host for Context {
+    fn pools(&self) -> &Arc<Pools> {
+        &self.shared.pools
+    }
+
+    fn runner(&self) -> &Runner {
+        &self.runner
+    }
+
+    fn uses(&self, policy: &ConsumerGroupPolicy, target: &Target) {
+        self.shared.pools.assign(&self.pool_users, &ObjectRef::from_obj(policy), Some(target));
+    }
+
+    fn unread(&self, policy: &ConsumerGroupPolicy) -> Option<Unread> {
+        let windows = self.progress.lock().expect("progress lock");
+        windows.get(&ObjectRef::from_obj(policy)).and_then(|w| w.unread.clone())
+    }
+
+    fn pods(&self) -> Option<PodWatch> {
+        Some(Context::pods(self))
+    }
+
+    async fn announce(&self, policy: &ConsumerGroupPolicy, said: plan::Announcement) {
+        info!(reason = said.reason, "{}", said.note);
+        publish(self, policy, said.type_, said.reason, said.note).await;
+    }
+}
+
 pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
     GroupKeys { stream: &policy.spec.stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream }
 }
@@ -49,7 +92,7 @@ pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
 /// Connects, creates the group when missing, starts, updates or stops the policy's jobs, and probes the group.
 pub async fn converge(
     policy: &ConsumerGroupPolicy,
-    ctx: &Context,
+    host: &impl Host,
     target: &Target,
     schedule: &Schedule,
     others: &[Arc<ConsumerGroupPolicy>],
@@ -57,18 +100,18 @@ pub async fn converge(
     // Sentinel mode: the primary the sentinel names now. A failover gives a new target, so a new connection for
     // the probe and the runner, and the old one is closed by `assign`.
     let original = target;
-    let (target, mut conn) = ctx.shared.pools.reach_primary(target).await?;
+    let (target, mut conn) = host.pools().reach_primary(target).await?;
     let target = &target;
     let primary = policy.spec.redis.sentinel.as_ref().map(|_| target.server());
-    ctx.shared.pools.assign(&ctx.pool_users, &ObjectRef::from_obj(policy), Some(target));
+    host.uses(policy, target);
     let server = target.server();
     let keys = group_keys(policy);
     let carry_over = plan::carry_over(policy, others);
     // Every pass is a script: a server without Lua is said so, before anything is written.
-    let features = ctx.shared.pools.features(&mut conn, &server).await?;
+    let features = host.pools().features(&mut conn, &server).await?;
     if !features.scripting {
         // Asked again at the next reconcile: the module may be loaded by then.
-        ctx.shared.pools.features.forget(&server);
+        host.pools().features.forget(&server);
         return Err(Error::ScriptingUnavailable { server, version: features.version });
     }
     let uid = policy.uid().unwrap_or_default();
@@ -76,15 +119,15 @@ pub async fn converge(
         .await
         .map_err(|e| if target.cluster { e } else { e.for_standalone() });
     if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
-        ctx.shared.pools.forget(target);
+        host.pools().forget(target);
     }
     let setup = setup?;
     if setup.server.to_string() != features.version {
         // Upgraded (or downgraded) in place: detected again at the next reconcile.
-        ctx.shared.pools.features.forget(&server);
+        host.pools().features.forget(&server);
     }
     for said in plan::setup_announcements(policy, &setup) {
-        announce(ctx, policy, said).await;
+        host.announce(policy, said).await;
     }
     let jobs = plan::jobs(policy, schedule, others);
     let id = policy_id(policy);
@@ -93,7 +136,7 @@ pub async fn converge(
     let published = schedule.pass.worker_settings();
     let pass_min_idle = redis_ops::publish_settings(&mut conn, &server, keys.stream, keys.group, published).await?;
     match jobs.work {
-        None => ctx.runner.stop(&id),
+        None => host.runner().stop(&id),
         Some(mut work) => {
             work.pass.min_idle = pass_min_idle.min_idle;
             let job = Job {
@@ -110,15 +153,12 @@ pub async fn converge(
                 acked_trim: features.has("XTRIM ACKED"),
                 object: policy.object_ref(&()),
                 sentinel_source: original.sentinel.is_some().then(|| original.clone()),
-                pods: pods_of(policy, ctx)?,
+                pods: pods_of(policy, host)?,
             };
-            ctx.runner.run(&id, job);
+            host.runner().run(&id, job);
         }
     }
-    let unread = {
-        let windows = ctx.progress.lock().expect("progress lock");
-        windows.get(&ObjectRef::from_obj(policy)).and_then(|w| w.unread.clone())
-    };
+    let unread = host.unread(policy);
     let mut facts = redis_ops::probe_group(&mut conn, &server, &keys, unread.as_ref()).await?;
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
@@ -136,7 +176,7 @@ pub async fn converge(
                 let in_force = validate::Window { seconds, max_size };
                 if set {
                     let before = facts.idempotence.as_ref();
-                    announce(ctx, policy, plan::idempotence_announcement(keys.stream, in_force, before)).await;
+                    host.announce(policy, plan::idempotence_announcement(keys.stream, in_force, before)).await;
                     if let Some(now) = facts.idempotence.as_mut() {
                         (now.duration_seconds, now.max_size, now.producers, now.message_ids) =
                             (seconds, max_size, 0, 0);
@@ -164,17 +204,17 @@ pub async fn converge(
 }
 
 /// `spec.consumers.pods`, for the passes: the selector, and the operator's store of Pod metadata.
-fn pods_of(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Option<PodsOf>> {
+fn pods_of(policy: &ConsumerGroupPolicy, host: &impl Host) -> Result<Option<PodsOf>> {
     let Some(selector) = policy.spec.consumers.as_ref().and_then(|c| c.pods.as_ref()) else { return Ok(None) };
     let selector = Selector::try_from(LabelSelector::from(selector))
         .map_err(|e| Error::InvalidSpec(format!("spec.consumers.pods: {e}")))?;
-    Ok(Some(PodsOf { watch: ctx.pods(), namespace: policy.namespace().unwrap_or_default(), selector }))
-}
-
-/// Logs and publishes what a step of the plan announces.
-async fn announce(ctx: &Context, policy: &ConsumerGroupPolicy, said: plan::Announcement) {
-    info!(reason = said.reason, "{}", said.note);
-    publish(ctx, policy, said.type_, said.reason, said.note).await;
+    let Some(watch) = host.pods() else {
+        return Err(Error::InvalidSpec(
+            "spec.consumers.pods matches consumers to Pods, which only a cluster has: remove it where no cluster runs"
+                .into(),
+        ));
+    };
+    Ok(Some(PodsOf { watch, namespace: policy.namespace().unwrap_or_default(), selector }))
 }
 
 /// Whether deleting the policy has work to do in Redis, and so whether it carries the finalizer.

@@ -7,6 +7,9 @@
 //!    read back;
 //! 4. [`report`]: status, conditions, Events, metrics.
 //!
+//! Phases 2 and 3 ask what they need of a [`Host`] (pools, runner, announcements), which the reconcile's
+//! [`Context`] is, and so is `pelican local` ([`crate::local`]), which runs them without a cluster.
+//!
 //! The data-plane work (passes, expiry) lives in [`crate::runner`], on its own clock. A reconcile is woken by a
 //! change of the spec (generation), of the finalizers or deletion, of a referenced Secret, or by its requeue
 //! timer (`interval`), never by its own status writes.
@@ -38,12 +41,16 @@ use tracing::{debug, instrument, warn};
 
 use crate::api::{ConsumerGroupPolicy, RedisServer};
 use crate::context::{self, Shared, Writers, policy_id};
-use crate::redis::PoolKey;
-use crate::runner::{PodWatch, Runner};
+use crate::redis::{PoolKey, Target};
+use crate::runner::{Announcer, PodWatch, Runner};
 use crate::telemetry::Readiness;
 use crate::{Error, Result};
 use neighbours::Neighbours;
 use validate::Schedule;
+
+pub use act::{Host, Observation};
+pub use plan::Announcement;
+pub use validate::validate;
 
 pub const FINALIZER: &str = "pelican.io/cleanup";
 /// How often a policy whose interval cannot be read is looked at again.
@@ -286,7 +293,7 @@ pub async fn run(
     let ctx = Arc::new(Context {
         runner: Runner::new(
             shared.leadership.clone(),
-            shared.events.clone(),
+            Announcer::Events(shared.events.clone()),
             shared.metrics.clone(),
             shared.pools.clone(),
         ),
@@ -553,13 +560,7 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let schedule = Schedule::from_spec(&policy.spec);
     let result = async {
         let target = ctx.shared.target(policy).await?;
-        let schedule = validate::validate(policy, &others, target.cluster)?;
-        let seen = act::converge(policy, ctx, &target, &schedule, &others).await;
-        if let Err(e) = &seen {
-            // A command that found the server gone: its other policies wait for one probe.
-            ctx.shared.pools.saw(&target, e);
-        }
-        seen
+        validate_and_converge(policy, ctx, &target, &others).await
     }
     .await;
     if let Err(Error::Deferred(_)) = result {
@@ -598,6 +599,24 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     }
 }
 
+/// Phases 2 and 3 once the policy's server is resolved: validate the policy against the `others` it shares servers
+/// with, then converge Redis on it (the group, the worker settings, the jobs handed to the runner, the probe). The
+/// reconcile runs them, and so does `pelican local`, which has no cluster.
+pub async fn validate_and_converge(
+    policy: &ConsumerGroupPolicy,
+    host: &impl Host,
+    target: &Target,
+    others: &[Arc<ConsumerGroupPolicy>],
+) -> Result<Observation> {
+    let schedule = validate::validate(policy, others, target.cluster)?;
+    let seen = act::converge(policy, host, target, &schedule, others).await;
+    if let Err(e) = &seen {
+        // A command that found the server gone: its other policies wait for one probe.
+        host.pools().saw(target, e);
+    }
+    seen
+}
+
 /// The reconcile's deletion paths against a scripted API server and a Redis that does not answer (a closed loopback
 /// port): what the operator asks the API server, in order, and what it leaves.
 #[cfg(test)]
@@ -611,8 +630,12 @@ mod tests {
     fn context(leadership: Leadership) -> (Arc<Context>, Handle) {
         let (client, handle) = scripted::client();
         let (shared, _writers) = Shared::new(client, None, Arc::default(), leadership, None, Default::default());
-        let runner =
-            Runner::new(shared.leadership.clone(), shared.events.clone(), shared.metrics.clone(), shared.pools.clone());
+        let runner = Runner::new(
+            shared.leadership.clone(),
+            Announcer::Events(shared.events.clone()),
+            shared.metrics.clone(),
+            shared.pools.clone(),
+        );
         let ctx = Context {
             shared,
             neighbours: Neighbours::default(),

@@ -45,6 +45,24 @@ use crate::leader::Leadership;
 use crate::redis::{Conn, GroupKeys, PoolKey, Pools, Target};
 use crate::telemetry::{Events, Metrics};
 
+/// Where a policy's jobs say what they did: as Kubernetes Events about the policy (the operator), or, without a
+/// cluster (`pelican local`), on a channel whose reader prints them.
+#[derive(Clone)]
+pub enum Announcer {
+    Events(Events),
+    Channel(tokio::sync::mpsc::UnboundedSender<Said>),
+}
+
+/// What a job announced, as its Event would have said it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Said {
+    /// `namespace/name`.
+    pub policy: String,
+    pub type_: EventType,
+    pub reason: String,
+    pub note: String,
+}
+
 /// Passes running at once against one server. The server runs scripts one at a time anyway; two keep it busy
 /// while the other pass waits on the network.
 pub const PASSES_PER_SERVER: usize = 2;
@@ -199,7 +217,7 @@ pub struct Runner {
     states: Arc<Mutex<HashMap<String, JobState>>>,
     metrics: Arc<Metrics>,
     leadership: Leadership,
-    events: Events,
+    announcer: Announcer,
     pools: Arc<Pools>,
 }
 
@@ -215,14 +233,14 @@ impl Drop for Task {
 }
 
 impl Runner {
-    pub fn new(leadership: Leadership, events: Events, metrics: Arc<Metrics>, pools: Arc<Pools>) -> Runner {
+    pub fn new(leadership: Leadership, announcer: Announcer, metrics: Arc<Metrics>, pools: Arc<Pools>) -> Runner {
         Runner {
             tasks: Mutex::default(),
             servers: Mutex::default(),
             states: Arc::default(),
             metrics,
             leadership,
-            events,
+            announcer,
             pools,
         }
     }
@@ -248,7 +266,7 @@ impl Runner {
             job: receiver,
             permits,
             leadership: self.leadership.clone(),
-            events: self.events.clone(),
+            announcer: self.announcer.clone(),
             states: self.states.clone(),
             metrics: self.metrics.clone(),
             pools: self.pools.clone(),
@@ -293,7 +311,7 @@ struct PolicyTask {
     job: watch::Receiver<Job>,
     permits: Arc<Semaphore>,
     leadership: Leadership,
-    events: Events,
+    announcer: Announcer,
     states: Arc<Mutex<HashMap<String, JobState>>>,
     metrics: Arc<Metrics>,
     pools: Arc<Pools>,
@@ -582,9 +600,18 @@ impl PolicyTask {
     }
 
     async fn publish(&self, job: &Job, type_: EventType, reason: &str, note: String) {
-        let event = Event { type_, reason: reason.into(), note: Some(note), action: "Reclaim".into(), secondary: None };
-        if let Err(e) = self.events.publish(&event, &job.object).await {
-            warn!(policy = self.policy, error = %e, reason, "could not publish event");
+        match &self.announcer {
+            Announcer::Events(events) => {
+                let event =
+                    Event { type_, reason: reason.into(), note: Some(note), action: "Reclaim".into(), secondary: None };
+                if let Err(e) = events.publish(&event, &job.object).await {
+                    warn!(policy = self.policy, error = %e, reason, "could not publish event");
+                }
+            }
+            Announcer::Channel(said) => {
+                // The reader is gone only when the process is stopping.
+                let _ = said.send(Said { policy: self.policy.clone(), type_, reason: reason.into(), note });
+            }
         }
     }
 }
