@@ -119,6 +119,7 @@ fn the_command_reference_is_what_clap_prints() {
         ("pelican", pelican, &[][..]),
         ("pelican run", pelican, &["run"][..]),
         ("pelican crd", pelican, &["crd"][..]),
+        ("pelican local", pelican, &["local"][..]),
         ("pelican version", pelican, &["version"][..]),
         ("kubectl pelican", env!("CARGO_BIN_EXE_kubectl-pelican"), &[][..]),
         ("kubectl pelican status", env!("CARGO_BIN_EXE_kubectl-pelican"), &["status"][..]),
