@@ -137,6 +137,10 @@ fn each_message_handled_once_by(flavor: Flavor, prefix: &str, worker: impl FnOnc
     eprintln!("{handled} handler runs for 12 messages; totals {:?}", totals(&mut conn));
     assert_eq!(handled, 12, "each message handled once");
     assert_no_copies(&mut conn, 12);
+    // The lease call is also the worker's heartbeat, which `strategy: Reassign` reads (a plain XCLAIM writes none).
+    let beat: Option<u64> =
+        redis::cmd("HGET").arg(pelican::keys::consumers_key("tasks", "workers")).arg(prefix).query(&mut conn).unwrap();
+    assert!(beat.is_some(), "no heartbeat of {prefix} in the consumers hash");
 }
 
 /// The same with a worker in Python: `examples/workers/slow_worker.py` extends its messages with the call the workers
@@ -164,8 +168,8 @@ fn go_slow_worker() -> &'static str {
     })
 }
 
-/// The same with a worker in Go: `examples/workers/go` (go-redis v9) extends its messages with `XClaimJustID`, the
-/// call the workers page documents.
+/// The same with a worker in Go: `examples/workers/go` (go-redis v9) extends its messages with the contract's
+/// `lease.lua`, the call the workers page documents.
 fn a_go_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
     each_message_handled_once_by(flavor, "lease-go", |args| {
         let mut go = Command::new(go_slow_worker());
@@ -195,7 +199,7 @@ fn spring_slow_worker() -> &'static [String] {
 }
 
 /// The same with a worker in Java: `examples/workers/spring` (Spring Data Redis with Lettuce) extends its messages
-/// with `xClaimJustId`, the call the workers page documents.
+/// with the contract's `lease.lua`, the call the workers page documents.
 fn a_spring_data_redis_worker_with_the_lease_call_handles_each_message_once(flavor: Flavor) {
     each_message_handled_once_by(flavor, "lease-java", |args| {
         let mut java = Command::new("java");

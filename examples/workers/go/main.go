@@ -1,7 +1,9 @@
 // A go-redis worker whose handler may be slower than the group's minIdle, kept from looking abandoned with the
-// lease call Pelican documents: the owner's `XCLAIM <stream> <group> <consumer> 0 <ids...> JUSTID` on the messages
-// it is still handling (idle back to 0, the delivery count unchanged), every third of the `minIdleMs` the operator
-// publishes in `{T}:pelican:<stream>:<group>:settings`. The Go twin of slow_worker.py.
+// lease call Pelican documents: the contract's `lease.lua` (the owner's `XCLAIM ... JUSTID` on the messages it is
+// still handling, only those still its own: idle back to 0, the delivery count unchanged; and the worker's heartbeat,
+// which `strategy: Reassign` reads), every third of the `minIdleMs` the operator publishes in
+// `{T}:pelican:<stream>:<group>:settings`, also with nothing in flight. The Go twin of slow_worker.py. A library does
+// all this and the rest of the contract: sdks/go.
 //
 //	go run . redis://127.0.0.1:6379 '{orders}:events' billing worker-1 12 100
 //
@@ -13,6 +15,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -31,6 +35,17 @@ func hashTag(key string) string {
 	return key
 }
 
+// leaseScript is the contract's lease.lua, read from the repository this example is built in.
+func leaseScript() *redis.Script {
+	_, source, _, _ := runtime.Caller(0)
+	text, err := os.ReadFile(filepath.Join(filepath.Dir(source), "..", "..", "..", "contract", "scripts", "lease.lua"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	return redis.NewScript(string(text))
+}
+
 func main() {
 	if len(os.Args) != 7 {
 		fmt.Fprintln(os.Stderr, "usage: slow-worker URL STREAM GROUP CONSUMER HANDLE_SECONDS COUNT")
@@ -45,7 +60,9 @@ func main() {
 		os.Exit(1)
 	}
 	ctx, rdb := context.Background(), redis.NewClient(options)
-	settings, _ := rdb.HGetAll(ctx, fmt.Sprintf("{%s}:pelican:%s:%s:settings", hashTag(stream), stream, group)).Result()
+	keyPrefix := fmt.Sprintf("{%s}:pelican:%s:%s:", hashTag(stream), stream, group)
+	settings, _ := rdb.HGetAll(ctx, keyPrefix+"settings").Result()
+	lease := leaseScript()
 	// Three leases per minIdle; every second when no policy publishes settings.
 	minIdle, err := strconv.Atoi(settings["minIdleMs"])
 	if err != nil {
@@ -96,12 +113,18 @@ func main() {
 				ids = append(ids, id)
 			}
 			lock.Unlock()
-			if len(ids) > 0 {
-				// The lease: Pelican's pass never takes an entry whose idle time stays below minIdle.
-				rdb.XClaimJustID(ctx, &redis.XClaimArgs{
-					Stream: stream, Group: group, Consumer: consumer, MinIdle: 0, Messages: ids,
-				})
-			}
+			// The lease (EVALSHA, EVAL the first time): Pelican's pass never takes an entry whose idle time stays
+			// below minIdle, and the heartbeat it writes is how Reassign knows this worker is alive. At most 100 ids.
+			args := append([]any{group, consumer}, toAny(ids[:min(len(ids), 100)])...)
+			lease.Run(ctx, rdb, []string{stream, keyPrefix + "consumers"}, args...)
 		}
 	}
+}
+
+func toAny(ids []string) []any {
+	out := make([]any, len(ids))
+	for i, id := range ids {
+		out[i] = id
+	}
+	return out
 }

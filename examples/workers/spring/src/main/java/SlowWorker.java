@@ -1,15 +1,19 @@
 // A Spring Data Redis worker whose handler may be slower than the group's minIdle, kept from looking abandoned with
-// the lease call Pelican documents: the owner's `XCLAIM <stream> <group> <consumer> 0 <ids...> JUSTID` on the
-// messages it is still handling (idle back to 0, the delivery count unchanged), every third of the `minIdleMs` the
-// operator publishes in `{T}:pelican:<stream>:<group>:settings`. The Java twin of slow_worker.py.
+// the lease call Pelican documents: the contract's `lease.lua` (the owner's `XCLAIM ... JUSTID` on the messages it is
+// still handling, only those still its own: idle back to 0, the delivery count unchanged; and the worker's heartbeat,
+// which `strategy: Reassign` reads), every third of the `minIdleMs` the operator publishes in
+// `{T}:pelican:<stream>:<group>:settings`, also with nothing in flight. The Java twin of slow_worker.py. A library does
+// all this and the rest of the contract: sdks/java (and its Spring Boot example, sdks/java/examples/notifications).
 //
 //   java -cp ... SlowWorker redis://127.0.0.1:6379 '{orders}:events' billing worker-1 12 100
+//
+// run from the repository's root (it reads contract/scripts/lease.lua).
 //
 // handles messages (each takes HANDLE_SECONDS, here 12) until it handled COUNT (here 100) or ran 120 s, printing
 // `handled <entry id>` for every run of the handler.
 
 import java.net.URI;
-import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
 import java.time.Duration;
 import java.util.List;
 import java.util.Map;
@@ -20,15 +24,15 @@ import java.util.concurrent.Executors;
 import java.util.concurrent.atomic.AtomicInteger;
 
 import org.springframework.data.redis.connection.RedisStandaloneConfiguration;
-import org.springframework.data.redis.connection.RedisStreamCommands.XClaimOptions;
 import org.springframework.data.redis.connection.lettuce.LettuceConnectionFactory;
 import org.springframework.data.redis.connection.stream.Consumer;
 import org.springframework.data.redis.connection.stream.MapRecord;
 import org.springframework.data.redis.connection.stream.ReadOffset;
 import org.springframework.data.redis.connection.stream.StreamOffset;
 import org.springframework.data.redis.connection.stream.StreamReadOptions;
-import org.springframework.data.redis.core.RedisCallback;
+import org.springframework.core.io.FileSystemResource;
 import org.springframework.data.redis.core.StringRedisTemplate;
+import org.springframework.data.redis.core.script.RedisScript;
 
 public class SlowWorker {
     /** The part of a key Redis Cluster hashes: the first non-empty {...}, else the whole key. */
@@ -54,8 +58,10 @@ public class SlowWorker {
         factory.start();
         StringRedisTemplate redis = new StringRedisTemplate(factory);
 
-        String settingsKey = "{" + hashTag(stream) + "}:pelican:" + stream + ":" + group + ":settings";
-        Map<Object, Object> settings = redis.opsForHash().entries(settingsKey);
+        String keyPrefix = "{" + hashTag(stream) + "}:pelican:" + stream + ":" + group + ":";
+        Map<Object, Object> settings = redis.opsForHash().entries(keyPrefix + "settings");
+        @SuppressWarnings("rawtypes") // the script answers the ids still this worker's: a list
+        RedisScript<List> lease = RedisScript.of(new FileSystemResource("contract/scripts/lease.lua"), List.class);
         // Three leases per minIdle; every second when no policy publishes settings.
         long minIdle = settings.containsKey("minIdleMs") ? Long.parseLong((String) settings.get("minIdleMs")) : 3000;
         long every = minIdle / 3;
@@ -86,13 +92,11 @@ public class SlowWorker {
             }
             if (System.currentTimeMillis() - lastLease >= every) {
                 lastLease = System.currentTimeMillis();
-                String[] ids = inFlight.toArray(new String[0]);
-                if (ids.length > 0) {
-                    // The lease: Pelican's pass never takes an entry whose idle time stays below minIdle.
-                    redis.execute((RedisCallback<Object>) connection -> connection.streamCommands().xClaimJustId(
-                        stream.getBytes(StandardCharsets.UTF_8), group, consumer,
-                        XClaimOptions.minIdle(Duration.ZERO).ids(ids)));
-                }
+                List<String> leaseArgs = new ArrayList<>(List.of(group, consumer));
+                inFlight.stream().limit(100).forEach(leaseArgs::add);
+                // The lease (EVALSHA, EVAL the first time): Pelican's pass never takes an entry whose idle time stays
+                // below minIdle, and the heartbeat it writes is how Reassign knows this worker is alive.
+                redis.execute(lease, List.of(stream, keyPrefix + "consumers"), leaseArgs.toArray());
             }
         }
         handlers.shutdownNow();
