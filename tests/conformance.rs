@@ -212,13 +212,7 @@ fn for_every_library(flavor: Flavor, prefix: &str, reclaim: Reclaim, scenario: f
     let server = Server::start(flavor);
     let namespace = namespace(prefix);
     let _operator = Operator::start(&namespace);
-    let manifests: Vec<String> = libraries
-        .iter()
-        .map(|library| reclaim.manifest(&format!("c-{}", library.name), &server.url(), &library.name))
-        .collect();
-    let (applied, out) = kubectl_apply(&namespace, &manifests.join("---\n"));
-    assert!(applied, "kubectl apply failed: {out}");
-    wait_all_ready(&namespace, libraries.len(), Duration::from_secs(60));
+    reclaim.apply(&namespace, &server.url(), &libraries);
     let lanes = libraries.into_iter().map(|library| Lane {
         stream: library.name.clone(),
         policy: format!("c-{}", library.name),
@@ -282,6 +276,15 @@ struct Reclaim {
 }
 
 impl Reclaim {
+    /// A policy per library (`c-<library>`, on the stream named after it), applied and Ready.
+    fn apply(&self, namespace: &str, url: &str, libraries: &[Library]) {
+        let manifests: Vec<String> =
+            libraries.iter().map(|library| self.manifest(&format!("c-{}", library.name), url, &library.name)).collect();
+        let (applied, out) = kubectl_apply(namespace, &manifests.join("---\n"));
+        assert!(applied, "kubectl apply failed: {out}");
+        wait_all_ready(namespace, libraries.len(), Duration::from_secs(60));
+    }
+
     /// The policy of one library's lane.
     fn manifest(&self, name: &str, url: &str, stream: &str) -> String {
         let retry = format!("  retry:\n    maxDeliveries: {}\n", self.max_deliveries);
@@ -866,13 +869,7 @@ fn faults_leave_every_message_in_one_final_state(flavor: Flavor, strategy: &str)
     let mut operator = Operator::start(&namespace);
     // `minIdle` 5 s: a lease every 1.7 s, so that a worker the machine delays for a second still keeps its entries.
     let reclaim = spec("5s", 3, strategy);
-    let manifests: Vec<String> = libraries
-        .iter()
-        .map(|library| reclaim.manifest(&format!("c-{}", library.name), &server.url(), &library.name))
-        .collect();
-    let (applied, out) = kubectl_apply(&namespace, &manifests.join("---\n"));
-    assert!(applied, "kubectl apply failed: {out}");
-    wait_all_ready(&namespace, libraries.len(), Duration::from_secs(60));
+    reclaim.apply(&namespace, &server.url(), &libraries);
     let mut lanes: Vec<FaultLane> = libraries
         .into_iter()
         .map(|library| FaultLane {
