@@ -38,10 +38,22 @@ fn a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_f
     let good = sentinel_policy("jobs", &sentinels, MASTER_NAME, "", true);
     let unknown =
         sentinel_policy("typo", &sentinels, "mymastr", "", true).replace("stream: \"jobs\"", "stream: \"other\"");
-    assert!(kubectl_apply(&ns, &format!("{secret}---\n{good}---\n{unknown}")).0);
+    // Issue 66.2: a database other than 0 is the data nodes'; the sentinel connection was opened with it, and a
+    // sentinel implements no SELECT.
+    let database_3 = sentinel_policy("db3", &sentinels, MASTER_NAME, "", true).replacen(
+        &sentinels.url(),
+        &sentinels.url().replace("/0", "/3"),
+        1,
+    );
+    assert!(kubectl_apply(&ns, &format!("{secret}---\n{good}---\n{unknown}---\n{database_3}")).0);
     let first = sentinels.primary_port();
     let ready = wait_condition(&ns, "jobs", "Ready", "True", "Reconciled");
     assert_eq!(ready["status"]["primary"], format!("127.0.0.1:{first}"));
+    wait_condition(&ns, "db3", "Ready", "True", "Reconciled");
+    let mut db3 =
+        redis::Client::open(format!("redis://:data-pw@127.0.0.1:{first}/3")).unwrap().get_connection().unwrap();
+    let groups: Vec<redis::Value> = redis::cmd("XINFO").arg("GROUPS").arg("jobs").query(&mut db3).unwrap();
+    assert_eq!(groups.len(), 1, "the group is in database 3");
     let stalled = wait_condition(&ns, "typo", "Stalled", "True", "SentinelMasterUnknown");
     let conditions = stalled["status"]["conditions"].as_array().unwrap();
     let message = conditions.iter().find(|c| c["type"] == "Stalled").unwrap()["message"].as_str().unwrap().to_string();
@@ -65,7 +77,8 @@ fn a_sentinel_policy_finds_the_primary_with_credentials_for_both_and_follows_a_f
         Some(p) if p == format!("127.0.0.1:{second}") => Ok(()),
         other => Err(format!("{other:?}")),
     });
-    let changed = events(&ns, "PrimaryChanged");
+    let changed: Vec<_> =
+        events(&ns, "PrimaryChanged").into_iter().filter(|e| e["involvedObject"]["name"] == "jobs").collect();
     assert_eq!(changed.len(), 1, "{changed:?}");
     assert_eq!(changed[0]["type"], "Warning");
     let mut conn = sentinels.server(second).conn();

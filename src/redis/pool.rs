@@ -231,6 +231,14 @@ pub fn canonical_url(url: &str) -> String {
     format!("{}://{}:{port}/{database}", scheme.to_ascii_lowercase(), host.to_ascii_lowercase())
 }
 
+/// The URL of the sentinel a `mode: Sentinel` policy names: its URL with database 0. The database is the data
+/// nodes'; a sentinel implements no `SELECT`, and a connection asked for another database fails at its first command.
+fn sentinel_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
+    let authority = rest.split_once('/').map_or(rest, |(authority, _)| authority);
+    format!("{scheme}://{authority}/0")
+}
+
 /// Which server a policy names, however its URL is spelled: the `RedisServer` it references, or the canonical URL
 /// (and for `mode: Sentinel` the primary's name too: one sentinel watches many primaries). Policies on one
 /// `RedisServer` are neighbours by the reference; an inline URL and a reference to the same server are not
@@ -288,7 +296,12 @@ impl Pools {
         let Some(sentinel) = &target.sentinel else {
             return Ok(target.clone());
         };
-        let at = Target { credentials: sentinel.credentials.clone(), sentinel: None, ..target.clone() };
+        let at = Target {
+            url: sentinel_url(&target.url),
+            credentials: sentinel.credentials.clone(),
+            sentinel: None,
+            ..target.clone()
+        };
         let key = at.pool_key();
         let cached = self.sentinels.lock().expect("pool lock").get(&key).cloned();
         let mut conn = match cached {
@@ -482,7 +495,7 @@ impl Pools {
     /// Closes the connections to sentinels no target in `sentinels` names (by canonical URL): a sentinel is
     /// connected to only while a policy uses it.
     pub fn retain_sentinels<'a>(&self, sentinels: impl IntoIterator<Item = &'a str>) {
-        let used: HashSet<String> = sentinels.into_iter().map(canonical_url).collect();
+        let used: HashSet<String> = sentinels.into_iter().map(|url| canonical_url(&sentinel_url(url))).collect();
         self.sentinels.lock().expect("pool lock").retain(|(url, _, _), _| used.contains(url));
     }
 
