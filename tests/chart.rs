@@ -295,6 +295,10 @@ fn sharding_renders_one_deployment_per_shard_with_its_own_lease_and_selector() {
     ] {
         let deployment = deployments.iter().find(|d| d.contains(&format!("name: {name}"))).expect(name);
         assert!(deployment.contains(selector) && deployment.contains(lease), "{deployment}");
+        // The shard-down runbook finds it with `kubectl get deploy -l pelican.io/shard=<shard>` (issue 66.6).
+        let manifest: serde_yaml::Value = serde_yaml::from_str(deployment).unwrap();
+        let shard = name.trim_end().trim_start_matches("sh-pelican-");
+        assert_eq!(manifest["metadata"]["labels"]["pelican.io/shard"].as_str(), Some(shard), "{deployment}");
     }
     let unsharded = render("one", "pelican-system", &[]);
     assert!(!unsharded.contains("--watch-label-selector") && !unsharded.contains("pelican.io/shard"));
