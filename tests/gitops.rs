@@ -307,3 +307,32 @@ fn server_health_and_kstatus_read_real_servers_right() {
         assert_eq!(kstatus(&object), kstatus_status, "kstatus of {name}");
     }
 }
+
+/// Issue 66.1: the Flux example's policies waited for ever: their Kustomization `dependsOn` the HelmRelease, and Flux
+/// resolves `dependsOn` among Kustomizations only. Every `dependsOn` of a Kustomization in the example names a
+/// Kustomization the example defines (in its namespace, when none is given).
+#[test]
+fn the_flux_example_depends_only_on_kustomizations_it_defines() {
+    use serde::Deserialize;
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/gitops/flux.yaml")).unwrap();
+    let documents: Vec<serde_yaml::Value> =
+        serde_yaml::Deserializer::from_str(&text).map(|d| serde_yaml::Value::deserialize(d).unwrap()).collect();
+    let kustomizations: Vec<&serde_yaml::Value> = documents.iter().filter(|d| d["kind"] == "Kustomization").collect();
+    let defined: Vec<(String, String)> = kustomizations
+        .iter()
+        .map(|k| (k["metadata"]["namespace"].as_str().unwrap().into(), k["metadata"]["name"].as_str().unwrap().into()))
+        .collect();
+    let mut dependencies = 0;
+    for kustomization in &kustomizations {
+        let namespace = kustomization["metadata"]["namespace"].as_str().unwrap();
+        for dependency in kustomization["spec"]["dependsOn"].as_sequence().into_iter().flatten() {
+            let wanted = (
+                dependency["namespace"].as_str().unwrap_or(namespace).to_string(),
+                dependency["name"].as_str().unwrap().to_string(),
+            );
+            assert!(defined.contains(&wanted), "dependsOn {wanted:?}, not a Kustomization of the example: {defined:?}");
+            dependencies += 1;
+        }
+    }
+    assert!(dependencies >= 1, "the policies wait for the operator");
+}
