@@ -335,7 +335,8 @@ fn the_scripts_reference_is_their_headers() {
          `kill -9`, failovers and concurrent callers. The scripts under `contract/scripts/` are the contract for \
          producers and workers in any language (`contract/README.md`): load them as they are.\n",
     );
-    let mut scripts = files_below(&root.join("src/jobs/scripts"), ".lua");
+    // Every script of the operator (its jobs, its own writes) and of the contract.
+    let mut scripts = files_below(&root.join("src"), ".lua");
     scripts.extend(files_below(&root.join("contract/scripts"), ".lua"));
     for script in scripts {
         let name = script.strip_prefix(root).unwrap().display().to_string();
