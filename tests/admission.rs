@@ -103,7 +103,7 @@ fn tls_settings_that_would_be_ignored_are_refused() {
     assert!(out.contains("spec.redis.tls is set but spec.redis.url is redis://"), "{out}");
     let cert_only = "      certSecretRef: {name: redis-tls, key: tls.crt}\n";
     let out = refused(&ns, &tls("rediss://127.0.0.1:6380/0", cert_only));
-    assert!(out.contains("certSecretRef and spec.redis.tls.keySecretRef go together"), "{out}");
+    assert!(out.contains("tls.certSecretRef and tls.keySecretRef go together"), "{out}");
     let both = format!("{cert_only}      keySecretRef: {{name: redis-tls, key: tls.key}}\n");
     assert!(kubectl_apply(&ns, &tls("rediss://127.0.0.1:6380/0", &both)).0);
 }

@@ -256,7 +256,7 @@ pub enum RedisMode {
 #[serde(rename_all = "camelCase")]
 pub struct SentinelSpec {
     /// The name the sentinels monitor the primary under (`sentinel monitor <masterName> ...`). Immutable.
-    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.redis.sentinel.masterName is immutable: create a new policy for another primary"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("sentinel.masterName is immutable: create a new object (policy or RedisServer) for another primary"))]
     #[schemars(length(min = 1, max = 256))]
     pub master_name: String,
     /// The ACL user name the sentinels require (`sentinel sentinel-user`), from a Secret beside it (the policy's namespace, or the RedisServer's).
@@ -292,7 +292,7 @@ pub struct SecretKeyRef {
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.certSecretRef) == has(self.keySecretRef)").message("spec.redis.tls.certSecretRef and spec.redis.tls.keySecretRef go together: a client certificate needs its key, and a key its certificate"))]
+#[x_kube(validation = Rule::new("has(self.certSecretRef) == has(self.keySecretRef)").message("tls.certSecretRef and tls.keySecretRef go together: a client certificate needs its key, and a key its certificate"))]
 pub struct TlsSpec {
     /// PEM CA bundle to verify the server's certificate with (optional; the system roots when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]

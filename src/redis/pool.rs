@@ -152,7 +152,7 @@ impl Target {
                 detail: format!(
                     "the server ended the connection right after the TLS handshake ({e}), which is how a server that \
                      requires client certificates (tls-auth-clients yes) refuses a client without one: set \
-                     spec.redis.tls.certSecretRef and keySecretRef"
+                     tls.certSecretRef and keySecretRef"
                 ),
             };
         }
