@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 from redis.asyncio import Redis
 from redis.asyncio.sentinel import Sentinel
 
-from pelican_worker.message import InvalidReason, Message, Outcome
 from pelican_worker._redis import RedisSource
+from pelican_worker.message import InvalidReason, Message, Outcome
 from pelican_worker.producer import Producer, PublishOutcomeUnknown, PublishUnavailable
 from pelican_worker.settings import ContractVersionError
 from pelican_worker.worker import Handler, Worker, run_until_signal
@@ -85,7 +85,8 @@ def source(url: str) -> RedisSource:
 
     def primary() -> Redis:
         # The worker's blocking reads wait up to 1 s on the server: the socket waits longer.
-        return sentinel.master_for(name, db=db, socket_timeout=10.0, socket_connect_timeout=5.0)
+        client: Redis = sentinel.master_for(name, db=db, socket_timeout=10.0, socket_connect_timeout=5.0)
+        return client
 
     return primary
 
