@@ -1014,7 +1014,7 @@ fn faults_leave_every_message_in_one_final_state(flavor: Flavor, strategy: &str)
 }
 
 /// A conformance producer (`MODE=publish`) of `library` through the sentinel `url`, publishing `messages` messages
-/// to `stream` as producer `producer`; its published entry ids, once it exits 0 within a minute.
+/// to `stream` as producer `producer`.
 fn start_producer(library: &Library, url: &str, stream: &str, producer: &str, messages: usize) -> Child {
     Command::new(&library.command[0])
         .args(&library.command[1..])
