@@ -7,13 +7,16 @@
 //! process exits at once with status 3), field `ms` = how long it takes. One JSON line per handler run on stdout;
 //! the SDK's logs as JSON lines on stderr (`RUST_LOG`, `info` by default). A worker contract the SDK does not know
 //! stops it (after its shutdown) with status 4.
+//! With `SENTINEL_MASTER=<name>`, `REDIS_URL` names a sentinel, and the SDK's sentinel source asks it for the primary
+//! monitored under that name (again after a failover).
 //! With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
 //! `m-1`, ...), each retried until it answers an id, one JSON line per attempt.
 
 use std::time::Duration;
 
 use pelican::worker::{
-    BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Producer, PublishError, Reason, Worker, WorkerConfig, pod_name,
+    BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Producer, PublishError, Reason, Source, Worker, WorkerConfig,
+    pod_name,
 };
 
 #[tokio::main]
@@ -25,15 +28,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is required"));
     let client = redis::Client::open(var("REDIS_URL")?)?;
+    let source = match std::env::var("SENTINEL_MASTER") {
+        Ok(master_name) => Source::Sentinel { sentinel: client, master_name, primary: Default::default() },
+        Err(_) => Source::Server(client),
+    };
     if std::env::var("MODE").as_deref() == Ok("publish") {
         let messages: usize = var("MESSAGES")?.parse()?;
-        return publish(&client, &var("STREAM")?, messages).await;
+        return publish(&source, &var("STREAM")?, messages).await;
     }
     let consumer = std::env::var("CONSUMER").ok().or_else(pod_name).ok_or("CONSUMER (or POD_NAME) is required")?;
     let grace = std::env::var("SHUTDOWN_GRACE_MS")
         .map_or(Ok(DEFAULT_SHUTDOWN_GRACE), |ms| ms.parse().map(Duration::from_millis))?;
     let config = WorkerConfig { shutdown_grace: grace, ..WorkerConfig::new(var("STREAM")?, var("GROUP")?, &consumer) };
-    let worker = Worker::connect(&client, config).await?;
+    let worker = Worker::connect_to(source, config).await?;
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM");
         term.recv().await;
@@ -68,13 +75,13 @@ async fn handle(message: Message, consumer: String) -> Result<Outcome, BoxError>
 
 /// Publishes `m-0` .. `m-<messages-1>` idempotently; an attempt whose outcome is unknown (the reply was lost) or that
 /// found the server unavailable is tried again with the same message id, as the contract says.
-async fn publish(client: &redis::Client, stream: &str, messages: usize) -> Result<(), Box<dyn std::error::Error>> {
+async fn publish(source: &Source, stream: &str, messages: usize) -> Result<(), Box<dyn std::error::Error>> {
     let producer_id = pod_name().unwrap_or_else(|| "conformance".to_string());
     for n in 0..messages {
         let message = format!("m-{n}");
         loop {
             // A connection of its own per attempt: a lost reply leaves the last one broken.
-            let producer = Producer::connect(client, stream).await?.idempotent(&producer_id).await?;
+            let producer = Producer::connect_to(source, stream).await?.idempotent(&producer_id).await?;
             match producer.publish(&message, &[("n", n.to_string())]).await {
                 Ok(id) => {
                     println!("{}", serde_json::json!({"message": message, "outcome": "published", "id": id}));

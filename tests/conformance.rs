@@ -53,6 +53,12 @@ mod redis_8_6 {
     fn a_publish_whose_reply_was_lost_is_written_once() {
         super::a_publish_whose_reply_was_lost_is_written_once(super::Flavor::Redis86)
     }
+
+    /// On Redis 8.6: the conformance producer publishes idempotently, which Redis 7.0 and Valkey 9.1 refuse.
+    #[test]
+    fn a_sentinel_failover_is_followed_by_workers_and_producers() {
+        super::a_sentinel_failover_is_followed_by_workers_and_producers(super::Flavor::Redis86)
+    }
 }
 
 const GROUP: &str = "workers";
@@ -111,9 +117,22 @@ struct Running {
 
 impl Running {
     fn start(library: &Library, url: &str, stream: &str, consumer: &str, grace_ms: u64) -> Running {
+        Running::start_with(library, url, stream, consumer, grace_ms, &[])
+    }
+
+    /// With `env` added to the worker's environment.
+    fn start_with(
+        library: &Library,
+        url: &str,
+        stream: &str,
+        consumer: &str,
+        grace_ms: u64,
+        env: &[(&str, &str)],
+    ) -> Running {
         let mut child = Command::new(&library.command[0])
             .args(&library.command[1..])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .envs(env.iter().copied())
             .env("REDIS_URL", url)
             .env("STREAM", stream)
             .env("GROUP", GROUP)
@@ -989,4 +1008,196 @@ fn faults_leave_every_message_in_one_final_state(flavor: Flavor, strategy: &str)
         "faults under {strategy} on {flavor:?}:\n{}",
         report.join("\n")
     );
+}
+
+/// A conformance producer (`MODE=publish`) of `library` through the sentinel `url`, publishing `messages` messages
+/// to `stream` as producer `producer`.
+fn start_producer(library: &Library, url: &str, stream: &str, producer: &str, messages: usize) -> Child {
+    Command::new(&library.command[0])
+        .args(&library.command[1..])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("MODE", "publish")
+        .env("MESSAGES", messages.to_string())
+        .env("SENTINEL_MASTER", MASTER_NAME)
+        .env("REDIS_URL", url)
+        .env("STREAM", stream)
+        .env("POD_NAME", producer)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: cannot start {:?}: {e}", library.name, library.command))
+}
+
+/// The entry ids a producer printed as published, once it exits 0 within a minute (else why not).
+fn published_by(mut producer: Child) -> Result<Vec<String>, String> {
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = producer.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = producer.kill();
+            let _ = producer.wait();
+            return Err("the producer did not finish within 60 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    producer.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    if !status.success() {
+        return Err(format!("the producer exited {status}: {out}"));
+    }
+    let lines: Vec<serde_json::Value> = out.lines().filter_map(|line| serde_json::from_str(line).ok()).collect();
+    Ok(lines.iter().filter(|l| l["outcome"] == "published").map(|l| l["id"].as_str().unwrap().to_string()).collect())
+}
+
+/// Issue 65: every library's worker and producer through a sentinel (`SENTINEL_MASTER`), side by side under one
+/// operator, each lane on its own stream and Sentinel policy, across one failover (the sentinels' own). Five messages
+/// published before it, ten by producers started as it is asked for, five once the old primary is a replica. On the
+/// new primary: every message published before and after is there, every message there is handled done (a run
+/// again only for entries pending at the failover), nothing is pending or dead-lettered, and the worker leases there.
+/// Writes the old primary accepted after the promotion are lost with Sentinel's asynchronous replication: those of
+/// the messages published during the failover are counted in the report, not failed.
+fn a_sentinel_failover_is_followed_by_workers_and_producers(flavor: Flavor) {
+    let libraries = libraries();
+    let mut sentinels = Sentinels::start(flavor);
+    let namespace = namespace("conf-sentinel");
+    let _operator = Operator::start(&namespace);
+    let redis =
+        format!("    url: {}\n    mode: Sentinel\n    sentinel:\n      masterName: {MASTER_NAME}\n", sentinels.url());
+    let manifests: Vec<String> = libraries
+        .iter()
+        .map(|library| {
+            spec("5s", 3, "Requeue").manifest(&format!("c-{}", library.name), "X", &library.name).replacen(
+                "    url: X\n",
+                &redis,
+                1,
+            )
+        })
+        .collect();
+    let (applied, out) = kubectl_apply(&namespace, &manifests.join("---\n"));
+    assert!(applied, "kubectl apply failed: {out}");
+    wait_all_ready(&namespace, libraries.len(), Duration::from_secs(60));
+    let url = sentinels.url();
+    let first = sentinels.primary_port();
+    let mut old = sentinels.server(first).conn();
+    let sentinel_env = [("SENTINEL_MASTER", MASTER_NAME)];
+    let workers: Vec<Running> = libraries
+        .iter()
+        .map(|library| Running::start_with(library, &url, &library.name, "w1", 5_000, &sentinel_env))
+        .collect();
+    let produce = |phase: &str, messages: usize| -> Vec<Child> {
+        libraries.iter().map(|l| start_producer(l, &url, &l.name, &format!("{phase}-{}", l.name), messages)).collect()
+    };
+    let before: Vec<Result<Vec<String>, String>> = produce("before", 5).into_iter().map(published_by).collect();
+    wait_for("the workers to handle what was published before", Duration::from_secs(60), || {
+        let runs: Vec<usize> = workers.iter().map(|w| w.runs().len()).collect();
+        if runs.iter().all(|n| *n >= 5) { Ok(()) } else { Err(format!("runs per library {runs:?}")) }
+    });
+    let mut pending_at_failover: BTreeSet<String> =
+        libraries.iter().flat_map(|l| pel(&mut old, &l.name, GROUP)).map(|(id, ..)| id).collect();
+    let mut admin = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+    let _: () = redis::cmd("SENTINEL").arg("FAILOVER").arg(MASTER_NAME).query(&mut admin).unwrap();
+    let during: Vec<Result<Vec<String>, String>> = produce("during", 10).into_iter().map(published_by).collect();
+    let second = wait_for("the sentinels to elect another primary", Duration::from_secs(60), || {
+        let port = sentinels.primary_port();
+        if port != first { Ok(port) } else { Err(format!("still {port}")) }
+    });
+    wait_for("the old primary a replica", Duration::from_secs(60), || {
+        let mut conn = sentinels.server(first).conn();
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query(&mut conn).map_err(|e| e.to_string())?;
+        match role.first() {
+            Some(redis::Value::BulkString(r)) if r == b"slave" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    let mut conn = sentinels.server(second).conn();
+    pending_at_failover.extend(libraries.iter().flat_map(|l| pel(&mut conn, &l.name, GROUP)).map(|(id, ..)| id));
+    let beat_after: (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+    let beat_after = beat_after.0 * 1000 + beat_after.1 / 1000;
+    let after: Vec<Result<Vec<String>, String>> = produce("after", 5).into_iter().map(published_by).collect();
+
+    let mut report = Vec::new();
+    for (n, library) in libraries.iter().enumerate() {
+        let stream = &library.name;
+        let outcome = (|| -> Result<String, String> {
+            let (before, during, after) = (before[n].clone()?, during[n].clone()?, after[n].clone()?);
+            if before.len() != 5 || during.len() != 10 || after.len() != 5 {
+                return Err(format!("published {} + {} + {} of 5 + 10 + 5", before.len(), during.len(), after.len()));
+            }
+            // Settled: nothing pending on the new primary, every entry there handled done; the worker beats there.
+            let settled = (|| {
+                let started = Instant::now();
+                loop {
+                    let entries = xrange(&mut conn, stream);
+                    let origin = |e: &RawEntry| {
+                        field(e, "pelican-origin-id").map_or(e.0.clone(), |v| String::from_utf8_lossy(v).into_owned())
+                    };
+                    let done: BTreeSet<String> = workers[n]
+                        .runs()
+                        .into_iter()
+                        .filter(|r| r.outcome == "done")
+                        .filter_map(|r| entries.iter().find(|e| e.0 == r.id).map(origin))
+                        .collect();
+                    let open: Vec<String> = entries
+                        .iter()
+                        .map(origin)
+                        .filter(|o| !done.contains(o))
+                        .collect::<BTreeSet<_>>()
+                        .into_iter()
+                        .collect();
+                    let pending = pel(&mut conn, stream, GROUP).len();
+                    let beat: Option<u64> =
+                        redis::cmd("HGET").arg(consumers_key(stream, GROUP)).arg("w1").query(&mut conn).unwrap();
+                    if open.is_empty() && pending == 0 && beat.is_some_and(|b| b > beat_after) {
+                        return Ok(entries);
+                    }
+                    if started.elapsed() > Duration::from_secs(60) {
+                        return Err(format!(
+                            "not settled on the new primary 60 s after the failover: {pending} pending, never handled \
+                             {open:?}, last beat {beat:?} (the failover at {beat_after})"
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            })()?;
+            let on_new: BTreeSet<&str> = settled.iter().map(|e| e.0.as_str()).collect();
+            let missing: Vec<&String> =
+                before.iter().chain(&after).filter(|id| !on_new.contains(id.as_str())).collect();
+            if !missing.is_empty() {
+                return Err(format!("published before or after the failover, not on the new primary: {missing:?}"));
+            }
+            let lost = during.iter().filter(|id| !on_new.contains(id.as_str())).count();
+            // Each entry run once, or twice when it was pending at the failover (its ACK may have reached the old
+            // primary only); a requeued copy counts for its origin.
+            let mut runs: BTreeMap<String, usize> = BTreeMap::new();
+            for run in workers[n].runs() {
+                let Some(entry) = settled.iter().find(|e| e.0 == run.id) else { continue };
+                let origin = field(entry, "pelican-origin-id")
+                    .map_or(run.id.clone(), |v| String::from_utf8_lossy(v).into_owned());
+                *runs.entry(origin).or_default() += 1;
+            }
+            let again: Vec<_> =
+                runs.iter().filter(|(id, n)| **n > 1 + pending_at_failover.contains(*id) as usize).collect();
+            if !again.is_empty() {
+                return Err(format!("run again more often than the failover explains: {again:?}"));
+            }
+            if !xrange(&mut conn, &format!("{stream}:dlq")).is_empty() {
+                return Err("dead letters".into());
+            }
+            Ok(format!(
+                "{} entries on the new primary, each handled done ({} runs); 5 + {} + 5 published, {lost} of those \
+                 during the failover lost with the old primary",
+                runs.len(),
+                runs.values().sum::<usize>(),
+                10 - lost
+            ))
+        })();
+        report.push(match outcome {
+            Ok(line) => format!("  {}: followed: {line}", library.name),
+            Err(why) => format!("  {}: FAILED: {why}", library.name),
+        });
+    }
+    eprintln!("a sentinel failover on {flavor:?}:\n{}", report.join("\n"));
+    assert!(!report.iter().any(|l| l.contains("FAILED")), "a sentinel failover on {flavor:?}:\n{}", report.join("\n"));
 }

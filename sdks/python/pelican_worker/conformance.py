@@ -6,6 +6,9 @@ Configured by environment: ``REDIS_URL``, ``STREAM``, ``GROUP``, ``CONSUMER`` (d
 line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is complete, or 4 (after its shutdown)
 when the operator speaks a contract version this library does not know.
 
+With ``SENTINEL_MASTER=<name>``, ``REDIS_URL`` names a sentinel, and redis-py's ``Sentinel`` asks it for the primary
+monitored under that name, again whenever a connection is made.
+
 With ``MODE=publish`` it is a producer instead: it publishes ``MESSAGES`` messages idempotently (message ids ``m-0``,
 ``m-1``, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
 """
@@ -17,7 +20,12 @@ import json
 import logging
 import os
 import sys
+from urllib.parse import urlsplit
 
+from redis.asyncio import Redis
+from redis.asyncio.sentinel import Sentinel
+
+from pelican_worker._redis import RedisSource
 from pelican_worker.message import InvalidReason, Message, Outcome
 from pelican_worker.producer import Producer, PublishOutcomeUnknown, PublishUnavailable
 from pelican_worker.settings import ContractVersionError
@@ -65,7 +73,25 @@ def _line(**fields: str) -> None:
     sys.stdout.flush()
 
 
-async def publish(url: str, stream: str, messages: int) -> None:
+def source(url: str) -> RedisSource:
+    """``REDIS_URL`` as the library takes it: the URL itself, or a factory of clients of the primary that the sentinel
+    it names (with ``SENTINEL_MASTER``) answers."""
+    name = os.environ.get("SENTINEL_MASTER")
+    if not name:
+        return url
+    sentinel_url = urlsplit(url)
+    sentinel = Sentinel([(sentinel_url.hostname or "127.0.0.1", sentinel_url.port or 26379)])
+    db = int(sentinel_url.path.strip("/") or 0)
+
+    def primary() -> Redis:
+        # The worker's blocking reads wait up to 1 s on the server: the socket waits longer.
+        client: Redis = sentinel.master_for(name, db=db, socket_timeout=10.0, socket_connect_timeout=5.0)
+        return client
+
+    return primary
+
+
+async def publish(url: RedisSource, stream: str, messages: int) -> None:
     """An attempt whose outcome is unknown (its reply was lost) or that found the server unavailable is published
     again with the same message id, as the contract says: the server answers the first entry's id."""
     for n in range(messages):
@@ -85,7 +111,7 @@ async def publish(url: str, stream: str, messages: int) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
-    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
+    url = source(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
     if os.environ.get("MODE") == "publish":
         asyncio.run(publish(url, os.environ["STREAM"], int(os.environ["MESSAGES"])))
         return

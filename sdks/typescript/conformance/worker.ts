@@ -6,6 +6,9 @@
  *
  *   REDIS_URL=redis://127.0.0.1:6379 STREAM=jobs GROUP=workers node sdks/typescript/dist/conformance/worker.js
  *
+ * With `SENTINEL_MASTER=<name>`, `REDIS_URL` names a sentinel, and ioredis asks it for the primary monitored under
+ * that name (`sentinels` and `name`), again whenever it reconnects.
+ *
  * With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
  * `m-1`, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
  */
@@ -22,6 +25,7 @@ import {
   retry,
   terminal,
   type Outcome,
+  type RedisTarget,
 } from "../src/index.js";
 
 function required(name: string): string {
@@ -33,11 +37,23 @@ function required(name: string): string {
   return value;
 }
 
+/** `REDIS_URL` as the library takes it: the URL itself, or the sentinel it names with `SENTINEL_MASTER`. */
+function target(url: string): RedisTarget {
+  const name = process.env["SENTINEL_MASTER"];
+  if (!name) return url;
+  const sentinel = new URL(url);
+  return {
+    sentinels: [{ host: sentinel.hostname, port: Number(sentinel.port || 26379) }],
+    name,
+    db: Number(sentinel.pathname.slice(1) || 0),
+  };
+}
+
 /**
  * An attempt whose outcome is unknown (its reply was lost) or that found the server unavailable is published again
  * with the same message id, as the contract says: the server answers the first entry's id.
  */
-async function publish(redis: string, stream: string, messages: number): Promise<void> {
+async function publish(redis: RedisTarget, stream: string, messages: number): Promise<void> {
   for (let n = 0; n < messages; n++) {
     const message = `m-${n}`;
     for (;;) {
@@ -59,13 +75,13 @@ async function publish(redis: string, stream: string, messages: number): Promise
 }
 
 if (process.env["MODE"] === "publish") {
-  await publish(required("REDIS_URL"), required("STREAM"), Number(required("MESSAGES")));
+  await publish(target(required("REDIS_URL")), required("STREAM"), Number(required("MESSAGES")));
   process.exit(0);
 }
 
 const grace = process.env["SHUTDOWN_GRACE_MS"];
 const worker = new Worker({
-  redis: required("REDIS_URL"),
+  redis: target(required("REDIS_URL")),
   stream: required("STREAM"),
   group: required("GROUP"),
   ...(process.env["CONSUMER"] ? { consumer: process.env["CONSUMER"] } : {}),

@@ -5,6 +5,9 @@
 // exits 0 after a SIGTERM once its shutdown is complete, 4 when the operator speaks a contract version this library
 // does not know (after its shutdown).
 //
+// With SENTINEL_MASTER=<name>, REDIS_URL names a sentinel, and go-redis' failover client (FailoverOptions) asks it for
+// the primary monitored under that name, again whenever it connects.
+//
 // With MODE=publish it is a producer instead: it publishes MESSAGES messages idempotently (message ids m-0, m-1,
 // ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
 package main
@@ -78,15 +81,33 @@ func handler(consumer string) pelican.Handler {
 	}
 }
 
+// newClient connects as REDIS_URL says: to the server it names, or, with SENTINEL_MASTER, to the primary the
+// sentinel it names answers for that name. resend false: the client's own resends off, as a producer needs.
+func newClient(url string, resend bool) (*redis.Client, error) {
+	options, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, err
+	}
+	if !resend {
+		options.MaxRetries = -1
+	}
+	master := os.Getenv("SENTINEL_MASTER")
+	if master == "" {
+		return redis.NewClient(options), nil
+	}
+	return redis.NewFailoverClient(&redis.FailoverOptions{
+		MasterName:    master,
+		SentinelAddrs: []string{options.Addr},
+		DB:            options.DB,
+		MaxRetries:    options.MaxRetries,
+	}), nil
+}
+
 func serve() error {
 	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 	url := os.Getenv("REDIS_URL")
 	if url == "" {
 		url = "redis://127.0.0.1:6379"
-	}
-	options, err := redis.ParseURL(url)
-	if err != nil {
-		return err
 	}
 	grace := time.Duration(0) // the library's default
 	if text := os.Getenv("SHUTDOWN_GRACE_MS"); text != "" {
@@ -99,7 +120,10 @@ func serve() error {
 			grace = -1 // none
 		}
 	}
-	client := redis.NewClient(options)
+	client, err := newClient(url, true)
+	if err != nil {
+		return err
+	}
 	defer client.Close()
 	worker, err := pelican.NewWorker(client, pelican.WorkerOptions{
 		Stream:        os.Getenv("STREAM"),
@@ -119,11 +143,6 @@ func serve() error {
 // publish publishes m-0 .. m-<messages-1> idempotently; an attempt whose outcome is unknown (its reply was lost) or
 // that found the server unavailable is published again with the same message id, as the contract says.
 func publish(url, stream string, messages int) error {
-	options, err := redis.ParseURL(url)
-	if err != nil {
-		return err
-	}
-	options.MaxRetries = -1 // the contract: the client's own resends off
 	ctx := context.Background()
 	line := func(fields map[string]string) {
 		text, _ := json.Marshal(fields)
@@ -133,7 +152,10 @@ func publish(url, stream string, messages int) error {
 		message := fmt.Sprintf("m-%d", n)
 		for {
 			// A client of its own per attempt: a lost reply leaves the last connection broken.
-			client := redis.NewClient(options)
+			client, err := newClient(url, false) // the contract: the client's own resends off
+			if err != nil {
+				return err
+			}
 			producer, err := pelican.NewIdempotentProducer(ctx, client, stream, pelican.PodName())
 			if err != nil {
 				client.Close()

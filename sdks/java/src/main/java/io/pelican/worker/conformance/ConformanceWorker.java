@@ -32,6 +32,9 @@ import java.util.Map;
  * after a SIGTERM once its shutdown is complete, and 4 (after its shutdown) when the operator speaks a contract
  * version this library does not know.
  *
+ * <p>With {@code SENTINEL_MASTER=<name>}, {@code REDIS_URL} names a sentinel, and Lettuce asks it for the primary
+ * monitored under that name (a {@link RedisURI} with a sentinel), again whenever it reconnects.
+ *
  * <p>With {@code MODE=publish} it is a producer instead: it publishes {@code MESSAGES} messages idempotently (message
  * ids {@code m-0}, {@code m-1}, ...; the producer id is the Pod's name), each published again with the same id until
  * it answers an entry id, one JSON line per attempt.
@@ -42,14 +45,14 @@ public final class ConformanceWorker {
     private ConformanceWorker() {}
 
     public static void main(String[] args) throws PublishException, InterruptedException {
-        String url = System.getenv().getOrDefault("REDIS_URL", "redis://127.0.0.1:6379");
+        RedisURI uri = uri(System.getenv().getOrDefault("REDIS_URL", "redis://127.0.0.1:6379"), env("SENTINEL_MASTER"));
         if ("publish".equals(env("MODE"))) {
-            publish(RedisURI.create(url), required("STREAM"), Integer.parseInt(required("MESSAGES")));
+            publish(uri, required("STREAM"), Integer.parseInt(required("MESSAGES")));
             return;
         }
         String consumer = env("CONSUMER") != null ? env("CONSUMER") : PodName.get();
         String grace = env("SHUTDOWN_GRACE_MS");
-        Worker worker = Worker.builder(RedisURI.create(url))
+        Worker worker = Worker.builder(uri)
                 .stream(required("STREAM"))
                 .group(required("GROUP"))
                 .consumer(consumer)
@@ -74,6 +77,17 @@ public final class ConformanceWorker {
             e.printStackTrace();
             Runtime.getRuntime().halt(1); // not through the hook, which would exit 0
         }
+    }
+
+    /** {@code url} itself, or with {@code sentinelMaster} the primary the sentinel it names answers for that name. */
+    static RedisURI uri(String url, String sentinelMaster) {
+        RedisURI named = RedisURI.create(url);
+        if (sentinelMaster == null) {
+            return named;
+        }
+        return RedisURI.Builder.sentinel(named.getHost(), named.getPort(), sentinelMaster)
+                .withDatabase(named.getDatabase())
+                .build();
     }
 
     /**
