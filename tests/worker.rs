@@ -36,6 +36,7 @@ on_both_servers!(
     a_missing_group_is_waited_out_and_said_once,
     an_idle_worker_beats_its_heart_at_every_lease_tick,
     live_stats_show_what_a_running_worker_does,
+    outcomes_met_by_killed_connections_are_written_once_and_never_run_again,
 );
 
 const STREAM: &str = "files";
@@ -658,4 +659,54 @@ fn live_stats_show_what_a_running_worker_does(flavor: Flavor) {
     }
     let line = format!("{} 0", series("pelican_worker_in_flight", ""));
     assert!(scrape.lines().any(|l| l == line), "missing {line}\n{scrape}");
+}
+
+/// Defect (issue 65, found by the conformance fault ledger): a fault that broke the writer's connection made the
+/// first outcome written after it fail ("broken pipe": XACK or terminal ACK outcome unknown), the entry stayed
+/// pending, and the worker's own-PEL check took it up and ran it again. Each handler here kills every connection of
+/// the worker just before it returns its outcome: each outcome is written all the same, once, and nothing runs twice.
+fn outcomes_met_by_killed_connections_are_written_once_and_never_run_again(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["done", "gone", "flaky"]);
+    let url = server.url();
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let seen = attempts.clone();
+    let setup_handler = async move {
+        let admin = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let handler = move |m: Message| {
+            let (mut admin, seen) = (admin.clone(), seen.clone());
+            Box::pin(async move {
+                let job = m.field_str("job_id").unwrap().to_string();
+                seen.lock().unwrap().push(job.clone());
+                let _: i64 = redis::cmd("CLIENT")
+                    .arg("KILL")
+                    .arg("TYPE")
+                    .arg("normal")
+                    .arg("SKIPME")
+                    .arg("yes")
+                    .query_async(&mut admin)
+                    .await
+                    .unwrap();
+                match job.as_str() {
+                    "done" => Ok(Outcome::Done),
+                    "gone" => Ok(Outcome::terminal("RecordNotFound")),
+                    _ => Err("flaky".into()),
+                }
+            }) as BoxedOutcome
+        };
+        (handler, ())
+    };
+    let (stats, logs, ()) = run_worker(&server, config(), setup_handler, Duration::from_millis(3000));
+    let mut attempts = attempts.lock().unwrap().clone();
+    attempts.sort();
+    assert_eq!(attempts, ["done", "flaky", "gone"], "each handled once\n{logs}");
+    assert_eq!((stats.done, stats.terminal, stats.failed), (1, 1, 1), "{logs}");
+    let mut conn = server.conn();
+    let pending = pel(&mut conn, STREAM, GROUP);
+    assert_eq!(pending.len(), 1, "only the failed message stays pending: {pending:?}");
+    assert_eq!(terminal_count(&mut conn, "RecordNotFound"), 1);
+    let errors: Vec<String> =
+        redis::cmd("HVALS").arg("{files}:pelican:files:converters:errors").query(&mut conn).unwrap();
+    assert_eq!(errors, ["flaky"], "the failure's last error is recorded");
+    assert!(!logs.contains("outcome unknown"), "{logs}");
 }

@@ -1,6 +1,7 @@
 //! Where the SDK's connections come from: one server, a Redis Cluster (its keys share the stream's slot, so every
 //! script runs on one node), or the primary a sentinel names, asked again after a failover.
 
+use std::future::Future;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -102,4 +103,22 @@ async fn primary_client(sentinel: &Client, master_name: &str, primary: &RedisCon
     let host = if host.contains(':') { format!("[{host}]") } else { host };
     let info = format!("redis://{host}:{port}").into_connection_info()?.set_redis_settings(primary.clone());
     Client::open(info)
+}
+
+/// Sends an idempotent write (an XACK, the terminal ACK script, a give-back, a last error: each means the same done
+/// twice) and sends it once more when the connection broke under it. The first command after a fault broke a
+/// connection fails with it ("broken pipe") and the connection reconnects for the next; without the second try an
+/// outcome that met the fault only on its way out would stay pending and be run again. The other libraries' clients
+/// resend such a command by themselves.
+pub(crate) async fn write_again_if_broken<T, Fut>(
+    conn: &Connection,
+    write: impl Fn(Connection) -> Fut,
+) -> RedisResult<T>
+where
+    Fut: Future<Output = RedisResult<T>>,
+{
+    match write(conn.clone()).await {
+        Err(e) if e.is_connection_dropped() || (e.is_io_error() && !e.is_timeout()) => write(conn.clone()).await,
+        written => written,
+    }
 }

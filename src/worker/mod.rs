@@ -43,6 +43,7 @@ pub mod metrics;
 mod producer;
 mod reason;
 
+use connection::write_again_if_broken;
 pub use connection::{Connection, Source};
 pub use producer::{
     BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH, BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, IdempotenceError,
@@ -225,9 +226,18 @@ struct Counters {
     settings: Mutex<Option<WorkerSettings>>,
     /// Entries whose last error this worker recorded: their field goes with their ACK.
     errors_recorded: Mutex<HashSet<String>>,
-    /// Entries whose handler failed here and that stay pending, with when: the operator's pass retries them, never
-    /// this worker.
+    /// Entries whose handler failed here, or whose outcome could not be written, and that stay pending, with when:
+    /// the operator's pass retries them, never this worker.
     failed_here: Mutex<HashMap<String, Instant>>,
+}
+
+impl Counters {
+    /// `id` failed here (its handler, or writing its outcome) and stays pending for the operator's pass: this worker
+    /// takes it up again only once it is handed back.
+    fn left_pending(&self, id: &str) -> u64 {
+        self.failed_here.lock().expect("failed lock").insert(id.to_string(), Instant::now());
+        self.failed.fetch_add(1, Ordering::Relaxed)
+    }
 }
 
 pub struct Worker {
@@ -745,7 +755,6 @@ fn messages(entries: Vec<RawEntry>) -> Vec<Message> {
     entries.into_iter().filter_map(|(id, fields)| Some(Message { id, fields: fields? })).collect()
 }
 
-/// The greatest stream id below `id` (`5-0` -> `4-18446744073709551615`), so a read after it starts at `id`.
 /// Whether a failed acknowledgement certainly wrote nothing: the server answered with an error (the scripts check
 /// everything before their first write), as opposed to a connection that broke after the command was sent.
 fn certainly_not_written(e: &RedisError) -> bool {
@@ -779,13 +788,18 @@ const ERRORS_REMEMBERED: usize = 10_000;
 /// Records why the handler failed, as the entry's last error (cut to [`ERROR_TEXT_MAX`] bytes at a character
 /// boundary). Best effort: a refusal (an ACL without `hset` on the errors key) is logged, and the message is retried
 /// all the same.
-async fn record_error(conn: &mut Connection, stream: &str, group: &str, id: &str, text: &str, counters: &Counters) {
+async fn record_error(conn: &Connection, stream: &str, group: &str, id: &str, text: &str, counters: &Counters) {
     let mut end = text.len().min(ERROR_TEXT_MAX);
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    let written: RedisResult<i64> =
-        redis::cmd("HSET").arg(errors_key(stream, group)).arg(id).arg(&text[..end]).query_async(conn).await;
+    let mut record = redis::cmd("HSET");
+    record.arg(errors_key(stream, group)).arg(id).arg(&text[..end]);
+    let written: RedisResult<i64> = write_again_if_broken(conn, |mut conn| {
+        let record = &record;
+        async move { record.query_async(&mut conn).await }
+    })
+    .await;
     match written {
         Ok(_) => {
             let mut recorded = counters.errors_recorded.lock().expect("errors lock");
@@ -822,7 +836,7 @@ where
         flight.settled = true;
     }
     // The writer as it is now: a failover while the handler ran gave a new one.
-    let mut conn = writers.borrow().clone();
+    let conn = writers.borrow().clone();
     match result {
         Ok(Ok(Outcome::Done)) => {
             // A message that failed before (here, or elsewhere before it was requeued) may have a last error.
@@ -837,26 +851,30 @@ where
                 Ok(()) => counters.done.fetch_add(1, Ordering::Relaxed),
                 Err(AckFailure::Refused(e)) => {
                     warn!(stream, group, entry_id = %id, error = %e, "XACK refused; the message stays pending");
-                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                    counters.left_pending(&id)
                 }
                 Err(AckFailure::Unknown(e)) => {
                     warn!(stream, group, entry_id = %id, error = %e, "XACK outcome unknown (the connection failed): the message may have been acknowledged, or stays pending");
-                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                    counters.left_pending(&id)
                 }
             };
         }
         Ok(Ok(Outcome::Terminal(reason))) => {
             warn!(stream, group, entry_id = %id, reason = %reason, will_ack = true, "message ended as terminal");
             counters.errors_recorded.lock().expect("errors lock").remove(&id);
-            match ack_terminal(&mut conn, stream, group, &id, &reason).await {
+            let acked = write_again_if_broken(&conn, |mut conn| {
+                let (id, reason) = (&id, &reason);
+                async move { ack_terminal(&mut conn, stream, group, id, reason).await }
+            });
+            match acked.await {
                 Ok(_) => counters.terminal.fetch_add(1, Ordering::Relaxed),
                 Err(e) if certainly_not_written(&e) => {
                     warn!(stream, group, entry_id = %id, error = %e, "terminal ACK refused before any write; the message stays pending");
-                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                    counters.left_pending(&id)
                 }
                 Err(e) => {
                     warn!(stream, group, entry_id = %id, error = %e, "terminal ACK outcome unknown (the connection failed): the message may have been acknowledged and counted, or stays pending");
-                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                    counters.left_pending(&id)
                 }
             };
         }
@@ -868,7 +886,11 @@ where
             let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
             let untouched = Instant::now().checked_sub(Duration::from_millis(idle)).unwrap_or_else(Instant::now);
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), untouched);
-            if let Err(e) = give_back(&mut conn, config, std::slice::from_ref(&id), idle, true).await {
+            let given = write_again_if_broken(&conn, |mut conn| {
+                let ids = std::slice::from_ref(&id);
+                async move { give_back(&mut conn, config, ids, idle, true).await }
+            });
+            if let Err(e) = given.await {
                 warn!(stream, group, entry_id = %id, error = %e, "could not give the message back for a retry: it is retried after minIdle");
             }
             counters.retried.fetch_add(1, Ordering::Relaxed);
@@ -876,7 +898,7 @@ where
         Ok(Err(e)) => {
             warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for the operator's retry");
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
-            record_error(&mut conn, stream, group, &id, &e.to_string(), counters).await;
+            record_error(&conn, stream, group, &id, &e.to_string(), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
         }
         Err(panic) => {
@@ -887,7 +909,7 @@ where
                 .unwrap_or("a panic");
             error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
-            record_error(&mut conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
+            record_error(&conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
             counters.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -940,8 +962,12 @@ async fn acknowledge(
         if !cleared.is_empty() {
             pipe.cmd("HDEL").arg(errors_key(stream, group)).arg(cleared).ignore();
         }
-        let mut conn = writers.borrow().clone();
-        let acked: RedisResult<(i64,)> = pipe.query_async(&mut conn).await;
+        let conn = writers.borrow().clone();
+        let acked: RedisResult<(i64,)> = write_again_if_broken(&conn, |mut conn| {
+            let pipe = &pipe;
+            async move { pipe.query_async(&mut conn).await }
+        })
+        .await;
         for request in batch {
             let result = match &acked {
                 Ok(_) => Ok(()),
