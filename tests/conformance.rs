@@ -33,22 +33,18 @@ on_both_servers!(
     a_retry_handed_back_to_its_only_worker_is_run_again,
 );
 
-/// The fault scenarios on Redis 7.0, the server whose AOF load made dead consumers look live (issue 65.12).
-/// Not in the default run yet: the Rust worker's writer connection, broken by a fault, fails the first outcome
-/// written after it ("broken pipe"), and the worker then takes its own entry up again as a hand-over: a terminal
-/// message run twice by one worker, pending at no fault (about one run in three).
+/// The fault scenarios on Redis 7.0, the server whose AOF load made dead consumers look live (issue 65.12). They found
+/// the Rust worker running a terminal message twice, pending at no fault (about one run in three): a fault broke its
+/// writer connection, the first outcome written after it failed ("broken pipe"), and the worker took its own entry up
+/// again as a hand-over (`tests/worker.rs`, `outcomes_met_by_killed_connections_...`).
 mod redis_7_faults {
     #[test]
-    #[ignore = "the Rust worker re-runs an entry whose outcome write met a connection a fault broke earlier \
-                (issue 65 stays open); run with --ignored"]
     fn faults_under_requeue_leave_every_message_in_one_final_state() {
         super::faults_leave_every_message_in_one_final_state(super::Flavor::Redis, "Requeue")
     }
 
     /// Issue 65.12 (hand-overs to consumers dead for minutes, each counted as a delivery no handler saw) fails it.
     #[test]
-    #[ignore = "the Rust worker re-runs an entry whose outcome write met a connection a fault broke earlier \
-                (issue 65 stays open); run with --ignored"]
     fn faults_under_reassign_leave_every_message_in_one_final_state() {
         super::faults_leave_every_message_in_one_final_state(super::Flavor::Redis, "Reassign")
     }
@@ -205,8 +201,12 @@ struct Lane {
 }
 
 impl Lane {
+    /// The library's worker `consumer`, once it reads the group: a scenario's clock starts then, however long the
+    /// worker's runtime takes to start on a busy machine.
     fn worker(&self, consumer: &str, grace_ms: u64) -> Running {
-        Running::start(&self.library, &self.url, &self.stream, consumer, grace_ms)
+        let worker = Running::start(&self.library, &self.url, &self.stream, consumer, grace_ms);
+        wait_reading(&mut self.conn(), &self.stream, consumer, &worker.what);
+        worker
     }
 
     fn conn(&self) -> redis::Connection {
@@ -283,6 +283,16 @@ fn for_every_library(flavor: Flavor, prefix: &str, reclaim: Reclaim, scenario: f
         .collect();
     eprintln!("{prefix} on {flavor:?}:\n{}", report.join("\n"));
     assert!(results.iter().all(|(_, r)| r.is_ok()), "{prefix} on {flavor:?}:\n{}", report.join("\n"));
+}
+
+/// Waits (a minute at most) until `consumer` reads `stream`'s group: `XINFO CONSUMERS` names it.
+fn wait_reading(conn: &mut redis::Connection, stream: &str, consumer: &str, what: &str) {
+    wait_for(&format!("{what} to read"), Duration::from_secs(60), || {
+        let consumers: Vec<BTreeMap<String, redis::Value>> =
+            redis::cmd("XINFO").arg("CONSUMERS").arg(stream).arg(GROUP).query(conn).map_err(|e| e.to_string())?;
+        let named = |c: &BTreeMap<String, redis::Value>| matches!(c.get("name"), Some(redis::Value::BulkString(name)) if name == consumer.as_bytes());
+        if consumers.iter().any(named) { Ok(()) } else { Err(format!("{} other consumers", consumers.len())) }
+    });
 }
 
 /// The runs of every worker given, in the order each printed them.
@@ -1093,6 +1103,9 @@ fn a_sentinel_failover_is_followed_by_workers_and_producers(flavor: Flavor) {
         .iter()
         .map(|library| Running::start_with(library, &url, &library.name, "w1", 5_000, &sentinel_env))
         .collect();
+    for (library, worker) in libraries.iter().zip(&workers) {
+        wait_reading(&mut old, &library.name, "w1", &worker.what);
+    }
     let produce = |phase: &str, messages: usize| -> Vec<Child> {
         libraries.iter().map(|l| start_producer(l, &url, &l.name, &format!("{phase}-{}", l.name), messages)).collect()
     };
