@@ -9,8 +9,7 @@ use redis::{RedisResult, Script};
 
 use crate::keys::{epochs_key, members_key, owners_key};
 
-static MEMBERSHIP: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../contract/scripts/membership.lua")));
+static MEMBERSHIP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../contract/scripts/membership.lua")));
 
 /// The most partitions a topic has, and the most live members its group admits (`membership.lua` refuses more).
 pub const MAX_PARTITIONS: u32 = 1024;

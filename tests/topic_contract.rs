@@ -132,7 +132,10 @@ fn the_published_vector_covers_every_kind_of_key_and_matches_partition_of() {
         assert_eq!(u64::from(partition_of(&key, partitions)), case["partition"].as_u64().unwrap(), "{case}");
     }
     assert_eq!(sizes, BTreeSet::from([1, 2, 3, 7, 16, MAX_PARTITIONS]));
-    assert!(empty && multibyte && long && not_utf8, "empty {empty}, multi-byte {multibyte}, long {long}, hex {not_utf8}");
+    assert!(
+        empty && multibyte && long && not_utf8,
+        "empty {empty}, multi-byte {multibyte}, long {long}, hex {not_utf8}"
+    );
 }
 
 #[test]
@@ -242,7 +245,10 @@ fn an_over_target_member_keeps_its_partitions_until_it_says_it_released_them(fla
     assert_eq!(group.partitions_of("worker-a"), [0, 1, 2, 3, 6, 7], "worker-b cannot release worker-a's");
     group.beat(&a, &[6, 7]);
     group.beat(&b, &[]);
-    assert_eq!((group.partitions_of("worker-a"), group.partitions_of("worker-b")), (vec![0, 1, 2, 3], vec![4, 5, 6, 7]));
+    assert_eq!(
+        (group.partitions_of("worker-a"), group.partitions_of("worker-b")),
+        (vec![0, 1, 2, 3], vec![4, 5, 6, 7])
+    );
     assert!(group.epochs_of("worker-b").values().all(|e| *e == 2), "taken once by a, once by b: {:?}", group.latest);
 }
 

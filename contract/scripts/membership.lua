@@ -4,15 +4,16 @@
 -- KEYS[2] {T}:pelican:T:<group>:owners  (partition index -> member)
 -- KEYS[3] {T}:pelican:T:<group>:epochs  (partition index -> epoch, incremented at every hand-over)
 -- ARGV[1] the member's name; '' only sweeps expired members (the operator's call)
--- ARGV[2] the lease ttl, ms (1 .. 86,400,000; a sweep ignores it)    ARGV[3] the topic's partitions N (1 .. 1024)
+-- ARGV[2] the lease ttl, ms (1 .. 86,400,000; a sweep ignores it)
+-- ARGV[3] the topic's partitions N (1 .. 1024)
 -- ARGV[4] 1: the member leaves (it finished everything in flight) and releases all it owns; 0: a heartbeat
 -- ARGV[5..] the partitions this member released since its last call (it finished their in-flight work)
 --
 -- With the server's TIME: drops members whose deadline passed and frees their partitions; renews the caller's
 -- deadline (now + ttl); frees the partitions it says it released, when they are its own; then computes its target
--- (live members sorted by name, bytewise, M of them: each gets floor(N / M), the first N mod M one more). Over its target, it
--- is told to release its highest-numbered partitions, and keeps them until it says it released them; under it, it
--- takes free partitions, lowest-numbered first, each with HINCRBY epochs p 1.
+-- (the live members sorted by name, bytewise, M of them: each gets floor(N / M), the first N mod M one more). Over
+-- its target, it is told to release its highest-numbered partitions, and keeps them until it says it released
+-- them; under it, it takes free partitions, lowest-numbered first, each with HINCRBY epochs p 1.
 --
 -- Returns {owned, release, members}: owned = {{partition, epoch}, ...} in partition order, release = the partitions
 -- to finish and release, members = M after the call. A join beyond 1024 live members is the error
@@ -21,7 +22,7 @@
 -- its owner expired. Partitions move only when balance needs it (sticky), and a member never takes more than its
 -- target, so that every member reaches its target once the others released theirs.
 -- Cost: one HGETALL of members (at most 1024) and of owners (at most N), one HSET or HDEL per change, one HGET of
--- epochs per owned partition: O(N + M) for a call, N <= 1024 and M <= 1024.
+-- epochs per owned partition: O(N + M) for a call (names compared bytewise), N <= 1024 and M <= 1024.
 local members_key, owners_key, epochs_key = KEYS[1], KEYS[2], KEYS[3]
 local MAX_MEMBERS, MAX_PARTITIONS, MAX_TTL = 1024, 1024, 86400000
 
