@@ -190,6 +190,31 @@ pub fn seeks_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:seeks", hash_tag(stream))
 }
 
+/// `{T:i}`: partition `i` of topic `T` (a policy with `spec.partitions`), a stream whose whole name is its hash tag,
+/// so that a Cluster spreads the partitions over its slots and partition `i` of two topics do not share one. Every
+/// per-stream key above applies to it unchanged. A topic name holds no `{` or `}` (the operator's admission refuses
+/// one), so `T` here is the topic's name (contract/README.md, "Topics").
+pub fn partition_stream(topic: &str, partition: u32) -> String {
+    format!("{{{topic}:{partition}}}")
+}
+
+/// `{T}:pelican:T:<group>:members`: member -> its lease deadline (the server's time, ms), written by
+/// `membership.lua` at every heartbeat; in the topic's own slot, beside its settings.
+pub fn members_key(topic: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{topic}:{group}:members", hash_tag(topic))
+}
+
+/// `{T}:pelican:T:<group>:owners`: partition index -> the member that owns it (`membership.lua`).
+pub fn owners_key(topic: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{topic}:{group}:owners", hash_tag(topic))
+}
+
+/// `{T}:pelican:T:<group>:epochs`: partition index -> its epoch, incremented by `membership.lua` at every hand-over,
+/// so that a member tells a partition it kept from one it lost and took again.
+pub fn epochs_key(topic: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{topic}:{group}:epochs", hash_tag(topic))
+}
+
 /// The 0.1 names, `{T}:pelican:<group>:terminal` and `...:totals`, shared by every stream of one hash tag. Read
 /// only to carry their counts over once.
 pub fn legacy_keys(stream: &str, group: &str) -> [String; 2] {
@@ -313,6 +338,17 @@ mod tests {
         assert_eq!(slot(&bounds_key("jobs")), slot("jobs"));
         assert_eq!(redrive_key("jobs:dlq", "apps", "r1"), "{jobs:dlq}:pelican:jobs:dlq:redrive:apps/r1");
         assert_eq!(slot(&redrive_key("{jobs}:dlq", "apps", "r1")), slot("{jobs}:dlq"));
+    }
+
+    #[test]
+    fn a_topics_keys_live_in_its_slot_and_each_partition_has_a_tag_of_its_own() {
+        assert_eq!(partition_stream("orders", 3), "{orders:3}");
+        assert_eq!(members_key("orders", "billing"), "{orders}:pelican:orders:billing:members");
+        assert_eq!(owners_key("orders", "billing"), "{orders}:pelican:orders:billing:owners");
+        assert_eq!(epochs_key("orders", "billing"), "{orders}:pelican:orders:billing:epochs");
+        assert_eq!(slot(&members_key("orders", "billing")), slot(&settings_key("orders", "billing")));
+        assert_eq!(slot(&terminal_key(&partition_stream("orders", 3), "billing")), slot("{orders:3}"));
+        assert_ne!(slot(&partition_stream("orders", 3)), slot(&partition_stream("refunds", 3)));
     }
 
     #[test]

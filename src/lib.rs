@@ -5,6 +5,7 @@
 
 mod command_docs;
 pub mod keys;
+pub mod topic;
 pub mod worker;
 
 #[cfg(feature = "operator")]

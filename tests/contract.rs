@@ -27,7 +27,7 @@ fn scripts_below(dir: &Path) -> BTreeMap<String, (PathBuf, Vec<u8>)> {
 #[test]
 fn every_library_carries_the_contracts_scripts_byte_for_byte() {
     let contract = scripts_below(&Path::new(ROOT).join("contract/scripts"));
-    assert_eq!(contract.len(), 5, "{:?}", contract.keys());
+    assert_eq!(contract.len(), 6, "{:?}", contract.keys());
     let libraries: Vec<PathBuf> = std::fs::read_dir(Path::new(ROOT).join("sdks"))
         .unwrap()
         .map(|e| e.unwrap().path())
