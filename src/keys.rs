@@ -45,13 +45,6 @@ pub fn handovers_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:handovers", hash_tag(stream))
 }
 
-/// Partition `index` of the topic `topic` (a policy with `spec.partitions`): the stream `{<topic>:<index>}`. The whole
-/// name is its hash tag, so a Cluster spreads a topic's partitions over its shards and partition `i` of two topics do
-/// not share a slot; every per-stream key above and below applies to it unchanged.
-pub fn partition_stream(topic: &str, index: u32) -> String {
-    format!("{{{topic}:{index}}}")
-}
-
 /// `{T}:pelican:<stream>:<group>:consumers`: consumer -> its worker's last lease tick (the server's time, ms),
 /// written by `lease.lua` at every tick. `Reassign` hands entries only to consumers with a heartbeat younger than
 /// `minIdle`: Redis' own idle time of a consumer is reset by the pass's own `XCLAIM` to it and starts again when the
@@ -255,15 +248,6 @@ pub const ERROR_TEXT_MAX: usize = 1024;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_topics_partitions_have_hash_tags_of_their_own() {
-        assert_eq!(partition_stream("orders", 3), "{orders:3}");
-        assert_eq!(terminal_key(&partition_stream("orders", 3), "g"), "{orders:3}:pelican:{orders:3}:g:terminal");
-        let slots: std::collections::BTreeSet<u16> = (0..16).map(|i| slot(&partition_stream("orders", i))).collect();
-        assert!(slots.len() >= 12, "16 partitions over {} slots", slots.len());
-        assert_ne!(slot(&partition_stream("orders", 0)), slot(&partition_stream("users", 0)));
-    }
 
     /// The constant is the contract folder's version: a change of one without the other fails here.
     #[test]
