@@ -37,6 +37,7 @@ on_both_servers!(
     an_idle_worker_beats_its_heart_at_every_lease_tick,
     live_stats_show_what_a_running_worker_does,
     outcomes_met_by_killed_connections_are_written_once_and_never_run_again,
+    a_failure_whose_lease_reply_came_late_is_not_run_again,
 );
 
 const STREAM: &str = "files";
@@ -709,4 +710,36 @@ fn outcomes_met_by_killed_connections_are_written_once_and_never_run_again(flavo
         redis::cmd("HVALS").arg("{files}:pelican:files:converters:errors").query(&mut conn).unwrap();
     assert_eq!(errors, ["flaky"], "the failure's last error is recorded");
     assert!(!logs.contains("outcome unknown"), "{logs}");
+}
+
+/// Defect (issue 65, all five libraries): a lease sent while a handler ran, answered only after the handler failed (a
+/// paused server), reset the entry's idle time after the failure; the own-PEL check then took the entry for a
+/// hand-over back to this worker and ran it again at once. Here the handler pauses the server's writes for 2 s (the
+/// lease ticks every 200 ms, so one waits behind the pause) and fails 300 ms in.
+fn a_failure_whose_lease_reply_came_late_is_not_run_again(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["flaky"]);
+    publish_settings(&mut server.conn(), 600, "1");
+    let url = server.url();
+    let attempts = Arc::new(Mutex::new(0));
+    let seen = attempts.clone();
+    let setup_handler = async move {
+        let admin = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let handler = move |_: Message| {
+            let (mut admin, seen) = (admin.clone(), seen.clone());
+            Box::pin(async move {
+                *seen.lock().unwrap() += 1;
+                let _: () =
+                    redis::cmd("CLIENT").arg("PAUSE").arg(2000).arg("WRITE").query_async(&mut admin).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Err("flaky".into())
+            }) as BoxedOutcome
+        };
+        (handler, ())
+    };
+    let (stats, logs, ()) = run_worker(&server, config(), setup_handler, Duration::from_millis(4500));
+    assert_eq!(*attempts.lock().unwrap(), 1, "run once: nobody handed it back\n{logs}");
+    assert_eq!((stats.done, stats.failed), (0, 1), "{logs}");
+    let pending = pel(&mut server.conn(), STREAM, GROUP);
+    assert_eq!(pending.len(), 1, "left pending for the operator: {pending:?}");
 }

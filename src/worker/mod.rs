@@ -669,8 +669,20 @@ async fn hold_leases(
         };
         // At least one call: the heartbeat.
         for chunk in ids.chunks(LEASE_BATCH).chain(ids.is_empty().then_some(&[][..])) {
+            let sent = Instant::now();
             if let Err(e) = lease(&mut conn, &config, chunk).await {
                 warn!(%stream, %group, error = %e, "could not extend the leases of the messages being handled; retrying");
+            }
+            // A handler that failed while this lease was on its way (a paused server answers late): the lease may
+            // have reset the entry's idle time after the failure, so the entry looks untouched since now, not since
+            // it failed; else the own-PEL check would take it for a hand-over and run it again here. (A retry's
+            // time is set back by `minIdle`, before any lease: its give-back went after this lease.)
+            let now = Instant::now();
+            let mut failed = counters.failed_here.lock().expect("failed lock");
+            for id in chunk {
+                if let Some(at) = failed.get_mut(id).filter(|at| **at >= sent) {
+                    *at = now;
+                }
             }
         }
     }
