@@ -694,9 +694,14 @@ impl FaultLane {
         let started = now.0 * 1000 + now.1 / 1000;
         self.workers.push(Running::start(&self.library, &self.url, &self.stream, consumer, 5_000));
         let heartbeats = consumers_key(&self.stream, GROUP);
+        let worker = self.workers.last_mut().expect("just started");
         wait_for(&format!("{} {consumer} to beat", self.library.name), Duration::from_secs(60), || {
             let beat: Option<u64> = redis::cmd("HGET").arg(&heartbeats).arg(consumer).query(conn).unwrap();
-            beat.filter(|beat| *beat >= started).ok_or(format!("last beat {beat:?}, started at {started}"))
+            let alive = match worker.child.try_wait().unwrap() {
+                None => "running".to_string(),
+                Some(status) => format!("exited: {status}"),
+            };
+            beat.filter(|beat| *beat >= started).ok_or(format!("last beat {beat:?}, started at {started}, {alive}"))
         });
     }
 
