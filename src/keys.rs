@@ -191,6 +191,16 @@ pub fn partition_stream(topic: &str, partition: u32) -> String {
     format!("{{{topic}:{partition}}}")
 }
 
+/// `{T}:pelican:T:topic`: what a producer needs of the topic `T`, whatever the group: `partitions` (N) and
+/// `contractVersion` (`2`). Written by the operator for every policy of the topic (they agree on N).
+pub fn topic_key(topic: &str) -> String {
+    format!("{{{}}}:pelican:{topic}:topic", hash_tag(topic))
+}
+
+/// The field a producer adds, first, to an entry it publishes with a key: the key's bytes. Workers of a `PerKey`
+/// topic handle the entries of one key in order; an entry without it is a key of its own.
+pub const KEY_FIELD: &str = "pelican-key";
+
 /// `{T}:pelican:T:<group>:members`: member -> its lease deadline (the server's time, ms), written by
 /// `membership.lua` at every heartbeat; in the topic's own slot, beside its settings.
 pub fn members_key(topic: &str, group: &str) -> String {

@@ -42,6 +42,7 @@ mod connection;
 pub mod metrics;
 mod producer;
 mod reason;
+mod topic;
 
 use connection::write_again_if_broken;
 pub use connection::{Connection, Source};
@@ -50,6 +51,7 @@ pub use producer::{
     IdempotentProducer, Producer, PublishError, Published, Refusal,
 };
 pub use reason::{InvalidReason, Reason};
+pub use topic::{IdempotentTopicProducer, TopicError, TopicProducer};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;

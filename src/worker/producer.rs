@@ -156,7 +156,7 @@ impl Producer {
     }
 
     /// The current connection.
-    fn conn(&self) -> Connection {
+    pub(crate) fn connection(&self) -> Connection {
         self.conn.lock().expect("producer connection lock").clone()
     }
 
@@ -179,7 +179,7 @@ impl Producer {
 
     /// Adds one entry (field/value pairs, in order) and returns its id.
     pub async fn publish<K: ToRedisArgs, V: ToRedisArgs>(&self, fields: &[(K, V)]) -> Result<String, PublishError> {
-        self.invoke(None, fields).await
+        self.invoke(None, None, fields).await
     }
 
     /// The same producer, its publishes made idempotent under `producer_id` (see [`IdempotentProducer`]). Fails
@@ -193,7 +193,7 @@ impl Producer {
         let docs: redis::Value = redis::cmd("COMMAND")
             .arg("DOCS")
             .arg("xadd")
-            .query_async(&mut self.conn())
+            .query_async(&mut self.connection())
             .await
             .map_err(IdempotenceError::Redis)?;
         if !crate::command_docs::has_argument(&docs, "xadd", "IDMP") {
@@ -202,9 +202,12 @@ impl Producer {
         Ok(IdempotentProducer { producer: self, producer_id })
     }
 
-    async fn invoke<K: ToRedisArgs, V: ToRedisArgs>(
+    /// One call of the publish script: with IDMP's producer and message ids, and a first field before `fields`
+    /// (a topic's `pelican-key`), when given.
+    pub(crate) async fn invoke<K: ToRedisArgs, V: ToRedisArgs>(
         &self,
         key: Option<(&str, &str)>,
+        first: Option<(&str, &[u8])>,
         fields: &[(K, V)],
     ) -> Result<String, PublishError> {
         let mut invocation = BOUNDED_PUBLISH.key(&self.stream);
@@ -212,10 +215,13 @@ impl Producer {
         if let Some((producer_id, message_id)) = key {
             invocation.arg("IDMP").arg(producer_id).arg(message_id);
         }
+        if let Some((field, value)) = first {
+            invocation.arg(field).arg(value);
+        }
         for (field, value) in fields {
             invocation.arg(field).arg(value);
         }
-        match invocation.invoke_async(&mut self.conn()).await {
+        match invocation.invoke_async(&mut self.connection()).await {
             Ok(id) => Ok(id),
             Err(e) => Err(self.failed(e).await),
         }
@@ -262,7 +268,7 @@ impl Producer {
             }
         }
         // The refusal's counts come as integers, read here as text like the group name.
-        let (ids, refusal): (Vec<String>, Vec<String>) = match invocation.invoke_async(&mut self.conn()).await {
+        let (ids, refusal): (Vec<String>, Vec<String>) = match invocation.invoke_async(&mut self.connection()).await {
             Ok(reply) => reply,
             Err(e) => return Err(self.failed(e).await),
         };
@@ -279,6 +285,18 @@ impl Producer {
 
     pub fn stream(&self) -> &str {
         &self.stream
+    }
+
+    /// A producer into `stream` on this one's connection (a topic's partitions share one).
+    pub(crate) fn sibling(&self, stream: String) -> Producer {
+        Producer {
+            conn: self.conn.clone(),
+            source: self.source.clone(),
+            timeouts: self.timeouts,
+            bounds: bounds_key(&stream),
+            rejected: rejected_key(&stream),
+            stream,
+        }
     }
 }
 
@@ -306,7 +324,7 @@ impl IdempotentProducer {
         message_id: &str,
         fields: &[(K, V)],
     ) -> Result<String, PublishError> {
-        self.producer.invoke(Some((&self.producer_id, message_id)), fields).await
+        self.producer.invoke(Some((&self.producer_id, message_id)), None, fields).await
     }
 
     /// [`Producer::publish_batch`] with a message id per entry: the entries are published in order, as many as the
