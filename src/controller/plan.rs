@@ -37,6 +37,10 @@ pub fn carry_over(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolic
 /// that saw it before was lost (recreating it at `startId` may skip or replay messages): a Warning every time.
 pub fn setup_announcements(policy: &ConsumerGroupPolicy, setup: &GroupSetup) -> Vec<Announcement> {
     let (stream, group, start) = (&policy.spec.stream, &policy.spec.group, &policy.spec.start_id);
+    let on = match policy.spec.partitions {
+        Some(count) => format!("the {count} partitions of topic {stream:?}"),
+        None => format!("stream {stream:?}"),
+    };
     let mut said = Vec::new();
     if setup.carried_over > 0 {
         let [totals, terminal] = keys::legacy_keys(stream, group);
@@ -48,14 +52,22 @@ pub fn setup_announcements(policy: &ConsumerGroupPolicy, setup: &GroupSetup) -> 
     }
     if setup.created {
         said.push(if seen_before(policy) {
-            let note = format!("group {group:?} on stream {stream:?} was missing and has been recreated at {start:?}");
+            let note = format!("group {group:?} on {on} was missing and has been recreated at {start:?}");
             Announcement { type_: EventType::Warning, reason: "GroupRecreated", note }
         } else {
-            let note = format!("created group {group:?} on stream {stream:?} at {start:?}");
+            let note = format!("created group {group:?} on {on} at {start:?}");
             Announcement { type_: EventType::Normal, reason: "GroupCreated", note }
         });
     }
     said
+}
+
+/// The streams the policy's group lives on: its stream, or each partition of its topic (SPEC 22).
+pub fn streams(policy: &ConsumerGroupPolicy) -> Vec<String> {
+    match policy.spec.partitions {
+        Some(count) => (0..count).map(|i| keys::partition_stream(&policy.spec.stream, i)).collect(),
+        None => vec![policy.spec.stream.clone()],
+    }
 }
 
 /// What the stream's window of idempotent production (`spec.idempotence`) comes to on the server.

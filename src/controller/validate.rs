@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, IdempotenceSpec, RetentionMode, parse_duration};
+use crate::api::{
+    ConsumerGroupPolicy, ConsumerGroupPolicySpec, IdempotenceSpec, Ordering, ReclaimStrategy, RetentionMode,
+    parse_duration,
+};
 use crate::jobs::{Backoff, PassSettings};
 use crate::keys;
 use crate::redis::server_identity;
@@ -62,7 +65,12 @@ impl Schedule {
                 min_idle,
                 max_per_pass: spec.reclaim.max_per_pass.max(1) as usize,
                 max_deliveries: spec.retry.max_deliveries.max(1) as u32,
-                strategy: spec.reclaim.strategy,
+                // Order per key (SPEC 22): an entry taken from its partition and put back elsewhere or later
+                // would overtake, or be overtaken by, the key's next entries; only the cap still applies.
+                strategy: match spec.ordering {
+                    Ordering::PerKey => ReclaimStrategy::DeadLetterOnly,
+                    Ordering::None => spec.reclaim.strategy,
+                },
                 dead_letter_max_len: spec.dead_letter.max_len.map(|n| n.max(1) as u64),
                 backoff: spec
                     .retry
