@@ -1,0 +1,154 @@
+//! Partitioned policies (SPEC 22) through the operator: a topic's partitions `{t:0}`..`{t:n-1}` each get the group,
+//! the settings, the passes and the probe; the status shows the topic as one. Real API server, real Redis 7.0.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use pelican::keys::{partition_stream, settings_key};
+
+const URL: &str = "redis://127.0.0.1:6379/0";
+
+/// A policy of topic `t`, group `g`, passes every second on entries idle 1 s.
+fn topic_policy(server: &Server, extra: &str) -> String {
+    policy("t", &server.url(), "t", "g", extra).replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n")
+}
+
+fn refused(namespace: &str, manifest: &str) -> String {
+    let (ok, out) = kubectl_apply(namespace, manifest);
+    assert!(!ok, "the API server accepted:\n{manifest}");
+    out
+}
+
+fn hash(conn: &mut redis::Connection, key: &str) -> HashMap<String, String> {
+    redis::cmd("HGETALL").arg(key).query(conn).unwrap()
+}
+
+/// Field `name` of a raw entry, as text.
+fn field(entry: &RawEntry, name: &str) -> String {
+    let value = entry.1.iter().find(|(f, _)| f == name.as_bytes()).map(|(_, v)| v.clone()).unwrap_or_default();
+    String::from_utf8(value).unwrap()
+}
+
+fn xadd(conn: &mut redis::Connection, stream: &str) -> String {
+    redis::cmd("XADD").arg(stream).arg("*").arg("key").arg("k").query(conn).unwrap()
+}
+
+/// Delivers entry `id` of `stream` once more to `consumer`, as a worker that took it up again would.
+fn deliver_again(conn: &mut redis::Connection, stream: &str, id: &str, consumer: &str) {
+    let _: redis::Value = redis::cmd("XCLAIM").arg(stream).arg("g").arg(consumer).arg(0).arg(id).query(conn).unwrap();
+}
+
+fn wait_dead_letters(conn: &mut redis::Connection, count: usize) -> Vec<RawEntry> {
+    wait_for(&format!("{count} dead letters"), Duration::from_secs(30), || {
+        let letters = xrange(conn, "t:dlq");
+        if letters.len() == count { Ok(letters) } else { Err(format!("{} dead letters", letters.len())) }
+    })
+}
+
+#[test]
+fn admission_refuses_topics_it_cannot_serve_and_says_what_to_do() {
+    let ns = namespace("topic-adm");
+    let plain = |extra: &str| policy("p", URL, "t", "g", extra);
+    let out = refused(&ns, &policy("p", URL, "{t}", "g", "  partitions: 4\n"));
+    assert!(out.contains("spec.stream") && out.contains("hash tag of its own"), "{out}");
+    let out = refused(&ns, &plain("  partitions: 4\n").replace("stream: \"t:dlq\"", "stream: \"{t:3}\""));
+    assert!(out.contains("spec.deadLetter.stream") && out.contains("name a stream outside the topic"), "{out}");
+    let out = refused(&ns, &plain("  ordering: PerKey\n"));
+    assert!(out.contains("spec.ordering") && out.contains("set spec.partitions"), "{out}");
+    for count in ["0", "1025"] {
+        let out = refused(&ns, &plain(&format!("  partitions: {count}\n")));
+        assert!(out.contains("spec.partitions"), "{count}: {out}");
+    }
+    let out = refused(&ns, &plain("  partitions: 2\n  backlog:\n    maxLength: 10\n"));
+    assert!(out.contains("spec.partitions") && out.contains("remove them"), "{out}");
+
+    assert!(kubectl_apply(&ns, &plain("  partitions: 4\n")).0);
+    let out = refused(&ns, &plain("  partitions: 8\n"));
+    assert!(out.contains("spec.partitions is immutable") && out.contains("move the producers"), "{out}");
+    let out = refused(&ns, &plain(""));
+    assert!(out.contains("spec.partitions cannot be added or removed") && out.contains("new policy"), "{out}");
+}
+
+#[test]
+fn a_topic_of_four_partitions_is_converged_partition_by_partition_and_shown_as_one() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 4\n  deletionPolicy: Delete\n  retry:\n    maxDeliveries: 1\n";
+    let (ns, _operator) = ready_policy("topic", &topic_policy(&server, extra), "t");
+    let mut conn = server.conn();
+    for index in 0..4 {
+        assert_eq!(group_names(&mut conn, &partition_stream("t", index)), ["g"], "partition {index}");
+    }
+    assert!(group_names(&mut conn, "t").is_empty(), "the topic's name is no stream of its own");
+    let topic = hash(&mut conn, &settings_key("t", "g"));
+    assert_eq!(topic["partitions"], "4", "{topic:?}");
+    assert_eq!(topic["ordering"], "None", "{topic:?}");
+    assert_eq!(topic["contractVersion"], "2", "{topic:?}");
+    let partition = hash(&mut conn, &settings_key("{t:2}", "g"));
+    assert_eq!((partition["contractVersion"].as_str(), partition.get("partitions")), ("2", None), "{partition:?}");
+
+    // One entry in each partition, a second one in partition 2, read by a worker that then goes away.
+    for index in 0..4 {
+        xadd(&mut conn, &partition_stream("t", index));
+    }
+    let second = xadd(&mut conn, "{t:2}");
+    let read = read_new(&mut conn, "{t:2}", "g", "gone-worker", 1);
+    assert_eq!(pel(&mut conn, "{t:2}", "g").len(), 1, "{read:?}");
+
+    let letters = wait_dead_letters(&mut conn, 1);
+    assert_eq!(field(&letters[0], "pelican-source-stream"), "{t:2}");
+    assert_eq!(field(&letters[0], "pelican-source-id"), read[0]);
+    assert_ne!(read[0], second, "the worker read the older entry of the partition");
+    let status = wait_for("the status to count the dead letter", Duration::from_secs(30), || {
+        let status = get_policy(&ns, "t")["status"].clone();
+        if status["totals"]["deadLettered"] == 1 { Ok(status) } else { Err(status.to_string()) }
+    });
+    assert_eq!(status["streamLength"], 5, "{status}");
+    assert_eq!(status["lag"], 4, "{status}");
+    assert_eq!(status["pending"], 0, "{status}");
+    assert_eq!(status["deadLetterLength"], 1, "one dead-letter stream for the topic: {status}");
+    assert_eq!(status["partitions"], serde_json::json!({"count": 4, "withGroup": 4}), "{status}");
+    let table = kubectl_ok(&["get", "cgp", "t", "-n", &ns, "-o", "wide"]);
+    assert_eq!(table_rows(&table)[0]["PARTITIONS"], "4", "{table}");
+
+    kubectl_ok(&["delete", "cgp", "t", "-n", &ns, "--timeout=30s"]);
+    for index in 0..4 {
+        let stream = partition_stream("t", index);
+        assert!(group_names(&mut conn, &stream).is_empty(), "Delete must destroy the group on {stream}");
+    }
+}
+
+/// With `ordering: PerKey` an idle entry below the cap stays where it is, with its id, until its deliveries reach
+/// the cap: a requeued copy would overtake the entries of its key behind it.
+#[test]
+fn per_key_ordering_never_requeues_and_dead_letters_at_the_cap() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 2\n  ordering: PerKey\n  retry:\n    maxDeliveries: 2\n";
+    let (ns, _operator) = ready_policy("topic-order", &topic_policy(&server, extra), "t");
+    let mut conn = server.conn();
+    assert_eq!(hash(&mut conn, &settings_key("t", "g"))["ordering"], "PerKey");
+
+    // Both idle past minIdle: the pass that dead-letters `capped` also sees `waiting`, and with `ordering: None`
+    // it would requeue it.
+    let waiting = xadd(&mut conn, "{t:1}");
+    let capped = xadd(&mut conn, "{t:1}");
+    assert_eq!(read_new(&mut conn, "{t:1}", "g", "w", 2), [waiting.clone(), capped.clone()]);
+    deliver_again(&mut conn, "{t:1}", &capped, "w");
+    let letters = wait_dead_letters(&mut conn, 1);
+    assert_eq!(field(&letters[0], "pelican-source-id"), capped);
+    let pending: Vec<(String, String, i64)> = pel(&mut conn, "{t:1}", "g")
+        .into_iter()
+        .map(|(id, consumer, _, deliveries)| (id, consumer, deliveries))
+        .collect();
+    assert_eq!(pending, [(waiting.clone(), "w".to_string(), 1)], "left in its partition, as it was");
+    assert_eq!(xrange_page(&mut conn, "{t:1}", "-", 10), [waiting.clone(), capped], "no copy was added");
+
+    deliver_again(&mut conn, "{t:1}", &waiting, "w");
+    let letters = wait_dead_letters(&mut conn, 2);
+    assert_eq!(field(&letters[1], "pelican-source-stream"), "{t:1}");
+    assert_eq!(field(&letters[1], "pelican-source-id"), waiting);
+    let status = get_policy(&ns, "t")["status"].clone();
+    assert_eq!(status["totals"]["requeued"], 0, "{status}");
+}
