@@ -657,3 +657,40 @@ impl PolicyTask {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partition_task_belongs_to_its_policy() {
+        let task = partition_task("ns/orders", 7);
+        assert_eq!(task, "ns/orders#7");
+        assert_eq!(partition_of(&task), Some("ns/orders"));
+        assert_eq!(partition_of("ns/orders"), None);
+        assert_eq!(policy_names(&task), ("ns", "orders"), "metrics and logs name the policy, not the partition");
+    }
+
+    #[test]
+    fn the_partitions_jobs_show_as_one() {
+        let failure =
+            |message: &str| JobFailure { reason: "RedisUnavailable", stalled: false, message: message.into() };
+        let first = JobState {
+            without_pod: vec!["a".into()],
+            last_pass: Some(Timestamp::from_second(100).unwrap()),
+            failures: [(JobKind::Reclaim, failure("partition 0"))].into(),
+            ..JobState::default()
+        };
+        let second = JobState {
+            without_pod: vec!["a".into(), "b".into()],
+            last_pass: Some(Timestamp::from_second(200).unwrap()),
+            failures: [(JobKind::Reclaim, failure("partition 1")), (JobKind::Retention, failure("partition 1"))].into(),
+            ..JobState::default()
+        };
+        let all = first.merge(&second);
+        assert_eq!(all.without_pod, ["a", "b"]);
+        assert_eq!(all.last_pass, Some(Timestamp::from_second(200).unwrap()), "the latest pass of any partition");
+        assert_eq!(all.failures.len(), 2);
+        assert_eq!(all.failures[&JobKind::Reclaim].message, "partition 0");
+    }
+}
