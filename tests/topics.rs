@@ -194,3 +194,56 @@ fn a_reconcile_of_1024_partitions_stays_well_inside_the_reconcile_limit() {
         assert_eq!(get_policy(&ns, "t")["status"]["partitions"]["withGroup"], partitions);
     }
 }
+
+/// On a Cluster the partitions spread over the shards, and each partition dead-letters into a stream in its own
+/// slot (a pass moves an entry in one script, which a Cluster runs on one slot only).
+#[test]
+fn on_a_cluster_the_partitions_spread_over_the_shards_and_dead_letter_in_their_slot() {
+    let cluster = Cluster::start(Flavor::Redis);
+    let manifest = policy("t", &cluster.url(), "t", "g", "  partitions: 8\n  retry:\n    maxDeliveries: 1\n")
+        .replacen("  stream:", "    mode: Cluster\n  stream:", 1)
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
+    let (ns, _operator) = ready_policy("topic-cluster", &manifest, "t");
+    let mut conn = cluster.conn();
+    for index in 0..8 {
+        assert_eq!(group_names(&mut conn, &partition_stream("t", index)), ["g"], "partition {index}");
+    }
+    // Where each partition lives, asked of each node: only the one serving its slot answers for it.
+    let mut expected = serde_json::Map::new();
+    for node in &cluster.nodes {
+        let served = (0..8)
+            .filter(|i| {
+                let groups: redis::RedisResult<redis::Value> =
+                    redis::cmd("XINFO").arg("GROUPS").arg(partition_stream("t", *i)).query(&mut node.conn());
+                groups.is_ok()
+            })
+            .count();
+        if served > 0 {
+            expected.insert(format!("127.0.0.1:{}", node.port), served.into());
+        }
+    }
+    let status = get_policy(&ns, "t")["status"].clone();
+    assert_eq!(status["partitions"]["shards"], serde_json::Value::Object(expected), "{status}");
+    assert_eq!(status["partitions"]["withGroup"], 8, "{status}");
+
+    let _: String = redis::cmd("XADD").arg("{t:5}").arg("*").arg("key").arg("k").query(&mut conn).unwrap();
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("gone")
+        .arg("STREAMS")
+        .arg("{t:5}")
+        .arg(">")
+        .query(&mut conn)
+        .unwrap();
+    let dead_letters = "{t:5}:t:dlq";
+    wait_for("the dead letter in partition 5's slot", Duration::from_secs(30), || {
+        let length: i64 = redis::cmd("XLEN").arg(dead_letters).query(&mut conn).map_err(|e| e.to_string())?;
+        if length == 1 { Ok(()) } else { Err(format!("{length} dead letters")) }
+    });
+    let status = wait_for("the status to count it", Duration::from_secs(30), || {
+        let status = get_policy(&ns, "t")["status"].clone();
+        if status["deadLetterLength"] == 1 { Ok(status) } else { Err(status.to_string()) }
+    });
+    assert_eq!(status["totals"]["deadLettered"], 1, "{status}");
+}

@@ -164,7 +164,8 @@ pub async fn converge(
         let facts: Vec<GroupFacts> = seen.into_iter().map(|s| s.facts).collect();
         let slots = if target.cluster { redis_ops::slot_primaries(&mut conn, &server).await? } else { Vec::new() };
         let summary = topic::summary(&policy.spec.stream, &facts, &slots);
-        (setup, topic::facts(&facts), held_for, Some(summary))
+        // On a Cluster each partition has a dead-letter stream of its own (plan::dead_letter_of).
+        (setup, topic::facts(&facts, target.cluster), held_for, Some(summary))
     } else {
         let seen = each.stream(&policy.spec.stream, id.clone(), host.unread(policy).as_ref()).await?;
         (seen.setup, seen.facts, seen.held_for, None)
@@ -257,7 +258,8 @@ impl<H: Host> Converging<'_, H> {
     async fn stream(&self, stream: &str, task: String, unread: Option<&Unread>) -> Result<StreamSeen> {
         let (policy, host, server) = (self.policy, self.host, &self.server);
         let mut conn = self.conn.clone();
-        let keys = GroupKeys { stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream };
+        let dead_letter = plan::dead_letter_of(policy, stream, self.target.cluster);
+        let keys = GroupKeys { stream, group: &policy.spec.group, dead_letter: &dead_letter };
         let setup =
             redis_ops::ensure_group(&mut conn, server, &keys, &policy.spec.start_id, self.carry_over, &self.uid)
                 .await
@@ -279,7 +281,7 @@ impl<H: Host> Converging<'_, H> {
                 server: server.clone(),
                 stream: stream.to_string(),
                 group: policy.spec.group.clone(),
-                dead_letter: policy.spec.dead_letter.stream.clone(),
+                dead_letter: dead_letter.clone(),
                 interval: work.interval,
                 pass,
                 expire_after: work.expire_after,

@@ -70,6 +70,16 @@ pub fn streams(policy: &ConsumerGroupPolicy) -> Vec<String> {
     }
 }
 
+/// The dead-letter stream of one of the policy's streams: `spec.deadLetter.stream`, one for a whole topic; on a
+/// Cluster, a partition's own `{<topic>:<i>}:<deadLetter.stream>`, since a pass moves an entry to its dead-letter
+/// stream in one script, which a Cluster runs only on keys of one slot.
+pub fn dead_letter_of(policy: &ConsumerGroupPolicy, stream: &str, cluster: bool) -> String {
+    match policy.spec.partitions {
+        Some(_) if cluster => format!("{stream}:{}", policy.spec.dead_letter.stream),
+        _ => policy.spec.dead_letter.stream.clone(),
+    }
+}
+
 /// What the stream's window of idempotent production (`spec.idempotence`) comes to on the server.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Idempotence {
@@ -248,5 +258,18 @@ mod tests {
         assert_eq!(idempotence(Some(window), Some(&server(600, 1000)), true), Idempotence::Applied(window));
         assert_eq!(idempotence(Some(window), Some(&server(600, 100)), true), Idempotence::Set(window));
         assert_eq!(idempotence(Some(window), None, true), Idempotence::Set(window));
+    }
+
+    #[test]
+    fn a_topic_has_a_stream_per_partition_and_on_a_cluster_a_dead_letter_stream_per_partition() {
+        let plain = policy(serde_json::json!({}));
+        assert_eq!(streams(&plain), ["orders"]);
+        assert_eq!(dead_letter_of(&plain, "orders", true), "orders:dlq");
+        let topic = policy(serde_json::json!({"partitions": 3}));
+        assert_eq!(streams(&topic), ["{orders:0}", "{orders:1}", "{orders:2}"]);
+        assert_eq!(dead_letter_of(&topic, "{orders:1}", false), "orders:dlq", "one for the topic");
+        let own = dead_letter_of(&topic, "{orders:1}", true);
+        assert_eq!(own, "{orders:1}:orders:dlq");
+        assert_eq!(keys::slot(&own), keys::slot("{orders:1}"));
     }
 }

@@ -9,9 +9,10 @@ use crate::redis::GroupFacts;
 
 /// The topic's facts from its partitions': counts summed (pending, lag, lengths, totals, terminal reasons), the
 /// oldest pending entry and the oldest unread one over all partitions, the consumers of the busiest partition (a
-/// worker reads several partitions under one name), and the dead-letter stream's length once (it is one stream).
-/// A lag, `entries-added` or `entries-read` that one partition cannot tell makes the topic's unknown.
-pub fn facts(partitions: &[GroupFacts]) -> GroupFacts {
+/// worker reads several partitions under one name), and the dead-letter stream's length once (it is one stream),
+/// or summed when each partition has its own (`dead_letter_each`, on a Cluster). A lag, `entries-added` or
+/// `entries-read` that one partition cannot tell makes the topic's unknown.
+pub fn facts(partitions: &[GroupFacts], dead_letter_each: bool) -> GroupFacts {
     let sum_known = |of: fn(&GroupFacts) -> Option<i64>| partitions.iter().map(of).sum::<Option<i64>>();
     let mut other_groups: Vec<String> = partitions.iter().flat_map(|p| p.other_groups.iter().cloned()).collect();
     other_groups.sort();
@@ -28,7 +29,11 @@ pub fn facts(partitions: &[GroupFacts]) -> GroupFacts {
         pending: partitions.iter().map(|p| p.pending).sum(),
         oldest_pending,
         consumers: partitions.iter().map(|p| p.consumers).max().unwrap_or(0),
-        dead_letter_length: partitions.iter().map(|p| p.dead_letter_length).max().unwrap_or(0),
+        dead_letter_length: if dead_letter_each {
+            partitions.iter().map(|p| p.dead_letter_length).sum()
+        } else {
+            partitions.iter().map(|p| p.dead_letter_length).max().unwrap_or(0)
+        },
         totals: summed(partitions.iter().map(|p| &p.totals)),
         terminal: summed(partitions.iter().map(|p| &p.terminal)),
         publish_rejected: partitions.iter().map(|p| p.publish_rejected).sum(),
@@ -98,7 +103,7 @@ mod tests {
 
     #[test]
     fn counts_are_summed_over_the_partitions() {
-        let topic = facts(&[partition(1, Some(2), 500), partition(3, Some(4), 400), partition(0, Some(0), 900)]);
+        let topic = facts(&[partition(1, Some(2), 500), partition(3, Some(4), 400), partition(0, Some(0), 900)], false);
         assert_eq!((topic.pending, topic.lag, topic.stream_length), (4, Some(6), 30));
         assert_eq!(topic.totals, [("deadLettered".to_string(), 3), ("requeued".to_string(), 6)].into());
         assert_eq!(topic.terminal, [("Invalid".to_string(), 9)].into());
@@ -107,20 +112,22 @@ mod tests {
 
     #[test]
     fn the_oldest_pending_entry_is_the_oldest_of_any_partition() {
-        let topic = facts(&[partition(1, Some(0), 500), partition(3, Some(0), 400), partition(0, Some(0), 100)]);
+        let topic = facts(&[partition(1, Some(0), 500), partition(3, Some(0), 400), partition(0, Some(0), 100)], false);
         assert_eq!(topic.oldest_pending.map(|o| o.id).as_deref(), Some("400-0"), "a partition with none is skipped");
         assert_eq!(topic.oldest_unread_ms, Some(101));
     }
 
     #[test]
     fn the_dead_letter_stream_and_the_consumers_are_not_counted_per_partition() {
-        let topic = facts(&[partition(1, None, 500), partition(1, None, 500)]);
+        let topic = facts(&[partition(1, None, 500), partition(1, None, 500)], false);
         assert_eq!((topic.dead_letter_length, topic.consumers), (7, 2));
+        let on_a_cluster = facts(&[partition(1, None, 500), partition(1, None, 500)], true);
+        assert_eq!(on_a_cluster.dead_letter_length, 14, "a dead-letter stream per partition");
     }
 
     #[test]
     fn a_lag_one_partition_cannot_tell_leaves_the_topic_lag_unknown() {
-        assert_eq!(facts(&[partition(1, Some(5), 1), partition(1, None, 1)]).lag, None);
+        assert_eq!(facts(&[partition(1, Some(5), 1), partition(1, None, 1)], false).lag, None);
     }
 
     #[test]

@@ -126,7 +126,8 @@ pub fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
         )));
     }
     let dead_letter_slot = keys::slot(&spec.dead_letter.stream);
-    if stream_slot == dead_letter_slot {
+    // A topic's partitions each have a hash tag of their own and, on a Cluster, a dead-letter stream in it.
+    if stream_slot == dead_letter_slot || spec.partitions.is_some() {
         return Ok(());
     }
     let tag = keys::hash_tag(&spec.stream);
@@ -405,5 +406,18 @@ mod tests {
         assert!(same_slot(&p.spec).is_ok());
         p.spec.dead_letter.stream = "orders-dlq".into();
         assert!(same_slot(&p.spec).unwrap_err().to_string().contains("{orders}:dlq"));
+        p.spec.stream = "orders".into();
+        p.spec.partitions = Some(8);
+        assert!(same_slot(&p.spec).is_ok(), "each partition has a dead-letter stream in its own slot");
+    }
+
+    #[test]
+    fn ordering_per_key_runs_the_passes_as_dead_letter_only() {
+        let mut p = Arc::unwrap_or_clone(policy("p", 1, "orders", "g"));
+        p.spec.partitions = Some(4);
+        p.spec.reclaim.strategy = ReclaimStrategy::Reassign;
+        assert_eq!(Schedule::from_spec(&p.spec).unwrap().pass.strategy, ReclaimStrategy::Reassign);
+        p.spec.ordering = Ordering::PerKey;
+        assert_eq!(Schedule::from_spec(&p.spec).unwrap().pass.strategy, ReclaimStrategy::DeadLetterOnly);
     }
 }
