@@ -116,7 +116,8 @@ pub struct ConsumerGroupPolicySpec {
     pub stream: String,
     /// Makes `stream` a topic of this many partitions, the streams `{<stream>:0}` .. `{<stream>:<partitions-1>}`,
     /// each a hash tag of its own (a Cluster spreads them over its shards). The group, the settings, the passes and
-    /// the probe apply to each partition; the dead-letter stream stays one for the topic. Absent: a plain stream.
+    /// the probe apply to each partition; the dead-letter stream is one for the topic (on a Cluster, one per
+    /// partition in its slot: `{<stream>:<i>}:<deadLetter.stream>`). Absent: a plain stream.
     /// Immutable: a topic's entries live in its partitions, so a new count would strand them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1024))]
