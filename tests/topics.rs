@@ -268,3 +268,31 @@ fn on_a_cluster_the_partitions_spread_over_the_shards_and_dead_letter_in_their_s
     });
     assert_eq!(status["totals"]["deadLettered"], 1, "{status}");
 }
+
+/// `suspend` stops the job of every partition (each runs as a task of its own), and resuming starts them again.
+#[test]
+fn suspend_stops_every_partitions_jobs() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 2\n  retry:\n    maxDeliveries: 1\n";
+    let (ns, _operator) = ready_policy("topic-suspend", &topic_policy(&server, extra), "t");
+    patch_policy(&ns, "t", "merge", r#"{"spec":{"suspend":true}}"#);
+    wait_for("the suspension to be reconciled", Duration::from_secs(30), || {
+        let status = get_policy(&ns, "t")["status"].clone();
+        if status["observedGeneration"] == 2 { Ok(()) } else { Err(status.to_string()) }
+    });
+    let mut conn = server.conn();
+    xadd(&mut conn, "{t:1}");
+    read_new(&mut conn, "{t:1}", "g", "gone", 1);
+    wait_for("the status to show the pending entry", Duration::from_secs(30), || {
+        let status = get_policy(&ns, "t")["status"].clone();
+        if status["pending"] == 1 { Ok(()) } else { Err(status.to_string()) }
+    });
+    // Three passes' worth of time past minIdle: a partition's job still running would have dead-lettered it.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(pel(&mut conn, "{t:1}", "g").len(), 1, "a suspended topic moves nothing");
+    assert!(xrange(&mut conn, "t:dlq").is_empty());
+
+    patch_policy(&ns, "t", "merge", r#"{"spec":{"suspend":false}}"#);
+    let letters = wait_dead_letters(&mut conn, 1);
+    assert_eq!(field(&letters[0], "pelican-source-stream"), "{t:1}");
+}
