@@ -85,6 +85,11 @@ pub fn settings_key(stream: &str, group: &str) -> String {
 /// the settings hash as `contractVersion`, and the SDK refuses to start on a version it does not know.
 pub const CONTRACT_VERSION: u32 = 1;
 
+/// The worker contract of a topic (a policy with `spec.partitions`, SPEC 22): the operator publishes it as
+/// `contractVersion` on the topic's settings key and on each partition's, so that a worker that knows only
+/// [`CONTRACT_VERSION`] (one stream, no membership, no order per key) refuses to start on a topic.
+pub const TOPIC_CONTRACT_VERSION: u32 = 2;
+
 /// The fields of [`settings_key`] workers read. The operator also keeps `heldMinIdleMs` and `heldUntilMs` there (a
 /// lowered `minIdle` held back for the passes: `src/redis/scripts/publish_settings.lua`); workers ignore them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,6 +11,8 @@ pub use seek::*;
 pub use server::*;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use std::collections::BTreeMap;
+
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -61,6 +63,13 @@ pub const RECONCILED: &str = "Reconciled";
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     printcolumn(name = "Consumers", type_ = "integer", json_path = ".status.consumers", priority = "1"),
     printcolumn(
+        name = "Partitions",
+        type_ = "integer",
+        json_path = ".status.partitions.count",
+        description = "partitions of the topic (empty for a plain stream)",
+        priority = "1"
+    ),
+    printcolumn(
         name = "Server",
         type_ = "string",
         json_path = ".spec.redis.serverRef.name",
@@ -91,14 +100,36 @@ pub const RECONCILED: &str = "Reconciled";
 )]
 #[x_kube(validation = Rule::new("!has(self.retry) || !has(self.retry.backoff) || duration(self.retry.backoff.max) >= duration(has(self.reclaim) && has(self.reclaim.minIdle) ? self.reclaim.minIdle : '5m')").message("spec.retry.backoff.max must be at least spec.reclaim.minIdle (the first retry's wait)").field_path(".retry.backoff.max"))]
 #[x_kube(validation = Rule::new("self.deadLetter.stream != self.stream").message("spec.deadLetter.stream must differ from spec.stream: dead-lettered entries would be read again by the group").field_path(".deadLetter.stream"))]
+#[x_kube(validation = Rule::new("has(self.partitions) || !has(self.ordering) || self.ordering == 'None'").message("spec.ordering PerKey needs spec.partitions: order per key is kept by giving each key one partition of a topic; set spec.partitions or remove spec.ordering").field_path(".ordering"))]
+#[x_kube(validation = Rule::new("!has(self.partitions) || !(self.stream.contains('{') || self.stream.contains('}'))").message("spec.stream names a topic when spec.partitions is set and must not contain { or }: each partition is the stream {<topic>:<i>}, a hash tag of its own").field_path(".stream"))]
+#[x_kube(validation = Rule::new("!has(self.partitions) || !(self.deadLetter.stream.startsWith('{' + self.stream + ':') && self.deadLetter.stream.matches('^[{].*:[0-9]+[}]$'))").message("spec.deadLetter.stream is one of the topic's partitions ({<topic>:<i>}): dead-lettered entries would be read again by the group; name a stream outside the topic").field_path(".deadLetter.stream"))]
+#[x_kube(validation = Rule::new("!has(self.partitions) || (!has(self.backlog) && !has(self.idempotence))").message("spec.backlog and spec.idempotence apply to one stream and are not supported with spec.partitions yet: remove them from a partitioned policy").field_path(".partitions"))]
+#[x_kube(validation = Rule::new("!has(self.partitions) || !has(self.redis.serverRef)").message("spec.partitions is not supported with spec.redis.serverRef yet: a RedisServer's key rules are checked on spec.stream, and a topic's partitions are other keys ({<topic>:<i>}); use an inline connection (spec.redis.url) for a topic").field_path(".partitions"))]
+#[x_kube(validation = Rule::new("has(self.partitions) == has(oldSelf.partitions)").message("spec.partitions cannot be added or removed: a topic's entries live in its partition streams, a plain stream's in the stream itself; create a new policy and move the producers to it").field_path(".partitions"))]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerGroupPolicySpec {
     /// The Redis or Valkey server (or Cluster) that holds the stream, and how to connect to it.
     pub redis: RedisSpec,
-    /// The stream key. Immutable.
+    /// The stream key; with `partitions`, the topic's name (its partitions are the streams `{<topic>:<i>}`, so it
+    /// must not contain `{` or `}`). Immutable.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.stream is immutable: create a new policy for another stream"))]
     #[schemars(length(min = 1, max = 1024))]
     pub stream: String,
+    /// Makes `stream` a topic of this many partitions, the streams `{<stream>:0}` .. `{<stream>:<partitions-1>}`,
+    /// each a hash tag of its own (a Cluster spreads them over its shards). The group, the settings, the passes and
+    /// the probe apply to each partition; the dead-letter stream is one for the topic (on a Cluster, one per
+    /// partition in its slot: `{<stream>:<i>}:<deadLetter.stream>`). Absent: a plain stream.
+    /// Immutable: a topic's entries live in its partitions, so a new count would strand them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.partitions is immutable: entries are placed by key over the partitions, so another count would move keys and strand entries; create a new policy with the new count and move the producers to it"))]
+    pub partitions: Option<u32>,
+    /// `None` (default): any consumer may take any entry, and the passes requeue or reassign idle ones. `PerKey`
+    /// (needs `partitions`): entries of one key are handled in order, so the passes never requeue or reassign a
+    /// partition's entries (`reclaim.strategy` is then `DeadLetterOnly`); an entry over `retry.maxDeliveries` is
+    /// still dead-lettered. Workers keep the order with the topic membership of the worker libraries.
+    #[serde(default, skip_serializing_if = "Ordering::is_none")]
+    pub ordering: Ordering,
     /// The consumer group name. Immutable.
     #[x_kube(validation = Rule::new("self == oldSelf").message("spec.group is immutable: create a new policy for another group"))]
     #[schemars(length(min = 1, max = 256))]
@@ -397,6 +428,30 @@ pub struct ConsumersSpec {
     pub pods: Option<LabelSelectorSpec>,
 }
 
+/// Whether a topic's entries of one key are handled in order (`spec.ordering`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ordering {
+    /// Any consumer may take any entry.
+    #[default]
+    None,
+    /// The entries of one key are handled in order, one at a time.
+    PerKey,
+}
+
+impl Ordering {
+    fn is_none(&self) -> bool {
+        *self == Ordering::None
+    }
+
+    /// As the topic's settings publish it (`ordering`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Ordering::None => "None",
+            Ordering::PerKey => "PerKey",
+        }
+    }
+}
+
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeletionPolicy {
     /// Deleting the policy leaves Redis untouched.
@@ -534,10 +589,26 @@ pub struct ConsumerGroupPolicyStatus {
     pub requeue_copies_to: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<RetentionStatus>,
+    /// With `spec.partitions`: the topic's partitions at a glance (the counts above are the topic's sums).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<PartitionsStatus>,
     /// When the last reclaim / dead-letter pass ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
     pub last_pass_time: Option<String>,
+}
+
+/// A topic's partitions, summed up (no list per partition: a topic has up to 1024).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionsStatus {
+    /// Partitions of the topic (`spec.partitions`).
+    pub count: u32,
+    /// Partitions whose stream has the group.
+    pub with_group: u32,
+    /// On a Cluster: the primary (`host:port`) serving each partition's slot -> how many partitions it serves.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub shards: BTreeMap<String, u32>,
 }
 
 /// The stream's idempotent production, as the server reports it.

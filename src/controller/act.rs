@@ -15,13 +15,18 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
-use super::plan;
+use futures::{StreamExt, TryStreamExt};
+
 use super::validate::{self, Schedule};
-use super::{Context, id, publish};
-use crate::api::{ConsumerGroupPolicy, DeletionPolicy};
+use super::{Context, id, plan, publish, topic};
+use crate::api::{ConsumerGroupPolicy, DeletionPolicy, PartitionsStatus};
 use crate::context::policy_id;
-use crate::redis::{self as redis_ops, Destroyed, Features, GroupFacts, GroupKeys, Pools, ServerInfo, Target, Unread};
-use crate::runner::{Job, PodWatch, PodsOf, Runner};
+use crate::keys::{self, WorkerSettings};
+use crate::redis::{
+    self as redis_ops, Conn, Destroyed, Features, GroupFacts, GroupKeys, GroupSetup, Pools, ServerInfo, Target,
+    TopicSettings, Unread,
+};
+use crate::runner::{Job, PodWatch, PodsOf, Runner, partition_task};
 use crate::{Error, Result};
 
 /// What one reconcile saw on the server.
@@ -40,6 +45,8 @@ pub struct Observation {
     pub idempotence: plan::Idempotence,
     /// How long the passes still apply a higher `minIdle` than the policy's, lowered a moment ago (zero: none).
     pub min_idle_held_for: Duration,
+    /// A topic's partitions at a glance (`spec.partitions`); `facts` are then the topic's sums ([`topic::facts`]).
+    pub partitions: Option<PartitionsStatus>,
 }
 
 /// What converging a policy needs from whoever runs it: the operator's reconcile ([`Context`]), or `pelican local`,
@@ -89,7 +96,8 @@ pub fn group_keys(policy: &ConsumerGroupPolicy) -> GroupKeys<'_> {
     GroupKeys { stream: &policy.spec.stream, group: &policy.spec.group, dead_letter: &policy.spec.dead_letter.stream }
 }
 
-/// Connects, creates the group when missing, starts, updates or stops the policy's jobs, and probes the group.
+/// Connects, creates the group when missing, starts, updates or stops the policy's jobs, and probes the group: on
+/// the policy's stream, or on each partition of its topic ([`converge_stream`], [`PARTITIONS_AT_ONCE`] at a time).
 pub async fn converge(
     policy: &ConsumerGroupPolicy,
     host: &impl Host,
@@ -105,8 +113,6 @@ pub async fn converge(
     let primary = policy.spec.redis.sentinel.as_ref().map(|_| target.server());
     host.uses(policy, target);
     let server = target.server();
-    let keys = group_keys(policy);
-    let carry_over = plan::carry_over(policy, others);
     // Every pass is a script: a server without Lua is said so, before anything is written.
     let features = host.pools().features(&mut conn, &server).await?;
     if !features.scripting {
@@ -114,14 +120,56 @@ pub async fn converge(
         host.pools().features.forget(&server);
         return Err(Error::ScriptingUnavailable { server, version: features.version });
     }
-    let uid = policy.uid().unwrap_or_default();
-    let setup = redis_ops::ensure_group(&mut conn, &server, &keys, &policy.spec.start_id, carry_over, &uid)
-        .await
-        .map_err(|e| if target.cluster { e } else { e.for_standalone() });
-    if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
-        host.pools().forget(target);
+    let jobs = plan::jobs(policy, schedule, others);
+    let id = policy_id(policy);
+    if jobs.work.is_none() {
+        host.runner().stop(&id);
     }
-    let setup = setup?;
+    let mut settings = schedule.pass.worker_settings();
+    let topic = policy.spec.partitions.map(|partitions| TopicSettings { partitions, ordering: policy.spec.ordering });
+    if let Some(topic) = topic {
+        // The topic's own settings key, where workers learn the partitions before they read any of them.
+        settings.contract_version = Some(keys::TOPIC_CONTRACT_VERSION);
+        let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+        redis_ops::publish_settings(&mut conn, &server, stream, group, settings, Some(topic)).await?;
+    }
+    let each = Converging {
+        policy,
+        host,
+        conn: conn.clone(),
+        target,
+        original,
+        server: server.clone(),
+        carry_over: plan::carry_over(policy, others),
+        uid: policy.uid().unwrap_or_default(),
+        settings,
+        work: jobs.work.clone(),
+        acked_trim: features.has("XTRIM ACKED"),
+        pods: pods_of(policy, host)?,
+    };
+    let (setup, mut facts, min_idle_held_for, partitions) = if policy.spec.partitions.is_some() {
+        let (each, id) = (&each, &id);
+        // Owned stream names: a stream of futures borrowing from its own items is not `Send`.
+        let seen: Vec<StreamSeen> = futures::stream::iter(plan::streams(policy).into_iter().enumerate())
+            .map(|(index, stream)| async move { each.stream(&stream, partition_task(id, index as u32), None).await })
+            .buffered(PARTITIONS_AT_ONCE)
+            .try_collect()
+            .await?;
+        let setup = GroupSetup {
+            created: seen.iter().any(|s| s.setup.created),
+            carried_over: seen.iter().map(|s| s.setup.carried_over).sum(),
+            ..seen[0].setup.clone()
+        };
+        let held_for = seen.iter().map(|s| s.held_for).max().unwrap_or_default();
+        let facts: Vec<GroupFacts> = seen.into_iter().map(|s| s.facts).collect();
+        let slots = if target.cluster { redis_ops::slot_primaries(&mut conn, &server).await? } else { Vec::new() };
+        let summary = topic::summary(&policy.spec.stream, &facts, &slots);
+        // On a Cluster each partition has a dead-letter stream of its own (plan::dead_letter_of).
+        (setup, topic::facts(&facts, target.cluster), held_for, Some(summary))
+    } else {
+        let seen = each.stream(&policy.spec.stream, id.clone(), host.unread(policy).as_ref()).await?;
+        (seen.setup, seen.facts, seen.held_for, None)
+    };
     if setup.server.to_string() != features.version {
         // Upgraded (or downgraded) in place: detected again at the next reconcile.
         host.pools().features.forget(&server);
@@ -129,37 +177,7 @@ pub async fn converge(
     for said in plan::setup_announcements(policy, &setup) {
         host.announce(policy, said).await;
     }
-    let jobs = plan::jobs(policy, schedule, others);
-    let id = policy_id(policy);
-    // Before the passes get their settings: a lowered minIdle reaches the workers first and the passes only after
-    // the hold, so no slow handler still leasing at the old pace is taken from under its worker.
-    let published = schedule.pass.worker_settings();
-    let pass_min_idle = redis_ops::publish_settings(&mut conn, &server, keys.stream, keys.group, published).await?;
-    match jobs.work {
-        None => host.runner().stop(&id),
-        Some(mut work) => {
-            work.pass.min_idle = pass_min_idle.min_idle;
-            let job = Job {
-                conn: conn.clone(),
-                pool: target.pool_key(),
-                server: server.clone(),
-                stream: policy.spec.stream.clone(),
-                group: policy.spec.group.clone(),
-                dead_letter: policy.spec.dead_letter.stream.clone(),
-                interval: work.interval,
-                pass: work.pass,
-                expire_after: work.expire_after,
-                retention: work.retention,
-                acked_trim: features.has("XTRIM ACKED"),
-                object: policy.object_ref(&()),
-                sentinel_source: original.sentinel.is_some().then(|| original.clone()),
-                pods: pods_of(policy, host)?,
-            };
-            host.runner().run(&id, job);
-        }
-    }
-    let unread = host.unread(policy);
-    let mut facts = redis_ops::probe_group(&mut conn, &server, &keys, unread.as_ref()).await?;
+    let keys = group_keys(policy);
     if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
@@ -190,7 +208,6 @@ pub async fn converge(
     }
     let interval = schedule.interval;
     let retention = jobs.retention_note;
-    let min_idle_held_for = pass_min_idle.held_for;
     Ok(Observation {
         server: setup.server,
         facts,
@@ -200,7 +217,85 @@ pub async fn converge(
         interval,
         idempotence,
         min_idle_held_for,
+        partitions,
     })
+}
+
+/// Partitions of a topic converged at once: their commands share the connection, so they travel together (a
+/// multiplexed connection pipelines what is in flight) instead of one round trip after another, and a server is
+/// never sent more than this many partitions' work at a time.
+pub const PARTITIONS_AT_ONCE: usize = 32;
+
+/// What every stream of one policy shares in a reconcile.
+struct Converging<'a, H> {
+    policy: &'a ConsumerGroupPolicy,
+    host: &'a H,
+    conn: Conn,
+    target: &'a Target,
+    /// The target as the policy names it (the sentinels, in Sentinel mode), for the passes to follow a failover.
+    original: &'a Target,
+    server: String,
+    carry_over: bool,
+    uid: String,
+    settings: WorkerSettings,
+    /// `None`: suspended, the jobs are stopped.
+    work: Option<plan::Work>,
+    acked_trim: bool,
+    pods: Option<PodsOf>,
+}
+
+/// What converging one stream found there.
+struct StreamSeen {
+    setup: GroupSetup,
+    facts: GroupFacts,
+    /// How long the passes still apply a higher `minIdle` than the policy's on this stream.
+    held_for: Duration,
+}
+
+impl<H: Host> Converging<'_, H> {
+    /// One stream of the policy (its stream, or one partition): the group set up, the settings published, the jobs
+    /// handed to the runner as the task `task`, the group probed (`unread`: what the last probe saw unread).
+    async fn stream(&self, stream: &str, task: String, unread: Option<&Unread>) -> Result<StreamSeen> {
+        let (policy, host, server) = (self.policy, self.host, &self.server);
+        let mut conn = self.conn.clone();
+        let dead_letter = plan::dead_letter_of(policy, stream, self.target.cluster);
+        let keys = GroupKeys { stream, group: &policy.spec.group, dead_letter: &dead_letter };
+        let setup =
+            redis_ops::ensure_group(&mut conn, server, &keys, &policy.spec.start_id, self.carry_over, &self.uid)
+                .await
+                .map_err(|e| if self.target.cluster { e } else { e.for_standalone() });
+        if let Err(Error::AuthenticationFailed { .. } | Error::TlsFailed { .. }) = &setup {
+            host.pools().forget(self.target);
+        }
+        let setup = setup?;
+        // Before the passes get their settings: a lowered minIdle reaches the workers first and the passes only
+        // after the hold, so no slow handler still leasing at the old pace is taken from under its worker.
+        let pass_min_idle =
+            redis_ops::publish_settings(&mut conn, server, stream, keys.group, self.settings, None).await?;
+        if let Some(work) = &self.work {
+            let mut pass = work.pass.clone();
+            pass.min_idle = pass_min_idle.min_idle;
+            let job = Job {
+                conn: conn.clone(),
+                pool: self.target.pool_key(),
+                server: server.clone(),
+                stream: stream.to_string(),
+                group: policy.spec.group.clone(),
+                dead_letter: dead_letter.clone(),
+                interval: work.interval,
+                pass,
+                expire_after: work.expire_after,
+                retention: work.retention,
+                acked_trim: self.acked_trim,
+                object: policy.object_ref(&()),
+                sentinel_source: self.original.sentinel.is_some().then(|| self.original.clone()),
+                pods: self.pods.clone(),
+            };
+            host.runner().run(&task, job);
+        }
+        let facts = redis_ops::probe_group(&mut conn, server, &keys, unread).await?;
+        Ok(StreamSeen { setup, facts, held_for: pass_min_idle.held_for })
+    }
 }
 
 /// `spec.consumers.pods`, for the passes: the selector, and the operator's store of Pod metadata.
@@ -333,7 +428,7 @@ pub fn prune_terminating(ctx: &Context) {
 const TERMINATING_KEPT: Duration = Duration::from_secs(5);
 
 /// Removes the bound (also when the spec no longer sets one: the finalizer stays until a reconcile took it off),
-/// then destroys the group when `destroy`.
+/// then destroys the group when `destroy`: on the policy's stream, or on every partition of its topic.
 async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy: bool) -> Result<()> {
     let target = ctx.shared.target(policy).await?;
     let (target, mut conn) = ctx.shared.pools.reach_primary(&target).await?;
@@ -346,23 +441,32 @@ async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy:
     if !destroy {
         return Ok(());
     }
-    let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+    let group = &policy.spec.group;
     let uid = policy.uid().unwrap_or_default();
-    match redis_ops::destroy_group(&mut conn, &server, stream, group, &uid, policy.spec.adopt_group).await? {
-        Destroyed::Destroyed => {
-            let note = format!("destroyed group {group:?} on stream {stream:?}");
-            publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
+    let (mut destroyed, mut retained) = (Vec::new(), Vec::new());
+    for stream in plan::streams(policy) {
+        match redis_ops::destroy_group(&mut conn, &server, &stream, group, &uid, policy.spec.adopt_group).await? {
+            Destroyed::Destroyed => destroyed.push(stream),
+            Destroyed::Retained { creator } => retained.push((stream, creator)),
+            Destroyed::Absent => {}
         }
-        Destroyed::Retained { creator } => {
-            let by =
-                if creator.is_empty() { "not by a policy".to_string() } else { format!("by policy uid {creator}") };
-            let note = format!(
-                "group {group:?} on stream {stream:?} not destroyed: it was created {by}, not by this policy, which \
-                 does not adopt it (spec.adoptGroup); its pending entries are still there"
-            );
-            publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
-        }
-        Destroyed::Absent => {}
+    }
+    let on = |streams: usize| match policy.spec.partitions {
+        Some(count) => format!("{streams} of the {count} partitions of topic {:?}", policy.spec.stream),
+        None => format!("stream {:?}", policy.spec.stream),
+    };
+    if !destroyed.is_empty() {
+        let note = format!("destroyed group {group:?} on {}", on(destroyed.len()));
+        publish(ctx, policy, EventType::Normal, "GroupDestroyed", note).await;
+    }
+    if let Some((_, creator)) = retained.first() {
+        let by = if creator.is_empty() { "not by a policy".to_string() } else { format!("by policy uid {creator}") };
+        let note = format!(
+            "group {group:?} on {} not destroyed: it was created {by}, not by this policy, which does not adopt it \
+             (spec.adoptGroup); its pending entries are still there",
+            on(retained.len())
+        );
+        publish(ctx, policy, EventType::Normal, "GroupRetained", note).await;
     }
     Ok(())
 }

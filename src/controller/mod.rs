@@ -20,6 +20,7 @@ mod plan;
 mod progress;
 mod report;
 mod status;
+mod topic;
 mod validate;
 
 use std::collections::{BTreeSet, HashMap, HashSet};

@@ -37,6 +37,10 @@ pub fn carry_over(policy: &ConsumerGroupPolicy, others: &[Arc<ConsumerGroupPolic
 /// that saw it before was lost (recreating it at `startId` may skip or replay messages): a Warning every time.
 pub fn setup_announcements(policy: &ConsumerGroupPolicy, setup: &GroupSetup) -> Vec<Announcement> {
     let (stream, group, start) = (&policy.spec.stream, &policy.spec.group, &policy.spec.start_id);
+    let on = match policy.spec.partitions {
+        Some(count) => format!("the {count} partitions of topic {stream:?}"),
+        None => format!("stream {stream:?}"),
+    };
     let mut said = Vec::new();
     if setup.carried_over > 0 {
         let [totals, terminal] = keys::legacy_keys(stream, group);
@@ -48,14 +52,32 @@ pub fn setup_announcements(policy: &ConsumerGroupPolicy, setup: &GroupSetup) -> 
     }
     if setup.created {
         said.push(if seen_before(policy) {
-            let note = format!("group {group:?} on stream {stream:?} was missing and has been recreated at {start:?}");
+            let note = format!("group {group:?} on {on} was missing and has been recreated at {start:?}");
             Announcement { type_: EventType::Warning, reason: "GroupRecreated", note }
         } else {
-            let note = format!("created group {group:?} on stream {stream:?} at {start:?}");
+            let note = format!("created group {group:?} on {on} at {start:?}");
             Announcement { type_: EventType::Normal, reason: "GroupCreated", note }
         });
     }
     said
+}
+
+/// The streams the policy's group lives on: its stream, or each partition of its topic (SPEC 22).
+pub fn streams(policy: &ConsumerGroupPolicy) -> Vec<String> {
+    match policy.spec.partitions {
+        Some(count) => (0..count).map(|i| keys::partition_stream(&policy.spec.stream, i)).collect(),
+        None => vec![policy.spec.stream.clone()],
+    }
+}
+
+/// The dead-letter stream of one of the policy's streams: `spec.deadLetter.stream`, one for a whole topic; on a
+/// Cluster, a partition's own `{<topic>:<i>}:<deadLetter.stream>`, since a pass moves an entry to its dead-letter
+/// stream in one script, which a Cluster runs only on keys of one slot.
+pub fn dead_letter_of(policy: &ConsumerGroupPolicy, stream: &str, cluster: bool) -> String {
+    match policy.spec.partitions {
+        Some(_) if cluster => format!("{stream}:{}", policy.spec.dead_letter.stream),
+        _ => policy.spec.dead_letter.stream.clone(),
+    }
 }
 
 /// What the stream's window of idempotent production (`spec.idempotence`) comes to on the server.
@@ -236,5 +258,18 @@ mod tests {
         assert_eq!(idempotence(Some(window), Some(&server(600, 1000)), true), Idempotence::Applied(window));
         assert_eq!(idempotence(Some(window), Some(&server(600, 100)), true), Idempotence::Set(window));
         assert_eq!(idempotence(Some(window), None, true), Idempotence::Set(window));
+    }
+
+    #[test]
+    fn a_topic_has_a_stream_per_partition_and_on_a_cluster_a_dead_letter_stream_per_partition() {
+        let plain = policy(serde_json::json!({}));
+        assert_eq!(streams(&plain), ["orders"]);
+        assert_eq!(dead_letter_of(&plain, "orders", true), "orders:dlq");
+        let topic = policy(serde_json::json!({"partitions": 3}));
+        assert_eq!(streams(&topic), ["{orders:0}", "{orders:1}", "{orders:2}"]);
+        assert_eq!(dead_letter_of(&topic, "{orders:1}", false), "orders:dlq", "one for the topic");
+        let own = dead_letter_of(&topic, "{orders:1}", true);
+        assert_eq!(own, "{orders:1}:orders:dlq");
+        assert_eq!(keys::slot(&own), keys::slot("{orders:1}"));
     }
 }

@@ -33,6 +33,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             ctx.shared.readings.record(&policy_id(policy), Backlog::of(&seen.facts));
             let mut status = status::observed(&previous, &seen.server, &seen.facts);
             status.primary = seen.primary.clone();
+            status.partitions = seen.partitions.clone();
             status.server_features =
                 seen.features.found.iter().map(|f| crate::api::ServerFeature(f.to_string())).collect();
             status.requeue_copies_to = status::requeue_copies_to(&policy.spec, &seen.facts);

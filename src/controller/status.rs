@@ -259,6 +259,7 @@ mod tests {
 
     fn facts() -> GroupFacts {
         GroupFacts {
+            has_group: true,
             stream_length: 10,
             lag: None,
             pending: 4,

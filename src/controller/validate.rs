@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use kube::ResourceExt;
 
-use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicySpec, IdempotenceSpec, RetentionMode, parse_duration};
+use crate::api::{
+    ConsumerGroupPolicy, ConsumerGroupPolicySpec, IdempotenceSpec, Ordering, ReclaimStrategy, RetentionMode,
+    parse_duration,
+};
 use crate::jobs::{Backoff, PassSettings};
 use crate::keys;
 use crate::redis::server_identity;
@@ -62,7 +65,12 @@ impl Schedule {
                 min_idle,
                 max_per_pass: spec.reclaim.max_per_pass.max(1) as usize,
                 max_deliveries: spec.retry.max_deliveries.max(1) as u32,
-                strategy: spec.reclaim.strategy,
+                // Order per key (SPEC 22): an entry taken from its partition and put back elsewhere or later
+                // would overtake, or be overtaken by, the key's next entries; only the cap still applies.
+                strategy: match spec.ordering {
+                    Ordering::PerKey => ReclaimStrategy::DeadLetterOnly,
+                    Ordering::None => spec.reclaim.strategy,
+                },
                 dead_letter_max_len: spec.dead_letter.max_len.map(|n| n.max(1) as u64),
                 backoff: spec
                     .retry
@@ -118,7 +126,8 @@ pub fn same_slot(spec: &ConsumerGroupPolicySpec) -> Result<()> {
         )));
     }
     let dead_letter_slot = keys::slot(&spec.dead_letter.stream);
-    if stream_slot == dead_letter_slot {
+    // A topic's partitions each have a hash tag of their own and, on a Cluster, a dead-letter stream in it.
+    if stream_slot == dead_letter_slot || spec.partitions.is_some() {
         return Ok(());
     }
     let tag = keys::hash_tag(&spec.stream);
@@ -397,5 +406,18 @@ mod tests {
         assert!(same_slot(&p.spec).is_ok());
         p.spec.dead_letter.stream = "orders-dlq".into();
         assert!(same_slot(&p.spec).unwrap_err().to_string().contains("{orders}:dlq"));
+        p.spec.stream = "orders".into();
+        p.spec.partitions = Some(8);
+        assert!(same_slot(&p.spec).is_ok(), "each partition has a dead-letter stream in its own slot");
+    }
+
+    #[test]
+    fn ordering_per_key_runs_the_passes_as_dead_letter_only() {
+        let mut p = Arc::unwrap_or_clone(policy("p", 1, "orders", "g"));
+        p.spec.partitions = Some(4);
+        p.spec.reclaim.strategy = ReclaimStrategy::Reassign;
+        assert_eq!(Schedule::from_spec(&p.spec).unwrap().pass.strategy, ReclaimStrategy::Reassign);
+        p.spec.ordering = Ordering::PerKey;
+        assert_eq!(Schedule::from_spec(&p.spec).unwrap().pass.strategy, ReclaimStrategy::DeadLetterOnly);
     }
 }

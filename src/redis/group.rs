@@ -340,26 +340,56 @@ pub struct PassMinIdle {
     pub held_for: Duration,
 }
 
+/// What a topic's own settings key carries besides a stream's settings (SPEC 22): its partition count and ordering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopicSettings {
+    pub partitions: u32,
+    pub ordering: crate::api::Ordering,
+}
+
 /// Publishes the group's settings for workers ([`settings_key`]) when they changed, and answers the `minIdle` the
 /// passes may apply: a lowered one only [`MIN_IDLE_HOLD`] after it was published (`scripts/publish_settings.lua`).
+/// `topic`: `stream` is a topic's name, and its settings key also says how many partitions and which ordering.
 pub async fn publish_settings(
     conn: &mut Conn,
     server: &str,
     stream: &str,
     group: &str,
     settings: WorkerSettings,
+    topic: Option<TopicSettings>,
 ) -> Result<PassMinIdle> {
-    let (min_idle, held_for): (u64, u64) = PUBLISH_SETTINGS
-        .key(settings_key(stream, group))
+    let mut call = PUBLISH_SETTINGS.prepare_invoke();
+    call.key(settings_key(stream, group))
         .arg(settings.min_idle_ms)
         .arg(settings.retry_after_ms)
         .arg(settings.max_deliveries)
         .arg(settings.contract_version.unwrap_or(crate::keys::CONTRACT_VERSION))
-        .arg(MIN_IDLE_HOLD.as_millis() as u64)
-        .invoke_async(conn)
-        .await
-        .map_err(|e| Error::from_redis(server, e))?;
+        .arg(MIN_IDLE_HOLD.as_millis() as u64);
+    if let Some(topic) = topic {
+        call.arg(topic.partitions).arg(topic.ordering.name());
+    }
+    let (min_idle, held_for): (u64, u64) = call.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
     Ok(PassMinIdle { min_idle: Duration::from_millis(min_idle), held_for: Duration::from_millis(held_for) })
+}
+
+/// The primary (`host:port`) serving each slot range of a Cluster, as `(first slot, last slot, primary)`, from
+/// one `CLUSTER SLOTS`: where a topic's partitions live.
+pub async fn slot_primaries(conn: &mut Conn, server: &str) -> Result<Vec<(u16, u16, String)>> {
+    let ranges: Vec<Value> =
+        redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
+    let primary = |range: &Value| -> Option<(u16, u16, String)> {
+        let Value::Array(parts) = range else { return None };
+        let [first, last, Value::Array(node), ..] = parts.as_slice() else { return None };
+        let [host, port, ..] = node.as_slice() else { return None };
+        let host: String = redis::from_redis_value_ref(host).ok()?;
+        let port: u16 = redis::from_redis_value_ref(port).ok()?;
+        Some((
+            redis::from_redis_value_ref(first).ok()?,
+            redis::from_redis_value_ref(last).ok()?,
+            format!("{host}:{port}"),
+        ))
+    };
+    Ok(ranges.iter().filter_map(primary).collect())
 }
 
 /// The oldest entry of the group's PEL.
@@ -382,6 +412,8 @@ impl OldestPending {
 /// `XRANGE ... COUNT 1` for the oldest unread entry while the group has something to read).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GroupFacts {
+    /// The stream has the group (`XINFO GROUPS`).
+    pub has_group: bool,
     pub stream_length: i64,
     pub lag: Option<i64>,
     pub pending: i64,
@@ -534,10 +566,10 @@ pub async fn probe_group(
         .map_err(|e| Error::from_redis(server, e))?;
 
     let stream_info = reply::fields(stream_info).unwrap_or_default();
-    let (mut group, mut other_groups) = (Fields::default(), Vec::new());
+    let (mut group, mut other_groups, mut has_group) = (Fields::default(), Vec::new(), false);
     for fields in groups.into_iter().filter_map(reply::fields) {
         match reply::get::<String>(&fields, "name") {
-            Some(name) if name == keys.group => group = fields,
+            Some(name) if name == keys.group => (group, has_group) = (fields, true),
             Some(name) => other_groups.push(name),
             None => {}
         }
@@ -570,6 +602,7 @@ pub async fn probe_group(
     let oldest_unread_ms = unread.as_ref().and_then(|u| u.oldest_ms);
 
     Ok(GroupFacts {
+        has_group,
         stream_length,
         lag,
         pending: reply::get(&group, "pending").unwrap_or(0),

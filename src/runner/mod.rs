@@ -180,6 +180,42 @@ pub struct JobState {
     pub failures: BTreeMap<JobKind, JobFailure>,
 }
 
+impl JobState {
+    /// Two partitions' jobs as one: the consumers without a Pod of both (the first few), the later pass, a trim that
+    /// is pinned, and every failure (the first of a kind stays).
+    pub fn merge(mut self, other: &JobState) -> JobState {
+        for name in &other.without_pod {
+            if self.without_pod.len() < WITHOUT_POD_SHOWN && !self.without_pod.contains(name) {
+                self.without_pod.push(name.clone());
+            }
+        }
+        self.last_pass = self.last_pass.max(other.last_pass);
+        if self.trim.as_ref().is_none_or(|t| t.pinned_by.is_none()) && other.trim.is_some() {
+            self.trim = other.trim.clone();
+        }
+        for (kind, failure) in &other.failures {
+            self.failures.entry(*kind).or_insert_with(|| failure.clone());
+        }
+        self
+    }
+}
+
+/// The task id of partition `index` of a policy's topic: `<namespace>/<name>#<index>` (a name holds no `#`).
+pub fn partition_task(policy: &str, index: u32) -> String {
+    format!("{policy}#{index}")
+}
+
+/// The policy a partition's task id belongs to; `None` for a policy's own task.
+fn partition_of(id: &str) -> Option<&str> {
+    id.rsplit_once('#').map(|(policy, _)| policy)
+}
+
+/// `(namespace, name)` of the policy a task belongs to, for logs and metric labels.
+fn policy_names(id: &str) -> (&str, &str) {
+    let policy = partition_of(id).unwrap_or(id);
+    policy.split_once('/').unwrap_or_default()
+}
+
 /// The jobs of a policy, each run and failing on its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum JobKind {
@@ -276,10 +312,12 @@ impl Runner {
         tasks.insert(policy.to_string(), Task { job: sender, handle });
     }
 
-    /// Stops the policy's task (suspended, Stalled, deleted). A script call in flight completes on the server.
+    /// Stops the policy's task, and the task of each partition of its topic (suspended, Stalled, deleted). A script
+    /// call in flight completes on the server.
     pub fn stop(&self, policy: &str) {
-        self.tasks.lock().expect("runner lock").remove(policy);
-        self.states.lock().expect("runner states lock").remove(policy);
+        let of_policy = |id: &String| id == policy || partition_of(id) == Some(policy);
+        self.tasks.lock().expect("runner lock").retain(|id, _| !of_policy(id));
+        self.states.lock().expect("runner states lock").retain(|id, _| !of_policy(id));
     }
 
     /// Forgets the pass permits of servers no task uses any more (each task holds its server's permits).
@@ -296,8 +334,12 @@ impl Runner {
         ]
     }
 
+    /// What the policy's jobs show: for a topic, its partitions' jobs as one ([`JobState::merge`]).
     pub fn state(&self, policy: &str) -> JobState {
-        self.states.lock().expect("runner states lock").get(policy).cloned().unwrap_or_default()
+        let states = self.states.lock().expect("runner states lock");
+        let mut mine = states.iter().filter(|(id, _)| *id == policy || partition_of(id) == Some(policy));
+        let Some((_, first)) = mine.next() else { return JobState::default() };
+        mine.fold(first.clone(), |all, (_, state)| all.merge(state))
     }
 
     fn permits(&self, server: &str) -> Arc<Semaphore> {
@@ -491,7 +533,7 @@ impl PolicyTask {
         if pool == job.pool {
             return None;
         }
-        let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+        let (namespace, name) = policy_names(&self.policy);
         info!(namespace, name, from = job.server, to = primary.server(), "following the primary the sentinels name");
         Some(Followed { conn, pool, server: primary.server() })
     }
@@ -511,7 +553,7 @@ impl PolicyTask {
                 state.failures.remove(&kind);
             }
             Err(e) => {
-                let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+                let (namespace, name) = policy_names(&self.policy);
                 warn!(namespace, name, job = kind.name(), reason = e.reason(), error = %e, "job failed");
                 self.metrics.job_failed((namespace.into(), name.into()), kind.name(), e.reason());
                 let failure = JobFailure { reason: e.reason(), stalled: e.is_stalled(), message: e.to_string() };
@@ -526,7 +568,7 @@ impl PolicyTask {
         let report =
             jobs::reclaim_pass(&mut conn, &job.server, &job.keys(), &job.pass, cursor, &|| leadership.may_write())
                 .await?;
-        let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+        let (namespace, name) = policy_names(&self.policy);
         debug!(
             namespace,
             name,
@@ -546,7 +588,7 @@ impl PolicyTask {
         let mut conn = job.conn.clone();
         let trim = jobs::trim_acknowledged(&mut conn, &job.server, &job.keys(), min_age, job.acked_trim).await?;
         if trim.trimmed > 0 {
-            let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+            let (namespace, name) = policy_names(&self.policy);
             let pinned_by = trim.pinned_by.as_ref().map(ToString::to_string);
             info!(namespace, name, trimmed = trim.trimmed, pinned_by, "trimmed entries every group acknowledged");
         }
@@ -556,7 +598,7 @@ impl PolicyTask {
 
     /// One Event per sweep that moved something, never one per message or per pass.
     async fn announce(&self, job: &Job, report: &PassReport) {
-        let (namespace, name) = self.policy.split_once('/').unwrap_or_default();
+        let (namespace, name) = policy_names(&self.policy);
         if report.dead_letter_evicted > 0 {
             let note = format!(
                 "spec.deadLetter.maxLen {} dropped {} older dead letters to make room",
@@ -613,5 +655,42 @@ impl PolicyTask {
                 let _ = said.send(Said { policy: self.policy.clone(), type_, reason: reason.into(), note });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partition_task_belongs_to_its_policy() {
+        let task = partition_task("ns/orders", 7);
+        assert_eq!(task, "ns/orders#7");
+        assert_eq!(partition_of(&task), Some("ns/orders"));
+        assert_eq!(partition_of("ns/orders"), None);
+        assert_eq!(policy_names(&task), ("ns", "orders"), "metrics and logs name the policy, not the partition");
+    }
+
+    #[test]
+    fn the_partitions_jobs_show_as_one() {
+        let failure =
+            |message: &str| JobFailure { reason: "RedisUnavailable", stalled: false, message: message.into() };
+        let first = JobState {
+            without_pod: vec!["a".into()],
+            last_pass: Some(Timestamp::from_second(100).unwrap()),
+            failures: [(JobKind::Reclaim, failure("partition 0"))].into(),
+            ..JobState::default()
+        };
+        let second = JobState {
+            without_pod: vec!["a".into(), "b".into()],
+            last_pass: Some(Timestamp::from_second(200).unwrap()),
+            failures: [(JobKind::Reclaim, failure("partition 1")), (JobKind::Retention, failure("partition 1"))].into(),
+            ..JobState::default()
+        };
+        let all = first.merge(&second);
+        assert_eq!(all.without_pod, ["a", "b"]);
+        assert_eq!(all.last_pass, Some(Timestamp::from_second(200).unwrap()), "the latest pass of any partition");
+        assert_eq!(all.failures.len(), 2);
+        assert_eq!(all.failures[&JobKind::Reclaim].message, "partition 0");
     }
 }

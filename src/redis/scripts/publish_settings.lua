@@ -3,6 +3,7 @@
 -- KEYS[1] {T}:pelican:<stream>:<group>:settings
 -- ARGV[1] minIdleMs    ARGV[2] retryAfterMs    ARGV[3] maxDeliveries    ARGV[4] contractVersion
 -- ARGV[5] hold (ms): how long a lowered minIdle waits before the passes apply it
+-- ARGV[6] partitions   ARGV[7] ordering: only for a topic's own settings key (SPEC 22); absent for a stream's
 --
 -- Returns {min idle the passes apply now (ms), ms until that changes (0: it is the published one)}.
 --
@@ -33,6 +34,12 @@ end
 if stored[1] ~= ARGV[1] or stored[2] ~= ARGV[2] or stored[3] ~= ARGV[3] or stored[4] ~= ARGV[4] then
   redis.call('HSET', key, 'minIdleMs', ARGV[1], 'retryAfterMs', ARGV[2], 'maxDeliveries', ARGV[3],
     'contractVersion', ARGV[4])
+end
+if ARGV[7] then
+  local topic = redis.call('HMGET', key, 'partitions', 'ordering')
+  if topic[1] ~= ARGV[6] or topic[2] ~= ARGV[7] then
+    redis.call('HSET', key, 'partitions', ARGV[6], 'ordering', ARGV[7])
+  end
 end
 if held and held > wanted then return {held, held_until - now_ms} end
 return {wanted, 0}
