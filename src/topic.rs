@@ -11,10 +11,6 @@ use crate::keys::{epochs_key, members_key, owners_key};
 
 static MEMBERSHIP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../contract/scripts/membership.lua")));
 
-/// The worker contract version a topic's description and settings say (`contractVersion`): a library that does not
-/// know topics refuses them (contract/README.md, "Topics (contract version 2)").
-pub const TOPIC_CONTRACT_VERSION: u32 = 2;
-
 /// The most partitions a topic has, and the most live members its group admits (`membership.lua` refuses more).
 pub const MAX_PARTITIONS: u32 = 1024;
 

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use pelican::keys::{partition_stream, settings_key};
+use pelican::keys::{partition_stream, settings_key, topic_key};
 
 const URL: &str = "redis://127.0.0.1:6379/0";
 
@@ -91,6 +91,8 @@ fn a_topic_of_four_partitions_is_converged_partition_by_partition_and_shown_as_o
     assert_eq!(topic["partitions"], "4", "{topic:?}");
     assert_eq!(topic["ordering"], "None", "{topic:?}");
     assert_eq!(topic["contractVersion"], "2", "{topic:?}");
+    let described = hash(&mut conn, &topic_key("t"));
+    assert_eq!((described["partitions"].as_str(), described["contractVersion"].as_str()), ("4", "2"), "for producers");
     let partition = hash(&mut conn, &settings_key("{t:2}", "g"));
     assert_eq!((partition["contractVersion"].as_str(), partition.get("partitions")), ("2", None), "{partition:?}");
 

@@ -132,6 +132,7 @@ pub async fn converge(
         settings.contract_version = Some(keys::TOPIC_CONTRACT_VERSION);
         let (stream, group) = (&policy.spec.stream, &policy.spec.group);
         redis_ops::publish_settings(&mut conn, &server, stream, group, settings, Some(topic)).await?;
+        redis_ops::describe_topic(&mut conn, &server, stream, topic.partitions).await?;
     }
     let each = Converging {
         policy,

@@ -372,6 +372,20 @@ pub async fn publish_settings(
     Ok(PassMinIdle { min_idle: Duration::from_millis(min_idle), held_for: Duration::from_millis(held_for) })
 }
 
+/// Describes the topic for its producers, whatever the group: `partitions` and `contractVersion` in
+/// `{T}:pelican:T:topic` (contract/README.md, "The partition of a key"). Every policy of the topic writes the same.
+pub async fn describe_topic(conn: &mut Conn, server: &str, topic: &str, partitions: u32) -> Result<()> {
+    redis::cmd("HSET")
+        .arg(crate::keys::topic_key(topic))
+        .arg("partitions")
+        .arg(partitions)
+        .arg("contractVersion")
+        .arg(crate::keys::TOPIC_CONTRACT_VERSION)
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))
+}
+
 /// The primary (`host:port`) serving each slot range of a Cluster, as `(first slot, last slot, primary)`, from
 /// one `CLUSTER SLOTS`: where a topic's partitions live.
 pub async fn slot_primaries(conn: &mut Conn, server: &str) -> Result<Vec<(u16, u16, String)>> {

@@ -9,8 +9,8 @@ use redis::{RedisError, ToRedisArgs};
 
 use super::connection::Source;
 use super::producer::{IdempotenceError, Producer, PublishError};
-use crate::keys::{KEY_FIELD, partition_stream, topic_key};
-use crate::topic::{MAX_PARTITIONS, TOPIC_CONTRACT_VERSION, partition_of};
+use crate::keys::{KEY_FIELD, TOPIC_CONTRACT_VERSION, partition_stream, topic_key};
+use crate::topic::{MAX_PARTITIONS, partition_of};
 
 /// Why a topic producer could not start.
 #[derive(Debug)]
