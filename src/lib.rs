@@ -51,4 +51,6 @@ mod book {
     mod workers {}
     #[doc = include_str!("../docs/src/bounded-streams.md")]
     mod bounded_streams {}
+    #[doc = include_str!("../docs/src/policy.md")]
+    mod policy {}
 }
