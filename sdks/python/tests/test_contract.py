@@ -14,7 +14,14 @@ from pelican_worker.worker import error_text
 
 #: The repository's contract folder, when the package is tested inside the Pelican repository.
 CONTRACT = Path(__file__).resolve().parents[3] / "contract"
-SCRIPTS = ["bounded_publish.lua", "bounded_publish_batch.lua", "give_back.lua", "lease.lua", "membership.lua", "terminal_ack.lua"]
+SCRIPTS = [
+    "bounded_publish.lua",
+    "bounded_publish_batch.lua",
+    "give_back.lua",
+    "lease.lua",
+    "membership.lua",
+    "terminal_ack.lua",
+]
 
 
 def _packaged(name: str) -> bytes:

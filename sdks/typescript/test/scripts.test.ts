@@ -11,7 +11,14 @@ import { KNOWN_CONTRACT_VERSIONS } from "../src/index.js";
 const packageRoot = new URL("../../", import.meta.url);
 /** The repository's contract folder, when the package is tested inside the Pelican repository. */
 const contract = new URL("../../contract/", packageRoot);
-const SCRIPTS = ["bounded_publish.lua", "bounded_publish_batch.lua", "give_back.lua", "lease.lua", "membership.lua", "terminal_ack.lua"];
+const SCRIPTS = [
+  "bounded_publish.lua",
+  "bounded_publish_batch.lua",
+  "give_back.lua",
+  "lease.lua",
+  "membership.lua",
+  "terminal_ack.lua",
+];
 
 function luaFiles(folder: URL): string[] {
   return readdirSync(folder)
