@@ -657,25 +657,26 @@ fn a_retry_handed_back_to_its_only_worker_is_run_again(flavor: Flavor) {
 
 /// Defect (issue 65): a lease sent while a handler ran, answered only after the handler failed (a paused server),
 /// reset the entry's idle time after the failure; the own-PEL check then took the entry for a hand-over back to this
-/// worker and ran it again at once. The writes are paused for 2 s as soon as the message is delivered: the handler
-/// fails 600 ms in, during the pause, and a lease tick (every 333 ms) sent before it waits behind the pause (a handler
-/// shorter than a tick may fail before any tick: the old code then passed about one run in two). The operator requeues
-/// the message later: the copy (a new id) is run, the original id once. The lanes pause one at a time: a pause pauses
-/// every lane's writes, and another lane's pause met halfway let the old code pass.
+/// worker and ran it again at once. The writes are paused as soon as the message is delivered; the handler fails
+/// during the pause. The numbers make the old code fail every time: a handler (2.3 s) longer than a lease tick
+/// (`minIdle` 6 s / 3) so that a lease waits behind the pause; a pause (3.6 s) a second longer than the handler, so
+/// the late reply looks like a hand-over, and shorter than two ticks, so that a pass queued behind it does not
+/// requeue the entry first. The operator requeues it later: the copy (a new id) is run, the original id once. The
+/// lanes pause one at a time: a pause pauses every lane's writes.
 fn a_failure_whose_lease_reply_came_late_is_not_run_again(flavor: Flavor) {
     static PAUSING: Mutex<()> = Mutex::new(());
-    for_every_library(flavor, "conf-late-lease", spec("1s", 3, "Requeue"), |lane| {
+    for_every_library(flavor, "conf-late-lease", spec("6s", 3, "Requeue"), |lane| {
         let mut conn = lane.conn();
         let worker = lane.worker("w1", 20_000);
         let _alone = PAUSING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let id = lane.publish(&mut conn, "fail", 600);
-        // Polled closely (not at `wait_for`'s 200 ms): the pause must begin early in the handler's 600 ms.
+        let id = lane.publish(&mut conn, "fail", 2_300);
+        // Polled closely (not at `wait_for`'s 200 ms): the pause must begin early in the handler's run.
         let asked = Instant::now();
         while pel(&mut conn, &lane.stream, GROUP).is_empty() {
             assert!(asked.elapsed() < Duration::from_secs(10), "not delivered within 10 s");
             std::thread::sleep(Duration::from_millis(5));
         }
-        let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(2_000).arg("WRITE").query(&mut conn).unwrap();
+        let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(3_600).arg("WRITE").query(&mut conn).unwrap();
         // Once a copy ran, the original left the PEL: its runs are all there are.
         wait_for("a run of the requeued copy", Duration::from_secs(30), || {
             let copies: BTreeSet<String> = xrange(&mut conn, &lane.stream)
