@@ -31,6 +31,7 @@ on_both_servers!(
     a_lowered_min_idle_still_handles_slow_messages_once,
     an_unknown_contract_version_met_while_running_stops_the_worker,
     a_retry_handed_back_to_its_only_worker_is_run_again,
+    a_failure_whose_lease_reply_came_late_is_not_run_again,
 );
 
 /// The fault scenarios on Redis 7.0, the server whose AOF load made dead consumers look live (issue 65.12). They found
@@ -651,6 +652,44 @@ fn a_retry_handed_back_to_its_only_worker_is_run_again(flavor: Flavor) {
         assert_eq!(field(&dead, "pelican-deliveries"), Some(&b"3"[..]));
         let runs: Vec<String> = worker.runs().into_iter().map(|r| r.outcome).collect();
         assert_eq!(runs, ["retry", "retry", "retry"], "three deliveries, each seen by the handler");
+    });
+}
+
+/// Defect (issue 65): a lease sent while a handler ran, answered only after the handler failed (a paused server),
+/// reset the entry's idle time after the failure; the own-PEL check then took the entry for a hand-over back to this
+/// worker and ran it again at once. The writes are paused as soon as the message is delivered; the handler fails
+/// during the pause. The numbers make the old code fail every time: a handler (2.3 s) longer than a lease tick
+/// (`minIdle` 6 s / 3) so that a lease waits behind the pause; a pause (3.6 s) a second longer than the handler, so
+/// the late reply looks like a hand-over, and shorter than two ticks, so that a pass queued behind it does not
+/// requeue the entry first. The operator requeues it later: the copy (a new id) is run, the original id once. The
+/// lanes pause one at a time: a pause pauses every lane's writes.
+fn a_failure_whose_lease_reply_came_late_is_not_run_again(flavor: Flavor) {
+    static PAUSING: Mutex<()> = Mutex::new(());
+    for_every_library(flavor, "conf-late-lease", spec("6s", 3, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        let worker = lane.worker("w1", 20_000);
+        let _alone = PAUSING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let id = lane.publish(&mut conn, "fail", 2_300);
+        // Polled closely (not at `wait_for`'s 200 ms): the pause must begin early in the handler's run.
+        let asked = Instant::now();
+        while pel(&mut conn, &lane.stream, GROUP).is_empty() {
+            assert!(asked.elapsed() < Duration::from_secs(10), "not delivered within 10 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _: () = redis::cmd("CLIENT").arg("PAUSE").arg(3_600).arg("WRITE").query(&mut conn).unwrap();
+        // Once a copy ran, the original left the PEL: its runs are all there are.
+        wait_for("a run of the requeued copy", Duration::from_secs(30), || {
+            let copies: BTreeSet<String> = xrange(&mut conn, &lane.stream)
+                .into_iter()
+                .filter(|entry| field(entry, "pelican-origin-id") == Some(id.as_bytes()))
+                .map(|(copy, _)| copy)
+                .collect();
+            let runs = worker.runs();
+            if runs.iter().any(|r| copies.contains(&r.id)) { Ok(()) } else { Err(format!("runs {runs:?}")) }
+        });
+        let runs: Vec<Run> = worker.runs().into_iter().filter(|r| r.id == id).collect();
+        assert_eq!(runs.len(), 1, "the original run once: nobody handed it back; {:?}", worker.runs());
+        assert_eq!(runs[0].outcome, "fail");
     });
 }
 

@@ -52,7 +52,20 @@ func (w *Worker) leaseTick(ctx context.Context) bool {
 		}
 	}
 	w.mu.Unlock()
+	sent := time.Now()
 	kept, err := w.lease(ctx, ids)
+	answered := time.Now()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	// A handler that failed while this lease was on its way (a paused server answers late): the lease may have reset
+	// the entry's idle time after the failure, so the entry looks untouched since now, not since it failed; else the
+	// own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by minIdle,
+	// before any lease: its give-back went after this lease.)
+	for _, id := range ids {
+		if at, ok := w.failedHere[id]; ok && !at.Before(sent) {
+			w.failedHere[id] = answered
+		}
+	}
 	if err != nil {
 		w.log.Warn("could not extend the leases of the messages being handled; retrying", "error", err)
 		return false
@@ -61,8 +74,6 @@ func (w *Worker) leaseTick(ctx context.Context) bool {
 	for _, id := range kept {
 		extended[id] = true
 	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
 	for _, id := range ids {
 		// No longer this consumer's while its handler runs: the pass took it. Said; never acknowledged twice by
 		// this worker's doing.

@@ -496,6 +496,16 @@ class Worker:
 
     # Leases
 
+    def _failed_at_reply(self, ids: list[str], sent: float, answered: float) -> None:
+        """A handler that failed while the lease of ``ids`` was on its way (a paused server answers late): the lease
+        may have reset the entry's idle time after the failure, so the entry looks untouched since ``answered``, not
+        since it failed; else the own-PEL check would take it for a hand-over and run it again here. (A retry's time
+        is set back by ``min_idle``, before any lease: its give-back went after this lease.)"""
+        for entry_id in ids:
+            failed = self._failed_here.get(entry_id)
+            if failed is not None and failed >= sent:
+                self._failed_here[entry_id] = answered
+
     async def _hold_leases(self, handler: Handler, calls: _Writer) -> None:
         """Every tick until the shutdown is over: re-read the settings, extend the lease of every entry in flight for
         less than ``max_handling`` (the call is the worker's heartbeat, made also with no ids), then take up the
@@ -533,11 +543,14 @@ class Worker:
                         self.max_handling,
                         extra=self._where(),
                     )
+            sent = loop.time()
             try:
                 extended = set(await calls.lease(ids))
             except (RedisError, OSError) as error:
                 log.warning("could not extend the leases; retrying: %s", error, extra=self._where())
                 continue
+            finally:
+                self._failed_at_reply(ids, sent, loop.time())
             now_missed = {i for i in ids if i not in extended and i in self._in_flight}
             for entry_id in now_missed & missed - lost:
                 lost.add(entry_id)

@@ -654,6 +654,7 @@ export class Worker {
       }
     }
     for (const chunk of ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]) {
+      const sent = Date.now();
       try {
         const kept = new Set(parseIds(await this.lease(chunk)));
         for (const id of chunk) {
@@ -672,6 +673,15 @@ export class Worker {
           ...this.where(),
           error: errorText(error),
         });
+      }
+      // A handler that failed while this lease was on its way (a paused server answers late): the lease may have
+      // reset the entry's idle time after the failure, so the entry looks untouched since now, not since it failed;
+      // else the own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by
+      // `minIdleMs`, before any lease: its give-back went after this lease.)
+      const answered = Date.now();
+      for (const id of chunk) {
+        const failedAt = this.failedHere.get(id);
+        if (failedAt !== undefined && failedAt >= sent) this.failedHere.set(id, answered);
       }
     }
     await this.takeUp();

@@ -773,6 +773,7 @@ public final class Worker implements AutoCloseable {
                 }
             }
             List<String> kept;
+            long sent = System.nanoTime();
             try {
                 kept = lease(ids);
             } catch (RuntimeException e) {
@@ -780,6 +781,8 @@ public final class Worker implements AutoCloseable {
                     LOG.log(Level.WARNING, where + "could not extend the leases; retrying: " + e);
                 }
                 return;
+            } finally {
+                failedAtReply(ids, sent, System.nanoTime());
             }
             warnLost(ids, kept);
             try {
@@ -791,6 +794,18 @@ public final class Worker implements AutoCloseable {
             }
         } finally {
             scheduleLease();
+        }
+    }
+
+    /**
+     * A handler that failed while the lease of {@code ids} was on its way (a paused server answers late): the lease may
+     * have reset the entry's idle time after the failure, so the entry looks untouched since {@code answered}, not
+     * since it failed; else the own-PEL check would take it for a hand-over and run it again here. (A retry's time is
+     * set back by {@code minIdle}, before any lease: its give-back went after this lease.)
+     */
+    private void failedAtReply(List<String> ids, long sent, long answered) {
+        for (String id : ids) {
+            failedHere.computeIfPresent(id, (key, at) -> at - sent >= 0 ? answered : at);
         }
     }
 
