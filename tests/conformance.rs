@@ -1232,8 +1232,10 @@ fn a_sentinel_failover_is_followed_by_workers_and_producers(flavor: Flavor) {
                 return Err(format!("published before or after the failover, not on the new primary: {missing:?}"));
             }
             let lost = during.iter().filter(|id| !on_new.contains(id.as_str())).count();
-            // Each entry run once, or twice when it was pending at the failover (its ACK may have reached the old
-            // primary only); a requeued copy counts for its origin.
+            // Each entry run once, or twice when it was pending at the failover or published during it (read and
+            // acknowledged on the old primary between the two looks at the PELs, its read and ACK may be lost with
+            // the writes the old primary took after the new one was promoted: CI saw it in the Rust lane); a
+            // requeued copy counts for its origin.
             let mut runs: BTreeMap<String, usize> = BTreeMap::new();
             for run in workers[n].runs() {
                 let Some(entry) = settled.iter().find(|e| e.0 == run.id) else { continue };
@@ -1241,8 +1243,10 @@ fn a_sentinel_failover_is_followed_by_workers_and_producers(flavor: Flavor) {
                     .map_or(run.id.clone(), |v| String::from_utf8_lossy(v).into_owned());
                 *runs.entry(origin).or_default() += 1;
             }
-            let again: Vec<_> =
-                runs.iter().filter(|(id, n)| **n > 1 + pending_at_failover.contains(*id) as usize).collect();
+            let again: Vec<_> = runs
+                .iter()
+                .filter(|(id, n)| **n > 1 + (pending_at_failover.contains(*id) || during.contains(id)) as usize)
+                .collect();
             if !again.is_empty() {
                 return Err(format!("run again more often than the failover explains: {again:?}"));
             }
