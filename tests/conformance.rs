@@ -32,6 +32,7 @@ on_both_servers!(
     an_unknown_contract_version_met_while_running_stops_the_worker,
     a_retry_handed_back_to_its_only_worker_is_run_again,
     a_failure_whose_lease_reply_came_late_is_not_run_again,
+    outcomes_the_server_refused_are_left_to_the_pass,
 );
 
 /// The fault scenarios on Redis 7.0, the server whose AOF load made dead consumers look live (issue 65.12). They found
@@ -205,7 +206,12 @@ impl Lane {
     /// The library's worker `consumer`, once it reads the group: a scenario's clock starts then, however long the
     /// worker's runtime takes to start on a busy machine.
     fn worker(&self, consumer: &str, grace_ms: u64) -> Running {
-        let worker = Running::start(&self.library, &self.url, &self.stream, consumer, grace_ms);
+        self.worker_at(&self.url, consumer, grace_ms)
+    }
+
+    /// The library's worker `consumer` connected to `url` (another user's, say), once it reads the group.
+    fn worker_at(&self, url: &str, consumer: &str, grace_ms: u64) -> Running {
+        let worker = Running::start(&self.library, url, &self.stream, consumer, grace_ms);
         wait_reading(&mut self.conn(), &self.stream, consumer, &worker.what);
         worker
     }
@@ -691,6 +697,63 @@ fn a_failure_whose_lease_reply_came_late_is_not_run_again(flavor: Flavor) {
         assert_eq!(runs.len(), 1, "the original run once: nobody handed it back; {:?}", worker.runs());
         assert_eq!(runs[0].outcome, "fail");
     });
+}
+
+/// Every outcome write refused (an ACL denies the worker's user `XACK` and scripts while three handlers run: a
+/// success, a terminal outcome, a retry) leaves its entry pending for the pass; the worker that ran it never takes it
+/// up again by itself, uncounted. CI saw the Python worker run a retry twice after a fault broke its give-back: the
+/// worker took the entry for untouched since `minIdle` before it failed, so for handed back to it.
+fn outcomes_the_server_refused_are_left_to_the_pass(flavor: Flavor) {
+    for_every_library(flavor, "conf-refused", spec("6s", 3, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        let user = format!("conformance-{}", lane.library.name);
+        acl_setuser(&mut conn, &user, &["reset", "on", ">conformance", "~*", "&*", "+@all"]);
+        let worker =
+            lane.worker_at(&lane.url.replacen("redis://", &format!("redis://{user}:conformance@"), 1), "w1", 20_000);
+        // The success ends last: its XACK refused, the other two outcomes were written (and refused) before.
+        let ids = [
+            lane.publish(&mut conn, "retry", 1_500),
+            lane.publish(&mut conn, "terminal:Gone", 1_500),
+            lane.publish(&mut conn, "done", 1_800),
+        ];
+        // Polled closely: the writes must be denied before the first handler ends.
+        let asked = Instant::now();
+        while pel(&mut conn, &lane.stream, GROUP).len() < ids.len() {
+            assert!(asked.elapsed() < Duration::from_secs(10), "not all delivered within 10 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        acl_setuser(&mut conn, &user, &["-xack", "-eval", "-evalsha", "-fcall"]);
+        wait_for("the handlers to end and the XACK to be refused", Duration::from_secs(30), || {
+            let ran: BTreeSet<String> = worker.runs().into_iter().map(|r| r.id).collect();
+            let denied: Vec<BTreeMap<String, redis::Value>> =
+                redis::cmd("ACL").arg("LOG").query(&mut conn).map_err(|e| e.to_string())?;
+            let of = |entry: &BTreeMap<String, redis::Value>, key: &str, value: &str| matches!(entry.get(key), Some(redis::Value::BulkString(v)) if v == value.as_bytes());
+            let xack = denied.iter().any(|e| of(e, "username", &user) && of(e, "object", "xack"));
+            if ids.iter().all(|id| ran.contains(id)) && xack { Ok(()) } else { Err(format!("ran {ran:?}")) }
+        });
+        acl_setuser(&mut conn, &user, &["+@all"]);
+        // Each original leaves the PEL when the pass requeues it (or, were it run again here, when that run's
+        // outcome is written): its runs are all there are.
+        wait_for("the originals to leave the PEL", Duration::from_secs(40), || {
+            let pending: Vec<String> = pel(&mut conn, &lane.stream, GROUP).into_iter().map(|p| p.0).collect();
+            let left = ids.iter().filter(|id| pending.contains(id)).count();
+            if left == 0 { Ok(()) } else { Err(format!("{left} pending")) }
+        });
+        for id in &ids {
+            let runs: Vec<Run> = worker.runs().into_iter().filter(|r| &r.id == id).collect();
+            assert_eq!(
+                runs.len(),
+                1,
+                "{id} run once: its outcome was refused, nobody handed it back; {:?}",
+                worker.runs()
+            );
+        }
+    });
+}
+
+/// `ACL SETUSER user rules...`.
+fn acl_setuser(conn: &mut redis::Connection, user: &str, rules: &[&str]) {
+    let _: () = redis::cmd("ACL").arg("SETUSER").arg(user).arg(rules).query(conn).unwrap();
 }
 
 /// The handlers of a fault scenario's messages, one of each per round: a slow success (so that faults meet running

@@ -247,7 +247,7 @@ func (w *Worker) acked(acks []ackRequest, c ackCommands) {
 	}
 	switch {
 	case c.ack.Err() != nil:
-		w.writeFailed("XACK", strings.Join(ids, ","), len(ids), c.ack.Err())
+		w.writeFailed("XACK", ids, c.ack.Err())
 	case c.hdel != nil && c.hdel.Err() != nil:
 		// Acknowledged; only the last errors stay (the operator's passes remove them).
 		w.log.Warn("could not remove the last errors of acknowledged messages", "error", c.hdel.Err())
@@ -265,7 +265,7 @@ func (w *Worker) ackTerminal(ctx context.Context, id, reason string) {
 	w.mu.Unlock()
 	keys := []string{w.opt.Stream, w.terminalKey, w.errorsKey}
 	if err := terminalAckScript.Run(ctx, w.client, keys, w.opt.Group, id, reason).Err(); err != nil {
-		w.writeFailed("terminal ACK", id, 1, err)
+		w.writeFailed("terminal ACK", []string{id}, err)
 		return
 	}
 	w.terminal.Add(1)
@@ -282,6 +282,10 @@ func (w *Worker) retry(ctx context.Context, id string) {
 	if _, err := w.giveBack(ctx, []string{id}, idle, false); err != nil {
 		w.log.Warn("could not give the message back for a retry: it is retried after minIdle",
 			"entry_id", id, "error", err)
+		// Not given back: untouched since it failed here, never since idle ago.
+		w.mu.Lock()
+		w.failedHere[id] = time.Now()
+		w.mu.Unlock()
 	}
 	w.retried.Add(1)
 }
@@ -313,18 +317,26 @@ func (w *Worker) fail(ctx context.Context, id string, err error) {
 	w.mu.Unlock()
 }
 
-// writeFailed counts n messages whose outcome could not be written (ids: their entry ids).
-func (w *Worker) writeFailed(what, ids string, n int, err error) {
+// writeFailed counts the messages whose outcome could not be written; each is left pending for the pass, and this
+// worker takes it up again only once it is handed back.
+func (w *Worker) writeFailed(what string, ids []string, err error) {
 	// A server's error reply means nothing was written (the scripts check everything before their first write);
 	// a broken connection leaves it open.
+	listed := strings.Join(ids, ",")
 	var server redis.Error
 	if errors.As(err, &server) {
-		w.log.Warn(what+" refused; the message stays pending", "entry_id", ids, "error", err)
+		w.log.Warn(what+" refused; the message stays pending", "entry_id", listed, "error", err)
 	} else {
 		w.log.Warn(what+" outcome unknown (the connection failed): the message may be acknowledged, or stays "+
-			"pending", "entry_id", ids, "error", err)
+			"pending", "entry_id", listed, "error", err)
 	}
-	w.failed.Add(uint64(n))
+	now := time.Now()
+	w.mu.Lock()
+	for _, id := range ids {
+		w.failedHere[id] = now
+	}
+	w.mu.Unlock()
+	w.failed.Add(uint64(len(ids)))
 }
 
 // cutUTF8 cuts text to at most n bytes, at a character boundary.

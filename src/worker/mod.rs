@@ -906,6 +906,8 @@ where
             });
             if let Err(e) = given.await {
                 warn!(stream, group, entry_id = %id, error = %e, "could not give the message back for a retry: it is retried after minIdle");
+                // Not given back: untouched since it failed here, never since `idle` ago.
+                counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             }
             counters.retried.fetch_add(1, Ordering::Relaxed);
         }

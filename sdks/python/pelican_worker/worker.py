@@ -456,6 +456,8 @@ class Worker:
                 error,
                 extra=self._where(),
             )
+        # Left pending for the pass: this worker takes it up again only once it is handed back.
+        self._failed_here[entry_id] = asyncio.get_running_loop().time()
         self._counts["failed"] += 1
 
     async def _give_back_for_retry(self, calls: _Writer, entry_id: str) -> None:
@@ -471,6 +473,8 @@ class Worker:
                 "could not give %s back for a retry: it is retried after minIdle: %s", entry_id, error,
                 extra=self._where(),
             )  # fmt: skip
+            # Not given back: untouched since it failed here, never since `idle` ago.
+            self._failed_here[entry_id] = asyncio.get_running_loop().time()
         self._counts["retried"] += 1
 
     async def _fail(self, calls: _Writer, entry_id: str, error: BaseException) -> None:

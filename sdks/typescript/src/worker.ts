@@ -574,6 +574,8 @@ export class Worker {
         entryId: id,
         error: errorText(error),
       });
+      // Not given back: untouched since it failed here, never since `idleMs` ago.
+      this.failedHere.set(id, Date.now());
     }
     this.counters.retried++;
   }
@@ -610,6 +612,8 @@ export class Worker {
       ? `${what} refused; the message stays pending`
       : `${what} outcome unknown (the connection failed): the message may be acknowledged, or stays pending`;
     this.log.warn(message, { ...this.where(), entryId: id, error: errorText(error) });
+    // Left pending for the pass: this worker takes it up again only once it is handed back.
+    this.failedHere.set(id, Date.now());
     this.counters.failed++;
   }
 

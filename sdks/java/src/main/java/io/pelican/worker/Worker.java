@@ -693,6 +693,8 @@ public final class Worker implements AutoCloseable {
             if (error != null) {
                 LOG.log(Level.WARNING, where + "could not give " + id + " back for a retry: it is retried after minIdle: "
                         + Script.cause(error));
+                // Not given back: untouched since it failed here, never since idle ago.
+                failedHere.put(id, System.nanoTime());
             }
             retried.increment();
             return null;
@@ -729,6 +731,8 @@ public final class Worker implements AutoCloseable {
                 : what + " of " + id + ": outcome unknown (the connection failed), it may be written or the message "
                         + "stays pending: ";
         LOG.log(Level.WARNING, where + message + cause);
+        // Left pending for the pass: this worker takes it up again only once it is handed back.
+        failedHere.put(id, System.nanoTime());
         failed.increment();
     }
 
