@@ -10,7 +10,19 @@ export {
   leaseIntervalMs,
   type WorkerSettings,
 } from "./settings.js";
-export { hashTag, settingsKey, terminalKey, errorsKey, consumersKey, boundsKey, rejectedKey } from "./keys.js";
+export {
+  hashTag,
+  settingsKey,
+  terminalKey,
+  errorsKey,
+  consumersKey,
+  boundsKey,
+  rejectedKey,
+  partitionStream,
+  topicKey,
+  KEY_FIELD,
+  TOPIC_CONTRACT_VERSION,
+} from "./keys.js";
 export { podName, type RedisTarget } from "./connection.js";
 export {
   Producer,
@@ -23,3 +35,14 @@ export {
   IdempotenceUnsupported,
 } from "./producer.js";
 export type { Fields, ProducerOptions, Published } from "./producer.js";
+export {
+  partitionOf,
+  MAX_PARTITIONS,
+  TopicProducer,
+  IdempotentTopicProducer,
+  TopicError,
+  NotATopic,
+  UnknownTopicContract,
+  TopicUnavailable,
+} from "./topic.js";
+export type { MessageKey, TopicPublished, TopicPublishOptions } from "./topic.js";

@@ -54,3 +54,28 @@ export const DELIVERIES_FIELD = "pelican-deliveries";
 
 /** The most bytes of a failure's text recorded in the errors hash. */
 export const ERROR_TEXT_MAX = 1024;
+
+/**
+ * `{T:i}`: partition `i` of the topic `T` (contract/README.md, "Topics"). The whole name is its hash tag, so each
+ * partition has a slot of its own; every key of the list above is then named after this stream.
+ */
+export function partitionStream(topic: string, partition: number): string {
+  return `{${topic}:${partition}}`;
+}
+
+/**
+ * `{T}:pelican:T:topic`: what a producer needs of the topic `T`, whatever the group: `partitions` (N) and
+ * `contractVersion`, written by the operator.
+ */
+export function topicKey(topic: string): string {
+  return `{${hashTag(topic)}}:pelican:${topic}:topic`;
+}
+
+/**
+ * The field a producer adds, first, to an entry it publishes with a key: the key's bytes. Workers of a `PerKey`
+ * topic handle the entries of one key in order; an entry without it is a key of its own.
+ */
+export const KEY_FIELD = "pelican-key";
+
+/** The `contractVersion` of a topic's description this library knows. */
+export const TOPIC_CONTRACT_VERSION = 2;

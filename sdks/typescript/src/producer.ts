@@ -104,26 +104,14 @@ export class Producer {
   private readonly keys: [string, string, string];
   private ready: Promise<void> | undefined;
 
-  constructor(options: ProducerOptions) {
+  constructor(options: ProducerOptions);
+  /** @internal A producer of `options.stream` on another producer's connection (`sibling`). */
+  constructor(options: Pick<ProducerOptions, "stream">, shared: Redis & ScriptCommands);
+  constructor(options: ProducerOptions | Pick<ProducerOptions, "stream">, shared?: Redis & ScriptCommands) {
     this.stream = options.stream;
     this.keys = [options.stream, boundsKey(options.stream), rejectedKey(options.stream)];
-    // A publish is never sent twice by the client: whether to publish again is the caller's call, told by the
-    // error's class. `maxRetriesPerRequest: 0` and `autoResendUnfulfilledCommands: false`: a call in flight when
-    // the connection drops fails (outcome unknown) instead of being resent after the reconnect, which would write
-    // the entry twice when the first reply was lost. `enableOfflineQueue: false`: while disconnected a publish
-    // fails at once, certainly not sent (unavailable), rather than waiting in a queue whose fate is unknown. No
-    // ready check: it needs INFO, which the producer's ACL (examples/acl/producer.acl) does not grant.
-    this.conn = withScripts(
-      connect(options.redis, {
-        maxRetriesPerRequest: 0,
-        autoResendUnfulfilledCommands: false,
-        enableOfflineQueue: false,
-        enableReadyCheck: false,
-        commandTimeout: options.timeoutMs ?? 10_000,
-      }),
-    );
-    // Connection errors surface through publishes; without a listener ioredis would print each one.
-    this.conn.on("error", () => undefined);
+    // Only the internal overload passes `shared`, and only the public one leaves it out.
+    this.conn = shared ?? publishConnection(options as ProducerOptions);
   }
 
   /** Adds one entry and returns its id; throws a `PublishError` subclass otherwise. */
@@ -156,6 +144,17 @@ export class Producer {
   /** Closes the connection once the publishes sent are answered. */
   async close(): Promise<void> {
     await this.conn.quit().catch(() => this.conn.disconnect());
+  }
+
+  /** @internal A producer of `stream` on this producer's connection: a topic's partitions share one. */
+  sibling(stream: string): Producer {
+    return new Producer({ stream }, this.conn);
+  }
+
+  /** @internal The hash at `key`, read once the connection is up (a topic's description). */
+  async readHash(key: string): Promise<Record<string, string>> {
+    await this.connected();
+    return this.conn.hgetall(key);
   }
 
   /** @internal One call of the batch script, each entry's arguments already flat (IDMP first when it has one). */
@@ -207,6 +206,28 @@ export class Producer {
       this.conn.once("ready", done).once("error", done);
     });
   }
+}
+
+/** The connection of a producer (and of its siblings): it never sends a publish twice. */
+function publishConnection(options: ProducerOptions): Redis & ScriptCommands {
+  // A publish is never sent twice by the client: whether to publish again is the caller's call, told by the
+  // error's class. `maxRetriesPerRequest: 0` and `autoResendUnfulfilledCommands: false`: a call in flight when
+  // the connection drops fails (outcome unknown) instead of being resent after the reconnect, which would write
+  // the entry twice when the first reply was lost. `enableOfflineQueue: false`: while disconnected a publish
+  // fails at once, certainly not sent (unavailable), rather than waiting in a queue whose fate is unknown. No
+  // ready check: it needs INFO, which the producer's ACL (examples/acl/producer.acl) does not grant.
+  const conn = withScripts(
+    connect(options.redis, {
+      maxRetriesPerRequest: 0,
+      autoResendUnfulfilledCommands: false,
+      enableOfflineQueue: false,
+      enableReadyCheck: false,
+      commandTimeout: options.timeoutMs ?? 10_000,
+    }),
+  );
+  // Connection errors surface through publishes; without a listener ioredis would print each one.
+  conn.on("error", () => undefined);
+  return conn;
 }
 
 /**
@@ -278,12 +299,21 @@ export function commandTokens(docs: unknown, command: string): Set<string> {
   return tokens;
 }
 
-function flatten(fields: Fields): Array<string | Buffer> {
-  const pairs = Array.isArray(fields)
+/** `fields` with `[name, value]` before them (a topic's key field). */
+export function withFirstField(name: string, value: string | Buffer, fields: Fields): Fields {
+  return [[name, value], ...pairs(fields)];
+}
+
+function pairs(fields: Fields): ReadonlyArray<readonly [string | Buffer, string | Buffer | number]> {
+  return Array.isArray(fields)
     ? (fields as ReadonlyArray<readonly [string | Buffer, string | Buffer | number]>)
     : Object.entries(fields as Readonly<Record<string, string | Buffer | number>>);
-  if (pairs.length === 0) throw new TypeError("an entry needs at least one field");
-  return pairs.flatMap(([name, value]) => [name, typeof value === "number" ? String(value) : value]);
+}
+
+function flatten(fields: Fields): Array<string | Buffer> {
+  const all = pairs(fields);
+  if (all.length === 0) throw new TypeError("an entry needs at least one field");
+  return all.flatMap(([name, value]) => [name, typeof value === "number" ? String(value) : value]);
 }
 
 function text(error: unknown): string {
