@@ -148,7 +148,10 @@ export class Producer {
 
   /** @internal A producer of `stream` on this producer's connection: a topic's partitions share one. */
   sibling(stream: string): Producer {
-    return new Producer({ stream }, this.conn);
+    const sibling = new Producer({ stream }, this.conn);
+    // The siblings share this producer's wait for the first connection: one listener, not one per partition.
+    sibling.ready = this.connected();
+    return sibling;
   }
 
   /** @internal The hash at `key`, read once the connection is up (a topic's description). */
