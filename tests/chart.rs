@@ -557,9 +557,15 @@ fn the_documented_upgrade_over_a_pinned_tag_is_refused_naming_the_value_and_the_
     let (_old, old_chart) = previous_chart();
     let ns = namespace("chart-pinned");
     let release = format!("pin{}", &ns[ns.len() - 8..]);
-    let (ok, out) = helm(&["install", &release, old_chart.to_str().unwrap(), "-n", &ns, "--set", "image.tag=0.1.0"]);
+    // The image pushed to a registry of one's own, both values pinned (installing.md, "Distributing").
+    let pinned = ["--set", "image.repository=localhost/pelican", "--set", "image.tag=0.1.0"];
+    let mut install = vec!["install", &release, old_chart.to_str().unwrap(), "-n", &ns];
+    install.extend(pinned);
+    let (ok, out) = helm(&install);
     assert!(ok, "{out}");
-    let image = |deployment: serde_json::Value| deployment["items"][0]["spec"]["template"]["spec"]["containers"][0]["image"].clone();
+    let image = |deployment: serde_json::Value| {
+        deployment["items"][0]["spec"]["template"]["spec"]["containers"][0]["image"].clone()
+    };
     assert_eq!(image(release_deployment(&release, &ns)), "localhost/pelican:0.1.0");
 
     let (documented, mut args) = documented_upgrade(&release, &ns);
@@ -594,7 +600,8 @@ fn a_tag_of_another_name_runs_only_when_tag_for_is_this_version() {
     assert_eq!(image(&render("t", "s", &[&format!("image.tag={version}")])), [format!("localhost/pelican:{version}")]);
     let ours = render("t", "s", &["image.tag=hotfix-1", &format!("image.tagFor={version}"), "sharding.shards={a}"]);
     assert_eq!(image(&ours), ["localhost/pelican:hotfix-1", "localhost/pelican:hotfix-1"]);
-    for sets in [vec!["image.tag=hotfix-1".to_string()], vec!["image.tag=hotfix-1".into(), "image.tagFor=0.1.0".into()]] {
+    for sets in [vec!["image.tag=hotfix-1".to_string()], vec!["image.tag=hotfix-1".into(), "image.tagFor=0.1.0".into()]]
+    {
         let mut args = vec!["template", "t", CHART];
         for set in &sets {
             args.extend(["--set", set]);
