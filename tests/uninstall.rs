@@ -75,12 +75,14 @@ fn the_sweep_deletes_this_installs_keys_only_over_tls_with_a_password() {
     let _: () = redis::pipe()
         .hset(errors_key("orders", "workers"), "1-0", "boom")
         .hset(redrive_key("orders:dlq", &ns, "again"), "last", "1-0")
+        .hset("{orders:dlq}:pelican:orders:dlq:redrive-lock", "name", format!("{ns}/again"))
         .hset(&legacy_keys("orders", "workers")[0], "acked", 1)
         .hset(bounds_key("orders"), "workers", 10)
         .hset(idempotence_key("orders"), &orders_uid, "5000")
         .query(&mut conn)
         .unwrap();
-    // Another install's: another group of the same stream, a group whose name extends ours, another stream.
+    // Another install's: another group of the same stream, a group whose name extends ours, another stream, a
+    // redrive of another namespace on our dead-letter stream.
     let others = [
         "{orders}:pelican:orders:audit:settings",
         "{orders}:pelican:orders:workers:b:settings",
@@ -111,15 +113,25 @@ fn the_sweep_deletes_this_installs_keys_only_over_tls_with_a_password() {
     assert!(!refused.status.success() && stderr.contains("NOAUTH"), "without the password: {stderr}");
     assert_eq!(keys(&mut conn), before, "nothing deleted without the password");
 
+    let mut dry_run = over_tls.to_vec();
+    dry_run.insert(1, "--dry-run");
+    let listed_only = run(&dry_run, &listed, Some("sweep-pw"));
+    let would = String::from_utf8_lossy(&listed_only.stdout);
+    assert!(listed_only.status.success(), "{would}{}", String::from_utf8_lossy(&listed_only.stderr));
+    assert!(would.contains("would unlink {orders}:pelican:orders:workers:settings\n"), "{would}");
+    assert_eq!(keys(&mut conn), before, "nothing deleted by a dry run");
+
     let swept = run(&over_tls, &listed, Some("sweep-pw"));
     let stdout = String::from_utf8_lossy(&swept.stdout);
+    println!("scripts/uninstall-keys sweep:\n{stdout}");
     assert!(swept.status.success(), "{stdout}{}", String::from_utf8_lossy(&swept.stderr));
     assert!(stdout.contains("scripts/uninstall-keys: 2 policies swept"), "{stdout}");
     assert!(stdout.contains(&format!("{ns}/orders: ")) && stdout.contains("2 hash fields removed"), "{stdout}");
 
     let mut left: BTreeSet<String> = others.iter().map(|k| k.to_string()).collect();
     left.extend([bounds_key("orders"), idempotence_key("orders"), topic_key("events")]);
-    assert_eq!(keys(&mut conn), left, "only the others' keys (and the topic's, which producers read) are left");
+    left.extend(["orders", "{events:0}", "{events:1}"].map(String::from));
+    assert_eq!(keys(&mut conn), left, "the streams, the others' keys and the topic's (producers read it) are left");
     let bounds: Vec<String> = redis::cmd("HKEYS").arg(bounds_key("orders")).query(&mut conn).unwrap();
     assert_eq!(bounds, ["audit"]);
     let windows: Vec<String> = redis::cmd("HKEYS").arg(idempotence_key("orders")).query(&mut conn).unwrap();
