@@ -336,6 +336,40 @@ fn secret_namespaces_grant_secrets_there_only() {
 }
 
 /// The rendered objects of a chart, as JSON.
+/// Issue 66.6: the shard-down runbook selected Deployments by a label only their Pods carried ("No resources
+/// found" for a shard scaled to 0). Every `kubectl ... -n pelican-system -l <selector>` of the runbooks (the
+/// operator's; others select the user's consumers), with `<shard>` a shard of a
+/// sharded release named `pelican` (the runbooks' name), finds a rendered Deployment where it gets Deployments, and
+/// its Pods where it gets or reads Pods.
+#[test]
+fn the_runbooks_selectors_find_the_charts_deployments_and_pods() {
+    let manifests = render("pelican", "pelican-system", &["sharding.shards={a}"]);
+    let deployments: Vec<_> = documents(&manifests).into_iter().filter(|d| d["kind"] == "Deployment").collect();
+    let runbooks = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/runbooks")).unwrap();
+    let mut checked = 0;
+    for runbook in runbooks {
+        let text = std::fs::read_to_string(runbook.unwrap().path()).unwrap();
+        for line in text
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with("kubectl ") && l.contains(" -l ") && l.contains("-n pelican-system"))
+        {
+            let selector =
+                line.split(" -l ").nth(1).unwrap().split_whitespace().next().unwrap().replace("<shard>", "a");
+            let selects = |labels: &serde_json::Value| {
+                selector.split(',').all(|pair| pair.split_once('=').is_some_and(|(key, value)| labels[key] == value))
+            };
+            let deployment = deployments.iter().find(|d| selects(&d["spec"]["template"]["metadata"]["labels"]));
+            assert!(deployment.is_some(), "`{line}` finds no Pod of the chart");
+            if line.contains("deploy") {
+                assert!(deployments.iter().any(|d| selects(&d["metadata"]["labels"])), "`{line}` finds no Deployment");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "the runbooks' selectors: {checked}");
+}
+
 fn documents(manifests: &str) -> Vec<serde_json::Value> {
     manifests
         .split("\n---")
