@@ -76,15 +76,17 @@ fn the_sweep_deletes_this_installs_keys_only_over_tls_with_a_password() {
         .hset(errors_key("orders", "workers"), "1-0", "boom")
         .hset(redrive_key("orders:dlq", &ns, "again"), "last", "1-0")
         .hset("{orders:dlq}:pelican:orders:dlq:redrive-lock", "name", format!("{ns}/again"))
+        .hset(redrive_key("events:dlq", &ns, "replay"), "last", "1-0")
         .hset(&legacy_keys("orders", "workers")[0], "acked", 1)
         .hset(bounds_key("orders"), "workers", 10)
         .hset(idempotence_key("orders"), &orders_uid, "5000")
         .query(&mut conn)
         .unwrap();
-    // Another install's: another group of the same stream, a group whose name extends ours, another stream, a
-    // redrive of another namespace on our dead-letter stream.
+    // Another install's: another group of the same stream (and of the topic's partition), a group whose name
+    // extends ours, another stream, a redrive of another namespace on our dead-letter stream.
     let others = [
         "{orders}:pelican:orders:audit:settings",
+        "{events:0}:pelican:{events:0}:audit:settings",
         "{orders}:pelican:orders:workers:b:settings",
         "{payments}:pelican:payments:workers:settings",
         "{orders:dlq}:pelican:orders:dlq:redrive:other/again",
