@@ -336,6 +336,40 @@ fn secret_namespaces_grant_secrets_there_only() {
 }
 
 /// The rendered objects of a chart, as JSON.
+/// Issue 66.6: the shard-down runbook selected Deployments by a label only their Pods carried ("No resources
+/// found" for a shard scaled to 0). Every `kubectl ... -n pelican-system -l <selector>` of the runbooks (the
+/// operator's; others select the user's consumers), with `<shard>` a shard of a
+/// sharded release named `pelican` (the runbooks' name), finds a rendered Deployment where it gets Deployments, and
+/// its Pods where it gets or reads Pods.
+#[test]
+fn the_runbooks_selectors_find_the_charts_deployments_and_pods() {
+    let manifests = render("pelican", "pelican-system", &["sharding.shards={a}"]);
+    let deployments: Vec<_> = documents(&manifests).into_iter().filter(|d| d["kind"] == "Deployment").collect();
+    let runbooks = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/runbooks")).unwrap();
+    let mut checked = 0;
+    for runbook in runbooks {
+        let text = std::fs::read_to_string(runbook.unwrap().path()).unwrap();
+        for line in text
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with("kubectl ") && l.contains(" -l ") && l.contains("-n pelican-system"))
+        {
+            let selector =
+                line.split(" -l ").nth(1).unwrap().split_whitespace().next().unwrap().replace("<shard>", "a");
+            let selects = |labels: &serde_json::Value| {
+                selector.split(',').all(|pair| pair.split_once('=').is_some_and(|(key, value)| labels[key] == value))
+            };
+            let deployment = deployments.iter().find(|d| selects(&d["spec"]["template"]["metadata"]["labels"]));
+            assert!(deployment.is_some(), "`{line}` finds no Pod of the chart");
+            if line.contains("deploy") {
+                assert!(deployments.iter().any(|d| selects(&d["metadata"]["labels"])), "`{line}` finds no Deployment");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "the runbooks' selectors: {checked}");
+}
+
 fn documents(manifests: &str) -> Vec<serde_json::Value> {
     manifests
         .split("\n---")
@@ -508,33 +542,11 @@ fn the_documented_upgrade_from_the_previous_chart_keeps_the_users_values_and_tak
     let (ok, out) = helm(&["install", &release, old_chart.to_str().unwrap(), "-n", &ns, "--set", "logLevel=debug"]);
     assert!(ok, "{out}");
 
-    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/installing.md")).unwrap();
-    let documented =
-        page.lines().map(str::trim).find(|l| l.starts_with("helm upgrade pelican charts/pelican")).unwrap();
-    let args: Vec<String> = documented
-        .split_whitespace()
-        .skip(1)
-        .map(|word| match word {
-            "pelican" => release.clone(),
-            "charts/pelican" => CHART.to_string(),
-            "pelican-system" => ns.clone(),
-            other => other.to_string(),
-        })
-        .collect();
+    let (documented, args) = documented_upgrade(&release, &ns);
     let (ok, out) = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(ok, "`{documented}` failed from the 0.1 chart: {out}");
 
-    let deployment: serde_json::Value = serde_json::from_str(&kubectl_ok(&[
-        "get",
-        "deploy",
-        "-n",
-        &ns,
-        "-l",
-        &format!("app.kubernetes.io/instance={release}"),
-        "-o",
-        "json",
-    ]))
-    .unwrap();
+    let deployment = release_deployment(&release, &ns);
     let pod = &deployment["items"][0]["spec"]["template"]["spec"];
     let container = &pod["containers"][0];
     let version = env!("CARGO_PKG_VERSION");
@@ -545,6 +557,93 @@ fn the_documented_upgrade_from_the_previous_chart_keeps_the_users_values_and_tak
     assert!(pod["topologySpreadConstraints"].is_array(), "the new default spread: {pod}");
     let (ok, out) = helm(&["uninstall", &release, "-n", &ns]);
     assert!(ok, "{out}");
+}
+
+/// The upgrade command of installing.md ("Upgrade"), as `helm` arguments for `release` in `namespace`.
+fn documented_upgrade(release: &str, namespace: &str) -> (String, Vec<String>) {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/src/installing.md")).unwrap();
+    let documented =
+        page.lines().map(str::trim).find(|l| l.starts_with("helm upgrade pelican charts/pelican")).unwrap();
+    let args = documented
+        .split_whitespace()
+        .skip(1)
+        .map(|word| match word {
+            "pelican" => release.to_string(),
+            "charts/pelican" => CHART.to_string(),
+            "pelican-system" => namespace.to_string(),
+            other => other.to_string(),
+        })
+        .collect();
+    (documented.to_string(), args)
+}
+
+fn release_deployment(release: &str, namespace: &str) -> serde_json::Value {
+    let selector = format!("app.kubernetes.io/instance={release}");
+    serde_json::from_str(&kubectl_ok(&["get", "deploy", "-n", namespace, "-l", &selector, "-o", "json"])).unwrap()
+}
+
+/// Issue 66.3: an `image.tag` pinned at install is a value the user set, so `--reset-then-reuse-values` kept it and
+/// the new chart ran the old binary with flags it does not know (it exits on them, the rollout never completes).
+/// The upgrade is refused at render, before anything changes, with the value and both ways out named; the first of
+/// them (`--set image.tag=`) then runs the chart's own version.
+#[test]
+fn the_documented_upgrade_over_a_pinned_tag_is_refused_naming_the_value_and_the_fix() {
+    let (_old, old_chart) = previous_chart();
+    let ns = namespace("chart-pinned");
+    let release = format!("pin{}", &ns[ns.len() - 8..]);
+    // The image pushed to a registry of one's own, both values pinned (installing.md, "Distributing").
+    let pinned = ["--set", "image.repository=localhost/pelican", "--set", "image.tag=0.1.0"];
+    let mut install = vec!["install", &release, old_chart.to_str().unwrap(), "-n", &ns];
+    install.extend(pinned);
+    let (ok, out) = helm(&install);
+    assert!(ok, "{out}");
+    let image = |deployment: serde_json::Value| {
+        deployment["items"][0]["spec"]["template"]["spec"]["containers"][0]["image"].clone()
+    };
+    assert_eq!(image(release_deployment(&release, &ns)), "localhost/pelican:0.1.0");
+
+    let (documented, mut args) = documented_upgrade(&release, &ns);
+    let (ok, out) = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let version = env!("CARGO_PKG_VERSION");
+    assert!(!ok, "`{documented}` over a pinned 0.1.0 upgraded: {out}");
+    assert!(out.contains("image.tag is \"0.1.0\""), "names the value: {out}");
+    assert!(out.contains(&format!("add --set image.tag= to run {version}")), "names the fix: {out}");
+    assert_eq!(image(release_deployment(&release, &ns)), "localhost/pelican:0.1.0", "nothing changed");
+
+    args.extend(["--set".to_string(), "image.tag=".to_string()]);
+    let (ok, out) = helm(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "the named fix failed: {out}");
+    assert_eq!(image(release_deployment(&release, &ns)), format!("localhost/pelican:{version}"));
+    let (ok, out) = helm(&["uninstall", &release, "-n", &ns]);
+    assert!(ok, "{out}");
+}
+
+/// A tag other than the appVersion renders only when `image.tagFor` says it was set for this appVersion (a build of
+/// the same version named otherwise); a `tagFor` left from another version is refused like no `tagFor` at all.
+#[test]
+fn a_tag_of_another_name_runs_only_when_tag_for_is_this_version() {
+    let version = env!("CARGO_PKG_VERSION");
+    let image = |manifests: &str| -> Vec<String> {
+        documents(manifests)
+            .iter()
+            .filter(|d| d["kind"] == "Deployment")
+            .map(|d| d["spec"]["template"]["spec"]["containers"][0]["image"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(image(&render("t", "s", &[])), [format!("localhost/pelican:{version}")]);
+    assert_eq!(image(&render("t", "s", &[&format!("image.tag={version}")])), [format!("localhost/pelican:{version}")]);
+    let ours = render("t", "s", &["image.tag=hotfix-1", &format!("image.tagFor={version}"), "sharding.shards={a}"]);
+    assert_eq!(image(&ours), ["localhost/pelican:hotfix-1", "localhost/pelican:hotfix-1"]);
+    for sets in [vec!["image.tag=hotfix-1".to_string()], vec!["image.tag=hotfix-1".into(), "image.tagFor=0.1.0".into()]]
+    {
+        let mut args = vec!["template", "t", CHART];
+        for set in &sets {
+            args.extend(["--set", set]);
+        }
+        let (ok, out) = helm(&args);
+        assert!(!ok && out.contains("image.tag is \"hotfix-1\""), "{sets:?}: {out}");
+        assert!(out.contains(&format!("--set image.tag=hotfix-1 --set image.tagFor={version}")), "{out}");
+    }
 }
 
 /// The supported Kubernetes range is the chart's `kubeVersion` (1.29 and later: the CRDs' CEL validation rules with

@@ -565,6 +565,16 @@ mod tests {
         assert_eq!(canonical_url("redis://[::1]:7000"), "redis://[::1]:7000/0");
     }
 
+    /// Issue 66.2: the sentinel was asked over a connection to the policy's database, and a sentinel has no
+    /// `SELECT`; the database is the data nodes' (tests/sentinel.rs has a policy on database 3 Ready).
+    #[test]
+    fn the_sentinel_is_asked_on_database_0_whatever_the_data_nodes_use() {
+        assert_eq!(sentinel_url("redis://sentinel.apps:26379/1"), "redis://sentinel.apps:26379/0");
+        assert_eq!(sentinel_url("rediss://sentinel.apps:26379"), "rediss://sentinel.apps:26379/0");
+        assert_eq!(sentinel_url("redis://[::1]:26379/15"), "redis://[::1]:26379/0");
+        assert_eq!(canonical_url(&sentinel_url("redis://s:26379/1")), canonical_url("redis://s:26379"));
+    }
+
     #[test]
     fn server_is_host_and_port() {
         let t = Target::new("rediss://cache.apps.svc:6380/2");

@@ -38,3 +38,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $host := .root.Values.listenAddress | default "0.0.0.0" -}}
 {{- if contains ":" $host -}}[{{ $host }}]:{{ .port }}{{- else -}}{{ $host }}:{{ .port }}{{- end -}}
 {{- end -}}
+
+{{/* The operator image: the chart's appVersion unless image.tag names another, which runs only when image.tagFor
+     says it was set for this appVersion. The chart passes its own version's flags; an older binary exits on them. */}}
+{{- define "pelican.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if and (ne $tag .Chart.AppVersion) (ne .Values.image.tagFor .Chart.AppVersion) -}}
+{{- fail (printf "image.tag is %q, but this chart runs Pelican %s with flags an older operator does not know. A tag kept from an earlier release (helm upgrade --reset-then-reuse-values keeps what you set) is the usual cause: add --set image.tag= to run %s, or --set image.tag=%s --set image.tagFor=%s if that image is a build of %s" $tag .Chart.AppVersion .Chart.AppVersion $tag .Chart.AppVersion .Chart.AppVersion) -}}
+{{- end -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
