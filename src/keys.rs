@@ -106,15 +106,18 @@ pub struct WorkerSettings {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnknownContract {
     pub operator: String,
+    /// The version this build speaks where the settings were read: [`CONTRACT_VERSION`] for a stream,
+    /// [`TOPIC_CONTRACT_VERSION`] for a topic's partition.
+    pub known: u32,
 }
 
 impl std::fmt::Display for UnknownContract {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "the operator speaks worker contract {:?}, this SDK knows {CONTRACT_VERSION}: upgrade the SDK \
+            "the operator speaks worker contract {:?}, this SDK knows {} here: upgrade the SDK \
              (contract/README.md says what changed)",
-            self.operator
+            self.operator, self.known
         )
     }
 }
@@ -128,11 +131,21 @@ impl WorkerSettings {
     pub fn from_fields(
         hash: &std::collections::BTreeMap<String, String>,
     ) -> Result<Option<WorkerSettings>, UnknownContract> {
+        WorkerSettings::from_fields_of(hash, CONTRACT_VERSION)
+    }
+
+    /// As [`WorkerSettings::from_fields`], where the reader speaks contract `known` (a topic's partition:
+    /// [`TOPIC_CONTRACT_VERSION`]); a hash without a version is version 1, which only a reader of 1 knows.
+    pub fn from_fields_of(
+        hash: &std::collections::BTreeMap<String, String>,
+        known: u32,
+    ) -> Result<Option<WorkerSettings>, UnknownContract> {
         let contract_version = match hash.get("contractVersion") {
-            None => None,
+            None if known == CONTRACT_VERSION => None,
+            None => return Err(UnknownContract { operator: String::new(), known }),
             Some(text) => match text.parse::<u32>() {
-                Ok(CONTRACT_VERSION) if text.bytes().all(|b| b.is_ascii_digit()) => Some(CONTRACT_VERSION),
-                _ => return Err(UnknownContract { operator: text.clone() }),
+                Ok(version) if version == known && text.bytes().all(|b| b.is_ascii_digit()) => Some(version),
+                _ => return Err(UnknownContract { operator: text.clone(), known }),
             },
         };
         let field = |name: &str| hash.get(name)?.parse::<u64>().ok();
@@ -303,6 +316,24 @@ mod tests {
         ]);
         assert_eq!(WorkerSettings::from_fields(&known).unwrap().unwrap().contract_version, Some(1));
         assert_eq!(WorkerSettings::from_fields(&fields(&[("contractVersion", "1")])), Ok(None), "known, incomplete");
+    }
+
+    /// A topic's partition speaks the topic's contract: its settings say 2, and a hash without a version (1) or
+    /// with another is not a partition's.
+    #[test]
+    fn a_partitions_worker_knows_the_topics_contract_only() {
+        let settings = |version: Option<&str>| {
+            let mut hash = fields(&[("minIdleMs", "1000"), ("retryAfterMs", "1000"), ("maxDeliveries", "2")]);
+            if let Some(version) = version {
+                hash.insert("contractVersion".into(), version.into());
+            }
+            WorkerSettings::from_fields_of(&hash, TOPIC_CONTRACT_VERSION)
+        };
+        assert_eq!(settings(Some("2")).unwrap().unwrap().contract_version, Some(2));
+        for version in [None, Some("1"), Some("3"), Some("2.0")] {
+            let error = settings(version).unwrap_err().to_string();
+            assert!(error.contains("knows 2 here"), "{version:?}: {error}");
+        }
     }
 
     #[test]

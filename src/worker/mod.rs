@@ -56,7 +56,7 @@ pub use topic::{IdempotentTopicProducer, TopicError, TopicProducer};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
@@ -69,8 +69,8 @@ use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 use crate::keys::{
-    DELIVERIES_FIELD, ERROR_TEXT_MAX, UnknownContract, WorkerSettings, consumers_key, errors_key, settings_key,
-    terminal_key,
+    CONTRACT_VERSION, DELIVERIES_FIELD, ERROR_TEXT_MAX, UnknownContract, WorkerSettings, consumers_key, errors_key,
+    settings_key, terminal_key,
 };
 
 static TERMINAL_ACK: LazyLock<Script> =
@@ -231,6 +231,10 @@ struct Counters {
     /// Entries whose handler failed here, or whose outcome could not be written, and that stay pending, with when:
     /// the operator's pass retries them, never this worker.
     failed_here: Mutex<HashMap<String, Instant>>,
+    /// Handlers that ended and whose outcome is being written: their permits come back once it is.
+    settling: AtomicUsize,
+    /// The worker contract this worker speaks: [`CONTRACT_VERSION`], or a topic's for a partition's worker.
+    contract: u32,
 }
 
 impl Counters {
@@ -297,16 +301,22 @@ impl Worker {
                 "0 would send BLOCK 0, which waits for ever on the server while the client gives up".to_string(),
             )));
         }
+        Worker::speaking(source, config, CONTRACT_VERSION).await
+    }
+
+    /// A worker of contract `contract`: a topic's partition is a stream whose settings say the topic's.
+    pub(crate) async fn speaking(source: Source, config: WorkerConfig, contract: u32) -> RedisResult<Worker> {
         let (reader, mut writer) = connections(&source, &config).await?;
-        if let Ok(Err(unknown)) = read_settings(&mut writer, &config).await {
+        if let Ok(Err(unknown)) = read_settings(&mut writer, &config, contract).await {
             return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown.to_string())));
         }
+        let counters = Counters { contract, ..Counters::default() };
         Ok(Worker {
             source,
             reader,
             writer: watch::Sender::new(writer),
             config,
-            counters: Arc::default(),
+            counters: Arc::new(counters),
             in_flight: Arc::default(),
         })
     }
@@ -347,16 +357,17 @@ impl Worker {
         let (stop_tx, stopped_by) = watch::channel(None::<UnknownContract>);
         let mut stop_rx = stopped_by.clone();
         // On the writer's connection: a lease sent before a give-back is served before it.
-        let leases = tokio::spawn(hold_leases(
+        let leases = AbortOnDrop(tokio::spawn(hold_leases(
             self.config.clone(),
             self.writer.subscribe(),
             in_flight.clone(),
             counters.clone(),
             stop_tx,
-        ));
+        )));
         // Acknowledgements of handlers that finish together go in one XACK.
         let (acks, pending_acks) = mpsc::unbounded_channel();
-        let acknowledger = tokio::spawn(acknowledge(self.config.clone(), self.writer.subscribe(), pending_acks));
+        let mut acknowledger =
+            AbortOnDrop(tokio::spawn(acknowledge(self.config.clone(), self.writer.subscribe(), pending_acks)));
         let mut tasks = JoinSet::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
@@ -383,6 +394,17 @@ impl Worker {
             let mut batch_permits = vec![first];
             while let Ok(p) = permits.clone().try_acquire_owned() {
                 batch_permits.push(p);
+            }
+            // Those whose outcomes are being written give their permits back once the writes are answered (one XACK
+            // for all that finished together): wait a little for them, so that one read fetches for them all rather
+            // than a read for each few.
+            let settled_by = tokio::time::Instant::now() + SETTLE_WAIT;
+            while batch_permits.len() < self.config.concurrency && counters.settling.load(Ordering::Relaxed) > 0 {
+                tokio::select! {
+                    biased;
+                    permit = permits.clone().acquire_owned() => batch_permits.push(permit.expect("semaphore is never closed")),
+                    _ = tokio::time::sleep_until(settled_by) => break,
+                }
             }
             let pel_check_due = own_pel_cursor.is_none() && Instant::now() >= next_pel_check;
             if pel_check_due {
@@ -446,6 +468,7 @@ impl Worker {
                         Dispatch { config: &config, writers, acks: &acks, counters: &counters, in_flight: &in_flight };
                     dispatch(runtime, message, handler.as_ref()).await;
                     in_flight.lock().expect("in-flight lock").remove(&id);
+                    counters.settling.fetch_sub(1, Ordering::Relaxed);
                     drop(permit);
                 });
             }
@@ -453,14 +476,14 @@ impl Worker {
         }
         // The leases go on while in-flight handlers finish: a slow one is not taken from under them.
         let finished = tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await;
-        leases.abort();
+        drop(leases);
         if finished.is_err() {
             tasks.abort_all();
             drain(&mut tasks).await;
         }
         // Every handler's task is gone, and with it its sender: the acknowledger ends once it answered them all.
         drop(acks);
-        let _ = acknowledger.await;
+        let _ = (&mut acknowledger.0).await;
         // What the grace cut off is given back, and the worker leaves the group (its consumer deleted once it owns
         // nothing), also when nothing was cut off: a consumer that just read looks live, and Reassign would hand
         // work to it.
@@ -590,6 +613,18 @@ impl Worker {
     }
 }
 
+/// A spawned task, aborted when dropped: a run dropped mid-way (a topic's partition lost) leaves no task behind.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The longest a read waits for the permits of handlers whose outcomes are being written.
+const SETTLE_WAIT: Duration = Duration::from_millis(5);
+
 /// The most entries one lease or give-back call carries.
 const LEASE_BATCH: usize = 100;
 
@@ -607,10 +642,11 @@ fn lease_interval(settings: Option<WorkerSettings>) -> Duration {
 async fn read_settings(
     conn: &mut Connection,
     config: &WorkerConfig,
+    contract: u32,
 ) -> RedisResult<Result<Option<WorkerSettings>, UnknownContract>> {
     let key = settings_key(&config.stream, &config.group);
     let hash: BTreeMap<String, String> = redis::cmd("HGETALL").arg(&key).query_async(conn).await?;
-    Ok(WorkerSettings::from_fields(&hash))
+    Ok(WorkerSettings::from_fields_of(&hash, contract))
 }
 
 /// Re-reads the settings into `counters`. A failed read (an ACL without `hgetall` on the key, the server restarting)
@@ -622,7 +658,7 @@ async fn refresh_settings(
     counters: &Counters,
 ) -> Result<(), UnknownContract> {
     let (stream, group) = (&config.stream, &config.group);
-    match read_settings(conn, config).await {
+    match read_settings(conn, config, counters.contract).await {
         Ok(Ok(settings)) => *counters.settings.lock().expect("settings lock") = settings,
         Ok(Err(unknown)) => return Err(unknown),
         Err(e) => warn!(%stream, %group, error = %e, "could not read the group's settings; the last ones read stay"),
@@ -849,6 +885,7 @@ where
     if let Some(flight) = in_flight.lock().expect("in-flight lock").get_mut(&id) {
         flight.settled = true;
     }
+    counters.settling.fetch_add(1, Ordering::Relaxed);
     // The writer as it is now: a failover while the handler ran gave a new one.
     let conn = writers.borrow().clone();
     match result {
@@ -966,6 +1003,8 @@ async fn acknowledge(
 ) {
     let (stream, group) = (&config.stream, &config.group);
     while let Some(first) = requests.recv().await {
+        // Handlers that finished together send theirs in the same turn of the runtime: let them.
+        tokio::task::yield_now().await;
         let mut batch = vec![first];
         while batch.len() < ACK_BATCH
             && let Ok(next) = requests.try_recv()
