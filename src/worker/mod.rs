@@ -40,12 +40,14 @@
 mod connection;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod partitions;
 mod producer;
 mod reason;
 mod topic;
 
 use connection::write_again_if_broken;
 pub use connection::{Connection, Source};
+pub use partitions::{DEFAULT_TTL, TopicWorker, TopicWorkerConfig, TopicWorkerError};
 pub use producer::{
     BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH, BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, IdempotenceError,
     IdempotentProducer, Producer, PublishError, Published, Refusal,
