@@ -17,6 +17,8 @@ use pelican::worker::{
 
 const PARTITIONS: u32 = 4;
 
+type Conn = dyn redis::ConnectionLike;
+
 /// Topic `t`, group `g`, passes every second on entries idle 1 s.
 fn topic_policy(server: &Server, extra: &str) -> String {
     policy("t", &server.url(), "t", "g", extra).replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n")
@@ -45,7 +47,7 @@ type Runs = Arc<Mutex<Vec<Run>>>;
 /// anyone); its handler records each run, and never returns for the key `hang`.
 fn member(
     rt: &tokio::runtime::Runtime,
-    server: &Server,
+    source: &Source,
     name: &str,
     runs: &Runs,
 ) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<pelican::worker::WorkerStats, TopicWorkerError>>)
@@ -54,8 +56,7 @@ fn member(
     config.ttl = Duration::from_secs(3);
     config.worker.block = Duration::from_millis(200);
     config.worker.shutdown_grace = Duration::from_secs(2);
-    let worker = rt.block_on(TopicWorker::connect_to(source(server), config)).unwrap();
-    assert_eq!(worker.partitions(), PARTITIONS);
+    let worker = rt.block_on(TopicWorker::connect_to(source.clone(), config)).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (runs, name) = (runs.clone(), name.to_string());
     let handler = move |message: Message| {
@@ -76,12 +77,12 @@ fn member(
 }
 
 /// Partition -> its owner, as `membership.lua` keeps it.
-fn owners(conn: &mut redis::Connection) -> BTreeMap<u32, String> {
+fn owners(conn: &mut Conn) -> BTreeMap<u32, String> {
     let owners: HashMap<String, String> = redis::cmd("HGETALL").arg(owners_key("t", "g")).query(conn).unwrap();
     owners.into_iter().map(|(p, m)| (p.parse().unwrap(), m)).collect()
 }
 
-fn wait_owners(conn: &mut redis::Connection, want: impl Fn(&BTreeMap<u32, String>) -> bool) -> BTreeMap<u32, String> {
+fn wait_owners(conn: &mut Conn, want: impl Fn(&BTreeMap<u32, String>) -> bool) -> BTreeMap<u32, String> {
     wait_for("the partitions' owners", Duration::from_secs(30), || {
         let now = owners(conn);
         if want(&now) { Ok(now) } else { Err(format!("{now:?}")) }
@@ -101,8 +102,8 @@ fn wait_runs(runs: &Runs, count: usize) -> Vec<Run> {
     })
 }
 
-fn pending(conn: &mut redis::Connection) -> usize {
-    (0..PARTITIONS)
+fn pending(conn: &mut Conn, partitions: u32) -> usize {
+    (0..partitions)
         .map(|p| {
             let summary: (usize, redis::Value, redis::Value, redis::Value) =
                 redis::cmd("XPENDING").arg(partition_stream("t", p)).arg("g").query(conn).unwrap();
@@ -115,23 +116,44 @@ fn pending(conn: &mut redis::Connection) -> usize {
 fn members_share_the_partitions_and_the_owner_of_each_handles_its_messages_once() {
     let server = Server::start(Flavor::Redis);
     let (_ns, _operator) = ready_policy("topic-members", &topic_policy(&server, "  partitions: 4\n"), "t");
-    let mut conn = server.conn();
+    members_share_the_partitions(&source(&server), &mut server.conn(), PARTITIONS);
+}
+
+/// On a Cluster of three shards: the partitions live on all three, the membership in the topic's own slot.
+#[test]
+fn on_a_cluster_members_share_the_partitions_over_its_shards() {
+    let cluster = Cluster::start(Flavor::Redis);
+    let manifest = policy("t", &cluster.url(), "t", "g", "  partitions: 8\n")
+        .replacen("  stream:", "    mode: Cluster\n  stream:", 1)
+        .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
+    let (_ns, _operator) = ready_policy("topic-cluster-members", &manifest, "t");
+    let urls: Vec<String> = cluster.nodes.iter().map(|node| format!("redis://127.0.0.1:{}/", node.port)).collect();
+    let source = Source::Cluster(redis::cluster::ClusterClient::new(urls).unwrap());
+    members_share_the_partitions(&source, &mut cluster.conn(), 8);
+}
+
+/// Members `a` and `b` share `partitions`; 40 keyed messages are each handled once, by the owner of the key's
+/// partition; `a` leaves and `b` takes every partition and what comes next.
+fn members_share_the_partitions(source: &Source, conn: &mut Conn, partitions: u32) {
     let rt = threaded();
     let runs: Runs = Arc::default();
-    let (stop_a, a) = member(&rt, &server, "a", &runs);
-    let (stop_b, b) = member(&rt, &server, "b", &runs);
-    let shared = wait_owners(&mut conn, |o| o.len() == 4 && o.values().filter(|m| *m == "a").count() == 2);
-    let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
+    let (stop_a, a) = member(&rt, source, "a", &runs);
+    let (stop_b, b) = member(&rt, source, "b", &runs);
+    let half = partitions as usize / 2;
+    let shared =
+        wait_owners(conn, |o| o.len() == partitions as usize && o.values().filter(|m| *m == "a").count() == half);
+    let producer = rt.block_on(TopicProducer::connect_to(source, "t")).unwrap();
+    assert_eq!(producer.partitions(), partitions);
     let keys: Vec<String> = (0..40).map(|i| format!("order-{i}")).collect();
     let ids = publish(&rt, &producer, &keys);
     let handled = wait_runs(&runs, keys.len());
     for (key, id) in keys.iter().zip(&ids) {
         let of_it: Vec<&Run> = handled.iter().filter(|r| &r.id == id && &r.key == key).collect();
         assert_eq!(of_it.len(), 1, "{key} handled once: {handled:?}");
-        let owner = &shared[&partition_of(key.as_bytes(), PARTITIONS)];
+        let owner = &shared[&partition_of(key.as_bytes(), partitions)];
         assert_eq!(&of_it[0].member, owner, "{key} handled by its partition's owner");
     }
-    wait_for("every message acknowledged", Duration::from_secs(10), || match pending(&mut conn) {
+    wait_for("every message acknowledged", Duration::from_secs(10), || match pending(conn, partitions) {
         0 => Ok(()),
         n => Err(format!("{n} pending")),
     });
@@ -140,7 +162,7 @@ fn members_share_the_partitions_and_the_owner_of_each_handles_its_messages_once(
     stop_a.send(()).unwrap();
     let stats = rt.block_on(a).unwrap().unwrap();
     assert!(stats.done >= 1, "{stats:?}");
-    wait_owners(&mut conn, |o| o.len() == 4 && o.values().all(|m| m == "b"));
+    wait_owners(conn, |o| o.len() == partitions as usize && o.values().all(|m| m == "b"));
     let later: Vec<String> = (0..8).map(|i| format!("later-{i}")).collect();
     publish(&rt, &producer, &later);
     let handled = wait_runs(&runs, keys.len() + later.len());
@@ -151,7 +173,7 @@ fn members_share_the_partitions_and_the_owner_of_each_handles_its_messages_once(
     }
     stop_b.send(()).unwrap();
     rt.block_on(b).unwrap().unwrap();
-    assert!(owners(&mut conn).is_empty(), "both left: nothing owned");
+    assert!(owners(conn).is_empty(), "both left: nothing owned");
 }
 
 #[test]
@@ -164,13 +186,13 @@ fn a_member_that_dies_hands_its_partitions_and_their_pending_lists_to_the_others
     let mut conn = server.conn();
     let rt = threaded();
     let runs: Runs = Arc::default();
-    let (_stop_a, a) = member(&rt, &server, "a", &runs);
+    let (_stop_a, a) = member(&rt, &source(&server), "a", &runs);
     wait_owners(&mut conn, |o| o.len() == 4);
     let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
     // `a` alone: it reads the message and its handler never returns.
     let [hung] = &publish(&rt, &producer, &["hang".to_string()])[..] else { unreachable!() };
     wait_runs(&runs, 1);
-    let (_stop_b, _b) = member(&rt, &server, "b", &runs);
+    let (_stop_b, _b) = member(&rt, &source(&server), "b", &runs);
     wait_owners(&mut conn, |o| o.values().filter(|m| *m == "b").count() == 2);
     // `a` crashes: no leave, no give-back; its membership expires within the ttl.
     a.abort();
