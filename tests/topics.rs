@@ -91,6 +91,7 @@ fn a_topic_of_four_partitions_is_converged_partition_by_partition_and_shown_as_o
     assert_eq!(topic["partitions"], "4", "{topic:?}");
     assert_eq!(topic["ordering"], "None", "{topic:?}");
     assert_eq!(topic["contractVersion"], "2", "{topic:?}");
+    assert_eq!((topic["backoffFactor"].as_str(), topic["backoffMaxMs"].as_str()), ("1", "0"), "no backoff: {topic:?}");
     let described = hash(&mut conn, &topic_key("t"));
     assert_eq!((described["partitions"].as_str(), described["contractVersion"].as_str()), ("4", "2"), "for producers");
     let partition = hash(&mut conn, &settings_key("{t:2}", "g"));
@@ -132,10 +133,13 @@ fn a_topic_of_four_partitions_is_converged_partition_by_partition_and_shown_as_o
 #[test]
 fn per_key_ordering_never_requeues_and_dead_letters_at_the_cap() {
     let server = Server::start(Flavor::Redis);
-    let extra = "  partitions: 2\n  ordering: PerKey\n  retry:\n    maxDeliveries: 2\n";
+    let extra = "  partitions: 2\n  ordering: PerKey\n  retry:\n    maxDeliveries: 2\n    backoff:\n      factor: 3\n      max: 20s\n";
     let (ns, _operator) = ready_policy("topic-order", &topic_policy(&server, extra), "t");
     let mut conn = server.conn();
-    assert_eq!(hash(&mut conn, &settings_key("t", "g"))["ordering"], "PerKey");
+    let settings = hash(&mut conn, &settings_key("t", "g"));
+    assert_eq!(settings["ordering"], "PerKey");
+    // What a PerKey worker spaces its retries in place by.
+    assert_eq!((settings["backoffFactor"].as_str(), settings["backoffMaxMs"].as_str()), ("3", "20000"), "{settings:?}");
 
     // Both idle past minIdle: the pass that dead-letters `capped` also sees `waiting`, and with `ordering: None`
     // it would requeue it.

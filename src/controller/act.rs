@@ -126,7 +126,13 @@ pub async fn converge(
         host.runner().stop(&id);
     }
     let mut settings = schedule.pass.worker_settings();
-    let topic = policy.spec.partitions.map(|partitions| TopicSettings { partitions, ordering: policy.spec.ordering });
+    let backoff = schedule.pass.backoff;
+    let topic = policy.spec.partitions.map(|partitions| TopicSettings {
+        partitions,
+        ordering: policy.spec.ordering,
+        backoff_factor: backoff.map_or(1, |b| b.factor),
+        backoff_max_ms: backoff.map_or(0, |b| b.max.as_millis() as u64),
+    });
     if let Some(topic) = topic {
         // The topic's own settings key, where workers learn the partitions before they read any of them.
         settings.contract_version = Some(keys::TOPIC_CONTRACT_VERSION);

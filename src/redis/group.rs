@@ -345,6 +345,10 @@ pub struct PassMinIdle {
 pub struct TopicSettings {
     pub partitions: u32,
     pub ordering: crate::api::Ordering,
+    /// The retries' spacing a `PerKey` worker keeps in place: `minIdleMs * factor^(n-1)`, at most `max_ms` (factor 1
+    /// and no most without a backoff).
+    pub backoff_factor: u32,
+    pub backoff_max_ms: u64,
 }
 
 /// Publishes the group's settings for workers ([`settings_key`]) when they changed, and answers the `minIdle` the
@@ -366,7 +370,7 @@ pub async fn publish_settings(
         .arg(settings.contract_version.unwrap_or(crate::keys::CONTRACT_VERSION))
         .arg(MIN_IDLE_HOLD.as_millis() as u64);
     if let Some(topic) = topic {
-        call.arg(topic.partitions).arg(topic.ordering.name());
+        call.arg(topic.partitions).arg(topic.ordering.name()).arg(topic.backoff_factor).arg(topic.backoff_max_ms);
     }
     let (min_idle, held_for): (u64, u64) = call.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
     Ok(PassMinIdle { min_idle: Duration::from_millis(min_idle), held_for: Duration::from_millis(held_for) })

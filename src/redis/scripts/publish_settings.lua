@@ -3,7 +3,8 @@
 -- KEYS[1] {T}:pelican:<stream>:<group>:settings
 -- ARGV[1] minIdleMs    ARGV[2] retryAfterMs    ARGV[3] maxDeliveries    ARGV[4] contractVersion
 -- ARGV[5] hold (ms): how long a lowered minIdle waits before the passes apply it
--- ARGV[6] partitions   ARGV[7] ordering: only for a topic's own settings key (SPEC 22); absent for a stream's
+-- ARGV[6] partitions   ARGV[7] ordering   ARGV[8] backoffFactor   ARGV[9] backoffMaxMs (0: none): only for a topic's
+--         own settings key (SPEC 22); absent for a stream's
 --
 -- Returns {min idle the passes apply now (ms), ms until that changes (0: it is the published one)}.
 --
@@ -36,9 +37,9 @@ if stored[1] ~= ARGV[1] or stored[2] ~= ARGV[2] or stored[3] ~= ARGV[3] or store
     'contractVersion', ARGV[4])
 end
 if ARGV[7] then
-  local topic = redis.call('HMGET', key, 'partitions', 'ordering')
-  if topic[1] ~= ARGV[6] or topic[2] ~= ARGV[7] then
-    redis.call('HSET', key, 'partitions', ARGV[6], 'ordering', ARGV[7])
+  local topic = redis.call('HMGET', key, 'partitions', 'ordering', 'backoffFactor', 'backoffMaxMs')
+  if topic[1] ~= ARGV[6] or topic[2] ~= ARGV[7] or topic[3] ~= ARGV[8] or topic[4] ~= ARGV[9] then
+    redis.call('HSET', key, 'partitions', ARGV[6], 'ordering', ARGV[7], 'backoffFactor', ARGV[8], 'backoffMaxMs', ARGV[9])
   end
 end
 if held and held > wanted then return {held, held_until - now_ms} end
