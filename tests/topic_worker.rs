@@ -5,14 +5,15 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use pelican::keys::{KEY_FIELD, owners_key, partition_stream};
 use pelican::topic::partition_of;
 use pelican::worker::{
-    BoxError, Message, Outcome, Source, TopicProducer, TopicWorker, TopicWorkerConfig, TopicWorkerError,
+    BoxError, Message, Outcome, Source, TopicProducer, TopicWorker, TopicWorkerConfig, TopicWorkerError, WorkerStats,
 };
 
 const PARTITIONS: u32 = 4;
@@ -43,14 +44,14 @@ struct Run {
 
 type Runs = Arc<Mutex<Vec<Run>>>;
 
-/// Member `name` running on its own task until `stop` is sent (or the task is aborted: a crash, nothing said to
-/// anyone); its handler records each run, and never returns for the key `hang`.
-fn member(
-    rt: &tokio::runtime::Runtime,
-    source: &Source,
-    name: &str,
-    runs: &Runs,
-) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<pelican::worker::WorkerStats, TopicWorkerError>>)
+type Member = (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<WorkerStats, TopicWorkerError>>);
+
+/// Member `name` running `handler` on its own task until its sender is used (or the task is aborted: a crash, nothing
+/// said to anyone).
+fn start<H, Fut>(rt: &tokio::runtime::Runtime, source: &Source, name: &str, handler: H) -> Member
+where
+    H: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Outcome, BoxError>> + Send + 'static,
 {
     let mut config = TopicWorkerConfig::new("t", "g", name);
     config.ttl = Duration::from_secs(3);
@@ -58,8 +59,17 @@ fn member(
     config.worker.shutdown_grace = Duration::from_secs(2);
     let worker = rt.block_on(TopicWorker::connect_to(source.clone(), config)).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = rt.spawn(worker.run(handler, async move {
+        let _ = stopped.await;
+    }));
+    (stop, task)
+}
+
+/// Member `name` whose handler records each run, and never returns for the key `hang`.
+fn member(rt: &tokio::runtime::Runtime, source: &Source, name: &str, runs: &Runs) -> Member {
     let (runs, name) = (runs.clone(), name.to_string());
-    let handler = move |message: Message| {
+    let member = name.clone();
+    start(rt, source, &member, move |message: Message| {
         let (runs, member) = (runs.clone(), name.clone());
         async move {
             let key = message.field_str(KEY_FIELD).unwrap_or_default().to_string();
@@ -69,11 +79,7 @@ fn member(
             }
             Ok::<_, BoxError>(Outcome::Done)
         }
-    };
-    let task = rt.spawn(worker.run(handler, async move {
-        let _ = stopped.await;
-    }));
-    (stop, task)
+    })
 }
 
 /// Partition -> its owner, as `membership.lua` keeps it.
@@ -213,22 +219,180 @@ fn a_member_that_dies_hands_its_partitions_and_their_pending_lists_to_the_others
 fn topics_it_cannot_serve_are_refused_by_name() {
     let server = Server::start(Flavor::Redis);
     let rt = runtime();
-    let extra = "  partitions: 4\n  ordering: PerKey\n";
-    let (ns, _operator) = ready_policy("topic-refused", &topic_policy(&server, extra), "t");
-    let connect =
-        |topic: &str| rt.block_on(TopicWorker::connect_to(source(&server), TopicWorkerConfig::new(topic, "g", "a")));
-    let error = connect("t").err().expect("PerKey refused").to_string();
-    assert!(error.contains("\"t\"") && error.contains("PerKey") && error.contains("ordering None"), "{error}");
-    let (applied, out) = kubectl_apply(&ns, &policy("plain", &server.url(), "s", "g", ""));
-    assert!(applied, "{out}");
-    wait_condition(&ns, "plain", "Ready", "True", "Reconciled");
-    let error = connect("s").err().expect("a stream is no topic").to_string();
+    let (_ns, _operator) = ready_policy("topic-refused", &policy("plain", &server.url(), "s", "g", ""), "plain");
+    let connect = |topic: &str| {
+        rt.block_on(TopicWorker::connect_to(source(&server), TopicWorkerConfig::new(topic, "g", "a"))).err()
+    };
+    let error = connect("s").expect("a stream is no topic").to_string();
     assert!(
         error.contains("\"s\"") && error.contains("describe no topic") && error.contains("spec.partitions"),
         "{error}"
     );
+    // Settings as a later operator might write them.
+    let mut conn = server.conn();
+    let mut later = |ordering: &str, version: &str| {
+        let fields = [("partitions", "4"), ("ordering", ordering), ("contractVersion", version)];
+        let _: () =
+            redis::cmd("HSET").arg(pelican::keys::settings_key("u", "g")).arg(&fields[..]).query(&mut conn).unwrap();
+    };
+    later("Total", "2");
+    let error = connect("u").expect("an ordering it does not know").to_string();
+    assert!(error.contains("\"u\"") && error.contains("\"Total\"") && error.contains("upgrade the SDK"), "{error}");
+    later("None", "3");
+    let error = connect("u").expect("a contract it does not know").to_string();
+    assert!(error.contains("contract \"3\"") && error.contains("knows 2"), "{error}");
     let mut config = TopicWorkerConfig::new("t", "g", "a");
     config.ttl = Duration::from_millis(500);
     let error = rt.block_on(TopicWorker::connect_to(source(&server), config)).err().expect("ttl").to_string();
     assert!(error.contains("ttl must be 1 s .. 1 day"), "{error}");
+}
+
+/// A run of an ordered topic's handler: the key, the message's name, when it started and ended.
+#[derive(Clone, Debug)]
+struct Timed {
+    key: String,
+    name: String,
+    started: Instant,
+    ended: Instant,
+}
+
+type Timeline = Arc<Mutex<Vec<Timed>>>;
+
+/// A `PerKey` member whose handler sleeps `ms`, fails while `fail` is above the runs so far of the message (by
+/// name), and records each run, and in `most` the most runs at once.
+fn ordered_member(
+    rt: &tokio::runtime::Runtime,
+    source: &Source,
+    timeline: &Timeline,
+    most: &Arc<AtomicUsize>,
+) -> Member {
+    let (timeline, busy, most) = (timeline.clone(), Arc::new(AtomicUsize::new(0)), most.clone());
+    start(rt, source, "a", move |message: Message| {
+        let (timeline, busy, most) = (timeline.clone(), busy.clone(), most.clone());
+        async move {
+            let started = Instant::now();
+            let now = busy.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            let text = |name: &str| message.field_str(name).unwrap_or_default().to_string();
+            let (key, name) = (text(KEY_FIELD), text("name"));
+            let ms: u64 = text("ms").parse().unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let fail: usize = text("fail").parse().unwrap_or(0);
+            busy.fetch_sub(1, Ordering::SeqCst);
+            let mut timeline = timeline.lock().unwrap();
+            let before = timeline.iter().filter(|t| t.name == name).count();
+            timeline.push(Timed { key, name: name.clone(), started, ended: Instant::now() });
+            if before < fail { Err(format!("{name} fails, run {}", before + 1).into()) } else { Ok(Outcome::Done) }
+        }
+    })
+}
+
+fn publish_named(rt: &tokio::runtime::Runtime, producer: &TopicProducer, key: &str, fields: &[(&str, String)]) {
+    rt.block_on(producer.publish(Some(key.as_bytes()), fields)).unwrap();
+}
+
+fn runs_of(timeline: &[Timed], name: &str) -> Vec<Timed> {
+    timeline.iter().filter(|t| t.name == name).cloned().collect()
+}
+
+fn wait_named(timeline: &Timeline, name: &str, runs: usize) -> Vec<Timed> {
+    wait_for(&format!("{runs} runs of {name}"), Duration::from_secs(40), || {
+        let now = timeline.lock().unwrap().clone();
+        if runs_of(&now, name).len() >= runs {
+            Ok(now)
+        } else {
+            Err(format!("{:?}", now.iter().map(|t| &t.name).collect::<Vec<_>>()))
+        }
+    })
+}
+
+/// Five keys of six messages each, published interleaved: each key's messages run in their order, one at a time,
+/// while different keys run side by side.
+#[test]
+fn per_key_the_messages_of_a_key_run_in_order_one_at_a_time_and_keys_side_by_side() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 2\n  ordering: PerKey\n";
+    let (_ns, _operator) = ready_policy("topic-per-key", &topic_policy(&server, extra), "t");
+    let rt = threaded();
+    let (timeline, most) = (Timeline::default(), Arc::new(AtomicUsize::new(0)));
+    let (_stop, _member) = ordered_member(&rt, &source(&server), &timeline, &most);
+    let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
+    let keys = ["k0", "k1", "k2", "k3", "k4"];
+    for seq in 0..6u64 {
+        for (k, key) in keys.iter().enumerate() {
+            let ms = 20 + (seq * 7 + k as u64 * 13) % 40;
+            publish_named(&rt, &producer, key, &[("name", format!("{key}-{seq}")), ("ms", ms.to_string())]);
+        }
+    }
+    for key in keys {
+        wait_named(&timeline, &format!("{key}-5"), 1);
+    }
+    let timeline = timeline.lock().unwrap().clone();
+    for key in keys {
+        let runs: Vec<&Timed> = timeline.iter().filter(|t| t.key == key).collect();
+        let names: Vec<&str> = runs.iter().map(|t| t.name.as_str()).collect();
+        let expected: Vec<String> = (0..6).map(|seq| format!("{key}-{seq}")).collect();
+        assert_eq!(names, expected, "{key} in order, each once");
+        for pair in runs.windows(2) {
+            assert!(pair[1].started >= pair[0].ended, "{} started before {} ended", pair[1].name, pair[0].name);
+        }
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(most >= 2, "keys ran side by side: at most {most} at once");
+}
+
+/// A failure holds its key and runs again in place, a backoff later; the key's next message waits for it, another
+/// key's does not.
+#[test]
+fn per_key_a_failure_holds_its_key_and_runs_again_in_place() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 1\n  ordering: PerKey\n  retry:\n    maxDeliveries: 5\n";
+    let (_ns, _operator) = ready_policy("topic-in-place", &topic_policy(&server, extra), "t");
+    let rt = threaded();
+    let (timeline, most) = (Timeline::default(), Arc::new(AtomicUsize::new(0)));
+    let (_stop, _member) = ordered_member(&rt, &source(&server), &timeline, &most);
+    let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
+    publish_named(&rt, &producer, "k", &[("name", "flaky".into()), ("fail", "2".into())]);
+    publish_named(&rt, &producer, "k", &[("name", "after".into())]);
+    publish_named(&rt, &producer, "j", &[("name", "other".into())]);
+    let timeline = wait_named(&timeline, "after", 1);
+    let flaky = runs_of(&timeline, "flaky");
+    assert_eq!(flaky.len(), 3, "failed twice, then done: {timeline:?}");
+    for pair in flaky.windows(2) {
+        let gap = pair[1].started - pair[0].ended;
+        // minIdle 1 s, no backoff factor: a second between runs.
+        assert!(gap >= Duration::from_millis(900), "run again after the backoff, not at once: {gap:?}");
+    }
+    assert!(runs_of(&timeline, "after")[0].started >= flaky[2].ended, "the key's next message waited");
+    assert!(runs_of(&timeline, "other")[0].started < flaky[1].started, "another key did not wait");
+    let mut conn = server.conn();
+    wait_for("nothing pending", Duration::from_secs(10), || match pending(&mut conn, 1) {
+        0 => Ok(()),
+        n => Err(format!("{n} pending")),
+    });
+}
+
+/// At the cap the failing message is left to the operator's pass, which dead-letters it (its deliveries those its
+/// handler saw); then its key goes on.
+#[test]
+fn per_key_at_the_cap_the_pass_dead_letters_and_the_key_goes_on() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 1\n  ordering: PerKey\n  retry:\n    maxDeliveries: 2\n";
+    let (_ns, _operator) = ready_policy("topic-cap", &topic_policy(&server, extra), "t");
+    let rt = threaded();
+    let (timeline, most) = (Timeline::default(), Arc::new(AtomicUsize::new(0)));
+    let (_stop, _member) = ordered_member(&rt, &source(&server), &timeline, &most);
+    let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
+    publish_named(&rt, &producer, "k", &[("name", "poison".into()), ("fail", "99".into())]);
+    publish_named(&rt, &producer, "k", &[("name", "next".into())]);
+    let timeline = wait_named(&timeline, "next", 1);
+    assert_eq!(runs_of(&timeline, "poison").len(), 2, "run maxDeliveries times: {timeline:?}");
+    let mut conn = server.conn();
+    let letters = xrange(&mut conn, "t:dlq");
+    assert_eq!(letters.len(), 1, "dead-lettered once");
+    let field = |name: &str| String::from_utf8(common::field(&letters[0], name).unwrap_or_default().to_vec()).unwrap();
+    assert_eq!(field("name"), "poison");
+    assert_eq!(field("pelican-reason"), "MaxDeliveriesExceeded");
+    assert_eq!(field("pelican-deliveries"), "2", "each delivery one its handler saw");
+    assert!(field("pelican-last-error").contains("poison fails, run 2"), "{}", field("pelican-last-error"));
 }

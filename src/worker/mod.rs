@@ -39,6 +39,7 @@
 
 mod connection;
 #[cfg(feature = "metrics")]
+mod in_order;
 pub mod metrics;
 mod partitions;
 mod producer;

@@ -1,7 +1,8 @@
 //! A topic's worker (contract/README.md, "Topics (contract version 2)"): a member of the topic's group that owns the
 //! partitions `membership.lua` assigns it, and runs a [`Worker`] on each one it owns: its pending list taken over
 //! first, then new entries. Released partitions are finished and given back (as on SIGTERM); lost ones are dropped
-//! at once, no outcome written. `ordering: None` only: a `PerKey` topic is refused at connect.
+//! at once, no outcome written. On an `ordering: PerKey` topic each partition runs in order per key instead
+//! ([`super::in_order`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -15,7 +16,8 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::connection::{Connection, Source, Timeouts};
-use super::{BoxError, ContractStop, Message, Outcome, Worker, WorkerConfig, WorkerStats};
+use super::in_order::{Spacing, run_in_order};
+use super::{BoxError, ContractStop, Message, Outcome, Worker, WorkerConfig, WorkerStats, connections};
 use crate::keys::{TOPIC_CONTRACT_VERSION, UnknownContract, partition_stream, settings_key};
 use crate::topic::{Assignment, MAX_PARTITIONS, Member, heartbeat};
 
@@ -45,7 +47,7 @@ pub enum TopicWorkerError {
     NotATopic { topic: String, group: String },
     /// The settings speak a contract this SDK does not know for topics.
     UnknownContract(UnknownContract),
-    /// `ordering: PerKey`, which this release of the SDK does not implement.
+    /// An `ordering` this SDK does not know.
     OrderingUnsupported { topic: String, ordering: String },
     /// The ttl is outside 1 s .. a day, or the block is zero.
     InvalidConfig(String),
@@ -64,7 +66,7 @@ impl std::fmt::Display for TopicWorkerError {
             TopicWorkerError::UnknownContract(unknown) => write!(f, "{unknown}"),
             TopicWorkerError::OrderingUnsupported { topic, ordering } => write!(
                 f,
-                "topic {topic:?} has ordering {ordering}, which this SDK does not implement yet: use ordering None"
+                "topic {topic:?} has ordering {ordering:?}, which this SDK does not know (None, PerKey): upgrade the SDK"
             ),
             TopicWorkerError::InvalidConfig(what) => write!(f, "{what}"),
             TopicWorkerError::Redis(e) => write!(f, "{e}"),
@@ -80,6 +82,8 @@ pub struct TopicWorker {
     conn: Connection,
     config: TopicWorkerConfig,
     member: Member,
+    /// `PerKey`: how its retries are spaced in place; `None` for `ordering: None`.
+    in_order: Option<Spacing>,
 }
 
 /// A partition's worker while it runs.
@@ -132,12 +136,17 @@ impl TopicWorker {
         let Some(partitions) = partitions.filter(|n| (1..=MAX_PARTITIONS).contains(n)) else {
             return Err(TopicWorkerError::NotATopic { topic, group });
         };
-        match settings.get("ordering").map(String::as_str) {
-            None | Some("None") => {}
+        let in_order = match settings.get("ordering").map(String::as_str) {
+            None | Some("None") => None,
+            Some("PerKey") => {
+                let factor = settings.get("backoffFactor").and_then(|f| f.parse().ok()).unwrap_or(1);
+                let max = settings.get("backoffMaxMs").and_then(|m| m.parse().ok()).filter(|m| *m > 0);
+                Some(Spacing { factor, max: max.map(Duration::from_millis) })
+            }
             Some(ordering) => return Err(TopicWorkerError::OrderingUnsupported { topic, ordering: ordering.into() }),
-        }
+        };
         let member = Member { topic, group, name: config.worker.consumer.clone(), ttl: config.ttl, partitions };
-        Ok(TopicWorker { source, conn, config, member })
+        Ok(TopicWorker { source, conn, config, member, in_order })
     }
 
     /// The topic's partitions (N).
@@ -274,8 +283,15 @@ impl TopicWorker {
             let (stop, stopped) = watch::channel(false);
             let config =
                 WorkerConfig { stream: partition_stream(&self.member.topic, partition), ..self.config.worker.clone() };
-            let run = run_partition(self.source.clone(), config, handler.clone(), stopped);
-            let task = tasks.spawn(async move { (partition, epoch, run.await) });
+            let (source, handler) = (self.source.clone(), handler.clone());
+            let task = match self.in_order {
+                None => tasks
+                    .spawn(async move { (partition, epoch, run_partition(source, config, handler, stopped).await) }),
+                Some(spacing) => tasks.spawn(async move {
+                    let run = run_partition_in_order(source, config, spacing, handler, stopped);
+                    (partition, epoch, run.await.map_err(PartitionFailure::Redis))
+                }),
+            };
             info!(topic = %self.member.topic, partition, epoch, "partition taken");
             owned.insert(partition, Owned { epoch, stop, task, releasing: false });
         }
@@ -307,6 +323,23 @@ where
         let _ = stop.wait_for(|stopped| *stopped).await;
     };
     worker.run(move |message| handler(message), stopped).await.map_err(PartitionFailure::Contract)
+}
+
+/// A partition of a `PerKey` topic: takes over its pending list, then runs it in order per key until `stop`.
+async fn run_partition_in_order<H, Fut>(
+    source: Source,
+    config: WorkerConfig,
+    spacing: Spacing,
+    handler: Arc<H>,
+    stop: watch::Receiver<bool>,
+) -> RedisResult<WorkerStats>
+where
+    H: Fn(Message) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
+{
+    let (reader, mut writer) = connections(&source, &config).await?;
+    take_over(&mut writer, &config).await?;
+    run_in_order((reader, writer), config, spacing, handler, stop).await
 }
 
 /// The most entries one `XAUTOCLAIM` of a take-over moves.
