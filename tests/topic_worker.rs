@@ -121,8 +121,8 @@ fn pending(conn: &mut Conn, partitions: u32) -> usize {
 #[test]
 fn members_share_the_partitions_and_the_owner_of_each_handles_its_messages_once() {
     let server = Server::start(Flavor::Redis);
-    let (_ns, _operator) = ready_policy("topic-members", &topic_policy(&server, "  partitions: 4\n"), "t");
-    members_share_the_partitions(&source(&server), &mut server.conn(), PARTITIONS);
+    let (ns, _operator) = ready_policy("topic-members", &topic_policy(&server, "  partitions: 4\n"), "t");
+    members_share_the_partitions(&ns, &source(&server), &mut server.conn(), PARTITIONS);
 }
 
 /// On a Cluster of three shards: the partitions live on all three, the membership in the topic's own slot.
@@ -132,15 +132,15 @@ fn on_a_cluster_members_share_the_partitions_over_its_shards() {
     let manifest = policy("t", &cluster.url(), "t", "g", "  partitions: 8\n")
         .replacen("  stream:", "    mode: Cluster\n  stream:", 1)
         .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n");
-    let (_ns, _operator) = ready_policy("topic-cluster-members", &manifest, "t");
+    let (ns, _operator) = ready_policy("topic-cluster-members", &manifest, "t");
     let urls: Vec<String> = cluster.nodes.iter().map(|node| format!("redis://127.0.0.1:{}/", node.port)).collect();
     let source = Source::Cluster(redis::cluster::ClusterClient::new(urls).unwrap());
-    members_share_the_partitions(&source, &mut cluster.conn(), 8);
+    members_share_the_partitions(&ns, &source, &mut cluster.conn(), 8);
 }
 
 /// Members `a` and `b` share `partitions`; 40 keyed messages are each handled once, by the owner of the key's
-/// partition; `a` leaves and `b` takes every partition and what comes next.
-fn members_share_the_partitions(source: &Source, conn: &mut Conn, partitions: u32) {
+/// partition; the policy's status counts both members; `a` leaves and `b` takes every partition and what comes next.
+fn members_share_the_partitions(ns: &str, source: &Source, conn: &mut Conn, partitions: u32) {
     let rt = threaded();
     let runs: Runs = Arc::default();
     let (stop_a, a) = member(&rt, source, "a", &runs);
@@ -148,6 +148,10 @@ fn members_share_the_partitions(source: &Source, conn: &mut Conn, partitions: u3
     let half = partitions as usize / 2;
     let shared =
         wait_owners(conn, |o| o.len() == partitions as usize && o.values().filter(|m| *m == "a").count() == half);
+    wait_for("the status to count both members", Duration::from_secs(30), || {
+        let status = get_policy(ns, "t")["status"]["partitions"].clone();
+        if status["members"] == 2 { Ok(()) } else { Err(status.to_string()) }
+    });
     let producer = rt.block_on(TopicProducer::connect_to(source, "t")).unwrap();
     assert_eq!(producer.partitions(), partitions);
     let keys: Vec<String> = (0..40).map(|i| format!("order-{i}")).collect();

@@ -609,6 +609,10 @@ pub struct PartitionsStatus {
     /// On a Cluster: the primary (`host:port`) serving each partition's slot -> how many partitions it serves.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub shards: BTreeMap<String, u32>,
+    /// Live members of the topic's group (the workers sharing its partitions), as the reconcile's sweep of expired
+    /// members found them.
+    #[serde(default)]
+    pub members: u32,
 }
 
 /// The stream's idempotent production, as the server reports it.

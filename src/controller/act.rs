@@ -170,7 +170,11 @@ pub async fn converge(
         let held_for = seen.iter().map(|s| s.held_for).max().unwrap_or_default();
         let facts: Vec<GroupFacts> = seen.into_iter().map(|s| s.facts).collect();
         let slots = if target.cluster { redis_ops::slot_primaries(&mut conn, &server).await? } else { Vec::new() };
-        let summary = topic::summary(&policy.spec.stream, &facts, &slots);
+        let mut summary = topic::summary(&policy.spec.stream, &facts, &slots);
+        // Members that stopped beating leave the group here too, not only at another member's heartbeat.
+        let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+        let swept = crate::topic::sweep(&mut conn, stream, group, summary.count).await;
+        summary.members = swept.map_err(|e| Error::from_redis(&server, e))?;
         // On a Cluster each partition has a dead-letter stream of its own (plan::dead_letter_of).
         (setup, topic::facts(&facts, target.cluster), held_for, Some(summary))
     } else {

@@ -73,6 +73,7 @@ pub fn summary(topic: &str, partitions: &[GroupFacts], slots: &[(u16, u16, Strin
         count: partitions.len() as u32,
         with_group: partitions.iter().filter(|p| p.has_group).count() as u32,
         shards,
+        members: 0,
     }
 }
 

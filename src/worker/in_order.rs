@@ -19,10 +19,11 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use super::connection::{Connection, write_again_if_broken};
+use super::connection::{Connection, Source, write_again_if_broken};
+use super::partitions::take_over;
 use super::{
-    AbortOnDrop, BoxError, Counters, Message, Outcome, WorkerConfig, WorkerStats, ack_terminal, give_back, lease,
-    lease_interval, messages, parse_entries, read_settings, record_error,
+    AbortOnDrop, BoxError, Counters, Message, Outcome, WorkerConfig, WorkerStats, ack_terminal, connections, give_back,
+    lease, lease_interval, messages, parse_entries, read_settings, record_error,
 };
 use crate::keys::{KEY_FIELD, TOPIC_CONTRACT_VERSION, WorkerSettings, errors_key};
 
@@ -69,8 +70,9 @@ enum Ran {
 /// The most entries held at once per unit of concurrency: read ahead so that keys behind a slow one still run.
 const HELD_PER_SLOT: usize = 4;
 
+/// Takes the partition's pending list over, then runs it in order per key until `stop`.
 pub(super) async fn run_in_order<H, Fut>(
-    conns: (Connection, Connection),
+    source: Source,
     config: WorkerConfig,
     spacing: Spacing,
     handler: Arc<H>,
@@ -80,7 +82,8 @@ where
     H: Fn(Message) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
 {
-    let (reader, mut writer) = conns;
+    let (reader, mut writer) = connections(&source, &config).await?;
+    take_over(&mut writer, &config).await?;
     let settings = read_settings(&mut writer, &config, TOPIC_CONTRACT_VERSION).await?.ok().flatten();
     let Some(settings) = settings else {
         return Err(redis::RedisError::from((

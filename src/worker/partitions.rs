@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use super::connection::{Connection, Source, Timeouts};
 use super::in_order::{Spacing, run_in_order};
-use super::{BoxError, ContractStop, Message, Outcome, Worker, WorkerConfig, WorkerStats, connections};
+use super::{BoxError, ContractStop, Message, Outcome, Worker, WorkerConfig, WorkerStats};
 use crate::keys::{TOPIC_CONTRACT_VERSION, UnknownContract, partition_stream, settings_key};
 use crate::topic::{Assignment, MAX_PARTITIONS, Member, heartbeat};
 
@@ -288,7 +288,7 @@ impl TopicWorker {
                 None => tasks
                     .spawn(async move { (partition, epoch, run_partition(source, config, handler, stopped).await) }),
                 Some(spacing) => tasks.spawn(async move {
-                    let run = run_partition_in_order(source, config, spacing, handler, stopped);
+                    let run = run_in_order(source, config, spacing, handler, stopped);
                     (partition, epoch, run.await.map_err(PartitionFailure::Redis))
                 }),
             };
@@ -325,23 +325,6 @@ where
     worker.run(move |message| handler(message), stopped).await.map_err(PartitionFailure::Contract)
 }
 
-/// A partition of a `PerKey` topic: takes over its pending list, then runs it in order per key until `stop`.
-async fn run_partition_in_order<H, Fut>(
-    source: Source,
-    config: WorkerConfig,
-    spacing: Spacing,
-    handler: Arc<H>,
-    stop: watch::Receiver<bool>,
-) -> RedisResult<WorkerStats>
-where
-    H: Fn(Message) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
-{
-    let (reader, mut writer) = connections(&source, &config).await?;
-    take_over(&mut writer, &config).await?;
-    run_in_order((reader, writer), config, spacing, handler, stop).await
-}
-
 /// The most entries one `XAUTOCLAIM` of a take-over moves.
 const TAKE_OVER_BATCH: usize = 100;
 
@@ -349,7 +332,7 @@ const TAKE_OVER_BATCH: usize = 100;
 /// cursor it answers): the previous owner's entries, this member's own from before, those given back without an
 /// owner. The worker's first read of its own pending list then hands them out in id order, each counted as a
 /// delivery there, once (`JUSTID` counts none), so that a message that kills its workers still reaches the cap.
-async fn take_over(conn: &mut Connection, config: &WorkerConfig) -> RedisResult<()> {
+pub(super) async fn take_over(conn: &mut Connection, config: &WorkerConfig) -> RedisResult<()> {
     let mut cursor = "0-0".to_string();
     loop {
         let reply: Vec<Value> = redis::cmd("XAUTOCLAIM")
