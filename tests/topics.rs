@@ -117,7 +117,11 @@ fn a_topic_of_four_partitions_is_converged_partition_by_partition_and_shown_as_o
     assert_eq!(status["lag"], 4, "{status}");
     assert_eq!(status["pending"], 0, "{status}");
     assert_eq!(status["deadLetterLength"], 1, "one dead-letter stream for the topic: {status}");
-    assert_eq!(status["partitions"], serde_json::json!({"count": 4, "withGroup": 4, "members": 0}), "no worker: no member; {status}");
+    assert_eq!(
+        status["partitions"],
+        serde_json::json!({"count": 4, "withGroup": 4, "members": 0}),
+        "no worker: no member; {status}"
+    );
     let table = kubectl_ok(&["get", "cgp", "t", "-n", &ns, "-o", "wide"]);
     assert_eq!(table_rows(&table)[0]["PARTITIONS"], "4", "{table}");
 
