@@ -118,6 +118,20 @@ interface InFlight {
   overdue: boolean;
 }
 
+/** A handler's context, a class rather than an object literal with a getter: one allocation a message, not three. */
+class EntryContext implements HandlerContext {
+  constructor(private readonly entry: InFlight) {}
+
+  get signal(): AbortSignal {
+    const entry = this.entry;
+    if (!entry.abort) {
+      entry.abort = new AbortController();
+      if (entry.abandoned) entry.abort.abort(new Error(GIVEN_BACK));
+    }
+    return entry.abort.signal;
+  }
+}
+
 /**
  * One line: the level, the message, then each field as `key=value`, the value quoted as JSON when it is empty or
  * holds a space, a quote, an `=` or a line break (a failure's text may hold any of them).
@@ -522,26 +536,23 @@ export class Worker {
       overdue: false,
     };
     this.inFlight.set(message.id, entry);
-    entry.finished = this.dispatch(message, handler, entry).finally(() => {
-      this.inFlight.delete(message.id);
-      this.wake?.();
-    });
+    entry.finished = this.dispatch(message, handler, entry);
   }
 
-  /** Runs the handler and writes its outcome: the only place that acknowledges. Never rejects. */
+  /** Runs the handler and writes its outcome (the only place that acknowledges), then frees its slot. Never rejects. */
   private async dispatch(message: Message, handler: Handler, entry: InFlight): Promise<void> {
+    try {
+      await this.handle(message, handler, entry);
+    } finally {
+      this.inFlight.delete(message.id);
+      this.wake?.();
+    }
+  }
+
+  private async handle(message: Message, handler: Handler, entry: InFlight): Promise<void> {
     let outcome: Outcome;
     try {
-      const context: HandlerContext = {
-        get signal() {
-          if (!entry.abort) {
-            entry.abort = new AbortController();
-            if (entry.abandoned) entry.abort.abort(new Error(GIVEN_BACK));
-          }
-          return entry.abort.signal;
-        },
-      };
-      outcome = checkOutcome(await handler(message, context));
+      outcome = checkOutcome(await handler(message, new EntryContext(entry)));
     } catch (error) {
       entry.settled = true;
       if (!entry.abandoned) await this.fail(message.id, error);
@@ -581,13 +592,18 @@ export class Worker {
     this.pendingAcks = [];
     const ids = batch.map((pending) => pending.id);
     const cleared = batch.filter((pending) => pending.clearError).map((pending) => pending.id);
+    const writer = this.writerConn();
     let error: unknown;
     try {
-      const pipeline = this.writerConn()
-        .pipeline()
-        .xack(this.stream, this.group, ...ids);
-      if (cleared.length > 0) pipeline.hdel(this.errorsKey(), ...cleared);
-      error = (await pipeline.exec())?.[0]?.[0] ?? undefined;
+      if (cleared.length === 0) await writer.xack(this.stream, this.group, ...ids);
+      else {
+        const replies = await writer
+          .pipeline()
+          .xack(this.stream, this.group, ...ids)
+          .hdel(this.errorsKey(), ...cleared)
+          .exec();
+        error = replies?.[0]?.[0] ?? undefined;
+      }
     } catch (failure) {
       error = failure;
     }
