@@ -55,6 +55,8 @@ LEASE_BATCH = 100
 HAND_OVER_MARGIN = 1.0
 #: How many ids whose last error this worker recorded it remembers, to remove the error with their ACK.
 ERRORS_REMEMBERED = 10_000
+#: The longest a read waits for the slots of handlers whose outcomes are being written.
+SETTLE_WAIT = 0.005
 #: How long handlers cancelled at the end of the grace are waited for before their entries are given back.
 CANCEL_WAIT = 1.0
 #: The shortest ``block``: 1 ms (``BLOCK 0`` waits for ever on the server while the client gives up).
@@ -136,6 +138,8 @@ class Worker:
         self._errors_recorded: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        # Set when a handler's task ends or the worker stops: wakes the read loop waiting for slots.
+        self._wake = asyncio.Event()
         # Set once the shutdown is over: ends the lease loop (a cancellation alone can be lost inside redis-py).
         self._done = asyncio.Event()
         self._fatal: ContractVersionError | None = None
@@ -195,7 +199,7 @@ class Worker:
 
     async def _follow(self, stop: asyncio.Event) -> None:
         await stop.wait()
-        self._stop.set()
+        self._request_stop()
 
     # Settings
 
@@ -243,9 +247,8 @@ class Worker:
                 self._start(handler, calls, self._queued.pop(next(iter(self._queued))))
             free = self._free_slots() - len(self._queued)
             if free <= 0:
-                await self._first_done(self._tasks)
-                # Handlers whose ACKs came back in the same batch finish together: one read for all their slots.
-                await asyncio.sleep(0)
+                await self._slot_freed()
+                await self._settled()
                 continue
             try:
                 if cursor is not None:
@@ -282,6 +285,23 @@ class Worker:
                 return [message.id for message in found]
             self._hand_out(handler, calls, found)
         return []
+
+    async def _slot_freed(self) -> None:
+        """Waits until a handler's slot is free, or for the stop."""
+        while self._free_slots() <= 0 and not self._stop.is_set():
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _settled(self) -> None:
+        """Handlers whose outcomes are being written free their slots once the writes are answered (one XACK for
+        all that finished together): waits a little for them, so that one read fetches for them all rather than a
+        read for each few."""
+        settled_by = asyncio.get_running_loop().time() + SETTLE_WAIT
+        while self._settling and not self._stop.is_set():
+            self._wake.clear()
+            remaining = settled_by - asyncio.get_running_loop().time()
+            if remaining <= 0 or not await self._wait(self._wake, remaining):
+                return
 
     def _free_slots(self) -> int:
         """Handlers that may start now."""
@@ -373,6 +393,7 @@ class Worker:
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        self._wake.set()
         if not task.cancelled():
             # Retrieved: a KeyboardInterrupt or SystemExit of a handler has stopped the loop already.
             task.exception()
@@ -527,7 +548,7 @@ class Worker:
                 if self._fatal is None:
                     log.error("%s; shutting down", error, extra=self._where())
                     self._fatal = error
-                    self._stop.set()
+                    self._request_stop()
             except (RedisError, OSError) as error:
                 log.warning("could not re-read the group's settings: %s", error, extra=self._where())
             now = loop.time()
@@ -604,6 +625,10 @@ class Worker:
 
     # Helpers
 
+    def _request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
     async def _sleep(self, seconds: float) -> None:
         """Sleeps, or less when the worker is stopped."""
         await self._wait(self._stop, seconds)
@@ -615,14 +640,6 @@ class Worker:
             async with asyncio.timeout(seconds):
                 await event.wait()
         return event.is_set()
-
-    async def _first_done(self, tasks: Iterable[asyncio.Task[None]]) -> None:
-        """Waits for a handler to finish, or for the stop."""
-        stopped = asyncio.create_task(self._stop.wait())
-        try:
-            await asyncio.wait({stopped, *tasks}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
 
     def _where(self) -> dict[str, Any]:
         return {"stream": self.stream, "group": self.group, "consumer": self.consumer}
@@ -645,7 +662,7 @@ class _Writer:
 
     async def ack(self, entry_id: str, clear_error: bool) -> None:
         """``XACK`` (with ``HDEL`` of the last error when ``clear_error``, in the same round trip). The ACKs of
-        messages that finish while a batch is on its way go together in the next one: a round trip for many."""
+        messages that finish together, or while a batch is on its way, go in one ``XACK``: a round trip for many."""
         done = asyncio.get_running_loop().create_future()
         self._acks.append((entry_id, clear_error, done))
         if self.flusher is None or self.flusher.done():
@@ -656,14 +673,14 @@ class _Writer:
         while self._acks:
             batch, self._acks = self._acks, []
             try:
-                if len(batch) == 1 and not batch[0][1]:
-                    await self.conn.xack(self._stream, self._group, batch[0][0])  # cheaper than a pipeline of one
+                ids = [entry_id for entry_id, _, _ in batch]
+                cleared = [entry_id for entry_id, clear_error, _ in batch if clear_error]
+                if not cleared:
+                    await self.conn.xack(self._stream, self._group, *ids)  # cheaper than a pipeline of one
                 else:
                     pipe = self.conn.pipeline(transaction=False)
-                    for entry_id, clear_error, _ in batch:
-                        pipe.xack(self._stream, self._group, entry_id)
-                        if clear_error:
-                            pipe.hdel(self._errors, entry_id)
+                    pipe.xack(self._stream, self._group, *ids)
+                    pipe.hdel(self._errors, *cleared)
                     await pipe.execute()
                 failure: RedisError | None = None
             except RedisError as error:

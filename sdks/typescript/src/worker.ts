@@ -89,8 +89,19 @@ const HAND_OVER_MARGIN_MS = 1000;
 /** How much longer than `blockMs` the reader waits for a blocking read's reply. */
 const READ_TIMEOUT_OVER_BLOCK_MS = 10_000;
 
+/** The longest a read waits for the slots of handlers whose outcomes are being written. */
+const SETTLE_WAIT_MS = 5;
+
 /** Why a handler's signal is aborted. */
 const GIVEN_BACK = "the shutdown grace ran out: the message was given back";
+
+/** A `done` outcome waiting for the acknowledger's next XACK. */
+interface PendingAck {
+  readonly id: string;
+  /** The entry may have a last error: its field is removed with the ACK. */
+  readonly clearError: boolean;
+  readonly written: (error: unknown) => void;
+}
 
 /** An entry being handled. */
 interface InFlight {
@@ -105,6 +116,20 @@ interface InFlight {
   abandoned: boolean;
   /** Past `maxHandlingMs`: no longer leased (said once). */
   overdue: boolean;
+}
+
+/** A handler's context, a class rather than an object literal with a getter: one allocation a message, not three. */
+class EntryContext implements HandlerContext {
+  constructor(private readonly entry: InFlight) {}
+
+  get signal(): AbortSignal {
+    const entry = this.entry;
+    if (!entry.abort) {
+      entry.abort = new AbortController();
+      if (entry.abandoned) entry.abort.abort(new Error(GIVEN_BACK));
+    }
+    return entry.abort.signal;
+  }
 }
 
 /**
@@ -159,6 +184,8 @@ export class Worker {
   private reader: Redis | undefined;
   private writer: (Redis & ScriptCommands) | undefined;
   private leaseTimer: NodeJS.Timeout | undefined;
+  /** `done` outcomes of handlers that finished together: acknowledged in one XACK (see `ack`). */
+  private pendingAcks: PendingAck[] = [];
   /** Wakes the read loop when a handler finishes or the worker stops. */
   private wake: (() => void) | undefined;
   /** Said once each: a settings read refused, a settings read failed. */
@@ -325,6 +352,7 @@ export class Worker {
     let groupWait = 1000;
     while (!this.stopRequested) {
       await this.freeSlot();
+      await this.settle();
       if (this.stopRequested) break;
       for (const [id, message] of this.queued) {
         if (this.inFlight.size >= this.concurrency) break;
@@ -384,6 +412,29 @@ export class Worker {
     while (this.inFlight.size >= this.concurrency && !this.stopRequested) {
       await new Promise<void>((resolve) => (this.wake = resolve));
     }
+  }
+
+  /**
+   * Handlers whose outcomes are being written free their slots once the writes are answered (one XACK for all
+   * that finished together): wait a little for them, so that one read fetches for them all rather than a read
+   * for each few.
+   */
+  private async settle(): Promise<void> {
+    const settledBy = Date.now() + SETTLE_WAIT_MS;
+    while (!this.stopRequested && this.inFlight.size > 0 && Date.now() < settledBy) {
+      if (!this.anySettling()) return;
+      let timer: NodeJS.Timeout | undefined;
+      await new Promise<void>((resolve) => {
+        this.wake = resolve;
+        timer = setTimeout(resolve, settledBy - Date.now());
+      });
+      clearTimeout(timer);
+    }
+  }
+
+  private anySettling(): boolean {
+    for (const entry of this.inFlight.values()) if (entry.settled) return true;
+    return false;
   }
 
   /** A pause that `stop()` ends early. */
@@ -485,26 +536,23 @@ export class Worker {
       overdue: false,
     };
     this.inFlight.set(message.id, entry);
-    entry.finished = this.dispatch(message, handler, entry).finally(() => {
-      this.inFlight.delete(message.id);
-      this.wake?.();
-    });
+    entry.finished = this.dispatch(message, handler, entry);
   }
 
-  /** Runs the handler and writes its outcome: the only place that acknowledges. Never rejects. */
+  /** Runs the handler and writes its outcome (the only place that acknowledges), then frees its slot. Never rejects. */
   private async dispatch(message: Message, handler: Handler, entry: InFlight): Promise<void> {
+    try {
+      await this.handle(message, handler, entry);
+    } finally {
+      this.inFlight.delete(message.id);
+      this.wake?.();
+    }
+  }
+
+  private async handle(message: Message, handler: Handler, entry: InFlight): Promise<void> {
     let outcome: Outcome;
     try {
-      const context: HandlerContext = {
-        get signal() {
-          if (!entry.abort) {
-            entry.abort = new AbortController();
-            if (entry.abandoned) entry.abort.abort(new Error(GIVEN_BACK));
-          }
-          return entry.abort.signal;
-        },
-      };
-      outcome = checkOutcome(await handler(message, context));
+      outcome = checkOutcome(await handler(message, new EntryContext(entry)));
     } catch (error) {
       entry.settled = true;
       if (!entry.abandoned) await this.fail(message.id, error);
@@ -522,24 +570,44 @@ export class Worker {
     }
   }
 
-  /** `XACK`, with `HDEL errors <id>` in the same round trip when the entry may have a last error. */
+  /**
+   * Acknowledges with the handlers that finished together: one `XACK` for them all (after a turn of the event
+   * loop, which lets them join), with `HDEL errors` for those that may have a last error in the same round trip.
+   */
   private async ack(message: Message): Promise<void> {
-    const writer = this.writerConn();
     const id = message.id;
     // A message that failed before (here, or elsewhere before it was requeued as a copy) may have a last error.
-    const mayHaveError = this.errorsRecorded.delete(id) || message.fields.has(DELIVERIES_FIELD);
+    const clearError = this.errorsRecorded.delete(id) || message.fields.has(DELIVERIES_FIELD);
+    const error = await new Promise<unknown>((written) => {
+      if (this.pendingAcks.length === 0) setImmediate(() => void this.writeAcks());
+      this.pendingAcks.push({ id, clearError, written });
+    });
+    if (error === undefined) this.counters.done++;
+    else this.writeFailed("XACK", id, error);
+  }
+
+  /** Sends the pending acknowledgements in one round trip and answers each with the error, if any. */
+  private async writeAcks(): Promise<void> {
+    const batch = this.pendingAcks;
+    this.pendingAcks = [];
+    const ids = batch.map((pending) => pending.id);
+    const cleared = batch.filter((pending) => pending.clearError).map((pending) => pending.id);
+    const writer = this.writerConn();
+    let error: unknown;
     try {
-      if (mayHaveError) {
-        const replies = await writer.pipeline().xack(this.stream, this.group, id).hdel(this.errorsKey(), id).exec();
-        const failure = replies?.[0]?.[0];
-        if (failure) throw failure;
-      } else {
-        await writer.xack(this.stream, this.group, id);
+      if (cleared.length === 0) await writer.xack(this.stream, this.group, ...ids);
+      else {
+        const replies = await writer
+          .pipeline()
+          .xack(this.stream, this.group, ...ids)
+          .hdel(this.errorsKey(), ...cleared)
+          .exec();
+        error = replies?.[0]?.[0] ?? undefined;
       }
-      this.counters.done++;
-    } catch (error) {
-      this.writeFailed("XACK", id, error);
+    } catch (failure) {
+      error = failure;
     }
+    for (const pending of batch) pending.written(error);
   }
 
   private async ackTerminal(id: string, reason: string): Promise<void> {
