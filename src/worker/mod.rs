@@ -38,8 +38,8 @@
 //! This module needs no Kubernetes client: depend on `pelican` with `default-features = false`.
 
 mod connection;
-#[cfg(feature = "metrics")]
 mod in_order;
+#[cfg(feature = "metrics")]
 pub mod metrics;
 mod partitions;
 mod producer;
