@@ -1020,8 +1020,9 @@ fn deleting_the_namespace_and_uninstalling_finish_and_leave_nothing_behind() {
 
 /// installing.md, "Uninstall", as written (but for one namespace: the bed is shared): a dead letter made first;
 /// policies deleted while the operator runs (the `Delete` policy's group goes), `helm uninstall` (its ClusterRoles
-/// for the operator and for people go), and in Redis only what the page says stays: the streams and Pelican's keys,
-/// found with the page's `--scan --pattern`.
+/// for the operator and for people go), and in Redis only what the page says stays: the streams and Pelican's keys
+/// (found here with `--scan --pattern`; the page's `scripts/uninstall-keys sweep` that then deletes them is
+/// `tests/uninstall.rs`'s).
 #[test]
 #[ignore = "needs the node and the operator image: scripts/test runs it (scripts/testenv node up, then --ignored)"]
 fn uninstalling_as_written_leaves_only_what_the_page_says() {
