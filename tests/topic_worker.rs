@@ -199,7 +199,9 @@ fn a_member_that_dies_hands_its_partitions_and_their_pending_lists_to_the_others
     let (_stop_a, a) = member(&rt, &source(&server), "a", &runs);
     wait_owners(&mut conn, |o| o.len() == 4);
     let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
-    // `a` alone: it reads the message and its handler never returns.
+    // `a` alone: it reads the message and its handler never returns. Its partition is one `a` keeps when `b` joins
+    // (each member's share is the lowest-numbered partitions it had).
+    assert_eq!(partition_of(b"hang", PARTITIONS), 1);
     let [hung] = &publish(&rt, &producer, &["hang".to_string()])[..] else { unreachable!() };
     wait_runs(&runs, 1);
     let (_stop_b, _b) = member(&rt, &source(&server), "b", &runs);
