@@ -111,9 +111,10 @@ pub fn worth_writing(current: Option<&ConsumerGroupPolicyStatus>, next: &Consume
     let Some(current) = current else {
         return true;
     };
+    // The first pass is news (has any pass run?); its time moving on is not.
     let timeless = |s: &ConsumerGroupPolicyStatus| ConsumerGroupPolicyStatus {
         oldest_pending_idle_seconds: None,
-        last_pass_time: None,
+        last_pass_time: s.last_pass_time.as_ref().map(|_| String::new()),
         lag_seconds: None,
         rates: None,
         drain_seconds: None,
@@ -254,6 +255,16 @@ mod tests {
         assert!(!worth_writing(Some(&lagging(60)), &lagging(120)));
         let rated = ConsumerGroupPolicyStatus { rates: Some(crate::api::Rates::default()), ..lagging(5) };
         assert!(!worth_writing(Some(&lagging(5)), &rated), "rates alone are not written");
+    }
+
+    /// Defect (CI): a status written before the first pass (a job failing at once, say) never showed a pass time,
+    /// since the time was not worth a write and nothing else changed after.
+    #[test]
+    fn the_first_pass_is_written_though_its_time_alone_is_not() {
+        let before = ConsumerGroupPolicyStatus { pending: Some(0), ..Default::default() };
+        let passed =
+            ConsumerGroupPolicyStatus { last_pass_time: Some("2026-12-06T21:18:23Z".into()), ..before.clone() };
+        assert!(worth_writing(Some(&before), &passed));
     }
     use crate::redis::OldestPending;
 
