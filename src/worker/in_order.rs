@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::FutureExt;
-use redis::{RedisResult, Value};
+use redis::RedisResult;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -23,7 +23,7 @@ use super::connection::{Connection, Source, write_again_if_broken};
 use super::partitions::take_over;
 use super::{
     AbortOnDrop, BoxError, Counters, Message, Outcome, WorkerConfig, WorkerStats, ack_terminal, connections, give_back,
-    lease, lease_interval, messages, parse_entries, read_settings, record_error,
+    lease, lease_interval, read_group, read_settings, record_error,
 };
 use crate::keys::{KEY_FIELD, TOPIC_CONTRACT_VERSION, WorkerSettings, errors_key};
 
@@ -96,7 +96,7 @@ where
     let concurrency = config.concurrency.max(1);
     let room = Arc::new(Semaphore::new(concurrency * HELD_PER_SLOT));
     let (read_tx, mut read_rx) = mpsc::channel::<Vec<Message>>(1);
-    let _reading = AbortOnDrop(tokio::spawn(read(reader, config.clone(), room.clone(), read_tx)));
+    let reading = AbortOnDrop(tokio::spawn(read(reader, config.clone(), room.clone(), read_tx)));
     let mut queues: HashMap<Key, VecDeque<Held>> = HashMap::new();
     let mut ready: VecDeque<Key> = VecDeque::new();
     let mut waiting: Vec<(Instant, Key)> = Vec::new();
@@ -177,7 +177,7 @@ where
     if tokio::time::timeout(config.shutdown_grace, finish).await.is_err() {
         running.abort_all();
     }
-    drop(_reading);
+    drop(reading);
     while let Ok(read) = read_rx.try_recv() {
         for message in read {
             queues.entry(Key::Alone(message.id.clone())).or_default().push_back(Held {
@@ -392,15 +392,8 @@ async fn read(mut reader: Connection, config: WorkerConfig, room: Arc<Semaphore>
             more.forget();
             count += 1;
         }
-        let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(count);
-        match cursor.as_deref() {
-            Some(from) => cmd.arg("STREAMS").arg(&config.stream).arg(from),
-            None => cmd.arg("BLOCK").arg(config.block.as_millis() as u64).arg("STREAMS").arg(&config.stream).arg(">"),
-        };
-        let reply: RedisResult<Value> = cmd.query_async(&mut reader).await;
-        let read = match reply {
-            Ok(reply) => messages(parse_entries_kept(reply, &mut cursor)),
+        let read = match read_group(&mut reader, &config, count, &mut cursor).await {
+            Ok(read) => read,
             Err(e) => {
                 warn!(stream = %config.stream, error = %e, "read failed; retrying");
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -412,13 +405,4 @@ async fn read(mut reader: Connection, config: WorkerConfig, room: Arc<Semaphore>
             return;
         }
     }
-}
-
-/// The entries of a read; while the own pending list is read, the cursor moves to the last one (none: it is done).
-fn parse_entries_kept(reply: Value, cursor: &mut Option<String>) -> Vec<super::RawEntry> {
-    let entries = parse_entries(reply);
-    if cursor.is_some() {
-        *cursor = entries.last().map(|(id, _)| id.clone());
-    }
-    entries
 }

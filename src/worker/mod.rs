@@ -532,19 +532,7 @@ impl Worker {
         if let Some((in_flight, counters)) = pel_check {
             return self.read_handed_over(count, in_flight, counters).await;
         }
-        let config = &self.config;
-        let mut cmd = redis::cmd("XREADGROUP");
-        cmd.arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(count);
-        match own_pel_cursor.as_deref() {
-            Some(cursor) => cmd.arg("STREAMS").arg(&config.stream).arg(cursor),
-            None => cmd.arg("BLOCK").arg(config.block.as_millis() as u64).arg("STREAMS").arg(&config.stream).arg(">"),
-        };
-        let reply: Value = cmd.query_async(&mut self.reader).await?;
-        let entries = parse_entries(reply);
-        if own_pel_cursor.is_some() {
-            *own_pel_cursor = entries.last().map(|(id, _)| id.clone());
-        }
-        Ok(messages(entries))
+        read_group(&mut self.reader, &self.config, count, own_pel_cursor).await
     }
 
     /// Up to `count` entries of our own PEL that are neither in flight nor failed here: the ones the operator handed
@@ -614,6 +602,28 @@ impl Worker {
         let entries = ranges.into_iter().flatten().map(|(id, flat)| (id, Some(pairs(flat)))).collect();
         Ok(messages(entries))
     }
+}
+
+/// Up to `count` messages: from the consumer's own PEL while `own_pel_cursor` is set (it moves to the last one read;
+/// `None` once that PEL is read to its end), then new ones, blocking up to `block`.
+async fn read_group(
+    reader: &mut Connection,
+    config: &WorkerConfig,
+    count: usize,
+    own_pel_cursor: &mut Option<String>,
+) -> RedisResult<Vec<Message>> {
+    let mut cmd = redis::cmd("XREADGROUP");
+    cmd.arg("GROUP").arg(&config.group).arg(&config.consumer).arg("COUNT").arg(count);
+    match own_pel_cursor.as_deref() {
+        Some(cursor) => cmd.arg("STREAMS").arg(&config.stream).arg(cursor),
+        None => cmd.arg("BLOCK").arg(config.block.as_millis() as u64).arg("STREAMS").arg(&config.stream).arg(">"),
+    };
+    let reply: Value = cmd.query_async(reader).await?;
+    let entries = parse_entries(reply);
+    if own_pel_cursor.is_some() {
+        *own_pel_cursor = entries.last().map(|(id, _)| id.clone());
+    }
+    Ok(messages(entries))
 }
 
 /// A spawned task, aborted when dropped: a run dropped mid-way (a topic's partition lost) leaves no task behind.
