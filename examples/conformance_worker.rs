@@ -9,14 +9,17 @@
 //! stops it (after its shutdown) with status 4.
 //! With `SENTINEL_MASTER=<name>`, `REDIS_URL` names a sentinel, and the SDK's sentinel source asks it for the primary
 //! monitored under that name (again after a failover).
+//! With `TOPIC=<T>` instead of `STREAM` it is a member of topic T's group (a `TopicWorker`, its membership ttl
+//! `MEMBERSHIP_TTL_MS` when set), and each run line also says the partition, the key and when the handler began and
+//! returned. With `REDIS_CLUSTER=1`, `REDIS_URL` names one primary of a Redis Cluster.
 //! With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
 //! `m-1`, ...), each retried until it answers an id, one JSON line per attempt.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use pelican::worker::{
-    BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Producer, PublishError, Reason, Source, Worker, WorkerConfig,
-    pod_name,
+    BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Producer, PublishError, Reason, Source, TopicWorker,
+    TopicWorkerConfig, TopicWorkerError, Worker, WorkerConfig, pod_name,
 };
 
 #[tokio::main]
@@ -30,6 +33,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = redis::Client::open(var("REDIS_URL")?)?;
     let source = match std::env::var("SENTINEL_MASTER") {
         Ok(master_name) => Source::Sentinel { sentinel: client, master_name, primary: Default::default() },
+        Err(_) if std::env::var("REDIS_CLUSTER").as_deref() == Ok("1") => {
+            Source::Cluster(redis::cluster::ClusterClient::new(vec![var("REDIS_URL")?])?)
+        }
         Err(_) => Source::Server(client),
     };
     if std::env::var("MODE").as_deref() == Ok("publish") {
@@ -39,29 +45,67 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let consumer = std::env::var("CONSUMER").ok().or_else(pod_name).ok_or("CONSUMER (or POD_NAME) is required")?;
     let grace = std::env::var("SHUTDOWN_GRACE_MS")
         .map_or(Ok(DEFAULT_SHUTDOWN_GRACE), |ms| ms.parse().map(Duration::from_millis))?;
-    let config = WorkerConfig { shutdown_grace: grace, ..WorkerConfig::new(var("STREAM")?, var("GROUP")?, &consumer) };
-    let worker = Worker::connect_to(source, config).await?;
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM");
         term.recv().await;
     };
-    if let Err(stopped) = worker.run(move |message: Message| handle(message, consumer.clone()), shutdown).await {
+    let member = consumer.clone();
+    let handler = move |message: Message| handle(message, consumer.clone());
+    if let Ok(topic) = std::env::var("TOPIC") {
+        let mut config = TopicWorkerConfig::new(topic, var("GROUP")?, member);
+        config.worker.shutdown_grace = grace;
+        if let Ok(ms) = std::env::var("MEMBERSHIP_TTL_MS") {
+            config.ttl = Duration::from_millis(ms.parse()?);
+        }
+        let stopped = match TopicWorker::connect_to(source, config).await {
+            Ok(worker) => worker.run(handler, shutdown).await.err(),
+            Err(refused) => Some(refused),
+        };
+        return match stopped {
+            Some(e @ (TopicWorkerError::UnknownContract(_) | TopicWorkerError::NotATopic { .. })) => {
+                eprintln!("{e}");
+                std::process::exit(4);
+            }
+            Some(other) => Err(other.into()),
+            None => Ok(()),
+        };
+    }
+    let config = WorkerConfig { shutdown_grace: grace, ..WorkerConfig::new(var("STREAM")?, var("GROUP")?, &member) };
+    let worker = Worker::connect_to(source, config).await?;
+    if let Err(stopped) = worker.run(handler, shutdown).await {
         eprintln!("{stopped}");
         std::process::exit(4);
     }
     Ok(())
 }
 
+/// The wall clock in ms since the epoch: the run lines of workers on one machine compare.
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |t| t.as_millis() as u64)
+}
+
 async fn handle(message: Message, consumer: String) -> Result<Outcome, BoxError> {
     let asked = message.field_str("handle").unwrap_or("done").to_string();
     let ms: u64 = message.field_str("ms").and_then(|ms| ms.parse().ok()).unwrap_or(0);
     let outcome = asked.split(':').next().unwrap_or_default().to_string();
-    let line = serde_json::json!({"id": message.id, "consumer": consumer, "outcome": outcome, "ms": ms});
+    let mut line = serde_json::json!({"id": message.id, "consumer": consumer, "outcome": outcome, "ms": ms});
+    let started_at = now_ms();
+    // On a topic: the partition, the key and the handler's span, so that the suite sees order per key.
+    let topic_line = |line: &mut serde_json::Value, ended_at: u64| {
+        if let Some(partition) = message.partition {
+            line["partition"] = partition.into();
+            line["key"] = message.field_str("pelican-key").into();
+            line["startedAt"] = started_at.into();
+            line["endedAt"] = ended_at.into();
+        }
+    };
     if outcome == "exit" {
+        topic_line(&mut line, started_at);
         println!("{line}");
         std::process::exit(3);
     }
     tokio::time::sleep(Duration::from_millis(ms)).await;
+    topic_line(&mut line, now_ms());
     println!("{line}");
     match asked.split_once(':') {
         Some(("terminal", reason)) => Ok(Outcome::Terminal(Reason::new(reason)?)),

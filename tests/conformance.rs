@@ -11,9 +11,9 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,133 +63,6 @@ mod redis_8_6 {
     #[test]
     fn a_sentinel_failover_is_followed_by_workers_and_producers() {
         super::a_sentinel_failover_is_followed_by_workers_and_producers(super::Flavor::Redis86)
-    }
-}
-
-const GROUP: &str = "workers";
-
-/// A library's conformance worker, as `conformance/workers.txt` lists it.
-#[derive(Clone, Debug)]
-struct Library {
-    name: String,
-    command: Vec<String>,
-}
-
-/// The listed libraries; `CONFORMANCE_WORKERS=a,b` narrows them (said on stderr, so a narrowed run is never taken
-/// for a whole one). A listed program that is not built fails the scenario with how to build it.
-fn libraries() -> Vec<Library> {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let listed = std::fs::read_to_string(format!("{root}/conformance/workers.txt")).unwrap();
-    let wanted = std::env::var("CONFORMANCE_WORKERS").ok();
-    let libraries: Vec<Library> = listed
-        .lines()
-        .filter(|line| !line.trim().is_empty() && !line.starts_with('#'))
-        .map(|line| {
-            let mut words = line.split_whitespace().map(str::to_string);
-            Library { name: words.next().unwrap(), command: words.collect() }
-        })
-        .filter(|library| wanted.as_deref().is_none_or(|w| w.split(',').any(|name| name == library.name)))
-        .collect();
-    if let Some(wanted) = &wanted {
-        eprintln!("CONFORMANCE_WORKERS={wanted}: only {:?}", libraries.iter().map(|l| &l.name).collect::<Vec<_>>());
-    }
-    assert!(!libraries.is_empty(), "no conformance worker listed (or none of CONFORMANCE_WORKERS)");
-    // Every path the command names (the program, a jar on a class path) must be there.
-    for library in &libraries {
-        let paths =
-            library.command.iter().flat_map(|word| word.split(':')).filter(|p| p.contains('/') && !p.contains('*'));
-        for path in paths.map(|p| std::path::Path::new(root).join(p)) {
-            assert!(path.exists(), "{}: {} is not built: run scripts/conformance-build", library.name, path.display());
-        }
-    }
-    libraries
-}
-
-/// One handler run, as a worker printed it.
-#[derive(Clone, Debug, serde::Deserialize)]
-struct Run {
-    id: String,
-    consumer: String,
-    outcome: String,
-}
-
-/// A running conformance worker; killed when dropped.
-struct Running {
-    child: Child,
-    runs: Arc<Mutex<Vec<Run>>>,
-    what: String,
-}
-
-impl Running {
-    fn start(library: &Library, url: &str, stream: &str, consumer: &str, grace_ms: u64) -> Running {
-        Running::start_with(library, url, stream, consumer, grace_ms, &[])
-    }
-
-    /// With `env` added to the worker's environment.
-    fn start_with(
-        library: &Library,
-        url: &str,
-        stream: &str,
-        consumer: &str,
-        grace_ms: u64,
-        env: &[(&str, &str)],
-    ) -> Running {
-        let mut child = Command::new(&library.command[0])
-            .args(&library.command[1..])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .envs(env.iter().copied())
-            .env("REDIS_URL", url)
-            .env("STREAM", stream)
-            .env("GROUP", GROUP)
-            .env("CONSUMER", consumer)
-            .env("SHUTDOWN_GRACE_MS", grace_ms.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{}: cannot start {:?}: {e}", library.name, library.command));
-        let runs = Arc::new(Mutex::new(Vec::new()));
-        let (out, seen) = (child.stdout.take().unwrap(), runs.clone());
-        let what = format!("{} worker {consumer}", library.name);
-        let name = what.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                match serde_json::from_str::<Run>(&line) {
-                    Ok(run) => seen.lock().unwrap().push(run),
-                    Err(e) => eprintln!("{name}: not a run line ({e}): {line}"),
-                }
-            }
-        });
-        Running { child, runs, what }
-    }
-
-    fn runs(&self) -> Vec<Run> {
-        self.runs.lock().unwrap().clone()
-    }
-
-    /// SIGTERM, then the exit status once the worker's shutdown is complete.
-    fn terminate(&mut self) -> ExitStatus {
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-        self.exit_within(Duration::from_secs(30), "after SIGTERM")
-    }
-
-    /// The exit status, once the worker exits within `limit`.
-    fn exit_within(&mut self, limit: Duration, when: &str) -> ExitStatus {
-        let started = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(started.elapsed() < limit, "{} did not exit within {limit:?} {when}", self.what);
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -89,6 +89,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub struct Message {
     pub id: String,
     pub fields: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The partition of a topic the entry was read from ([`TopicWorker`]); `None` for a stream's [`Worker`].
+    pub partition: Option<u32>,
 }
 
 impl Message {
@@ -815,7 +817,7 @@ async fn connections(source: &Source, config: &WorkerConfig) -> RedisResult<(Con
 /// An entry of our PEL whose payload was deleted comes back without fields: a stale reference that the operator
 /// drops as PayloadDeleted. It is not a message, so the handler never sees it.
 fn messages(entries: Vec<RawEntry>) -> Vec<Message> {
-    entries.into_iter().filter_map(|(id, fields)| Some(Message { id, fields: fields? })).collect()
+    entries.into_iter().filter_map(|(id, fields)| Some(Message { id, fields: fields?, partition: None })).collect()
 }
 
 /// Whether a failed acknowledgement certainly wrote nothing: the server answered with an error (the scripts check
@@ -1073,7 +1075,11 @@ mod tests {
 
     #[test]
     fn message_fields_are_raw_and_ordered() {
-        let m = Message { id: "1-0".into(), fields: vec![(b"a".to_vec(), vec![0xff]), (b"a".to_vec(), b"2".to_vec())] };
+        let m = Message {
+            id: "1-0".into(),
+            fields: vec![(b"a".to_vec(), vec![0xff]), (b"a".to_vec(), b"2".to_vec())],
+            partition: None,
+        };
         assert_eq!(m.field("a"), Some(&[0xff][..]));
         assert_eq!(m.field_str("a"), None);
         assert_eq!(m.field("b"), None);

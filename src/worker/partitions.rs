@@ -284,6 +284,7 @@ impl TopicWorker {
             let config =
                 WorkerConfig { stream: partition_stream(&self.member.topic, partition), ..self.config.worker.clone() };
             let (source, handler) = (self.source.clone(), handler.clone());
+            let handler = Arc::new(move |message: Message| handler(Message { partition: Some(partition), ..message }));
             let task = match self.in_order {
                 None => tasks
                     .spawn(async move { (partition, epoch, run_partition(source, config, handler, stopped).await) }),

@@ -14,12 +14,15 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod conformance;
 mod kubernetes;
 mod node;
 mod servers;
 mod streams;
 
 // Each test file uses a part of the harness.
+#[allow(unused_imports)]
+pub use conformance::*;
 #[allow(unused_imports)]
 pub use kubernetes::*;
 #[allow(unused_imports)]
