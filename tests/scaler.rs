@@ -295,3 +295,28 @@ fn a_bad_trigger_and_a_policy_not_ready_get_errors_never_zero(flavor: Flavor) {
         );
     });
 }
+
+/// A topic's backlog is its partitions' summed, and never asks for more replicas than partitions (a member beyond
+/// them owns nothing): 30 unread entries over 2 partitions read 10 at the default target 5, 30 at a target of 100;
+/// activity is judged on the whole count (30 is above an activation of 20, though the capped 10 is not).
+#[test]
+fn a_topic_reads_its_partitions_summed_and_asks_for_no_more_replicas_than_partitions() {
+    let server = Server::start(Flavor::Redis);
+    let manifest = policy("orders", &server.url(), "orders", "billing", "  partitions: 2\n");
+    let (ns, _operator, address) = operator_with_scaler("scaler-topic", &manifest, "orders");
+    let mut conn = server.conn();
+    for n in 0..30 {
+        xadd(&mut conn, &pelican::keys::partition_stream("orders", n % 2), i64::from(n));
+    }
+    runtime().block_on(async {
+        let mut client = client(&address, &ns).await;
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let backlog = scaled_object(&ns, &[("policy", "orders")]);
+        let wide = scaled_object(&ns, &[("policy", "orders"), ("metric", "lag"), ("target", "100")]);
+        assert_eq!(metric(&mut client, &backlog).await.unwrap(), 10, "2 partitions x target 5");
+        assert_eq!(metric(&mut client, &wide).await.unwrap(), 30, "both partitions' lag, under the cap");
+        let active = scaled_object(&ns, &[("policy", "orders"), ("activationTarget", "20")]);
+        let reply = client.is_active(active).await.unwrap().into_inner();
+        assert!(reply.result, "30 unread entries are above an activation of 20");
+    });
+}

@@ -48,6 +48,17 @@ impl Backlog {
     pub fn total(&self) -> i64 {
         self.lag_or_bound() + self.pending
     }
+
+    /// Two partitions' backlog as one topic's: counts summed, the lag unknown when either cannot tell it, the age
+    /// of the oldest unread entry of either.
+    pub fn and(self, other: Backlog) -> Backlog {
+        Backlog {
+            stream_length: self.stream_length + other.stream_length,
+            lag: self.lag.zip(other.lag).map(|(a, b)| a + b),
+            pending: self.pending + other.pending,
+            lag_seconds: self.lag_seconds.max(other.lag_seconds),
+        }
+    }
 }
 
 /// `XINFO GROUPS`, `XLEN` and `TIME`, pipelined: the group's lag and pending count, and the stream's length; then,

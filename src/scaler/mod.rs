@@ -37,6 +37,7 @@ use tracing::{debug, info, warn};
 
 use crate::api::{ConsumerGroupPolicy, READY};
 use crate::context::Shared;
+use crate::keys::partition_stream;
 use crate::redis::{Backlog, probe_backlog};
 use proto::external_scaler_server::{ExternalScaler, ExternalScalerServer};
 use proto::{
@@ -135,6 +136,17 @@ impl Trigger {
         format!("pelican-{}-{}", self.metric.name(), self.policy)
     }
 
+    /// The metric's value for a group's `backlog`. On a topic of `partitions`, a count never asks for more replicas
+    /// than partitions (`partitions * target` at most, as KEDA's Kafka scaler caps its lag): a member beyond them
+    /// owns no partition and handles nothing. An age is not per replica and is never capped.
+    pub fn value(&self, backlog: &Backlog, partitions: Option<u32>) -> i64 {
+        let value = self.metric.of(backlog);
+        match partitions {
+            Some(n) if self.metric != Metric::LagSeconds => value.min((f64::from(n) * self.target).floor() as i64),
+            _ => value,
+        }
+    }
+
     pub fn active(&self, value: i64) -> bool {
         value as f64 > self.activation
     }
@@ -180,8 +192,9 @@ impl Scaler {
         }
     }
 
-    /// The trigger and its metric's value, from a reading at most [`MAX_AGE`] old.
-    async fn value(&self, object: &ScaledObjectRef) -> Result<(Trigger, i64), Status> {
+    /// The trigger and its metric's value, from a reading at most [`MAX_AGE`] old: as the HPA gets it (capped on a
+    /// topic, [`Trigger::value`]) and as activity is judged (the whole value).
+    async fn value(&self, object: &ScaledObjectRef) -> Result<(Trigger, i64, i64), Status> {
         let (trigger, policy) = self.policy(object)?;
         let id = format!("{}/{}", object.namespace, trigger.policy);
         let probe = || async {
@@ -192,18 +205,29 @@ impl Scaler {
             };
             let target = self.shared.target(&policy).await.map_err(unavailable)?;
             let (target, mut conn) = self.shared.pools.connect_primary(&target).await.map_err(unavailable)?;
-            let (stream, group) = (&policy.spec.stream, &policy.spec.group);
-            match probe_backlog(&mut conn, &target.server(), stream, group).await.map_err(unavailable)? {
-                Some(backlog) => Ok(backlog),
-                None => Err(Status::failed_precondition(format!(
-                    "ConsumerGroupPolicy {id}: stream {stream:?} has no group {group:?} on the server (deleted behind \
-                     the operator's back?); the next reconcile creates it again"
-                ))),
+            let group = &policy.spec.group;
+            // A topic's backlog is its partitions', one bounded read each.
+            let streams: Vec<String> = match policy.spec.partitions {
+                Some(n) => (0..n).map(|p| partition_stream(&policy.spec.stream, p)).collect(),
+                None => vec![policy.spec.stream.clone()],
+            };
+            let mut total: Option<Backlog> = None;
+            for stream in &streams {
+                let Some(backlog) =
+                    probe_backlog(&mut conn, &target.server(), stream, group).await.map_err(unavailable)?
+                else {
+                    return Err(Status::failed_precondition(format!(
+                        "ConsumerGroupPolicy {id}: stream {stream:?} has no group {group:?} on the server (deleted \
+                         behind the operator's back?); the next reconcile creates it again"
+                    )));
+                };
+                total = Some(total.map_or(backlog, |sum| sum.and(backlog)));
             }
+            Ok(total.unwrap_or_default())
         };
         let (_, backlog) = self.shared.readings.read(&id, MAX_AGE, probe).await?;
-        let value = trigger.metric.of(&backlog);
-        Ok((trigger, value))
+        let (value, whole) = (trigger.value(&backlog, policy.spec.partitions), trigger.metric.of(&backlog));
+        Ok((trigger, value, whole))
     }
 }
 
@@ -213,8 +237,8 @@ type ActiveStream = Pin<Box<dyn Stream<Item = Result<IsActiveResponse, Status>> 
 impl ExternalScaler for Scaler {
     async fn is_active(&self, request: Request<ScaledObjectRef>) -> Result<Response<IsActiveResponse>, Status> {
         let object = request.into_inner();
-        let (trigger, value) = self.answer("IsActive", &object, self.value(&object).await)?;
-        Ok(Response::new(IsActiveResponse { result: trigger.active(value) }))
+        let (trigger, _, whole) = self.answer("IsActive", &object, self.value(&object).await)?;
+        Ok(Response::new(IsActiveResponse { result: trigger.active(whole) }))
     }
 
     type StreamIsActiveStream = ActiveStream;
@@ -232,7 +256,7 @@ impl ExternalScaler for Scaler {
         tokio::spawn(async move {
             let mut last = None;
             loop {
-                let message = scaler.value(&object).await.map(|(trigger, value)| trigger.active(value));
+                let message = scaler.value(&object).await.map(|(trigger, _, whole)| trigger.active(whole));
                 let failed = message.is_err();
                 // A message goes out (and is counted) only when the answer changes.
                 if last != Some(message.as_ref().ok().copied()) {
@@ -285,7 +309,7 @@ impl ExternalScaler for Scaler {
     async fn get_metrics(&self, request: Request<GetMetricsRequest>) -> Result<Response<GetMetricsResponse>, Status> {
         let request = request.into_inner();
         let object = request.scaled_object_ref.unwrap_or_default();
-        let (_, value) = self.answer("GetMetrics", &object, self.value(&object).await)?;
+        let (_, value, _) = self.answer("GetMetrics", &object, self.value(&object).await)?;
         Ok(Response::new(GetMetricsResponse {
             metric_values: vec![MetricValue {
                 metric_name: request.metric_name,
@@ -421,6 +445,18 @@ mod tests {
         );
         assert!(error(&[("policy", "orders"), ("target", "many")]).contains("above 0"));
         assert!(error(&[("policy", "orders"), ("activationTarget", "-1")]).contains("at least 0"));
+    }
+
+    #[test]
+    fn on_a_topic_a_count_asks_for_no_more_replicas_than_partitions_and_an_age_is_not_capped() {
+        let backlog = Backlog { stream_length: 40, lag: Some(30), pending: 10, lag_seconds: 90 };
+        let trigger = |metric: &str| Trigger::parse(&metadata(&[("policy", "t"), ("metric", metric)])).unwrap();
+        assert_eq!(trigger("backlog").value(&backlog, None), 40, "a plain stream: the whole backlog");
+        assert_eq!(trigger("backlog").value(&backlog, Some(4)), 20, "4 partitions at the default target 5");
+        assert_eq!(trigger("lag").value(&backlog, Some(8)), 30, "under the cap");
+        assert_eq!(trigger("lagSeconds").value(&backlog, Some(1)), 90);
+        let summed = backlog.and(Backlog { stream_length: 5, lag: None, pending: 1, lag_seconds: 100 });
+        assert_eq!((summed.lag, summed.lag_or_bound(), summed.pending, summed.lag_seconds), (None, 45, 11, 100));
     }
 
     #[test]
