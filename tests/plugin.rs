@@ -297,3 +297,44 @@ fn redis_address_reaches_the_server_the_spec_names_only_in_cluster() {
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success() && stderr.contains("is not a host name or address"), "{stderr}");
 }
+
+/// `status` of a topic: the partitions column in the table; for one topic, each partition with its owner (the member
+/// the membership gave it) and its pending count, and the oldest pending entries of every partition, named by their
+/// partition's stream.
+#[test]
+fn status_of_a_topic_shows_each_partition_with_its_owner_and_the_oldest_pending_of_all() {
+    let server = Server::start(Flavor::Redis);
+    let manifest = policy("orders", &server.url(), "orders", "billing", "  partitions: 2\n");
+    let (ns, _operator) = ready_policy("plugin-topic", &manifest, "orders");
+    let mut conn = server.conn();
+    let member = pelican::topic::Member {
+        topic: "orders".into(),
+        group: "billing".into(),
+        name: "w1".into(),
+        ttl: Duration::from_secs(60),
+        partitions: 2,
+    };
+    let assignment = runtime().block_on(async {
+        let mut conn = redis::Client::open(server.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+        pelican::topic::heartbeat(&mut conn, &member, false, &[]).await.unwrap()
+    });
+    assert_eq!(assignment.owned.len(), 2, "the only member owns both partitions");
+    for p in 0..2 {
+        let stream = pelican::keys::partition_stream("orders", p);
+        let _: String = redis::cmd("XADD").arg(&stream).arg("*").arg("n").arg(p).query(&mut conn).unwrap();
+        assert_eq!(read_new(&mut conn, &stream, "billing", "w1", 1).len(), 1);
+    }
+    let table = pelican_ok(&["status", "-n", &ns]);
+    assert_eq!(table_rows(&table)[0]["PARTITIONS"], "2", "{table}");
+    let one = pelican_ok(&["status", "orders", "-n", &ns]);
+    assert!(one.contains("a topic of 2 partitions, 2 with the group"), "{one}");
+    assert!(one.contains("{orders:0}") && one.contains("{orders:1}"), "both partitions: {one}");
+    let json: Value = serde_json::from_str(&pelican_ok(&["status", "orders", "-n", &ns, "-o", "json"])).unwrap();
+    let partitions = json["partitions"].as_array().unwrap();
+    assert_eq!(partitions.len(), 2, "{json}");
+    assert!(partitions.iter().all(|p| p["owner"] == "w1" && p["pending"] == 1), "{json}");
+    let oldest: Vec<&str> =
+        json["oldestPending"].as_array().unwrap().iter().map(|e| e["stream"].as_str().unwrap()).collect();
+    assert_eq!(oldest.len(), 2, "the oldest pending of every partition: {json}");
+    assert!(oldest.contains(&"{orders:0}") && oldest.contains(&"{orders:1}"), "{oldest:?}");
+}

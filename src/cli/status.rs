@@ -1,6 +1,8 @@
 //! `kubectl pelican status [policy]`: one line per policy from its status; for one policy, its conditions and the
 //! oldest pending entries read from the server.
 
+use std::collections::HashMap;
+
 use clap::Args;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
@@ -8,7 +10,8 @@ use serde::Serialize;
 
 use super::{Session, age, cell, name_of, now_millis, print_table};
 use crate::api::{ConsumerGroupPolicy, ConsumerGroupPolicyStatus};
-use crate::redis::id_millis;
+use crate::keys::{owners_key, partition_stream};
+use crate::redis::{Conn, id_millis};
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
@@ -43,11 +46,27 @@ struct PolicyReport {
     /// Why the oldest pending entries could not be read (the server unreachable, say); the rest is the status.
     #[serde(skip_serializing_if = "Option::is_none")]
     oldest_pending_error: Option<String>,
+    /// A topic's partitions as the server has them now, for a single policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partitions: Option<Vec<PartitionReport>>,
+}
+
+/// One partition of a topic: its stream, the member that owns it (none while it moves), its pending entries.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PartitionReport {
+    partition: u32,
+    stream: String,
+    owner: Option<String>,
+    pending: i64,
 }
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct PendingEntry {
+    /// The partition's stream, on a topic.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<String>,
     id: String,
     consumer: String,
     idle_seconds: i64,
@@ -66,8 +85,8 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
     let mut reports: Vec<PolicyReport> = policies.iter().map(report).collect();
     if let (Some(policy), Some(report)) = (args.policy.as_ref().and(policies.first()), reports.first_mut()) {
         // The Kubernetes status is shown whatever the server does: that is when people look.
-        match oldest_pending(session, policy, args.pending).await {
-            Ok(entries) => report.oldest_pending = Some(entries),
+        match from_the_server(session, policy, args.pending).await {
+            Ok((entries, partitions)) => (report.oldest_pending, report.partitions) = (Some(entries), partitions),
             Err(e) => report.oldest_pending_error = Some(format!("{e:#}")),
         }
     }
@@ -97,6 +116,7 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
         "CONSUMING",
         "DEAD-LETTERED",
         "CONSUMERS",
+        "PARTITIONS",
     ];
     if all {
         header.insert(0, "NAMESPACE");
@@ -118,6 +138,7 @@ pub(super) async fn run(session: &Session, args: StatusArgs) -> anyhow::Result<(
                 cell(consuming),
                 cell(s.totals.as_ref().map(|t| t.dead_lettered)),
                 cell(s.consumers),
+                cell(s.partitions.as_ref().map(|p| p.count)),
             ];
             if all {
                 row.insert(0, r.namespace.clone());
@@ -141,31 +162,77 @@ fn report(policy: &ConsumerGroupPolicy) -> PolicyReport {
         status: policy.status.clone().unwrap_or_default(),
         oldest_pending: None,
         oldest_pending_error: None,
+        partitions: None,
     }
 }
 
-async fn oldest_pending(
+/// What only the server knows: the oldest pending entries (of every partition, on a topic: `count` read from each,
+/// the oldest `count` kept) and a topic's partitions with their owners.
+async fn from_the_server(
     session: &Session,
     policy: &ConsumerGroupPolicy,
     count: usize,
+) -> anyhow::Result<(Vec<PendingEntry>, Option<Vec<PartitionReport>>)> {
+    let (mut conn, server) = session.connect(policy).await?;
+    let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+    let Some(n) = policy.spec.partitions else {
+        return Ok((oldest_pending(&mut conn, &server, stream, group, count, false).await?, None));
+    };
+    let owners: HashMap<u32, String> = redis::cmd("HGETALL")
+        .arg(owners_key(stream, group))
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| crate::Error::from_redis(&server, e))?;
+    let (mut oldest, mut partitions) = (Vec::new(), Vec::new());
+    for partition in 0..n {
+        let stream = partition_stream(stream, partition);
+        let summary: (i64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg(group)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| crate::Error::from_redis(&server, e))?;
+        if summary.0 > 0 {
+            oldest.extend(oldest_pending(&mut conn, &server, &stream, group, count, true).await?);
+        }
+        partitions.push(PartitionReport {
+            partition,
+            stream,
+            owner: owners.get(&partition).cloned(),
+            pending: summary.0,
+        });
+    }
+    oldest.sort_by_key(|entry| std::cmp::Reverse(entry.age_seconds));
+    oldest.truncate(count);
+    Ok((oldest, Some(partitions)))
+}
+
+/// The `count` oldest pending entries of `stream` (named in each when `named`: a topic's partition).
+async fn oldest_pending(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    group: &str,
+    count: usize,
+    named: bool,
 ) -> anyhow::Result<Vec<PendingEntry>> {
     if count == 0 {
         return Ok(Vec::new());
     }
-    let (mut conn, server) = session.connect(policy).await?;
     let entries: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
-        .arg(&policy.spec.stream)
-        .arg(&policy.spec.group)
+        .arg(stream)
+        .arg(group)
         .arg("-")
         .arg("+")
         .arg(count)
-        .query_async(&mut conn)
+        .query_async(conn)
         .await
-        .map_err(|e| crate::Error::from_redis(&server, e))?;
+        .map_err(|e| crate::Error::from_redis(server, e))?;
     let now = now_millis();
     Ok(entries
         .into_iter()
         .map(|(id, consumer, idle_ms, deliveries)| PendingEntry {
+            stream: named.then(|| stream.to_string()),
             age_seconds: id_millis(&id).map(|ms| (now - ms) / 1000),
             id,
             consumer,
@@ -228,9 +295,16 @@ fn consumers(s: &crate::api::ConsumerGroupPolicyStatus) -> String {
 fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
     let s = &report.status;
     let totals = s.totals.clone().unwrap_or_default();
+    let stream = match &s.partitions {
+        Some(p) => format!(
+            "{} (a topic of {} partitions, {} with the group; group {}, {} members)",
+            report.stream, p.count, p.with_group, report.group, p.members
+        ),
+        None => format!("{} (group {})", report.stream, report.group),
+    };
     let lines = [
         ("Policy", format!("{}/{}", report.namespace, report.name)),
-        ("Stream", format!("{} (group {})", report.stream, report.group)),
+        ("Stream", stream),
         ("Server", cell(s.server_version.as_ref())),
         ("Server features", server_features(s)),
         ("Ready", format!("{} {}: {}", report.ready, report.reason, report.message)),
@@ -267,12 +341,23 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
         .map(|c| vec![c.type_.clone(), c.status.clone(), c.reason.clone(), c.message.clone()])
         .collect();
     print_table(&["TYPE", "STATUS", "REASON", "MESSAGE"], &conditions)?;
-    let pending = report.oldest_pending.as_deref().unwrap_or_default();
-    println!("\nOldest pending entries:");
     if let Some(error) = &report.oldest_pending_error {
-        println!("not read from the server: {error}");
+        println!("\nOldest pending entries:\nnot read from the server: {error}");
         return Ok(());
     }
+    if let Some(partitions) = &report.partitions {
+        println!("\nPartitions:");
+        let rows: Vec<Vec<String>> = partitions
+            .iter()
+            .map(|p| {
+                let owner = p.owner.clone().unwrap_or_else(|| "(none: moving or no member)".into());
+                vec![p.partition.to_string(), p.stream.clone(), owner, p.pending.to_string()]
+            })
+            .collect();
+        print_table(&["PARTITION", "STREAM", "OWNER", "PENDING"], &rows)?;
+    }
+    let pending = report.oldest_pending.as_deref().unwrap_or_default();
+    println!("\nOldest pending entries:");
     if pending.is_empty() {
         println!("none");
         return Ok(());
@@ -281,7 +366,7 @@ fn print_one(report: &PolicyReport) -> anyhow::Result<()> {
         .iter()
         .map(|p| {
             vec![
-                p.id.clone(),
+                p.stream.as_ref().map_or(p.id.clone(), |stream| format!("{stream} {}", p.id)),
                 p.consumer.clone(),
                 age(p.idle_seconds),
                 p.deliveries.to_string(),
