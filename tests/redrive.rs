@@ -571,3 +571,37 @@ fn a_deleted_redrive_leaves_no_lock_that_refuses_a_seek() {
     let holder: Option<String> = redis::cmd("HGET").arg(lock).arg("name").query(&mut conn).unwrap();
     assert_eq!(holder, None, "the lock of the deleted redrive is gone");
 }
+
+/// On one server a topic has one dead-letter stream: each dead letter goes back to the partition it came from
+/// (`pelican-source-stream`). On a Cluster each partition has its own, and a redrive is refused by name.
+#[test]
+fn a_topics_dead_letters_go_back_to_their_partitions_and_on_a_cluster_are_refused_by_name() {
+    let server = Server::start(Flavor::Redis);
+    let manifest = policy("t", &server.url(), "t", "workers", "  partitions: 2\n");
+    let (ns, _operator) = ready_policy("redrive-topic", &manifest, "t");
+    let mut conn = server.conn();
+    dead_letters(&mut conn, "t:dlq", "{t:0}", 3, |_| "MaxDeliveriesExceeded");
+    dead_letters(&mut conn, "t:dlq", "{t:1}", 2, |_| "MaxDeliveriesExceeded");
+    let (ok, out) = kubectl_apply(&ns, &redrive("back", "t", ""));
+    assert!(ok, "{out}");
+    wait_phase(&ns, "back", "Succeeded", Duration::from_secs(30));
+    assert_eq!(ns_in(&mut conn, "{t:0}", redriven).len(), 3, "partition 0's letters back in partition 0");
+    assert_eq!(ns_in(&mut conn, "{t:1}", redriven).len(), 2);
+    let exists: bool = redis::cmd("EXISTS").arg("t").query(&mut conn).unwrap();
+    assert!(!exists, "nothing written to a stream named after the topic");
+
+    let cluster = Cluster::start(Flavor::Redis);
+    let manifest = policy("c", &cluster.url(), "c", "workers", "  partitions: 2\n").replacen(
+        "  stream:",
+        "    mode: Cluster\n  stream:",
+        1,
+    );
+    let (applied, out) = kubectl_apply(&ns, &manifest);
+    assert!(applied, "{out}");
+    wait_condition(&ns, "c", "Ready", "True", "Reconciled");
+    let (ok, out) = kubectl_apply(&ns, &redrive("on-cluster", "c", ""));
+    assert!(ok, "{out}");
+    let failed = wait_phase(&ns, "on-cluster", "Failed", Duration::from_secs(30));
+    let text = failed["status"]["conditions"].to_string();
+    assert!(text.contains("TopicOnCluster") && text.contains("{c:<i>}:c:dlq"), "{text}");
+}

@@ -530,3 +530,15 @@ fn a_seek_walks_large_entries_a_budget_at_a_time() {
     assert_eq!(plan.to.lag, Some(18));
     assert!(calls >= 8, "18 MB walked in {calls} calls: more than 2 MB a call");
 }
+
+/// A topic's partitions are N streams, and a seek moves one group: refused naming the topic and what to do by hand,
+/// nothing moved.
+#[test]
+fn a_seek_of_a_topic_fails_saying_how_to_move_its_partitions() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, _operator) = ready_policy("seektopic", &policy("p", &server.url(), "s", "g", "  partitions: 2\n"), "p");
+    let status = run_seek(&ns, &seek("replay", "{position: Earliest}", ""));
+    assert_eq!(failed_reason(&status), "InvalidSpec");
+    let text = status["conditions"].to_string();
+    assert!(text.contains("a topic of 2 partitions") && text.contains("XGROUP SETID {s:<i>} g"), "{status}");
+}

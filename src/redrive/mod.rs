@@ -203,6 +203,17 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         }
         Err(e) => return Err(e),
     };
+    if let Some(n) = policy.spec.partitions.filter(|_| target.cluster) {
+        let note = format!(
+            "ConsumerGroupPolicy {policy_name:?} is a topic of {n} partitions on a Redis Cluster, where each partition \
+             has a dead-letter stream of its own ({{{}:<i>}}:{}): a redrive of a topic's dead letters on a Cluster is \
+             not supported yet; on one server the topic's single dead-letter stream can be redriven",
+            policy.spec.stream, policy.spec.dead_letter.stream
+        );
+        let mut next = status.clone();
+        ctx.finish(&redrive, &mut next, RedrivePhase::Failed, "TopicOnCluster", note).await?;
+        return Ok(Action::await_change());
+    }
     let plan = plan(&redrive, &policy, target.cluster, resolved.keys);
     let (rate_tx, rate_rx) = watch::channel(rate(&redrive));
     let (halt_tx, halt_rx) = watch::channel(None);
@@ -241,7 +252,13 @@ fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool
         uid: redrive.uid().unwrap_or_default(),
         name: redrive.name_any(),
         target: if redrive.spec.target == SOURCE_TARGET {
-            Destination::Source { fallback: policy.spec.stream.clone() }
+            // A dead letter that names no source goes to the policy's stream; on a topic (which is no stream), to
+            // its first partition.
+            let fallback = match policy.spec.partitions {
+                Some(_) => keys::partition_stream(&policy.spec.stream, 0),
+                None => policy.spec.stream.clone(),
+            };
+            Destination::Source { fallback }
         } else {
             Destination::Stream(redrive.spec.target.clone())
         },

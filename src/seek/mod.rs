@@ -177,6 +177,15 @@ fn error_policy(object: Arc<GroupSeek>, error: &Error, _ctx: Arc<Seeks>) -> Acti
 
 /// The script's arguments from the spec, or what is wrong with the spec.
 fn plan(object: &GroupSeek, policy: &ConsumerGroupPolicy) -> std::result::Result<seek::Seek, String> {
+    if let Some(n) = policy.spec.partitions {
+        let (topic, group) = (&policy.spec.stream, &policy.spec.group);
+        return Err(format!(
+            "ConsumerGroupPolicy {:?} is a topic of {n} partitions, and a GroupSeek moves the group of one stream: a \
+             topic's seek is not supported yet. To move it by hand, stop its workers and run `XGROUP SETID \
+             {{{topic}:<i>}} {group} <id>` on each partition",
+            policy.name_any()
+        ));
+    }
     let idle = parse_duration(&object.spec.consumers_idle_for).map_err(|e| format!("spec.consumersIdleFor: {e}"))?;
     Ok(seek::Seek {
         name: format!("{}/{}", object.namespace().unwrap_or_default(), object.name_any()),
