@@ -41,9 +41,9 @@ type ran struct {
 type next int
 
 const (
-	goOn    next = iota // the head left: the key's next entry may start
-	wait                // the head runs again in place after the backoff
-	atTheCap            // left to the pass: the key waits until it left the pending list
+	goOn     next = iota // the head left: the key's next entry may start
+	wait                 // the head runs again in place after the backoff
+	atTheCap             // left to the pass: the key waits until it left the pending list
 )
 
 // inOrder is the state of one PerKey partition; only runInOrder's goroutine touches it.
