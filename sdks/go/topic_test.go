@@ -178,4 +178,15 @@ func TestAnIdempotentPublishWithoutAKeyGoesToTheMessageIdsPartitionOnce(t *testi
 	if n := c.XLen(bg, PartitionStream(testTopic, first.Partition)).Val(); n != 1 {
 		t.Fatalf("%d entries", n)
 	}
+	keyed, err := ip.PublishKeyed(bg, "m-2", "order-42", "n", "2")
+	if err != nil || keyed.Partition != PartitionOf([]byte("order-42"), 4) {
+		t.Fatalf("keyed %+v (%v)", keyed, err)
+	}
+	if again, err := ip.PublishKeyed(bg, "m-2", "order-42", "n", "2"); err != nil || again != keyed {
+		t.Fatalf("keyed again %+v (%v)", again, err)
+	}
+	fields := c.XRange(bg, PartitionStream(testTopic, keyed.Partition), keyed.ID, keyed.ID).Val()
+	if len(fields) != 1 || fields[0].Values[KeyField] != "order-42" {
+		t.Fatalf("entries %v", fields)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -58,14 +59,8 @@ type spacing struct {
 }
 
 func (s spacing) after(minIdle time.Duration, deliveries int64) time.Duration {
-	wait := float64(minIdle)
-	for range max(deliveries-1, 0) {
-		wait *= s.factor
-		if wait > float64(24*time.Hour) {
-			break
-		}
-	}
-	d := time.Duration(min(wait, float64(24*time.Hour)))
+	wait := float64(minIdle) * math.Pow(s.factor, float64(max(deliveries-1, 0)))
+	d := time.Duration(min(wait, float64(24*time.Hour))) // no overflow
 	if s.max > 0 {
 		d = min(d, s.max)
 	}

@@ -470,3 +470,37 @@ func TestATopicWorkerRefusesNamingWhatIsWrong(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+func TestPerKeyRetriesAreSpacedByTheBackoffAndCapped(t *testing.T) {
+	s := spacing{factor: 2, max: 5 * time.Second}
+	for deliveries, want := range []time.Duration{time.Second, time.Second, 2 * time.Second, 4 * time.Second,
+		5 * time.Second} {
+		if got := s.after(time.Second, int64(deliveries)); got != want {
+			t.Errorf("after %d deliveries: %v, not %v", deliveries, got, want)
+		}
+	}
+	if got := (spacing{factor: 10}).after(time.Second, 1000); got != 24*time.Hour {
+		t.Errorf("without a most: %v", got)
+	}
+}
+
+func TestAPartitionWhoseSettingsChangeToAnUnknownContractStopsTheMember(t *testing.T) {
+	c := newClient(t)
+	describe(t, c, 2)
+	r := &runs{}
+	m := startMember(t, "a", 4, recording(c, "a", r, nil))
+	eventually(t, 3*testTTL, "a to own the partitions", owning(c, map[string]int{"a": 2}))
+	c.HSet(bg, SettingsKey(PartitionStream(testTopic, 1), testGroup), "contractVersion", 3)
+	select {
+	case <-m.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the member still runs")
+	}
+	var version *ContractVersionError
+	if !errors.As(m.err, &version) || version.Operator != "3" || !strings.Contains(m.err.Error(), "knows 2") {
+		t.Fatalf("Run returned %v", m.err)
+	}
+	if n := c.HLen(bg, MembersKey(testTopic, testGroup)).Val(); n != 0 {
+		t.Fatalf("%d members after it stopped", n)
+	}
+}
