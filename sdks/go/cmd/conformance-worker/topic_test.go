@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"syscall"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	pelican "github.com/pelican-io/pelican/sdks/go"
+	"github.com/pelican-io/pelican/sdks/go/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -17,13 +19,13 @@ import (
 
 const topic = "orders"
 
-// topicWorker starts the conformance worker as member w1 of topic's group; its lines come on the channel, each as
-// the JSON object it printed, closed at its exit.
-func topicWorker(t *testing.T) (*exec.Cmd, <-chan map[string]any) {
+// topicWorker starts the conformance worker as member w1 of topic's group on the test server, or with env's
+// REDIS_URL; its lines come on the channel, each as the JSON object it printed, closed at its exit.
+func topicWorker(t *testing.T, env ...string) (*exec.Cmd, <-chan map[string]any) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0])
-	cmd.Env = append(os.Environ(), "PELICAN_CONFORMANCE_WORKER=1", "REDIS_URL="+server.URL(), "TOPIC="+topic,
-		"GROUP="+group, "CONSUMER=w1", "MEMBERSHIP_TTL_MS=2000", "SHUTDOWN_GRACE_MS=1000")
+	cmd.Env = append(append(os.Environ(), "PELICAN_CONFORMANCE_WORKER=1", "REDIS_URL="+server.URL(), "TOPIC="+topic,
+		"GROUP="+group, "CONSUMER=w1", "MEMBERSHIP_TTL_MS=2000", "SHUTDOWN_GRACE_MS=1000"), env...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -47,11 +49,16 @@ func topicWorker(t *testing.T) (*exec.Cmd, <-chan map[string]any) {
 	return cmd, lines
 }
 
-// describeTopic writes what the operator writes for a topic of n partitions.
+// describeTopic writes what the operator writes for a topic of n partitions on the emptied test server.
 func describeTopic(t *testing.T, n int) *redis.Client {
 	c := redis.NewClient(&redis.Options{Addr: server.Addr})
 	t.Cleanup(func() { c.Close() })
 	c.FlushAll(bg)
+	describeOn(t, c, n)
+	return c
+}
+
+func describeOn(t *testing.T, c redis.UniversalClient, n int) {
 	settings := []any{"contractVersion", 2, "partitions", n, "ordering", "PerKey", "minIdleMs", 1000,
 		"retryAfterMs", 1000, "maxDeliveries", 5, "backoffFactor", 1, "backoffMaxMs", 0}
 	c.HSet(bg, pelican.TopicKey(topic), "partitions", n, "contractVersion", 2)
@@ -63,7 +70,6 @@ func describeTopic(t *testing.T, n int) *redis.Client {
 			t.Fatal(err)
 		}
 	}
-	return c
 }
 
 func TestATopicsRunLinesSayThePartitionTheKeyAndTheTimes(t *testing.T) {
@@ -124,5 +130,52 @@ func TestATopicTheLibraryRefusesExitsWithStatus4(t *testing.T) {
 	cmd, _ = topicWorker(t)
 	if code := exitCode(t, cmd); code != 4 {
 		t.Fatalf("no topic: exit status %d", code)
+	}
+}
+
+func TestWithRedisClusterTheTopicWorkerReadsThePartitionsOfEveryShard(t *testing.T) {
+	binary, err := redistest.Binary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cluster, err := redistest.StartCluster(binary, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cluster.Stop)
+	c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), MaxRetries: -1, MaxRedirects: -1})
+	t.Cleanup(func() { c.Close() })
+	describeOn(t, c, 6)
+	cmd, lines := topicWorker(t, "REDIS_URL="+cluster.Servers[0].URL(), "REDIS_CLUSTER=1")
+	producer, err := pelican.NewTopicProducer(bg, c, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shards, partitions := map[string]bool{}, map[float64]bool{}
+	for k := range 30 {
+		at, err := producer.PublishKeyed(bg, fmt.Sprintf("key-%d", k), "handle", "done")
+		if err != nil {
+			t.Fatal(err)
+		}
+		node, err := c.MasterForKey(bg, pelican.PartitionStream(topic, at.Partition))
+		if err != nil {
+			t.Fatal(err)
+		}
+		shards[node.Options().Addr] = true
+	}
+	for range 30 {
+		select {
+		case line := <-lines:
+			partitions[line["partition"].(float64)] = true
+		case <-time.After(10 * time.Second):
+			t.Fatalf("lines of partitions %v only", partitions)
+		}
+	}
+	if len(shards) < 2 || len(partitions) != 6 {
+		t.Fatalf("published to %d shards, lines of partitions %v", len(shards), partitions)
+	}
+	cmd.Process.Signal(syscall.SIGTERM)
+	if code := exitCode(t, cmd); code != 0 {
+		t.Fatalf("exit status %d after SIGTERM", code)
 	}
 }
