@@ -82,6 +82,14 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 		<-w.handlers
 		return
 	}
+	if w.fresh != nil && !w.fresh() {
+		<-w.handlers
+		// The membership may have expired: the partition may be another's. Stopped; the topic worker starts it
+		// again once a heartbeat answers.
+		w.log.Warn("no membership heartbeat answered within the ttl: the partition is stopped")
+		w.abort()
+		return
+	}
 	if w.versionMet.Load() {
 		<-w.handlers
 		// Never handled under a contract this library does not know: out of the flight, given back on shutdown.
@@ -98,7 +106,7 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 	outcome, err := runHandler(hctx, handler, m)
 	<-w.handlers
 	w.mu.Lock()
-	if f.abandoned { // given back on shutdown, and no longer in flight
+	if f.abandoned || w.aborted.Load() { // given back on shutdown, or lost: no longer in flight
 		w.mu.Unlock()
 		return
 	}
@@ -203,9 +211,18 @@ func (w *Worker) setReaderWaiting(waiting bool) {
 
 func (w *Worker) takeAcks() []ackRequest {
 	w.ackMu.Lock()
-	defer w.ackMu.Unlock()
 	acks := w.acks
 	w.acks = nil
+	w.ackMu.Unlock()
+	if len(acks) > 0 && w.aborted.Load() {
+		// The partition was lost: no outcome is written.
+		flights := make([]*flight, len(acks))
+		for i, r := range acks {
+			flights[i] = r.flight
+		}
+		w.finish(flights...)
+		return nil
+	}
 	return acks
 }
 

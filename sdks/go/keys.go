@@ -2,6 +2,7 @@ package pelican
 
 import (
 	"os"
+	"strconv"
 	"strings"
 )
 
@@ -62,3 +63,27 @@ func PodName() string {
 	host, _ := os.Hostname()
 	return host
 }
+
+// KeyField is the first field of a message published with a key: the key's bytes. A worker of a PerKey topic
+// handles the entries of one key in order; an entry without it is a key of its own.
+const KeyField = "pelican-key"
+
+// PartitionStream is {T:i}, partition i of topic T: the whole name is its hash tag, so each partition has a slot
+// of its own. Every per-stream key (SettingsKey, ErrorsKey, ...) applies to it unchanged. A topic name holds no
+// '{' or '}' (the operator's admission refuses one).
+func PartitionStream(topic string, partition int) string {
+	return "{" + topic + ":" + strconv.Itoa(partition) + "}"
+}
+
+// TopicKey is {T}:pelican:T:topic, what a producer needs of topic T whatever the group: partitions and
+// contractVersion.
+func TopicKey(topic string) string { return streamPrefix(topic) + "topic" }
+
+// MembersKey is {T}:pelican:T:<group>:members: member -> its lease deadline (membership.lua).
+func MembersKey(topic, group string) string { return streamPrefix(topic) + group + ":members" }
+
+// OwnersKey is {T}:pelican:T:<group>:owners: partition index -> the member that owns it (membership.lua).
+func OwnersKey(topic, group string) string { return streamPrefix(topic) + group + ":owners" }
+
+// EpochsKey is {T}:pelican:T:<group>:epochs: partition index -> its epoch, incremented at every hand-over.
+func EpochsKey(topic, group string) string { return streamPrefix(topic) + group + ":epochs" }

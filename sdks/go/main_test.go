@@ -45,6 +45,9 @@ func TestMain(m *testing.M) {
 	if idmpServer != nil {
 		idmpServer.Stop()
 	}
+	if cluster != nil {
+		cluster.Stop()
+	}
 	os.Exit(code)
 }
 

@@ -16,7 +16,12 @@ type Field struct {
 type Message struct {
 	ID     string
 	Fields []Field
+	// Partition is the partition of a topic the entry was read from (a TopicWorker's), -1 for a plain stream's.
+	Partition int
 }
+
+// Key answers the message's key (its KeyField, which a keyed publish writes first), and whether it has one.
+func (m Message) Key() (string, bool) { return m.Lookup(KeyField) }
 
 // Get answers the first value of the field name, "" when the message has none (as http.Header's Get).
 func (m Message) Get(name string) string {

@@ -28,4 +28,5 @@ var (
 	terminalAckScript    = script("terminal_ack")
 	boundedPublishScript = script("bounded_publish")
 	boundedBatchScript   = script("bounded_publish_batch")
+	membershipScript     = script("membership")
 )

@@ -34,11 +34,17 @@ type Settings struct {
 type ContractVersionError struct {
 	// Operator is the contractVersion the operator published, as written.
 	Operator string
+	// known are the versions the reader speaks: KnownContractVersions, or TopicContractVersion on a partition.
+	known []int
 }
 
 func (e *ContractVersionError) Error() string {
-	known := make([]string, len(KnownContractVersions))
-	for i, v := range KnownContractVersions {
+	versions := e.known
+	if versions == nil {
+		versions = KnownContractVersions
+	}
+	known := make([]string, len(versions))
+	for i, v := range versions {
 		known[i] = strconv.Itoa(v)
 	}
 	return fmt.Sprintf("the operator speaks worker contract %s, this library knows %s: upgrade the library "+
@@ -53,14 +59,22 @@ var ErrInvalidSettings = errors.New("pelican: invalid group settings")
 // An unknown version is a *ContractVersionError; a missing minIdleMs or retryAfterMs, or a field that is no decimal
 // integer, wraps ErrInvalidSettings: never a silent default, which would lease at the wrong pace.
 func ParseSettings(fields map[string]string) (*Settings, error) {
+	return parseSettings(fields, KnownContractVersions)
+}
+
+// parseSettings is ParseSettings for a reader that speaks the versions known (a topic's partition: 2 only).
+func parseSettings(fields map[string]string, known []int) (*Settings, error) {
 	if len(fields) == 0 {
 		return nil, nil
 	}
 	s := &Settings{ContractVersion: 1}
+	if _, ok := fields["contractVersion"]; !ok && !slices.Contains(known, 1) {
+		return nil, &ContractVersionError{Operator: "", known: known}
+	}
 	if text, ok := fields["contractVersion"]; ok {
 		v, err := decimal(text)
-		if err != nil || !slices.Contains(KnownContractVersions, int(v)) {
-			return nil, &ContractVersionError{Operator: text}
+		if err != nil || !slices.Contains(known, int(v)) {
+			return nil, &ContractVersionError{Operator: text, known: known}
 		}
 		s.ContractVersion = int(v)
 	}

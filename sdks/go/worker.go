@@ -78,6 +78,15 @@ type Worker struct {
 	// versionMet: a lease tick met a contract version this library does not know; no handler starts after it.
 	versionMet atomic.Bool
 
+	// A topic's partition (TopicWorker): the contract versions read (TopicContractVersion), the partition its
+	// messages carry (-1 for a plain stream), fresh (false once the membership may have expired: no handler
+	// starts), and aborted: the partition was lost, its shutdown writes no outcome and gives nothing back.
+	contract  []int
+	partition int
+	fresh     func() bool
+	aborted   atomic.Bool
+	cancelRun context.CancelFunc
+
 	mu       sync.Mutex
 	inFlight map[string]*flight
 	settling int // entries in flight whose outcome is being written
@@ -165,6 +174,8 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		failedHere:     map[string]time.Time{},
 		errorsRecorded: map[string]struct{}{},
 		freed:          make(chan struct{}, 1),
+		contract:       KnownContractVersions,
+		partition:      -1,
 	}, nil
 }
 
@@ -330,7 +341,7 @@ func (w *Worker) readSettings(ctx context.Context) error {
 	}
 	var settings *Settings
 	if err == nil {
-		settings, err = ParseSettings(fields)
+		settings, err = parseSettings(fields, w.contract)
 		var version *ContractVersionError
 		if errors.As(err, &version) {
 			return err
@@ -462,6 +473,7 @@ func (w *Worker) flyLocked(found []Message) []job {
 	jobs := make([]job, len(found))
 	now := time.Now()
 	for i, m := range found {
+		m.Partition = w.partition
 		jobs[i] = job{message: m, flight: &flight{id: m.ID, started: now}}
 		w.inFlight[m.ID] = jobs[i].flight
 	}
@@ -644,6 +656,10 @@ func (w *Worker) shutDown(ctx context.Context, unhandled []string, cancelHandler
 	w.mu.Lock()
 	w.wakeAt = 0
 	w.mu.Unlock()
+	if w.aborted.Load() {
+		w.abandonAll(cancelHandlers, stopLeases)
+		return
+	}
 	grace := time.NewTimer(w.opt.ShutdownGrace)
 	defer grace.Stop()
 wait:
@@ -681,6 +697,32 @@ wait:
 	}
 	w.log.Info("shutdown: messages given back for the next pass (not finished within the grace, or read "+
 		"unhandled), their delivery not counted", "given", given)
+}
+
+// abort stops a topic's lost partition at once: no handler starts, no outcome is written, nothing is given back
+// (its new owner takes the pending list over).
+func (w *Worker) abort() {
+	w.aborted.Store(true)
+	w.cancelRun()
+}
+
+// abandonAll is an aborted worker's shutdown: its entries in flight are another's now.
+func (w *Worker) abandonAll(cancelHandlers, stopLeases func()) {
+	w.mu.Lock()
+	for id, f := range w.inFlight {
+		if !f.settled {
+			f.abandoned = true
+			delete(w.inFlight, id)
+		}
+	}
+	w.mu.Unlock()
+	cancelHandlers()
+	// Outcomes already being written when the partition was lost end first (takeAcks drops those not sent yet).
+	for w.inFlightCount() > 0 {
+		<-w.freed
+	}
+	stopLeases()
+	w.log.Warn("partition lost: stopped at once, its messages in flight left to the new owner")
 }
 
 // sleep waits d, or less when ctx ends; false when it did.

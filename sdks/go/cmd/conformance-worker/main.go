@@ -8,6 +8,13 @@
 // With SENTINEL_MASTER=<name>, REDIS_URL names a sentinel, and go-redis' failover client (FailoverOptions) asks it for
 // the primary monitored under that name, again whenever it connects.
 //
+// With TOPIC=<T> instead of STREAM it is a member of topic T's group: it runs the library's TopicWorker as member
+// CONSUMER with a membership ttl of MEMBERSHIP_TTL_MS (the library's default without it), and each run line also says
+// the partition the entry was read from, its key (null without one), and when the handler began and returned
+// (startedAt, endedAt: ms since the epoch; for exit both the start). A topic the library refuses exits with status 4.
+// With REDIS_CLUSTER=1 (either mode), REDIS_URL names one primary of a Redis Cluster, reached with go-redis'
+// ClusterClient.
+//
 // With MODE=publish it is a producer instead: it publishes MESSAGES messages idempotently (message ids m-0, m-1,
 // ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
 package main
@@ -39,15 +46,43 @@ type run struct {
 	MS       int    `json:"ms"`
 }
 
-func report(m pelican.Message, consumer, outcome string, ms int) {
-	line, _ := json.Marshal(run{ID: m.ID, Consumer: consumer, Outcome: outcome, MS: ms})
+// topicRun is a run line of a topic's member.
+type topicRun struct {
+	run
+	Partition int     `json:"partition"`
+	Key       *string `json:"key"`
+	StartedAt int64   `json:"startedAt"`
+	EndedAt   int64   `json:"endedAt"`
+}
+
+// reporter prints the run lines of one handler; topic: with the partition, the key and the times.
+type reporter struct {
+	consumer string
+	topic    bool
+}
+
+func (r reporter) report(m pelican.Message, outcome string, ms int, started time.Time) {
+	line, _ := json.Marshal(run{ID: m.ID, Consumer: r.consumer, Outcome: outcome, MS: ms})
+	if r.topic {
+		ended := time.Now()
+		if outcome == "exit" {
+			ended = started
+		}
+		var key *string
+		if k, ok := m.Key(); ok {
+			key = &k
+		}
+		line, _ = json.Marshal(topicRun{run: run{ID: m.ID, Consumer: r.consumer, Outcome: outcome, MS: ms},
+			Partition: m.Partition, Key: key, StartedAt: started.UnixMilli(), EndedAt: ended.UnixMilli()})
+	}
 	stdout.Lock()
 	defer stdout.Unlock()
 	os.Stdout.Write(append(line, '\n'))
 }
 
-func handler(consumer string) pelican.Handler {
+func handler(r reporter) pelican.Handler {
 	return func(ctx context.Context, m pelican.Message) (pelican.Outcome, error) {
+		started := time.Now()
 		ms, _ := strconv.Atoi(m.Get("ms"))
 		if ms > 0 {
 			select {
@@ -59,37 +94,46 @@ func handler(consumer string) pelican.Handler {
 		action := m.Get("handle")
 		switch {
 		case action == "exit":
-			report(m, consumer, "exit", ms)
+			r.report(m, "exit", ms, started)
 			os.Exit(3)
 		case action == "fail":
-			report(m, consumer, "fail", ms)
+			r.report(m, "fail", ms, started)
 			return pelican.Outcome{}, errors.New("the message asked the conformance worker to fail")
 		case strings.HasPrefix(action, "terminal:"):
 			reason := strings.TrimPrefix(action, "terminal:")
 			if err := pelican.CheckReason(reason); err != nil {
-				report(m, consumer, "fail", ms) // the library refuses it before anything is written
+				r.report(m, "fail", ms, started) // the library refuses it before anything is written
 				return pelican.Outcome{}, err
 			}
-			report(m, consumer, "terminal", ms)
+			r.report(m, "terminal", ms, started)
 			return pelican.Terminal(reason), nil
 		case action == "retry":
-			report(m, consumer, "retry", ms)
+			r.report(m, "retry", ms, started)
 			return pelican.Retry(), nil
 		}
-		report(m, consumer, "done", ms)
+		r.report(m, "done", ms, started)
 		return pelican.Done(), nil
 	}
 }
 
 // newClient connects as REDIS_URL says: to the server it names, or, with SENTINEL_MASTER, to the primary the
-// sentinel it names answers for that name. resend false: the client's own resends off, as a producer needs.
-func newClient(url string, resend bool) (*redis.Client, error) {
+// sentinel it names answers for that name, or, with REDIS_CLUSTER=1, to the Cluster of the primary it names.
+// resend false: the client's own resends off, as a producer needs.
+func newClient(url string, resend bool) (redis.UniversalClient, error) {
 	options, err := redis.ParseURL(url)
 	if err != nil {
 		return nil, err
 	}
 	if !resend {
 		options.MaxRetries = -1
+	}
+	if os.Getenv("REDIS_CLUSTER") == "1" {
+		cluster := &redis.ClusterOptions{Addrs: []string{options.Addr}, Username: options.Username,
+			Password: options.Password, TLSConfig: options.TLSConfig, MaxRetries: options.MaxRetries}
+		if !resend {
+			cluster.MaxRedirects = -1
+		}
+		return redis.NewClusterClient(cluster), nil
 	}
 	master := os.Getenv("SENTINEL_MASTER")
 	if master == "" {
@@ -125,18 +169,45 @@ func serve() error {
 		return err
 	}
 	defer client.Close()
-	worker, err := pelican.NewWorker(client, pelican.WorkerOptions{
+	options := pelican.WorkerOptions{
 		Stream:        os.Getenv("STREAM"),
 		Group:         os.Getenv("GROUP"),
 		Consumer:      os.Getenv("CONSUMER"),
 		ShutdownGrace: grace,
-	})
-	if err != nil {
-		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
-	_, err = worker.Run(ctx, handler(worker.Consumer()))
+	if topic := os.Getenv("TOPIC"); topic != "" {
+		return serveTopic(ctx, client, topic, options)
+	}
+	worker, err := pelican.NewWorker(client, options)
+	if err != nil {
+		return err
+	}
+	_, err = worker.Run(ctx, handler(reporter{consumer: worker.Consumer()}))
+	return err
+}
+
+// serveTopic runs the library's TopicWorker as a member of topic's group.
+func serveTopic(ctx context.Context, client redis.UniversalClient, topic string, options pelican.WorkerOptions) error {
+	options.Stream = topic
+	if options.Consumer == "" {
+		options.Consumer = pelican.PodName()
+	}
+	var ttl time.Duration // the library's default
+	if text := os.Getenv("MEMBERSHIP_TTL_MS"); text != "" {
+		ms, err := strconv.Atoi(text)
+		if err != nil {
+			return fmt.Errorf("MEMBERSHIP_TTL_MS: %w", err)
+		}
+		ttl = time.Duration(ms) * time.Millisecond
+	}
+	worker, err := pelican.NewTopicWorker(ctx, client, pelican.TopicWorkerOptions{WorkerOptions: options,
+		MembershipTTL: ttl})
+	if err != nil {
+		return err
+	}
+	_, err = worker.Run(ctx, handler(reporter{consumer: options.Consumer, topic: true}))
 	return err
 }
 
@@ -193,7 +264,11 @@ func main() {
 	if err := serve(); err != nil {
 		fmt.Fprintln(os.Stderr, "conformance worker:", err)
 		var version *pelican.ContractVersionError
-		if errors.As(err, &version) {
+		var notATopic *pelican.NotATopicError
+		var topicContract *pelican.TopicContractError
+		var ordering *pelican.OrderingError
+		if errors.As(err, &version) || errors.As(err, &notATopic) || errors.As(err, &topicContract) ||
+			errors.As(err, &ordering) {
 			os.Exit(4) // after its shutdown, when the operator speaks a contract this library does not know
 		}
 		os.Exit(1)

@@ -7,7 +7,9 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -31,15 +33,17 @@ func Binary() (string, error) {
 	return b, nil
 }
 
-// Start runs binary on a free loopback port, without persistence, and waits until it answers.
-func Start(binary string) (*Server, error) {
+// Start runs binary on a free loopback port, without persistence, and waits until it answers; args are more of
+// its options.
+func Start(binary string, args ...string) (*Server, error) {
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
 	port := listener.Addr().(*net.TCPAddr).Port
 	listener.Close()
-	cmd := exec.Command(binary, "--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
+	cmd := exec.Command(binary, append([]string{"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "",
+		"--appendonly", "no"}, args...)...)
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
@@ -54,6 +58,84 @@ func Start(binary string) (*Server, error) {
 		if time.Now().After(deadline) {
 			s.Stop()
 			return nil, fmt.Errorf("%s did not answer on %s: %w", binary, s.Addr, err)
+		}
+	}
+}
+
+// Cluster is a Redis Cluster of the tests' own: primaries only, in a directory of its own.
+type Cluster struct {
+	Servers []*Server
+	dir     string
+}
+
+// StartCluster runs n primaries of binary with cluster mode on, joins them (redis-cli --cluster create, the
+// redis-cli beside binary or on PATH) and waits until every node says the cluster is ok.
+func StartCluster(binary string, n int) (*Cluster, error) {
+	dir, err := os.MkdirTemp("", "pelican-cluster-")
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{dir: dir}
+	args := []string{"--cluster", "create"}
+	for i := range n {
+		s, err := Start(binary, "--cluster-enabled", "yes", "--cluster-config-file",
+			filepath.Join(dir, fmt.Sprintf("nodes-%d.conf", i)), "--dir", dir)
+		if err != nil {
+			c.Stop()
+			return nil, err
+		}
+		c.Servers = append(c.Servers, s)
+		args = append(args, s.Addr)
+	}
+	cli := filepath.Join(filepath.Dir(binary), "redis-cli")
+	if _, err := os.Stat(cli); err != nil {
+		cli = "redis-cli"
+	}
+	if out, err := exec.Command(cli, append(args, "--cluster-yes")...).CombinedOutput(); err != nil {
+		c.Stop()
+		return nil, fmt.Errorf("redis-cli --cluster create: %w: %s", err, out)
+	}
+	for _, s := range c.Servers {
+		client := redis.NewClient(&redis.Options{Addr: s.Addr})
+		err := waitFor(10*time.Second, func() error {
+			info, err := client.ClusterInfo(context.Background()).Result()
+			if err == nil && !strings.Contains(info, "cluster_state:ok") {
+				err = fmt.Errorf("%s: cluster_state not ok", s.Addr)
+			}
+			return err
+		})
+		client.Close()
+		if err != nil {
+			c.Stop()
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+// Addrs are the addresses of the cluster's nodes.
+func (c *Cluster) Addrs() []string {
+	addrs := make([]string, len(c.Servers))
+	for i, s := range c.Servers {
+		addrs[i] = s.Addr
+	}
+	return addrs
+}
+
+// Stop ends every node and removes their directory.
+func (c *Cluster) Stop() {
+	for _, s := range c.Servers {
+		s.Stop()
+	}
+	_ = os.RemoveAll(c.dir)
+}
+
+// waitFor calls check every 50 ms until it answers nil, for at most within; its last error otherwise.
+func waitFor(within time.Duration, check func() error) error {
+	for deadline := time.Now().Add(within); ; time.Sleep(50 * time.Millisecond) {
+		err := check()
+		if err == nil || time.Now().After(deadline) {
+			return err
 		}
 	}
 }
