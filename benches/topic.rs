@@ -225,15 +225,16 @@ async fn consume(source: &Source, stream: &str, partitions: Option<u32>, count: 
     count as f64 / started.elapsed().as_secs_f64()
 }
 
-/// A member joining beside another, then the other dying (its run aborted, no leave): how long until a message
-/// published into each partition the survivor took is handled by it.
+/// A member joining beside another, then the other dying (its run aborted, no leave): how long until every partition
+/// that moved has a message handled by its new owner. Markers go into every partition every 20 ms meanwhile.
 async fn rebalance(
     source: &Source,
     conn: &mut redis::cluster::ClusterConnection,
     topic: &str,
     n: u32,
 ) -> (Duration, Duration) {
-    let handled: Arc<Mutex<BTreeMap<String, (String, Instant)>>> = Arc::default();
+    // partition -> (member, when) of each marker handled.
+    let handled: Arc<Mutex<Vec<(u32, String, Instant)>>> = Arc::default();
     let member = |name: &'static str| {
         let handled = handled.clone();
         let config = TopicWorkerConfig {
@@ -245,8 +246,8 @@ async fn rebalance(
             let worker = TopicWorker::connect_to(source, config).await.unwrap();
             tokio::spawn(worker.run(
                 move |message: Message| {
-                    let marker = message.field_str("marker").unwrap_or_default().to_string();
-                    handled.lock().unwrap().insert(marker, (name.to_string(), Instant::now()));
+                    let partition = message.partition.unwrap_or(u32::MAX);
+                    handled.lock().unwrap().push((partition, name.to_string(), Instant::now()));
                     async { Ok(Outcome::Done) }
                 },
                 std::future::pending::<()>(),
@@ -258,54 +259,66 @@ async fn rebalance(
         let owners: BTreeMap<String, String> = redis::cmd("HGETALL").arg(owners_key(topic, GROUP)).query(conn).unwrap();
         owners.into_iter().map(|(p, m)| (p.parse().unwrap(), m)).collect()
     };
-    let a = member("a").await;
-    while owners(conn).len() < n as usize {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // Each round: a marker into every partition, then the time until each of them was handled by `by`.
-    let round = |conn: &mut redis::cluster::ClusterConnection, round: &str| {
-        for p in 0..n {
-            let _: String = redis::cmd("XADD")
-                .arg(partition_stream(topic, p))
-                .arg("*")
-                .arg("marker")
-                .arg(format!("{round}-{p}"))
-                .query(conn)
-                .unwrap();
-        }
+    let publisher = {
+        let (source, topic) = (source.clone(), topic.to_string());
+        tokio::spawn(async move {
+            let Source::Cluster(client) = source else { unreachable!("a Cluster") };
+            let mut conn = client.get_async_connection().await.unwrap();
+            loop {
+                for p in 0..n {
+                    let _: String = redis::cmd("XADD")
+                        .arg(partition_stream(&topic, p))
+                        .arg("*")
+                        .arg("marker")
+                        .arg(1)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
     };
-    let wait = |round: &'static str, by: &'static str, partitions: Vec<u32>, since: Instant| {
+    // How long after `since` each of `partitions` had a marker handled by `by`: the longest.
+    let settled = |by: &'static str, partitions: Vec<u32>, since: Instant| {
         let handled = handled.clone();
         async move {
             loop {
-                let done = {
+                let firsts: Option<Vec<Instant>> = {
                     let seen = handled.lock().unwrap();
                     partitions
                         .iter()
-                        .map(|p| seen.get(&format!("{round}-{p}")).filter(|(m, _)| m == by).map(|(_, at)| *at))
-                        .collect::<Option<Vec<_>>>()
+                        .map(|p| {
+                            seen.iter()
+                                .filter(|(q, m, at)| q == p && m == by && *at >= since)
+                                .map(|(_, _, at)| *at)
+                                .min()
+                        })
+                        .collect()
                 };
-                if let Some(times) = done {
-                    return times.into_iter().max().map_or(Duration::ZERO, |at| at - since);
+                if let Some(firsts) = firsts {
+                    return firsts.into_iter().max().map_or(Duration::ZERO, |at| at - since);
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
     };
+    let a = member("a").await;
+    while owners(conn).len() < n as usize {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let joined = Instant::now();
     let _b = member("b").await;
-    // The partitions that will move are the ones over a's share; markers go into every partition at the join.
-    round(conn, "join");
     while owners(conn).values().filter(|m| *m == "b").count() < (n / 2) as usize {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let moved: Vec<u32> = owners(conn).into_iter().filter(|(_, m)| m == "b").map(|(p, _)| p).collect();
-    let join = wait("join", "b", moved, joined).await;
+    let join = settled("b", moved, joined).await;
+    let orphaned: Vec<u32> = owners(conn).into_iter().filter(|(_, m)| m == "a").map(|(p, _)| p).collect();
     let died = Instant::now();
     a.abort();
-    round(conn, "death");
-    let orphaned: Vec<u32> = owners(conn).into_iter().filter(|(_, m)| m == "a").map(|(p, _)| p).collect();
-    let death = wait("death", "b", orphaned, died).await;
+    let death = settled("b", orphaned, died).await;
+    publisher.abort();
     (join, death)
 }
 
