@@ -7,12 +7,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use futures::FutureExt;
 use redis::RedisResult;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
@@ -21,6 +19,7 @@ use tracing::{info, warn};
 
 use super::connection::{Connection, Source, write_again_if_broken};
 use super::partitions::take_over;
+use super::trace::Processing;
 use super::{
     AbortOnDrop, BoxError, Counters, Message, Outcome, WorkerConfig, WorkerStats, ack_terminal, connections, give_back,
     lease, lease_interval, read_group, read_settings, record_error,
@@ -119,7 +118,9 @@ where
                 if rerun && !count_delivery(conn, &config, &message.id).await {
                     return (key, Ran::Gone);
                 }
-                let result = AssertUnwindSafe(handler(message)).catch_unwind().await.map_err(|panic| {
+                let processing =
+                    Processing { stream: &config.stream, group: &config.group, consumer: &config.consumer };
+                let result = processing.run(handler.as_ref(), message).await.map_err(|panic| {
                     let what = panic.downcast_ref::<String>().map(String::as_str);
                     what.or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("a panic").to_string()
                 });

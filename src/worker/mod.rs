@@ -45,6 +45,7 @@ mod partitions;
 mod producer;
 mod reason;
 mod topic;
+mod trace;
 
 use connection::write_again_if_broken;
 pub use connection::{Connection, Source};
@@ -58,12 +59,10 @@ pub use topic::{IdempotentTopicProducer, TopicError, TopicProducer};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
 use redis::aio::ConnectionLike;
 use redis::{Client, RedisError, RedisResult, Script, Value};
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
@@ -895,7 +894,8 @@ where
     let (stream, group) = (config.stream.as_str(), config.group.as_str());
     // A requeued copy carries the message's earlier deliveries, and its last error under the copy's id.
     let retried = message.field(DELIVERIES_FIELD).is_some();
-    let result = AssertUnwindSafe(handler(message)).catch_unwind().await;
+    let processing = trace::Processing { stream, group, consumer: &config.consumer };
+    let result = processing.run(handler, message).await;
     // Its outcome is being written from here on: no longer leased.
     if let Some(flight) = in_flight.lock().expect("in-flight lock").get_mut(&id) {
         flight.settled = true;

@@ -8,7 +8,9 @@ use std::time::Duration;
 use super::connection::{Connection, Source, Timeouts};
 use redis::{Client, RedisError, RedisResult, Script, ToRedisArgs};
 
-use crate::keys::{bounds_key, rejected_key};
+use super::trace::{Carried, Sending};
+use crate::keys::{KEY_FIELD, bounds_key, rejected_key};
+use opentelemetry::KeyValue;
 use tracing::warn;
 
 /// The bounded-publish script, the same file any client can load (`KEYS = [stream, bounds, rejected]`,
@@ -179,7 +181,7 @@ impl Producer {
 
     /// Adds one entry (field/value pairs, in order) and returns its id.
     pub async fn publish<K: ToRedisArgs, V: ToRedisArgs>(&self, fields: &[(K, V)]) -> Result<String, PublishError> {
-        self.invoke(None, None, fields).await
+        self.invoke(None, None, fields, None).await
     }
 
     /// The same producer, its publishes made idempotent under `producer_id` (see [`IdempotentProducer`]). Fails
@@ -199,17 +201,22 @@ impl Producer {
         if !crate::command_docs::has_argument(&docs, "xadd", "IDMP") {
             return Err(IdempotenceError::Unsupported);
         }
-        Ok(IdempotentProducer { producer: self, producer_id })
+        Ok(IdempotentProducer { producer: self, producer_id, carried: Arc::default() })
     }
 
     /// One call of the publish script: with IDMP's producer and message ids, and a first field before `fields`
-    /// (a topic's `pelican-key`), when given.
+    /// (a topic's `pelican-key`), when given; the trace context last, in a `send` span of its own. An idempotent
+    /// publish (with `carried`) sends the trace fields of an earlier attempt of its message id whose outcome was
+    /// unknown, and keeps its own when this one's is.
     pub(crate) async fn invoke<K: ToRedisArgs, V: ToRedisArgs>(
         &self,
         key: Option<(&str, &str)>,
         first: Option<(&str, &[u8])>,
         fields: &[(K, V)],
+        carried: Option<&Carried>,
     ) -> Result<String, PublishError> {
+        let earlier = key.zip(carried).and_then(|((_, message_id), carried)| carried.take(message_id));
+        let sending = Sending::start(&self.stream, trace_attributes(key, first), earlier);
         let mut invocation = BOUNDED_PUBLISH.key(&self.stream);
         invocation.key(&self.bounds).key(&self.rejected);
         if let Some((producer_id, message_id)) = key {
@@ -221,10 +228,23 @@ impl Producer {
         for (field, value) in fields {
             invocation.arg(field).arg(value);
         }
-        match invocation.invoke_async(&mut self.connection()).await {
+        for (field, value) in &sending.fields {
+            invocation.arg(field).arg(value);
+        }
+        let result: Result<String, PublishError> = match invocation.invoke_async(&mut self.connection()).await {
             Ok(id) => Ok(id),
             Err(e) => Err(self.failed(e).await),
+        };
+        if let (Err(PublishError::OutcomeUnknown(_) | PublishError::Unavailable(_)), Some(((_, message_id), carried))) =
+            (&result, key.zip(carried))
+        {
+            carried.keep(message_id, sending.fields.clone());
         }
+        match &result {
+            Ok(id) => sending.sent(Some(id)),
+            Err(e) => sending.failed(e),
+        }
+        result
     }
 
     /// Adds entries in order, with one backlog check for all of them, as many as every bounded group has room for:
@@ -252,25 +272,39 @@ impl Producer {
         if entries.len() == 0 {
             return Ok(Published { ids: Vec::new(), refused: None });
         }
+        // One `send` span for the batch: its context is every entry's.
+        let count = KeyValue::new("messaging.batch.message_count", entries.len() as i64);
+        let sending = Sending::start(&self.stream, vec![count], None);
+        let traced = sending.fields.len() * 2;
         let mut invocation = BOUNDED_PUBLISH_BATCH.key(&self.stream);
         invocation.key(&self.bounds).key(&self.rejected).arg(entries.len());
         for (key, fields) in entries {
             match key {
                 Some((producer_id, message_id)) => {
-                    invocation.arg(fields.len() * 2 + 3).arg("IDMP").arg(producer_id).arg(message_id);
+                    invocation.arg(fields.len() * 2 + traced + 3).arg("IDMP").arg(producer_id).arg(message_id);
                 }
                 None => {
-                    invocation.arg(fields.len() * 2);
+                    invocation.arg(fields.len() * 2 + traced);
                 }
             }
             for (field, value) in fields {
                 invocation.arg(field).arg(value);
             }
+            for (field, value) in &sending.fields {
+                invocation.arg(field).arg(value);
+            }
         }
         // The refusal's counts come as integers, read here as text like the group name.
         let (ids, refusal): (Vec<String>, Vec<String>) = match invocation.invoke_async(&mut self.connection()).await {
-            Ok(reply) => reply,
-            Err(e) => return Err(self.failed(e).await),
+            Ok(reply) => {
+                sending.sent(None);
+                reply
+            }
+            Err(e) => {
+                let e = self.failed(e).await;
+                sending.failed(&e);
+                return Err(e);
+            }
         };
         let refused = match refusal.as_slice() {
             [group, backlog, max] => Some(Refusal {
@@ -300,6 +334,18 @@ impl Producer {
     }
 }
 
+/// A publish's own attributes on its `send` span: an idempotent publish's message id, a topic's key.
+fn trace_attributes(key: Option<(&str, &str)>, first: Option<(&str, &[u8])>) -> Vec<KeyValue> {
+    let mut attributes = Vec::new();
+    if let Some((_, message_id)) = key {
+        attributes.push(KeyValue::new("pelican.message_id", message_id.to_string()));
+    }
+    if let Some((KEY_FIELD, value)) = first {
+        attributes.push(KeyValue::new("pelican.key", String::from_utf8_lossy(value).into_owned()));
+    }
+    attributes
+}
+
 /// A producer whose every publish carries an idempotency key (`XADD ... IDMP <producer id> <message id>`, Redis
 /// 8.6+): within the stream's window (`spec.idempotence`; the server's default 100 s and 100 message ids per
 /// producer), a publish of a (producer id, message id) already published writes nothing and returns the first
@@ -314,6 +360,8 @@ impl Producer {
 pub struct IdempotentProducer {
     producer: Producer,
     producer_id: String,
+    /// The trace fields of publishes whose outcome was unknown, sent again by the next attempt.
+    carried: Arc<Carried>,
 }
 
 impl IdempotentProducer {
@@ -324,7 +372,7 @@ impl IdempotentProducer {
         message_id: &str,
         fields: &[(K, V)],
     ) -> Result<String, PublishError> {
-        self.producer.invoke(Some((&self.producer_id, message_id)), None, fields).await
+        self.producer.invoke(Some((&self.producer_id, message_id)), None, fields, Some(&self.carried)).await
     }
 
     /// [`Producer::publish_batch`] with a message id per entry: the entries are published in order, as many as the

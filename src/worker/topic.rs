@@ -9,6 +9,7 @@ use redis::{RedisError, ToRedisArgs};
 
 use super::connection::Source;
 use super::producer::{IdempotenceError, Producer, PublishError};
+use super::trace::Carried;
 use crate::keys::{KEY_FIELD, TOPIC_CONTRACT_VERSION, partition_stream, topic_key};
 use crate::topic::{MAX_PARTITIONS, partition_of};
 
@@ -104,7 +105,7 @@ impl TopicProducer {
     ) -> Result<(u32, String), PublishError> {
         let partition = self.partition(key);
         let first = key.map(|key| (KEY_FIELD, key));
-        let id = self.partitions[partition as usize].invoke(None, first, fields).await?;
+        let id = self.partitions[partition as usize].invoke(None, first, fields, None).await?;
         Ok((partition, id))
     }
 
@@ -114,7 +115,7 @@ impl TopicProducer {
         let producer_id = producer_id.into();
         // The check is the server's, the same for every partition.
         self.partitions[0].clone().idempotent(producer_id.clone()).await?;
-        Ok(IdempotentTopicProducer { producer: self, producer_id })
+        Ok(IdempotentTopicProducer { producer: self, producer_id, carried: Carried::default() })
     }
 }
 
@@ -123,6 +124,8 @@ impl TopicProducer {
 pub struct IdempotentTopicProducer {
     producer: TopicProducer,
     producer_id: String,
+    /// The trace fields of publishes whose outcome was unknown, sent again by the next attempt.
+    carried: Carried,
 }
 
 impl IdempotentTopicProducer {
@@ -136,7 +139,7 @@ impl IdempotentTopicProducer {
         let partition = partition_of(key.unwrap_or(message_id.as_bytes()), self.producer.partitions());
         let first = key.map(|key| (KEY_FIELD, key));
         let idmp = Some((self.producer_id.as_str(), message_id));
-        let id = self.producer.partitions[partition as usize].invoke(idmp, first, fields).await?;
+        let id = self.producer.partitions[partition as usize].invoke(idmp, first, fields, Some(&self.carried)).await?;
         Ok((partition, id))
     }
 
