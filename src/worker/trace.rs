@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use futures::FutureExt;
 use opentelemetry::propagation::{Extractor, Injector};
-use opentelemetry::trace::{FutureExt as _, SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::trace::{FutureExt as _, Span, SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, KeyValue, global};
 
 use super::{BoxError, Message, Outcome};
@@ -35,23 +35,23 @@ impl Sending {
     /// Starts `send <stream>` as a child of the current context. `carried`: the fields of an earlier attempt of the
     /// same idempotent publish, sent again instead of this span's (the entry keeps its first context).
     pub fn start(stream: &str, attributes: Vec<KeyValue>, carried: Option<TraceFields>) -> Sending {
-        let mut attributes = attributes;
-        // A topic's partition `{T:i}`.
-        if let Some(topic) = stream.strip_prefix('{').and_then(|s| s.strip_suffix('}')).and_then(|s| s.rsplit_once(':'))
-        {
-            attributes.push(KeyValue::new("pelican.topic", topic.0.to_string()));
+        let mut span = tracer().span_builder(format!("send {stream}")).with_kind(SpanKind::Producer).start(&tracer());
+        // Without an SDK the span records nothing: its attributes are not even built.
+        if span.is_recording() {
+            let mut attributes = attributes;
+            // A topic's partition `{T:i}`.
+            let partition = stream.strip_prefix('{').and_then(|s| s.strip_suffix('}'));
+            if let Some((topic, _)) = partition.and_then(|s| s.rsplit_once(':')) {
+                attributes.push(KeyValue::new("pelican.topic", topic.to_string()));
+            }
+            attributes.extend([
+                KeyValue::new("messaging.system", "redis"),
+                KeyValue::new("messaging.destination.name", stream.to_string()),
+                KeyValue::new("messaging.operation.type", "send"),
+                KeyValue::new("messaging.operation.name", "publish"),
+            ]);
+            span.set_attributes(attributes);
         }
-        attributes.extend([
-            KeyValue::new("messaging.system", "redis"),
-            KeyValue::new("messaging.destination.name", stream.to_string()),
-            KeyValue::new("messaging.operation.type", "send"),
-            KeyValue::new("messaging.operation.name", "publish"),
-        ]);
-        let span = tracer()
-            .span_builder(format!("send {stream}"))
-            .with_kind(SpanKind::Producer)
-            .with_attributes(attributes)
-            .start(&tracer());
         let cx = Context::current_with_span(span);
         let fields = carried.unwrap_or_else(|| {
             let mut fields = Fields(Vec::new());
@@ -123,23 +123,29 @@ impl Processing<'_> {
         Fut: Future<Output = Result<Outcome, BoxError>>,
     {
         let parent = global::get_text_map_propagator(|propagator| propagator.extract(&Entry(&message)));
-        let mut attributes = vec![
-            KeyValue::new("messaging.system", "redis"),
-            KeyValue::new("messaging.destination.name", self.stream.to_string()),
-            KeyValue::new("messaging.operation.type", "process"),
-            KeyValue::new("messaging.operation.name", "process"),
-            KeyValue::new("messaging.message.id", message.id.clone()),
-            KeyValue::new("messaging.consumer.group.name", self.group.to_string()),
-            KeyValue::new("messaging.client.id", self.consumer.to_string()),
-        ];
-        if let Some(key) = message.field_str(crate::keys::KEY_FIELD) {
-            attributes.push(KeyValue::new("pelican.key", key.to_string()));
-        }
-        let span = tracer()
+        let attributes = || {
+            let mut attributes = vec![
+                KeyValue::new("messaging.system", "redis"),
+                KeyValue::new("messaging.destination.name", self.stream.to_string()),
+                KeyValue::new("messaging.operation.type", "process"),
+                KeyValue::new("messaging.operation.name", "process"),
+                KeyValue::new("messaging.message.id", message.id.clone()),
+                KeyValue::new("messaging.consumer.group.name", self.group.to_string()),
+                KeyValue::new("messaging.client.id", self.consumer.to_string()),
+            ];
+            if let Some(key) = message.field_str(crate::keys::KEY_FIELD) {
+                attributes.push(KeyValue::new("pelican.key", key.to_string()));
+            }
+            attributes
+        };
+        let mut span = tracer()
             .span_builder(format!("process {}", self.stream))
             .with_kind(SpanKind::Consumer)
-            .with_attributes(attributes)
             .start_with_context(&tracer(), &parent);
+        // Without an SDK the span records nothing: its attributes are not even built.
+        if span.is_recording() {
+            span.set_attributes(attributes());
+        }
         let cx = parent.with_span(span);
         let running = {
             let _attached = cx.clone().attach();
