@@ -83,6 +83,11 @@ async function publish(redis: RedisTarget, stream: string, messages: number): Pr
   }
 }
 
+if (process.env["REDIS_CLUSTER"] === "1") {
+  console.error("conformance worker: REDIS_CLUSTER=1: this library has no Redis Cluster connections yet");
+  process.exit(2);
+}
+
 if (process.env["MODE"] === "publish") {
   await publish(target(required("REDIS_URL")), required("STREAM"), Number(required("MESSAGES")));
   process.exit(0);
