@@ -7,7 +7,8 @@
  *   REDIS_URL=redis://127.0.0.1:6379 STREAM=jobs GROUP=workers node sdks/typescript/dist/conformance/worker.js
  *
  * With `SENTINEL_MASTER=<name>`, `REDIS_URL` names a sentinel, and ioredis asks it for the primary monitored under
- * that name (`sentinels` and `name`), again whenever it reconnects.
+ * that name (`sentinels` and `name`), again whenever it reconnects. With `REDIS_CLUSTER=1`, `REDIS_URL` names a
+ * primary of a Redis Cluster, and the program connects through ioredis' `Cluster`.
  *
  * With `TOPIC=<T>` instead of `STREAM` it is a member of the topic's group (a `TopicWorker`, member `CONSUMER`,
  * membership ttl `MEMBERSHIP_TTL_MS` when set), and each line also says the entry's `partition`, its `key` and when
@@ -46,8 +47,15 @@ function required(name: string): string {
   return value;
 }
 
-/** `REDIS_URL` as the library takes it: the URL itself, or the sentinel it names with `SENTINEL_MASTER`. */
+/**
+ * `REDIS_URL` as the library takes it: the URL itself, the sentinel it names with `SENTINEL_MASTER`, or with
+ * `REDIS_CLUSTER=1` a primary of the Redis Cluster.
+ */
 function target(url: string): RedisTarget {
+  if (process.env["REDIS_CLUSTER"] === "1") {
+    const node = new URL(url);
+    return { cluster: [{ host: node.hostname, port: Number(node.port || 6379) }] };
+  }
   const name = process.env["SENTINEL_MASTER"];
   if (!name) return url;
   const sentinel = new URL(url);
@@ -81,11 +89,6 @@ async function publish(redis: RedisTarget, stream: string, messages: number): Pr
       }
     }
   }
-}
-
-if (process.env["REDIS_CLUSTER"] === "1") {
-  console.error("conformance worker: REDIS_CLUSTER=1: this library has no Redis Cluster connections yet");
-  process.exit(2);
 }
 
 if (process.env["MODE"] === "publish") {

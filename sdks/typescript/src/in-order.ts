@@ -7,9 +7,8 @@
  * left this consumer's pending list.
  */
 import { setTimeout as sleep } from "node:timers/promises";
-import type { Redis } from "ioredis";
 
-import { connect, errorText, type RedisTarget } from "./connection.js";
+import { connect, errorText, type Connection, type RedisTarget } from "./connection.js";
 import {
   ERROR_TEXT_MAX,
   KEY_FIELD,
@@ -94,8 +93,8 @@ export class InOrderPartition implements PartitionRunner {
   private closed = false;
   private handler: Handler | undefined;
   private settings: PartitionSettings | undefined;
-  private reader: Redis | undefined;
-  private writer: (Redis & ScriptCommands) | undefined;
+  private reader: Connection | undefined;
+  private writer: (Connection & ScriptCommands) | undefined;
   private leaseTimer: NodeJS.Timeout | undefined;
   /** Wakes the read loop when room is made or the worker stops. */
   private wakeReader: (() => void) | undefined;
@@ -164,7 +163,7 @@ export class InOrderPartition implements PartitionRunner {
     return this.stopping.signal.aborted;
   }
 
-  private async readSettings(writer: Redis): Promise<PartitionSettings> {
+  private async readSettings(writer: Connection): Promise<PartitionSettings> {
     const { stream, group } = this.options;
     const settings = parseSettings(await writer.hgetall(settingsKey(stream, group)), [TOPIC_CONTRACT_VERSION]);
     const { minIdleMs, maxDeliveries } = settings;
@@ -175,7 +174,7 @@ export class InOrderPartition implements PartitionRunner {
   }
 
   /** Reads while there is room: the own pending list first (what it took over), then new entries. */
-  private async readLoop(reader: Redis): Promise<void> {
+  private async readLoop(reader: Connection): Promise<void> {
     const { stream, group, consumer, concurrency, blockMs } = this.options;
     const most = Math.max(1, concurrency) * HELD_PER_SLOT;
     let cursor: string | undefined = "0";
@@ -492,7 +491,7 @@ export class InOrderPartition implements PartitionRunner {
     return this.handler;
   }
 
-  private writerNow(): Redis & ScriptCommands {
+  private writerNow(): Connection & ScriptCommands {
     if (!this.writer) throw new Error("the partition is not running");
     return this.writer;
   }

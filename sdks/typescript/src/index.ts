@@ -26,7 +26,7 @@ export {
   KEY_FIELD,
   TOPIC_CONTRACT_VERSION,
 } from "./keys.js";
-export { podName, type RedisTarget } from "./connection.js";
+export { podName, type ClusterTarget, type Connection, type RedisTarget } from "./connection.js";
 export {
   Producer,
   IdempotentProducer,

@@ -2,8 +2,8 @@
  * One partition of a topic as its owner runs it (contract/README.md, "Taking a partition over"): the partition's
  * whole pending list moved to the member first, then the plain worker's loop, speaking contract 2.
  */
-import type { Redis } from "ioredis";
 
+import type { Connection } from "./connection.js";
 import { TOPIC_CONTRACT_VERSION } from "./keys.js";
 import { Worker, type Handler, type WorkerStats } from "./worker.js";
 
@@ -26,7 +26,7 @@ const TAKE_OVER_BATCH = 100;
  * owner. The first read of the own pending list then hands them out in id order, each counted as a delivery there,
  * once (`JUSTID` counts none), so that a message that kills its workers still reaches the cap.
  */
-export async function takeOver(writer: Redis, stream: string, group: string, consumer: string): Promise<void> {
+export async function takeOver(writer: Connection, stream: string, group: string, consumer: string): Promise<void> {
   let cursor = "0-0";
   do {
     const reply = await writer.call(
@@ -50,7 +50,7 @@ export class PartitionWorker extends Worker implements PartitionRunner {
     return [TOPIC_CONTRACT_VERSION];
   }
 
-  protected override beforeFirstRead(writer: Redis): Promise<void> {
+  protected override beforeFirstRead(writer: Connection): Promise<void> {
     return takeOver(writer, this.stream, this.group, this.consumer);
   }
 

@@ -4,7 +4,7 @@
  * `defineCommand` runs each by `EVALSHA` and falls back to `EVAL` on `NOSCRIPT`.
  */
 import { readFileSync } from "node:fs";
-import type { Redis } from "ioredis";
+import type { Connection } from "./connection.js";
 
 /** The folder the scripts ship in: `scripts/` at the package's root, beside `dist/`. */
 const SCRIPTS_DIR = new URL("../../scripts/", import.meta.url);
@@ -49,7 +49,7 @@ const DEFINITIONS: Record<keyof ScriptCommands, { lua: string; numberOfKeys: num
 };
 
 /** Defines every script on `conn` and returns it typed with them. */
-export function withScripts(conn: Redis): Redis & ScriptCommands {
+export function withScripts(conn: Connection): Connection & ScriptCommands {
   for (const [name, definition] of Object.entries(DEFINITIONS)) conn.defineCommand(name, definition);
-  return conn as Redis & ScriptCommands;
+  return conn as Connection & ScriptCommands;
 }

@@ -4,9 +4,8 @@
  * then new entries. Released partitions are finished and given back (as on SIGTERM), lost ones are dropped at once
  * with no outcome written. On an `ordering: PerKey` topic each partition runs in order per key instead.
  */
-import type { Redis } from "ioredis";
 
-import { connect, errorText, podName } from "./connection.js";
+import { connect, errorText, podName, type Connection } from "./connection.js";
 import { TOPIC_CONTRACT_VERSION, epochsKey, membersKey, ownersKey, partitionStream, settingsKey } from "./keys.js";
 import type { Message } from "./message.js";
 import type { Outcome } from "./outcome.js";
@@ -169,7 +168,7 @@ export class TopicWorker {
 
   private constructor(
     private readonly options: TopicWorkerOptions,
-    private readonly conn: Redis & ScriptCommands,
+    private readonly conn: Connection & ScriptCommands,
     private readonly description: TopicDescription,
   ) {
     this.topic = options.topic;

@@ -5,9 +5,8 @@
  * the only place that acknowledges.
  */
 import { setTimeout as sleep } from "node:timers/promises";
-import type { Redis } from "ioredis";
 
-import { connect, errorText, isReplyError, podName, type RedisTarget } from "./connection.js";
+import { connect, errorText, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
 import { DELIVERIES_FIELD, ERROR_TEXT_MAX, consumersKey, errorsKey, settingsKey, terminalKey } from "./keys.js";
 import { Message } from "./message.js";
 import { checkOutcome, type Outcome } from "./outcome.js";
@@ -183,8 +182,8 @@ export class Worker {
   /** Aborted by `stop()`: ends the pauses of the read loop at once. */
   private readonly stopping = new AbortController();
   private running: Promise<WorkerStats> | undefined;
-  private reader: Redis | undefined;
-  private writer: (Redis & ScriptCommands) | undefined;
+  private reader: Connection | undefined;
+  private writer: (Connection & ScriptCommands) | undefined;
   private leaseTimer: NodeJS.Timeout | undefined;
   /** `done` outcomes of handlers that finished together: acknowledged in one XACK (see `ack`). */
   private pendingAcks: PendingAck[] = [];
@@ -300,7 +299,7 @@ export class Worker {
     return this.stats();
   }
 
-  private logConnectionErrors(conn: Redis, role: string): void {
+  private logConnectionErrors(conn: Connection, role: string): void {
     let last = "";
     conn.on("error", (error: unknown) => {
       const text = errorText(error);
@@ -316,7 +315,7 @@ export class Worker {
   }
 
   /** What a worker does once connected, before it reads its own PEL: nothing here (a partition takes it over). */
-  protected async beforeFirstRead(_writer: Redis): Promise<void> {}
+  protected async beforeFirstRead(_writer: Connection): Promise<void> {}
 
   /**
    * Stops at once, as a partition that went to another member must: no handler starts, no outcome is written,
@@ -881,12 +880,12 @@ export class Worker {
     return { stream: this.stream, group: this.group, consumer: this.consumer };
   }
 
-  private readerConn(): Redis {
+  private readerConn(): Connection {
     if (!this.reader) throw new Error("the worker is not running");
     return this.reader;
   }
 
-  private writerConn(): Redis & ScriptCommands {
+  private writerConn(): Connection & ScriptCommands {
     if (!this.writer) throw new Error("the worker is not running");
     return this.writer;
   }

@@ -5,7 +5,7 @@
  */
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
-import type { Redis } from "ioredis";
+import { Cluster, type Redis } from "ioredis";
 
 import {
   KEY_FIELD,
@@ -22,11 +22,13 @@ import {
   partitionStream,
   settingsKey,
   topicKey,
+  type Connection,
+  type RedisTarget,
   type TopicHandler,
   type TopicWorkerOptions,
 } from "../src/index.js";
 import { startProxy } from "./support/proxy.js";
-import { startRedis, type RedisServer } from "./support/server.js";
+import { startCluster, startRedis, type RedisServer } from "./support/server.js";
 import { pending, recordingLogger, waitFor } from "./support/helpers.js";
 
 let server: RedisServer;
@@ -50,7 +52,12 @@ function freshTopic(): string {
  * A topic of `partitions` as the operator makes it: its description, its settings and each partition's (contract
  * version 2), and the group on each partition.
  */
-async function makeTopic(topic: string, partitions: number, settings: Record<string, string | number> = {}) {
+async function makeTopic(
+  topic: string,
+  partitions: number,
+  settings: Record<string, string | number> = {},
+  on: Connection = admin,
+) {
   const fields = {
     contractVersion: 2,
     partitions,
@@ -62,12 +69,12 @@ async function makeTopic(topic: string, partitions: number, settings: Record<str
     maxDeliveries: 5,
     ...settings,
   };
-  await admin.hset(topicKey(topic), "partitions", partitions, "contractVersion", 2);
-  await admin.hset(settingsKey(topic, group), fields);
+  await on.hset(topicKey(topic), "partitions", partitions, "contractVersion", 2);
+  await on.hset(settingsKey(topic, group), fields);
   for (let p = 0; p < partitions; p++) {
     const stream = partitionStream(topic, p);
-    await admin.xgroup("CREATE", stream, group, "0", "MKSTREAM");
-    await admin.hset(settingsKey(stream, group), fields);
+    await on.xgroup("CREATE", stream, group, "0", "MKSTREAM");
+    await on.hset(settingsKey(stream, group), fields);
   }
 }
 
@@ -130,14 +137,19 @@ function recording(runs: Run[], memberName: string, body: TopicHandler = async (
   };
 }
 
-async function owners(topic: string): Promise<Record<string, string>> {
-  return admin.hgetall(ownersKey(topic, group));
+async function owners(topic: string, on: Connection = admin): Promise<Record<string, string>> {
+  return on.hgetall(ownersKey(topic, group));
 }
 
 /** Each member named owns `share` partitions, and runs exactly those. */
-async function waitShared(topic: string, members: Record<string, Member>, share: number): Promise<void> {
+async function waitShared(
+  topic: string,
+  members: Record<string, Member>,
+  share: number,
+  on: Connection = admin,
+): Promise<void> {
   await waitFor(`each member to own ${share} partitions`, async () => {
-    const now = await owners(topic);
+    const now = await owners(topic, on);
     return Object.entries(members).every(([name, { worker }]) => {
       const owned = Object.entries(now).filter(([, owner]) => owner === name);
       const runs = worker.ownedPartitions();
@@ -146,8 +158,13 @@ async function waitShared(topic: string, members: Record<string, Member>, share:
   });
 }
 
-async function publishKeyed(topic: string, keys: readonly string[], fields: Record<string, string> = {}) {
-  const producer = await TopicProducer.connect(server.url, topic);
+async function publishKeyed(
+  topic: string,
+  keys: readonly string[],
+  fields: Record<string, string> = {},
+  redis: RedisTarget = server.url,
+) {
+  const producer = await TopicProducer.connect(redis, topic);
   try {
     for (const key of keys) await producer.publish({ name: key, ...fields }, { key });
   } finally {
@@ -156,9 +173,12 @@ async function publishKeyed(topic: string, keys: readonly string[], fields: Reco
 }
 
 /** The entries pending on every partition of a topic. */
-async function pendingAll(topic: string, partitions: number): Promise<number> {
+async function pendingAll(topic: string, partitions: number, on: Connection = admin): Promise<number> {
   let count = 0;
-  for (let p = 0; p < partitions; p++) count += (await pending(admin, partitionStream(topic, p), group)).length;
+  for (let p = 0; p < partitions; p++) {
+    const summary = (await on.xpending(partitionStream(topic, p), group)) as [number, ...unknown[]];
+    count += summary[0];
+  }
   return count;
 }
 
@@ -441,4 +461,34 @@ test("topics it cannot serve are refused, naming what is wrong", async () => {
   assert.equal(worker.partitions, 2);
   assert.equal(worker.ordering, "None");
   await worker.stop();
+});
+
+test("on a Redis Cluster, two members share the partitions over its shards and each message is handled once", async () => {
+  const cluster = await startCluster();
+  const redis: RedisTarget = { cluster: [{ host: "127.0.0.1", port: cluster.ports[0]! }] };
+  const on = new Cluster([{ host: "127.0.0.1", port: cluster.ports[0]! }]);
+  try {
+    const topic = freshTopic();
+    await makeTopic(topic, 6, {}, on);
+    const runs: Run[] = [];
+    const a = await member(topic, "a", recording(runs, "a"), { redis });
+    const b = await member(topic, "b", recording(runs, "b"), { redis });
+    await waitShared(topic, { a, b }, 3, on);
+    const keys = Array.from({ length: 30 }, (_, i) => `account-${i}`);
+    await publishKeyed(topic, keys, {}, redis);
+    await waitFor("30 runs, nothing pending", async () => runs.length >= 30 && (await pendingAll(topic, 6, on)) === 0);
+    const now = await owners(topic, on);
+    assert.equal(runs.length, 30);
+    for (const run of runs) {
+      assert.equal(run.partition, partitionOf(run.key ?? "", 6));
+      assert.equal(run.member, now[String(run.partition)]);
+    }
+    const held = await Promise.all(on.nodes("master").map((node) => node.keys(`{${topic}:*}`)));
+    assert.ok(held.filter((keys) => keys.length > 0).length >= 2, "the partitions are on more than one shard");
+    await Promise.all([a.worker.stop(), b.worker.stop()]);
+    assert.deepEqual(await on.hgetall(membersKey(topic, group)), {});
+  } finally {
+    on.disconnect();
+    await cluster.stop();
+  }
 });
