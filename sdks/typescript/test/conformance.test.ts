@@ -3,6 +3,7 @@ import assert from "node:assert/strict";
 import { spawn, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { after, before, test } from "node:test";
+import { Cluster } from "ioredis";
 
 import {
   TopicProducer,
@@ -15,7 +16,7 @@ import {
   topicKey,
 } from "../src/index.js";
 import { createGroup, freshStream, pending, waitFor } from "./support/helpers.js";
-import { startRedis, type RedisServer } from "./support/server.js";
+import { startCluster, startRedis, type RedisServer } from "./support/server.js";
 
 const program = fileURLToPath(new URL("../conformance/worker.js", import.meta.url));
 const group = "conformance";
@@ -45,6 +46,7 @@ function startWorker(
     env: {
       ...process.env,
       REDIS_URL: server.url,
+      REDIS_CLUSTER: "",
       GROUP: group,
       CONSUMER: consumer,
       SHUTDOWN_GRACE_MS: "500",
@@ -173,4 +175,38 @@ test("TOPIC: a topic it refuses (no policy describes it) exits 4", async () => {
   const { lines, exited } = startWorker("", "m2", { TOPIC: freshStream("nothing") });
   assert.equal(await exited, 4);
   assert.deepEqual(lines, []);
+});
+
+test("REDIS_CLUSTER=1 TOPIC: a member through the library's Cluster connections", async () => {
+  const cluster = await startCluster();
+  const node = { host: "127.0.0.1", port: cluster.ports[0]! };
+  const on = new Cluster([node]);
+  try {
+    const topic = freshStream("topic");
+    const settings = { contractVersion: 2, partitions: 3, minIdleMs: 60_000, retryAfterMs: 45_000, maxDeliveries: 5 };
+    await on.hset(topicKey(topic), "partitions", 3, "contractVersion", 2);
+    await on.hset(settingsKey(topic, group), settings);
+    for (const p of [0, 1, 2]) {
+      await on.xgroup("CREATE", partitionStream(topic, p), group, "0", "MKSTREAM");
+      await on.hset(settingsKey(partitionStream(topic, p), group), settings);
+    }
+    const producer = await TopicProducer.connect({ cluster: [node] }, topic);
+    for (const key of ["x", "y", "z"]) await producer.publish({ handle: "done", ms: "0" }, { key });
+    await producer.close();
+    const { child, lines, exited } = startWorker("", "m3", {
+      TOPIC: topic,
+      REDIS_URL: `redis://127.0.0.1:${node.port}`,
+      REDIS_CLUSTER: "1",
+    });
+    await waitFor("three lines", () => lines.length === 3);
+    assert.deepEqual(
+      lines.map((line) => [line.key, line.partition, line.outcome]).sort(),
+      ["x", "y", "z"].map((key) => [key, partitionOf(key, 3), "done"]),
+    );
+    child.kill("SIGTERM");
+    assert.equal(await exited, 0);
+  } finally {
+    on.disconnect();
+    await cluster.stop();
+  }
 });
