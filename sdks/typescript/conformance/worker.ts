@@ -7,7 +7,12 @@
  *   REDIS_URL=redis://127.0.0.1:6379 STREAM=jobs GROUP=workers node sdks/typescript/dist/conformance/worker.js
  *
  * With `SENTINEL_MASTER=<name>`, `REDIS_URL` names a sentinel, and ioredis asks it for the primary monitored under
- * that name (`sentinels` and `name`), again whenever it reconnects.
+ * that name (`sentinels` and `name`), again whenever it reconnects. With `REDIS_CLUSTER=1`, `REDIS_URL` names a
+ * primary of a Redis Cluster, and the program connects through ioredis' `Cluster`.
+ *
+ * With `TOPIC=<T>` instead of `STREAM` it is a member of the topic's group (a `TopicWorker`, member `CONSUMER`,
+ * membership ttl `MEMBERSHIP_TTL_MS` when set), and each line also says the entry's `partition`, its `key` and when
+ * the handler began and returned (`startedAt`, `endedAt`, ms since the epoch); a topic it refuses exits 4.
  *
  * With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
  * `m-1`, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
@@ -16,14 +21,19 @@ import { writeSync } from "node:fs";
 import { setTimeout as sleep } from "node:timers/promises";
 
 import {
+  KEY_FIELD,
   Producer,
   PublishOutcomeUnknown,
   PublishUnavailable,
   ContractVersionError,
+  TopicError,
+  TopicUnavailable,
+  TopicWorker,
   Worker,
   done,
   retry,
   terminal,
+  type Message,
   type Outcome,
   type RedisTarget,
 } from "../src/index.js";
@@ -37,8 +47,15 @@ function required(name: string): string {
   return value;
 }
 
-/** `REDIS_URL` as the library takes it: the URL itself, or the sentinel it names with `SENTINEL_MASTER`. */
+/**
+ * `REDIS_URL` as the library takes it: the URL itself, the sentinel it names with `SENTINEL_MASTER`, or with
+ * `REDIS_CLUSTER=1` a primary of the Redis Cluster.
+ */
 function target(url: string): RedisTarget {
+  if (process.env["REDIS_CLUSTER"] === "1") {
+    const node = new URL(url);
+    return { cluster: [{ host: node.hostname, port: Number(node.port || 6379) }] };
+  }
   const name = process.env["SENTINEL_MASTER"];
   if (!name) return url;
   const sentinel = new URL(url);
@@ -79,41 +96,76 @@ if (process.env["MODE"] === "publish") {
   process.exit(0);
 }
 
-const grace = process.env["SHUTDOWN_GRACE_MS"];
-const worker = new Worker({
-  redis: target(required("REDIS_URL")),
-  stream: required("STREAM"),
-  group: required("GROUP"),
-  ...(process.env["CONSUMER"] ? { consumer: process.env["CONSUMER"] } : {}),
-  ...(grace ? { shutdownGraceMs: Number(grace) } : {}),
-});
-
-/** One line per handler run, written synchronously: it is on stdout before an `exit` ends the process. */
-function report(id: string, outcome: string, ms: number): void {
-  writeSync(1, JSON.stringify({ id, consumer: worker.consumer, outcome, ms }) + "\n");
+/** One JSON line, written synchronously: it is on stdout before an `exit` ends the process. */
+function line(fields: Record<string, unknown>): void {
+  writeSync(1, JSON.stringify(fields) + "\n");
 }
 
-worker.installSignalHandlers();
-try {
-  await worker.run(async (message): Promise<Outcome> => {
-    const handle = message.field("handle") ?? "done";
-    const ms = Number(message.field("ms") ?? 0) || 0;
-    if (handle === "exit") {
-      report(message.id, "exit", ms);
-      process.exit(3);
-    }
-    await sleep(ms);
-    if (handle.startsWith("terminal:")) {
-      report(message.id, "terminal", ms);
-      return terminal(handle.slice("terminal:".length));
-    }
-    if (handle === "done" || handle === "retry") {
-      report(message.id, handle, ms);
-      return handle === "done" ? done() : retry();
-    }
-    report(message.id, "fail", ms);
-    throw new Error(handle === "fail" ? "the message asked to fail" : `unknown handle ${JSON.stringify(handle)}`);
+/** Obeys the message's `handle` after sleeping its `ms`, reporting the outcome before it is returned. */
+async function obey(message: Message, report: (outcome: string, ms: number) => void): Promise<Outcome> {
+  const handle = message.field("handle") ?? "done";
+  const ms = Number(message.field("ms") ?? 0) || 0;
+  if (handle === "exit") {
+    report("exit", ms);
+    process.exit(3);
+  }
+  await sleep(ms);
+  if (handle.startsWith("terminal:")) {
+    report("terminal", ms);
+    return terminal(handle.slice("terminal:".length));
+  }
+  if (handle === "done" || handle === "retry") {
+    report(handle, ms);
+    return handle === "done" ? done() : retry();
+  }
+  report("fail", ms);
+  throw new Error(handle === "fail" ? "the message asked to fail" : `unknown handle ${JSON.stringify(handle)}`);
+}
+
+const redis = target(required("REDIS_URL"));
+const group = required("GROUP");
+const grace = process.env["SHUTDOWN_GRACE_MS"];
+const ttl = process.env["MEMBERSHIP_TTL_MS"];
+const common = {
+  redis,
+  group,
+  ...(process.env["CONSUMER"] ? { consumer: process.env["CONSUMER"] } : {}),
+  ...(grace ? { shutdownGraceMs: Number(grace) } : {}),
+};
+
+/** A member of the topic's group; each line also says where the entry was read, its key, and when it ran. */
+async function runTopic(topic: string): Promise<void> {
+  let worker: TopicWorker;
+  try {
+    worker = await TopicWorker.connect({ ...common, topic, ...(ttl ? { ttlMs: Number(ttl) } : {}) });
+  } catch (error) {
+    if (!(error instanceof TopicError) || error instanceof TopicUnavailable) throw error;
+    console.error(`conformance worker: ${error.message}`);
+    process.exit(4);
+  }
+  worker.installSignalHandlers();
+  await worker.run((message, { partition }) => {
+    const startedAt = Date.now();
+    const key = message.field(KEY_FIELD) ?? null;
+    return obey(message, (outcome, ms) => {
+      const endedAt = outcome === "exit" ? startedAt : Date.now();
+      line({ id: message.id, consumer: worker.consumer, outcome, ms, partition, key, startedAt, endedAt });
+    });
   });
+}
+
+async function runStream(stream: string): Promise<void> {
+  const worker = new Worker({ ...common, stream });
+  worker.installSignalHandlers();
+  await worker.run((message) =>
+    obey(message, (outcome, ms) => line({ id: message.id, consumer: worker.consumer, outcome, ms })),
+  );
+}
+
+try {
+  const topic = process.env["TOPIC"];
+  if (topic) await runTopic(topic);
+  else await runStream(required("STREAM"));
 } catch (error) {
   // The worker logged the version error itself.
   if (error instanceof ContractVersionError) process.exit(4);

@@ -20,10 +20,13 @@ export {
   rejectedKey,
   partitionStream,
   topicKey,
+  membersKey,
+  ownersKey,
+  epochsKey,
   KEY_FIELD,
   TOPIC_CONTRACT_VERSION,
 } from "./keys.js";
-export { podName, type RedisTarget } from "./connection.js";
+export { podName, type ClusterTarget, type Connection, type RedisTarget } from "./connection.js";
 export {
   Producer,
   IdempotentProducer,
@@ -46,3 +49,18 @@ export {
   TopicUnavailable,
 } from "./topic.js";
 export type { MessageKey, TopicPublished, TopicPublishOptions } from "./topic.js";
+export {
+  TopicWorker,
+  UnknownOrdering,
+  DEFAULT_TTL_MS,
+  describeTopicSettings,
+  parseAssignment,
+} from "./topic-worker.js";
+export type {
+  Assignment,
+  Ordering,
+  TopicDescription,
+  TopicHandler,
+  TopicHandlerContext,
+  TopicWorkerOptions,
+} from "./topic-worker.js";

@@ -79,3 +79,18 @@ export const KEY_FIELD = "pelican-key";
 
 /** The `contractVersion` of a topic's description this library knows. */
 export const TOPIC_CONTRACT_VERSION = 2;
+
+/** `{T}:pelican:T:<group>:members`: member -> its lease deadline (the server's ms), written by `membership.lua`. */
+export function membersKey(topic: string, group: string): string {
+  return `{${hashTag(topic)}}:pelican:${topic}:${group}:members`;
+}
+
+/** `{T}:pelican:T:<group>:owners`: partition index -> the member that owns it, written by `membership.lua`. */
+export function ownersKey(topic: string, group: string): string {
+  return `{${hashTag(topic)}}:pelican:${topic}:${group}:owners`;
+}
+
+/** `{T}:pelican:T:<group>:epochs`: partition index -> its epoch, incremented at every hand-over. */
+export function epochsKey(topic: string, group: string): string {
+  return `{${hashTag(topic)}}:pelican:${topic}:${group}:epochs`;
+}

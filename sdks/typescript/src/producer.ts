@@ -2,9 +2,8 @@
  * The producer side of a bounded stream (contract/README.md, "Producers"): publishes through the bounded-publish
  * scripts and tells a refusal (certainly not written, try later) from an unknown outcome (may have been written).
  */
-import type { Redis } from "ioredis";
 
-import { connect, isReplyError, podName, type RedisTarget } from "./connection.js";
+import { connect, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
 import { boundsKey, rejectedKey } from "./keys.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
 
@@ -100,14 +99,14 @@ const NOT_SENT = "enableOfflineQueue options is false";
 
 export class Producer {
   readonly stream: string;
-  private readonly conn: Redis & ScriptCommands;
+  private readonly conn: Connection & ScriptCommands;
   private readonly keys: [string, string, string];
   private ready: Promise<void> | undefined;
 
   constructor(options: ProducerOptions);
   /** @internal A producer of `options.stream` on another producer's connection (`sibling`). */
-  constructor(options: Pick<ProducerOptions, "stream">, shared: Redis & ScriptCommands);
-  constructor(options: ProducerOptions | Pick<ProducerOptions, "stream">, shared?: Redis & ScriptCommands) {
+  constructor(options: Pick<ProducerOptions, "stream">, shared: Connection & ScriptCommands);
+  constructor(options: ProducerOptions | Pick<ProducerOptions, "stream">, shared?: Connection & ScriptCommands) {
     this.stream = options.stream;
     this.keys = [options.stream, boundsKey(options.stream), rejectedKey(options.stream)];
     // Only the internal overload passes `shared`, and only the public one leaves it out.
@@ -212,7 +211,7 @@ export class Producer {
 }
 
 /** The connection of a producer (and of its siblings): it never sends a publish twice. */
-function publishConnection(options: ProducerOptions): Redis & ScriptCommands {
+function publishConnection(options: ProducerOptions): Connection & ScriptCommands {
   // A publish is never sent twice by the client: whether to publish again is the caller's call, told by the
   // error's class. `maxRetriesPerRequest: 0` and `autoResendUnfulfilledCommands: false`: a call in flight when
   // the connection drops fails (outcome unknown) instead of being resent after the reconnect, which would write

@@ -4,7 +4,7 @@
  * `defineCommand` runs each by `EVALSHA` and falls back to `EVAL` on `NOSCRIPT`.
  */
 import { readFileSync } from "node:fs";
-import type { Redis } from "ioredis";
+import type { Connection } from "./connection.js";
 
 /** The folder the scripts ship in: `scripts/` at the package's root, beside `dist/`. */
 const SCRIPTS_DIR = new URL("../../scripts/", import.meta.url);
@@ -31,6 +31,11 @@ export interface ScriptCommands {
   pelicanBoundedPublish: Call;
   /** KEYS: stream, bounds, rejected. ARGV: n, then per entry its count and arguments. Replies {ids, refusal}. */
   pelicanBoundedPublishBatch: Call;
+  /**
+   * KEYS: a topic's members, owners, epochs. ARGV: member, ttl ms, partitions, 1 (leaving) | 0, released
+   * partitions. Replies {owned: {{partition, epoch}, ...}, release: {partition, ...}, live members}.
+   */
+  pelicanMembership: Call;
 }
 
 /** Each command's script text (read once) and its number of KEYS. */
@@ -40,10 +45,11 @@ const DEFINITIONS: Record<keyof ScriptCommands, { lua: string; numberOfKeys: num
   pelicanTerminalAck: { lua: load("terminal_ack.lua"), numberOfKeys: 3 },
   pelicanBoundedPublish: { lua: load("bounded_publish.lua"), numberOfKeys: 3 },
   pelicanBoundedPublishBatch: { lua: load("bounded_publish_batch.lua"), numberOfKeys: 3 },
+  pelicanMembership: { lua: load("membership.lua"), numberOfKeys: 3 },
 };
 
 /** Defines every script on `conn` and returns it typed with them. */
-export function withScripts(conn: Redis): Redis & ScriptCommands {
+export function withScripts(conn: Connection): Connection & ScriptCommands {
   for (const [name, definition] of Object.entries(DEFINITIONS)) conn.defineCommand(name, definition);
-  return conn as Redis & ScriptCommands;
+  return conn as Connection & ScriptCommands;
 }

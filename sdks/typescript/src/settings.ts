@@ -20,11 +20,17 @@ export interface WorkerSettings {
 /** The operator speaks a contract version this library does not know. */
 export class ContractVersionError extends Error {
   override readonly name = "ContractVersionError";
-  /** `contractVersion` as the operator wrote it (`2`, or `2.0`: only digits are a version this library may know). */
-  constructor(readonly operatorVersion: string) {
+  /**
+   * `contractVersion` as the operator wrote it (`2`, or `2.0`: only digits are a version this library may know),
+   * and the versions the reader knew (a topic's partitions speak 2).
+   */
+  constructor(
+    readonly operatorVersion: string,
+    known: readonly number[] = KNOWN_CONTRACT_VERSIONS,
+  ) {
     super(
       `the operator speaks worker contract ${operatorVersion}, this library knows ` +
-        `${KNOWN_CONTRACT_VERSIONS.join(", ")}: upgrade the library (@pelican-io/worker)`,
+        `${known.join(", ")}: upgrade the library (@pelican-io/worker)`,
     );
   }
 }
@@ -33,12 +39,16 @@ export class ContractVersionError extends Error {
  * Reads an `HGETALL` reply field by field, by name. The contract version first, on its own: only ASCII digits are
  * a version, and one this library does not know throws a `ContractVersionError` whatever the other fields hold
  * (without the field: version 1). Any other field that is missing or not a decimal number is left out, so each use
- * falls back on its own default (see `leaseIntervalMs`, `UNPUBLISHED_IDLE_MS`).
+ * falls back on its own default (see `leaseIntervalMs`, `UNPUBLISHED_IDLE_MS`). `known`: the versions the reader
+ * speaks (a partition of a topic: 2 only).
  */
-export function parseSettings(hash: Record<string, string>): WorkerSettings {
+export function parseSettings(
+  hash: Record<string, string>,
+  known: readonly number[] = KNOWN_CONTRACT_VERSIONS,
+): WorkerSettings {
   const version = hash["contractVersion"];
-  if (version !== undefined && !(/^\d+$/.test(version) && KNOWN_CONTRACT_VERSIONS.includes(Number(version)))) {
-    throw new ContractVersionError(version);
+  if (version !== undefined && !(/^\d+$/.test(version) && known.includes(Number(version)))) {
+    throw new ContractVersionError(version, known);
   }
   const number = (name: string): number | undefined => {
     const text = hash[name];

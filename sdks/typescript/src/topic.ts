@@ -40,11 +40,12 @@ export abstract class TopicError extends Error {
 /** No policy describes the topic (yet): `{T}:pelican:T:topic` has no `partitions` (1 .. 1024). */
 export class NotATopic extends TopicError {
   override readonly name = "NotATopic";
-  constructor(topic: string) {
+  /** `instead`: what to do with a plain stream (a producer publishes with a `Producer`, a worker runs a `Worker`). */
+  constructor(topic: string, instead = "publish with a Producer") {
     super(
       topic,
       `${JSON.stringify(topic)} is not a topic: no policy with spec.partitions describes it (yet); apply one, or ` +
-        "publish with a Producer if it is a plain stream",
+        `${instead} if it is a plain stream`,
     );
   }
 }

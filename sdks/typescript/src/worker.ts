@@ -5,15 +5,15 @@
  * the only place that acknowledges.
  */
 import { setTimeout as sleep } from "node:timers/promises";
-import type { Redis } from "ioredis";
 
-import { connect, errorText, isReplyError, podName, type RedisTarget } from "./connection.js";
+import { connect, errorText, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
 import { DELIVERIES_FIELD, ERROR_TEXT_MAX, consumersKey, errorsKey, settingsKey, terminalKey } from "./keys.js";
 import { Message } from "./message.js";
 import { checkOutcome, type Outcome } from "./outcome.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
 import {
   ContractVersionError,
+  KNOWN_CONTRACT_VERSIONS,
   UNPUBLISHED_IDLE_MS,
   leaseIntervalMs,
   parseSettings,
@@ -94,6 +94,7 @@ const SETTLE_WAIT_MS = 5;
 
 /** Why a handler's signal is aborted. */
 const GIVEN_BACK = "the shutdown grace ran out: the message was given back";
+const LOST = "the partition was lost: another member handles the message";
 
 /** A `done` outcome waiting for the acknowledger's next XACK. */
 interface PendingAck {
@@ -144,7 +145,7 @@ export function logLine(level: string, message: string, fields: Record<string, u
   return [`pelican worker ${level}: ${message}`, ...parts].join(" ");
 }
 
-const stderrLogger: Logger = {
+export const stderrLogger: Logger = {
   info: (message, fields) => process.stderr.write(`${logLine("INFO", message, fields)}\n`),
   warn: (message, fields) => process.stderr.write(`${logLine("WARN", message, fields)}\n`),
   error: (message, fields) => process.stderr.write(`${logLine("ERROR", message, fields)}\n`),
@@ -181,8 +182,8 @@ export class Worker {
   /** Aborted by `stop()`: ends the pauses of the read loop at once. */
   private readonly stopping = new AbortController();
   private running: Promise<WorkerStats> | undefined;
-  private reader: Redis | undefined;
-  private writer: (Redis & ScriptCommands) | undefined;
+  private reader: Connection | undefined;
+  private writer: (Connection & ScriptCommands) | undefined;
   private leaseTimer: NodeJS.Timeout | undefined;
   /** `done` outcomes of handlers that finished together: acknowledged in one XACK (see `ack`). */
   private pendingAcks: PendingAck[] = [];
@@ -192,6 +193,8 @@ export class Worker {
   private readonly said = new Set<string>();
   /** The connections are closing: no lease is scheduled any more. */
   private closed = false;
+  /** Stopped by `lose()`: nothing more is written, nothing given back. */
+  private lost = false;
 
   constructor(options: WorkerOptions) {
     this.target = options.redis;
@@ -279,21 +282,24 @@ export class Worker {
     this.handler = handler;
     try {
       if (await this.startUp()) {
+        await this.beforeFirstRead(writer);
         this.scheduleLease();
         await this.readLoop(handler);
-        await this.finishInFlight();
+        if (this.lost) this.dropInFlight();
+        else await this.finishInFlight();
       }
     } finally {
       this.closed = true;
       clearTimeout(this.leaseTimer);
       reader.disconnect();
-      await writer.quit().catch(() => writer.disconnect());
+      if (this.lost) writer.disconnect();
+      else await writer.quit().catch(() => writer.disconnect());
     }
     if (this.fatal) throw this.fatal;
     return this.stats();
   }
 
-  private logConnectionErrors(conn: Redis, role: string): void {
+  private logConnectionErrors(conn: Connection, role: string): void {
     let last = "";
     conn.on("error", (error: unknown) => {
       const text = errorText(error);
@@ -301,6 +307,39 @@ export class Worker {
       last = text;
     });
     conn.on("ready", () => (last = ""));
+  }
+
+  /** The contract versions this worker speaks: the library's, or 2 on a topic's partition. */
+  protected speaks(): readonly number[] {
+    return KNOWN_CONTRACT_VERSIONS;
+  }
+
+  /** What a worker does once connected, before it reads its own PEL: nothing here (a partition takes it over). */
+  protected async beforeFirstRead(_writer: Connection): Promise<void> {}
+
+  /**
+   * Stops at once, as a partition that went to another member must: no handler starts, no outcome is written,
+   * nothing is given back (the new owner takes the pending list over); handlers running see their signal aborted.
+   * `run` then resolves with the stats so far.
+   */
+  protected lose(): void {
+    this.lost = true;
+    this.requestStop();
+    // Ends a blocking read at once.
+    this.reader?.disconnect();
+  }
+
+  private dropInFlight(): void {
+    for (const entry of this.inFlight.values()) {
+      entry.abandoned = true;
+      entry.abort?.abort(new Error(LOST));
+    }
+    this.log.warn("stopped at once: the messages in flight and queued are the new owner's", {
+      ...this.where(),
+      dropped: this.inFlight.size + this.queued.size,
+    });
+    this.inFlight.clear();
+    this.queued.clear();
   }
 
   /** Reads the settings and checks the contract version before the first read; false when stopped meanwhile. */
@@ -336,7 +375,7 @@ export class Worker {
       this.sayOnce("settings refused", "the group's settings cannot be read: leasing every second", error);
       return;
     }
-    this.settings = parseSettings(hash);
+    this.settings = parseSettings(hash, this.speaks());
   }
 
   private sayOnce(key: string, message: string, error: unknown): void {
@@ -372,6 +411,7 @@ export class Worker {
           messages = (await this.readEntries(free, ">")).messages;
         }
       } catch (error) {
+        if (this.lost) break;
         if (isReplyError(error) && error.message.startsWith("NOGROUP")) {
           // The group is the operator's to create: wait for it, never create it.
           if (!waitingForGroup) {
@@ -840,12 +880,12 @@ export class Worker {
     return { stream: this.stream, group: this.group, consumer: this.consumer };
   }
 
-  private readerConn(): Redis {
+  private readerConn(): Connection {
     if (!this.reader) throw new Error("the worker is not running");
     return this.reader;
   }
 
-  private writerConn(): Redis & ScriptCommands {
+  private writerConn(): Connection & ScriptCommands {
     if (!this.writer) throw new Error("the worker is not running");
     return this.writer;
   }
@@ -861,7 +901,7 @@ export function cutUtf8(text: string, max: number): string {
   return bytes.subarray(0, end).toString("utf8");
 }
 
-function chunks<T>(items: readonly T[], size: number): T[][] {
+export function chunks<T>(items: readonly T[], size: number): T[][] {
   const out: T[][] = [];
   for (let i = 0; i < items.length; i += size) out.push(items.slice(i, i + size));
   return out;
@@ -870,7 +910,7 @@ function chunks<T>(items: readonly T[], size: number): T[][] {
 type Entry = [id: string, pairs: Array<[Buffer, Buffer]> | null];
 
 /** `XREADGROUP`'s `[[stream, entries]]`, or nil, as entries. */
-function parseStreams(reply: unknown): Entry[] {
+export function parseStreams(reply: unknown): Entry[] {
   if (!Array.isArray(reply)) return [];
   return reply.flatMap((stream: unknown) => (Array.isArray(stream) ? parseEntries(stream[1]) : []));
 }

@@ -3,10 +3,20 @@ import assert from "node:assert/strict";
 import { spawn, type ChildProcess } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { after, before, test } from "node:test";
+import { Cluster } from "ioredis";
 
-import { errorsKey, terminalKey } from "../src/index.js";
+import {
+  TopicProducer,
+  errorsKey,
+  membersKey,
+  partitionOf,
+  partitionStream,
+  settingsKey,
+  terminalKey,
+  topicKey,
+} from "../src/index.js";
 import { createGroup, freshStream, pending, waitFor } from "./support/helpers.js";
-import { startRedis, type RedisServer } from "./support/server.js";
+import { startCluster, startRedis, type RedisServer } from "./support/server.js";
 
 const program = fileURLToPath(new URL("../conformance/worker.js", import.meta.url));
 const group = "conformance";
@@ -20,20 +30,27 @@ interface Line {
   consumer: string;
   outcome: string;
   ms: number;
+  partition?: number;
+  key?: string | null;
+  startedAt?: number;
+  endedAt?: number;
 }
 
+/** The program on `stream` (or, with `env` saying `TOPIC`, on a topic). */
 function startWorker(
   stream: string,
   consumer: string,
+  env: Record<string, string> = { STREAM: stream },
 ): { child: ChildProcess; lines: Line[]; exited: Promise<number | null> } {
   const child = spawn(process.execPath, [program], {
     env: {
       ...process.env,
       REDIS_URL: server.url,
-      STREAM: stream,
+      REDIS_CLUSTER: "",
       GROUP: group,
       CONSUMER: consumer,
       SHUTDOWN_GRACE_MS: "500",
+      ...env,
     },
     stdio: ["ignore", "pipe", "ignore"],
   });
@@ -103,4 +120,93 @@ test("an operator speaking an unknown contract version: the process exits 4, not
   assert.equal(await exited, 4);
   assert.deepEqual(lines, []);
   assert.deepEqual(await pending(admin, stream, group), []);
+});
+
+test("TOPIC: a member of the topic's group; each line says the partition, the key and when the handler ran", async () => {
+  const admin = server.admin;
+  const topic = freshStream("topic");
+  const settings = { contractVersion: 2, partitions: 2, minIdleMs: 60_000, retryAfterMs: 45_000, maxDeliveries: 5 };
+  await admin.hset(topicKey(topic), "partitions", 2, "contractVersion", 2);
+  await admin.hset(settingsKey(topic, group), settings);
+  for (const p of [0, 1]) {
+    await createGroup(admin, partitionStream(topic, p), group, settings);
+  }
+  const producer = await TopicProducer.connect(server.url, topic);
+  const keys = ["a", "b", "c", "d"];
+  const before = Date.now();
+  // Entries of two partitions may have the same id: each is known by both.
+  const where = (partition: number | undefined, id: string): string => `${partition}/${id}`;
+  const published = new Map<string, string>();
+  for (const key of keys) {
+    const { partition, id } = await producer.publish({ handle: "done", ms: "30" }, { key });
+    published.set(where(partition, id), key);
+  }
+  const unkeyed = await producer.publish({ handle: "done", ms: "0" });
+  await producer.close();
+  const { child, lines, exited } = startWorker("", "m1", { TOPIC: topic, MEMBERSHIP_TTL_MS: "1000" });
+  await waitFor("five lines", () => lines.length === 5);
+  for (const line of lines) {
+    const key = published.get(where(line.partition, line.id)) ?? null;
+    const partition = key === null ? unkeyed.partition : partitionOf(key, 2);
+    if (key === null) assert.equal(line.id, unkeyed.id);
+    assert.deepEqual(
+      { ...line, startedAt: 0, endedAt: 0 },
+      {
+        id: line.id,
+        consumer: "m1",
+        outcome: "done",
+        ms: key === null ? 0 : 30,
+        partition,
+        key,
+        startedAt: 0,
+        endedAt: 0,
+      },
+    );
+    const { startedAt = 0, endedAt = 0 } = line;
+    // A timer may fire a millisecond before the wall clock moved on by its whole delay.
+    assert.ok(before <= startedAt && startedAt + line.ms - 1 <= endedAt && endedAt <= Date.now(), JSON.stringify(line));
+  }
+  child.kill("SIGTERM");
+  assert.equal(await exited, 0);
+  assert.deepEqual(await admin.hgetall(membersKey(topic, group)), {}, "it left the group");
+});
+
+test("TOPIC: a topic it refuses (no policy describes it) exits 4", async () => {
+  const { lines, exited } = startWorker("", "m2", { TOPIC: freshStream("nothing") });
+  assert.equal(await exited, 4);
+  assert.deepEqual(lines, []);
+});
+
+test("REDIS_CLUSTER=1 TOPIC: a member through the library's Cluster connections", async () => {
+  const cluster = await startCluster();
+  const node = { host: "127.0.0.1", port: cluster.ports[0]! };
+  const on = new Cluster([node]);
+  try {
+    const topic = freshStream("topic");
+    const settings = { contractVersion: 2, partitions: 3, minIdleMs: 60_000, retryAfterMs: 45_000, maxDeliveries: 5 };
+    await on.hset(topicKey(topic), "partitions", 3, "contractVersion", 2);
+    await on.hset(settingsKey(topic, group), settings);
+    for (const p of [0, 1, 2]) {
+      await on.xgroup("CREATE", partitionStream(topic, p), group, "0", "MKSTREAM");
+      await on.hset(settingsKey(partitionStream(topic, p), group), settings);
+    }
+    const producer = await TopicProducer.connect({ cluster: [node] }, topic);
+    for (const key of ["x", "y", "z"]) await producer.publish({ handle: "done", ms: "0" }, { key });
+    await producer.close();
+    const { child, lines, exited } = startWorker("", "m3", {
+      TOPIC: topic,
+      REDIS_URL: `redis://127.0.0.1:${node.port}`,
+      REDIS_CLUSTER: "1",
+    });
+    await waitFor("three lines", () => lines.length === 3);
+    assert.deepEqual(
+      lines.map((line) => [line.key, line.partition, line.outcome]).sort(),
+      ["x", "y", "z"].map((key) => [key, partitionOf(key, 3), "done"]),
+    );
+    child.kill("SIGTERM");
+    assert.equal(await exited, 0);
+  } finally {
+    on.disconnect();
+    await cluster.stop();
+  }
 });

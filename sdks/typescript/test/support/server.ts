@@ -2,12 +2,16 @@
  * A real redis-server for tests and the benchmark, on a free loopback port: `REDIS_SERVER` names the binary, else
  * `redis-server` from PATH (waited for a while: it may still be being installed).
  */
-import { spawn, type ChildProcess } from "node:child_process";
-import { accessSync, constants } from "node:fs";
+import { execFile, spawn, type ChildProcess } from "node:child_process";
+import { accessSync, constants, existsSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { connect, createServer } from "node:net";
-import { delimiter, join } from "node:path";
+import { delimiter, dirname, join } from "node:path";
+import { promisify } from "node:util";
 import { setTimeout as sleep } from "node:timers/promises";
 import { Redis } from "ioredis";
+
+const execFileAsync = promisify(execFile);
 
 export interface RedisServer {
   url: string;
@@ -86,6 +90,51 @@ export async function startRedis(extraArgs: string[] = [], path: string = binary
       admin.disconnect();
       child.kill("SIGTERM");
       await exited;
+    },
+  };
+}
+
+export interface RedisCluster {
+  /** The port of each primary. */
+  ports: number[];
+  stop(): Promise<void>;
+}
+
+/**
+ * A Redis Cluster of `size` primaries of `path` (no replicas) on loopback ports, its slots spread by `redis-cli
+ * --cluster create` (the `redis-cli` beside the server, else on PATH), ready once every node says `cluster_state:ok`.
+ */
+export async function startCluster(size = 3, path: string = binary()): Promise<RedisCluster> {
+  const dir = mkdtempSync(join(tmpdir(), "pelican-cluster-"));
+  const servers: RedisServer[] = [];
+  const ports: number[] = [];
+  try {
+    for (let i = 0; i < size; i++) {
+      const config = join(dir, `nodes-${i}.conf`);
+      const server = await startRedis(["--cluster-enabled", "yes", "--cluster-config-file", config], path);
+      servers.push(server);
+      ports.push(server.port);
+    }
+    const cli = [join(dirname(path), "redis-cli"), onPath("redis-cli")].find((p) => p && existsSync(p));
+    if (!cli) throw new Error("no redis-cli beside the server nor on PATH: it makes the cluster");
+    const nodes = ports.map((port) => `127.0.0.1:${port}`);
+    await execFileAsync(cli, ["--cluster", "create", ...nodes, "--cluster-replicas", "0", "--cluster-yes"]);
+    for (let tries = 0; ; tries++) {
+      const states = await Promise.all(servers.map((s) => s.admin.call("CLUSTER", "INFO")));
+      if (states.every((info) => String(info).includes("cluster_state:ok"))) break;
+      if (tries > 200) throw new Error("the cluster did not become ready");
+      await sleep(50);
+    }
+  } catch (error) {
+    await Promise.all(servers.map((server) => server.stop()));
+    rmSync(dir, { recursive: true, force: true });
+    throw error;
+  }
+  return {
+    ports,
+    async stop() {
+      await Promise.all(servers.map((server) => server.stop()));
+      rmSync(dir, { recursive: true, force: true });
     },
   };
 }
