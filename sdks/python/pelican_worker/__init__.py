@@ -17,6 +17,14 @@ from pelican_worker.producer import (
     Refusal,
 )
 from pelican_worker.settings import KNOWN_CONTRACT_VERSIONS, ContractVersionError, WorkerSettings
+from pelican_worker.topic import (
+    IdempotentTopicProducer,
+    NotATopic,
+    TopicContractError,
+    TopicProducer,
+    TopicPublished,
+    partition_of,
+)
 from pelican_worker.worker import Handler, Worker, WorkerStats, default_consumer_name, run_until_signal
 
 __version__ = "0.2.0.dev0"
@@ -27,8 +35,10 @@ __all__ = [
     "Handler",
     "IdempotenceUnsupported",
     "IdempotentProducer",
+    "IdempotentTopicProducer",
     "InvalidReason",
     "Message",
+    "NotATopic",
     "Outcome",
     "Producer",
     "PublishError",
@@ -38,9 +48,13 @@ __all__ = [
     "PublishUnavailable",
     "Published",
     "Refusal",
+    "TopicContractError",
+    "TopicProducer",
+    "TopicPublished",
     "Worker",
     "WorkerSettings",
     "WorkerStats",
     "default_consumer_name",
+    "partition_of",
     "run_until_signal",
 ]

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, RedisError, ResponseError, TimeoutError
 
@@ -31,6 +32,7 @@ __all__ = [
     "PublishUnavailable",
     "Published",
     "Refusal",
+    "Value",
 ]
 
 #: A field's value, as redis-py encodes it.
@@ -150,8 +152,18 @@ class Producer:
     """
 
     def __init__(self, redis: RedisSource, stream: str, *, timeout: float = 10.0) -> None:
+        self._bind(make_client(redis, socket_timeout=timeout, resend=False), stream)
+
+    @classmethod
+    def _sharing(cls, client: Redis, stream: str) -> Producer:
+        """A producer of ``stream`` on a client another owns (a topic's partitions share their producer's)."""
+        producer = cls.__new__(cls)
+        producer._bind(client, stream)
+        return producer
+
+    def _bind(self, client: Redis, stream: str) -> None:
         self.stream = stream
-        self._client = make_client(redis, socket_timeout=timeout, resend=False)
+        self._client = client
         self._keys = [stream, bounds_key(stream), rejected_key(stream)]
         self._publish: AsyncScript = self._client.register_script(script_source("bounded_publish"))
         self._publish_batch: AsyncScript = self._client.register_script(script_source("bounded_publish_batch"))
