@@ -1,6 +1,7 @@
 """Pelican's worker library: consume a Redis Streams group that a Pelican ``ConsumerGroupPolicy`` manages.
 
-It implements the worker contract (version 1) in ``contract/README.md`` of the Pelican repository.
+It implements the worker contract (version 1, and version 2's topics) in ``contract/README.md`` of the Pelican
+repository.
 """
 
 from pelican_worker.message import InvalidReason, Message, Outcome
@@ -25,11 +26,13 @@ from pelican_worker.topic import (
     TopicPublished,
     partition_of,
 )
+from pelican_worker.topic_worker import DEFAULT_MEMBERSHIP_TTL, Ordering, OrderingError, TopicWorker
 from pelican_worker.worker import Handler, Worker, WorkerStats, default_consumer_name, run_until_signal
 
 __version__ = "0.2.0.dev0"
 
 __all__ = [
+    "DEFAULT_MEMBERSHIP_TTL",
     "KNOWN_CONTRACT_VERSIONS",
     "ContractVersionError",
     "Handler",
@@ -39,6 +42,8 @@ __all__ = [
     "InvalidReason",
     "Message",
     "NotATopic",
+    "Ordering",
+    "OrderingError",
     "Outcome",
     "Producer",
     "PublishError",
@@ -51,6 +56,7 @@ __all__ = [
     "TopicContractError",
     "TopicProducer",
     "TopicPublished",
+    "TopicWorker",
     "Worker",
     "WorkerSettings",
     "WorkerStats",

@@ -35,7 +35,7 @@ RAW: dict[str, Any] = {NEVER_DECODE: True}
 
 # Replies the library parses itself: redis-py's own parsers turn entries into dicts, which loses field order and
 # repeated names.
-_RAW_REPLIES = ("XREADGROUP", "XRANGE", "XPENDING", "HGETALL", "COMMAND")
+_RAW_REPLIES = ("XREADGROUP", "XRANGE", "XPENDING", "XAUTOCLAIM", "XCLAIM", "HGETALL", "COMMAND")
 
 
 def _unparsed(response: Any, **_options: Any) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "KNOWN_CONTRACT_VERSIONS",
+    "TOPIC_CONTRACT_VERSIONS",
     "UNPUBLISHED_IDLE_MS",
     "UNPUBLISHED_LEASE_INTERVAL",
     "ContractVersionError",
@@ -24,6 +25,8 @@ __all__ = [
 
 #: The worker contract versions this library implements.
 KNOWN_CONTRACT_VERSIONS: frozenset[int] = frozenset({1})
+#: The contract versions a topic's settings (and its partitions') may say.
+TOPIC_CONTRACT_VERSIONS: frozenset[int] = frozenset({2})
 
 #: The idle time given back entries get when no settings are published: Pelican's default ``minIdle``.
 UNPUBLISHED_IDLE_MS = 300_000

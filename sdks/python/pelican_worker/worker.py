@@ -34,6 +34,8 @@ from pelican_worker.keys import (
 )
 from pelican_worker.message import Message, Outcome
 from pelican_worker.settings import (
+    KNOWN_CONTRACT_VERSIONS,
+    TOPIC_CONTRACT_VERSIONS,
     UNPUBLISHED_IDLE_MS,
     ContractVersionError,
     SettingsError,
@@ -144,6 +146,28 @@ class Worker:
         self._done = asyncio.Event()
         self._fatal: ContractVersionError | None = None
         self._running = False
+        # A topic's partition (TopicWorker, _as_partition): the contract versions its settings may say, the
+        # partition its messages carry, whether the membership is fresh (no handler starts once it may have
+        # expired), and aborted: the partition was lost, nothing more of it is written or given back.
+        self._known_versions = KNOWN_CONTRACT_VERSIONS
+        self._partition: int | None = None
+        self._fresh: Callable[[], bool] | None = None
+        self._aborted = False
+
+    def _as_partition(self, partition: int, fresh: Callable[[], bool]) -> None:
+        """Makes this worker partition ``partition`` of a topic (contract version 2), owned while ``fresh()``."""
+        self._known_versions = TOPIC_CONTRACT_VERSIONS
+        self._partition, self._fresh = partition, fresh
+
+    def _abort(self) -> None:
+        """The partition is lost (another's now): stops at once; handlers running are cancelled and nothing more is
+        written, nothing given back: the new owner takes the entries over from the pending list."""
+        if not self._aborted:
+            log.warning("partition lost: stopped at once, its messages left to the new owner", extra=self._where())
+        self._aborted = True
+        self._request_stop()
+        for task in self._tasks:
+            task.cancel()
 
     @property
     def stats(self) -> WorkerStats:
@@ -222,7 +246,7 @@ class Worker:
         without settings (leases every second), with a warning once; a broken connection keeps the last ones."""
         try:
             raw = await raw_command(conn, "HGETALL", settings_key(self.stream, self.group))
-            settings, problem = parse_settings(raw), None
+            settings, problem = parse_settings(raw, self._known_versions), None
         except (ResponseError, SettingsError) as error:
             settings, problem = None, str(error)
         if problem is not None and problem != self._settings_problem:
@@ -324,7 +348,7 @@ class Worker:
         found = read_entries(reply)
         if not found:
             return [], None
-        return _messages(found), found[-1][0]
+        return _messages(found, self._partition), found[-1][0]
 
     async def _read_new(self, reader: Redis, count: int) -> list[Message]:
         block_ms = max(1, round(self.block * 1000))
@@ -332,7 +356,7 @@ class Worker:
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
             "STREAMS", self.stream, ">",
         )  # fmt: skip
-        return _messages(read_entries(reply))
+        return _messages(read_entries(reply), self._partition)
 
     async def _take_up(self, handler: Handler, calls: _Writer) -> None:
         """Takes up as many hand-overs as slots are free and starts their handlers; the rest at the next tick. Not
@@ -381,11 +405,18 @@ class Worker:
             queue_raw(pipe, "XRANGE", self.stream, entry_id, entry_id)
         ranges = await pipe.execute()
         # An entry deleted while pending has no payload: the operator's pass drops it.
-        return _messages([entry for found in ranges for entry in range_entries(found)])
+        return _messages([entry for found in ranges for entry in range_entries(found)], self._partition)
 
     # Dispatch: the only place that acknowledges
 
     def _start(self, handler: Handler, calls: _Writer, message: Message) -> None:
+        if self._fresh is not None and not self._fresh():
+            log.warning(
+                "no membership heartbeat answered within the ttl: the partition may be another's", extra=self._where()
+            )
+            self._abort()
+        if self._aborted:
+            return
         self._in_flight[message.id] = asyncio.get_running_loop().time()
         task = asyncio.create_task(self._dispatch(handler, calls, message))
         self._tasks.add(task)
@@ -405,7 +436,7 @@ class Worker:
                 if not isinstance(outcome, Outcome):
                     raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
             except BaseException as error:
-                if _cancelled_by_the_worker():
+                if _cancelled_by_the_worker() or self._aborted:
                     # The grace ran out and the entry is given back: whatever the handler made of its cancellation
                     # is not written.
                     if isinstance(error, asyncio.CancelledError):
@@ -419,8 +450,10 @@ class Worker:
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
                     raise
                 return
-            if _cancelled_by_the_worker():
-                return  # the handler swallowed the cancellation at the end of the grace: its outcome is not written
+            if _cancelled_by_the_worker() or self._aborted:
+                # The handler swallowed the cancellation at the end of the grace, or the partition was lost: its
+                # outcome is not written.
+                return
             self._settle(message.id)
             if outcome.kind == "done":
                 await self._ack(calls, message)
@@ -595,6 +628,10 @@ class Worker:
         ``strategy: Reassign`` never hands work to a worker that left."""
         left = [*unhandled, *self._queued]
         self._queued.clear()
+        if self._aborted:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=CANCEL_WAIT)
+            return
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
             if pending:
@@ -737,9 +774,9 @@ def _cancelled_by_the_worker() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]]) -> list[Message]:
+def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]], partition: int | None) -> list[Message]:
     # An entry without fields (its payload was deleted) is not a message: the pass drops it.
-    return [Message(entry_id, fields) for entry_id, fields in found if fields is not None]
+    return [Message(entry_id, fields, partition) for entry_id, fields in found if fields is not None]
 
 
 async def run_until_signal(
