@@ -255,7 +255,8 @@ def test_per_key_messages_of_a_key_run_in_order_one_at_a_time_and_keys_side_by_s
         async with await TopicProducer.connect(redis_url, TOPIC) as producer:
             for i, k in itertools.product(range(6), range(5)):
                 await producer.publish({"name": f"k{k}-{i}"}, key=f"k{k}")
-        async with member(redis_url, "member-a", runs.handler("member-a", work), concurrency=4):
+        # More slots than keys: only the per-key rule keeps two messages of a key apart.
+        async with member(redis_url, "member-a", runs.handler("member-a", work), concurrency=8):
             await eventually(lambda: _true(sum(run.ended > 0 for run in runs.all) == 30), 10, "30 runs")
         for k in range(5):
             mine = [run for run in runs.all if run.key == f"k{k}"]
