@@ -16,7 +16,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -779,12 +779,19 @@ def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]], par
     return [Message(entry_id, fields, partition) for entry_id, fields in found if fields is not None]
 
 
+class Runnable(Protocol):
+    """What :func:`run_until_signal` runs: a :class:`Worker` or a :class:`~pelican_worker.TopicWorker`."""
+
+    async def run(self, handler: Handler, stop: asyncio.Event | None = None) -> WorkerStats: ...
+
+
 async def run_until_signal(
-    worker: Worker,
+    worker: Runnable,
     handler: Handler,
     signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
 ) -> WorkerStats:
-    """Runs ``worker`` until SIGTERM or SIGINT (Unix; from the main thread), then shuts it down gracefully."""
+    """Runs ``worker`` (a :class:`Worker` or a topic's) until SIGTERM or SIGINT (Unix; from the main thread), then
+    shuts it down gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in signals:
