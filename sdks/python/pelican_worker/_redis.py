@@ -8,12 +8,14 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.client import NEVER_DECODE
 
 __all__ = [
     "RAW",
+    "Client",
     "ClientFactory",
     "Entry",
     "RedisSource",
@@ -22,11 +24,14 @@ __all__ = [
     "range_entries",
     "raw_command",
     "read_entries",
+    "socket_timeout_of",
     "text",
 ]
 
+#: A client of one server, or of a Redis Cluster (a topic's partitions are spread over its shards).
+Client = Redis | RedisCluster
 #: Builds a new client each call; the library owns and closes what it returns.
-ClientFactory = Callable[[], "Redis"]
+ClientFactory = Callable[[], Client]
 #: A ``redis://`` URL, or a factory of clients.
 RedisSource = str | ClientFactory
 
@@ -42,8 +47,9 @@ def _unparsed(response: Any, **_options: Any) -> Any:
     return response
 
 
-def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> Redis:
+def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> Client:
     """A client of the library's own. ``resend=False``: a command is sent once, never again after a lost reply."""
+    client: Client
     if isinstance(source, str):
         if resend:
             client = Redis.from_url(source, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
@@ -66,12 +72,20 @@ def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> 
     return client
 
 
-async def raw_command(conn: Redis, *args: Any) -> Any:
+async def raw_command(conn: Client, *args: Any) -> Any:
     """Sends a command and answers its reply undecoded and unparsed (redis-py leaves ``execute_command`` untyped)."""
-    return await conn.execute_command(*args, **RAW)  # type: ignore[no-untyped-call]
+    return await conn.execute_command(*args, **RAW)
 
 
-def queue_raw(pipe: Pipeline, *args: Any) -> None:
+def socket_timeout_of(client: Client) -> float | None:
+    """The socket timeout the client's connections have (``None``: none)."""
+    pool = client.connection_pool if isinstance(client, Redis) else None
+    kwargs = pool.connection_kwargs if pool is not None else client.get_connection_kwargs()
+    timeout: float | None = kwargs.get("socket_timeout")
+    return timeout
+
+
+def queue_raw(pipe: Pipeline | ClusterPipeline, *args: Any) -> None:
     """Queues a command whose reply comes back undecoded and unparsed."""
     pipe.execute_command(*args, **RAW)
 

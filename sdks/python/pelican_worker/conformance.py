@@ -7,7 +7,8 @@ line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is
 when the operator speaks a contract version this library does not know.
 
 With ``SENTINEL_MASTER=<name>``, ``REDIS_URL`` names a sentinel, and redis-py's ``Sentinel`` asks it for the primary
-monitored under that name, again whenever a connection is made.
+monitored under that name, again whenever a connection is made. With ``REDIS_CLUSTER=1``, ``REDIS_URL`` names one
+primary of a Redis Cluster, reached through redis-py's ``RedisCluster``.
 
 With ``TOPIC=<T>`` instead of ``STREAM`` it is a member of topic ``T``'s group: it runs the library's
 :class:`~pelican_worker.TopicWorker` as member ``CONSUMER``, with a membership ttl of ``MEMBERSHIP_TTL_MS`` when set,
@@ -29,6 +30,7 @@ import time
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
 
 from pelican_worker._redis import RedisSource
@@ -97,8 +99,15 @@ def _line(**fields: str) -> None:
 
 
 def source(url: str) -> RedisSource:
-    """``REDIS_URL`` as the library takes it: the URL itself, or a factory of clients of the primary that the sentinel
-    it names (with ``SENTINEL_MASTER``) answers."""
+    """``REDIS_URL`` as the library takes it: the URL itself, a factory of clients of the primary that the sentinel
+    it names (with ``SENTINEL_MASTER``) answers, or (``REDIS_CLUSTER=1``) of the Cluster of the primary it names."""
+    if os.environ.get("REDIS_CLUSTER") == "1":
+
+        def cluster() -> RedisCluster:
+            # The worker's blocking reads wait up to 1 s on the server: the socket waits longer.
+            return RedisCluster.from_url(url, socket_timeout=10.0, socket_connect_timeout=5.0)
+
+        return cluster
     name = os.environ.get("SENTINEL_MASTER")
     if not name:
         return url

@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from pelican_worker._redis import RedisSource, make_client, raw_command, read_entries
+from pelican_worker._redis import Client, RedisSource, make_client, raw_command, read_entries
 from pelican_worker.keys import settings_key
 from pelican_worker.message import Message, Outcome
 from pelican_worker.settings import (
@@ -169,7 +168,7 @@ class InOrderPartition:
         self._wake.set()
         self._room.set()
 
-    async def _read_settings(self, conn: Redis) -> None:
+    async def _read_settings(self, conn: Client) -> None:
         raw = await raw_command(conn, "HGETALL", settings_key(self.stream, self.group))
         self._settings = parse_settings(raw, TOPIC_CONTRACT_VERSIONS)
 
@@ -178,7 +177,7 @@ class InOrderPartition:
     def _held(self) -> int:
         return sum(len(queue) for queue in self._queues.values())
 
-    async def _read(self, reader: Redis) -> None:
+    async def _read(self, reader: Client) -> None:
         cursor: str | None = "0"
         while not self._stopping and not self._lost:
             room = self._concurrency * HELD_PER_SLOT - self._held()
@@ -201,7 +200,7 @@ class InOrderPartition:
             # Read after the stop too: what it brought is held, and given back.
             self._enqueue(_messages(found, self.partition))
 
-    async def _xreadgroup(self, reader: Redis, count: int, cursor: str) -> Any:
+    async def _xreadgroup(self, reader: Client, count: int, cursor: str) -> Any:
         block = ("BLOCK", max(1, round(self._block * 1000))) if cursor == ">" else ()
         return await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, *block,
@@ -352,7 +351,7 @@ class InOrderPartition:
             return _Next.AT_THE_CAP, deliveries
         return _Next.WAIT, deliveries
 
-    async def _deliveries(self, conn: Redis, entry_id: str) -> int | None:
+    async def _deliveries(self, conn: Client, entry_id: str) -> int | None:
         """The entry's delivery count while it is this consumer's; ``None`` once it is not (acknowledged,
         dead-lettered, another's)."""
         reply = await raw_command(
@@ -360,7 +359,7 @@ class InOrderPartition:
         )  # fmt: skip
         return int(reply[0][3]) if reply else None
 
-    async def _count_delivery(self, conn: Redis, entry_id: str) -> bool:
+    async def _count_delivery(self, conn: Client, entry_id: str) -> bool:
         """Counts the delivery of a run in place (``XCLAIM ... RETRYCOUNT n+1 JUSTID``, only while the entry is this
         consumer's); ``False`` when it no longer is."""
         try:

@@ -11,11 +11,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, RedisError, ResponseError, TimeoutError
 
-from pelican_worker._redis import RedisSource, make_client, raw_command, text
+from pelican_worker._redis import Client, RedisSource, make_client, raw_command, text
 from pelican_worker._scripts import script_source
 from pelican_worker.keys import bounds_key, rejected_key
 from pelican_worker.worker import default_consumer_name
@@ -155,13 +154,13 @@ class Producer:
         self._bind(make_client(redis, socket_timeout=timeout, resend=False), stream)
 
     @classmethod
-    def _sharing(cls, client: Redis, stream: str) -> Producer:
+    def _sharing(cls, client: Client, stream: str) -> Producer:
         """A producer of ``stream`` on a client another owns (a topic's partitions share their producer's)."""
         producer = cls.__new__(cls)
         producer._bind(client, stream)
         return producer
 
-    def _bind(self, client: Redis, stream: str) -> None:
+    def _bind(self, client: Client, stream: str) -> None:
         self.stream = stream
         self._client = client
         self._keys = [stream, bounds_key(stream), rejected_key(stream)]

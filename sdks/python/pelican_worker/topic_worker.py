@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
-from pelican_worker._redis import RedisSource, make_client, raw_command, text
+from pelican_worker._redis import Client, RedisSource, make_client, raw_command, text
 from pelican_worker._scripts import script_source
 from pelican_worker.in_order import InOrderPartition, Spacing
 from pelican_worker.keys import epochs_key, members_key, owners_key, partition_stream, settings_key
@@ -82,7 +81,7 @@ class _Owned:
             self.task.cancel()
 
 
-async def take_over(conn: Redis, stream: str, group: str, consumer: str) -> None:
+async def take_over(conn: Client, stream: str, group: str, consumer: str) -> None:
     """Moves the partition's whole pending list to ``consumer`` (``XAUTOCLAIM ... 0 ... JUSTID``, a page at a time
     from the cursor it answers): the previous owner's entries, the member's own from before, those given back without
     an owner. The first read of the own pending list then hands them out in id order, each counted as one delivery
@@ -319,7 +318,7 @@ class TopicWorker:
         owned = {int(partition): int(epoch) for partition, epoch in reply[0]}
         return owned, [int(partition) for partition in reply[1]]
 
-    async def _run_partition(self, conn: Redis, run: _Owned, handler: Handler) -> WorkerStats:
+    async def _run_partition(self, conn: Client, run: _Owned, handler: Handler) -> WorkerStats:
         """Takes the partition's pending list over, then runs its worker until stopped or aborted."""
         stream = partition_stream(self.topic, run.partition)
         await take_over(conn, stream, self.group, self.member)

@@ -18,11 +18,20 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
-from pelican_worker._redis import RedisSource, make_client, queue_raw, range_entries, raw_command, read_entries, text
+from pelican_worker._redis import (
+    Client,
+    RedisSource,
+    make_client,
+    queue_raw,
+    range_entries,
+    raw_command,
+    read_entries,
+    socket_timeout_of,
+    text,
+)
 from pelican_worker._scripts import script_source
 from pelican_worker.keys import (
     DELIVERIES_FIELD,
@@ -189,7 +198,7 @@ class Worker:
         if self._running:
             raise RuntimeError("this worker is already running")
         reader = make_client(self._redis, socket_timeout=self.block + READ_TIMEOUT_OVER_BLOCK, resend=True)
-        read_timeout = reader.connection_pool.connection_kwargs.get("socket_timeout")
+        read_timeout = socket_timeout_of(reader)
         if read_timeout is not None and read_timeout <= self.block:
             await reader.aclose()
             raise ValueError(
@@ -227,7 +236,7 @@ class Worker:
 
     # Settings
 
-    async def _first_settings(self, conn: Redis) -> bool:
+    async def _first_settings(self, conn: Client) -> bool:
         """Reads the settings (checking the contract version) before the first read; ``False`` when stopped first."""
         while not self._stop.is_set():
             try:
@@ -241,7 +250,7 @@ class Worker:
                 await self._sleep(0.5)
         return False
 
-    async def _read_settings(self, conn: Redis) -> None:
+    async def _read_settings(self, conn: Client) -> None:
         """Reads the settings hash. A refusal (an ACL without ``hgetall`` on it) or a malformed hash leaves the worker
         without settings (leases every second), with a warning once; a broken connection keeps the last ones."""
         try:
@@ -262,7 +271,7 @@ class Worker:
 
     # Reading
 
-    async def _read_loop(self, handler: Handler, reader: Redis, calls: _Writer) -> list[str]:
+    async def _read_loop(self, handler: Handler, reader: Client, calls: _Writer) -> list[str]:
         """Reads and dispatches until the stop; answers the ids of what a read brought after the stop, unhandled."""
         cursor: str | None = "0"  # own PEL first: entries delivered to this name before a restart
         nogroup_wait: float | None = None
@@ -341,7 +350,7 @@ class Worker:
             else:
                 self._queued[message.id] = message
 
-    async def _read_own(self, reader: Redis, count: int, cursor: str) -> tuple[list[Message], str | None]:
+    async def _read_own(self, reader: Client, count: int, cursor: str) -> tuple[list[Message], str | None]:
         reply = await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.stream, cursor
         )
@@ -350,7 +359,7 @@ class Worker:
             return [], None
         return _messages(found, self._partition), found[-1][0]
 
-    async def _read_new(self, reader: Redis, count: int) -> list[Message]:
+    async def _read_new(self, reader: Client, count: int) -> list[Message]:
         block_ms = max(1, round(self.block * 1000))
         reply = await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
@@ -686,7 +695,7 @@ class _Writer:
     """The calls on the writer's connection: the contract's scripts (each by ``EVALSHA``, loaded again on
     ``NOSCRIPT``) and the ACKs, batched."""
 
-    def __init__(self, conn: Redis, stream: str, group: str, consumer: str) -> None:
+    def __init__(self, conn: Client, stream: str, group: str, consumer: str) -> None:
         self.conn = conn
         self._stream, self._group, self._consumer = stream, group, consumer
         self._errors = errors_key(stream, group)
