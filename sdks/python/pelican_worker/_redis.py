@@ -19,6 +19,7 @@ __all__ = [
     "ClientFactory",
     "Entry",
     "RedisSource",
+    "command_docs",
     "make_client",
     "queue_raw",
     "range_entries",
@@ -68,8 +69,24 @@ def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> 
             # Whatever the factory configured: no retries on this client's connections, present and future.
             client.set_retry(Retry(NoBackoff(), 0))
     for command in _RAW_REPLIES:
-        client.set_response_callback(command, _unparsed)
+        # A Cluster client parses COMMAND itself whenever it learns the topology (command_docs below).
+        if command != "COMMAND" or isinstance(client, Redis):
+            client.set_response_callback(command, _unparsed)
     return client
+
+
+async def command_docs(conn: Client, command: str) -> Any:
+    """``COMMAND DOCS <command>``, unparsed."""
+    if isinstance(conn, Redis):
+        return await raw_command(conn, "COMMAND", "DOCS", command)
+    # The Cluster client's own COMMAND parser is set aside for this call alone, once it has learnt the topology.
+    await conn.initialize()
+    parse = conn.response_callbacks.pop("COMMAND", None)
+    try:
+        return await raw_command(conn, "COMMAND", "DOCS", command)
+    finally:
+        if parse is not None:
+            conn.response_callbacks["COMMAND"] = parse
 
 
 async def raw_command(conn: Client, *args: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 from redis.commands.core import AsyncScript
 from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, RedisError, ResponseError, TimeoutError
 
-from pelican_worker._redis import Client, RedisSource, make_client, raw_command, text
+from pelican_worker._redis import Client, RedisSource, command_docs, make_client, text
 from pelican_worker._scripts import script_source
 from pelican_worker.keys import bounds_key, rejected_key
 from pelican_worker.worker import default_consumer_name
@@ -186,7 +186,7 @@ class Producer:
         if not producer_id:
             raise ValueError("the producer id is empty: give one stable across restarts, e.g. the Pod's name")
         try:
-            docs = await raw_command(self._client, "COMMAND", "DOCS", "XADD")
+            docs = await command_docs(self._client, "XADD")
         except ResponseError as error:
             raise IdempotenceUnsupported(f"could not ask the server for XADD's arguments: {error}") from error
         except RedisError as error:
