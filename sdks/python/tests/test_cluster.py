@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import Callable
 
 from helpers import GROUP, STREAM, eventually, running
 from redis.asyncio.cluster import RedisCluster
+from test_programs import _lines as read_lines
+from test_programs import _start as start_program
 
 from pelican_worker import Handler, Message, Outcome, Producer, TopicProducer, TopicWorker, Worker, partition_of
 from pelican_worker.keys import owners_key, partition_stream, settings_key, topic_key
@@ -106,3 +109,31 @@ def test_members_share_a_topic_s_partitions_over_the_shards(cluster_url: str) ->
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_conformance_worker_serves_a_topic_on_a_cluster(cluster_url: str) -> None:
+    async def setup() -> dict[tuple[int, bytes | str], str]:
+        r = RedisCluster.from_url(cluster_url, decode_responses=True)
+        settings = {"contractVersion": 2, "partitions": 3, "minIdleMs": 60_000, "retryAfterMs": 1_000}
+        await r.hset(settings_key(TOPIC, GROUP), mapping=settings)  # type: ignore[arg-type]
+        for p in range(3):
+            await r.hset(settings_key(partition_stream(TOPIC, p), GROUP), mapping=settings)  # type: ignore[arg-type]
+            await r.xgroup_create(partition_stream(TOPIC, p), GROUP, id="0", mkstream=True)
+        sent: dict[tuple[int, bytes | str], str] = {}
+        for i in range(6):
+            key = f"order-{i}"
+            partition = partition_of(key, 3)
+            sent[partition, await r.xadd(partition_stream(TOPIC, partition), {"pelican-key": key})] = key
+        await r.aclose()
+        return sent
+
+    sent = asyncio.run(setup())
+    env = {"REDIS_URL": cluster_url, "REDIS_CLUSTER": "1", "TOPIC": TOPIC, "GROUP": GROUP, "CONSUMER": "member-1"}
+    process = start_program(["-m", "pelican_worker.conformance"], env)
+    try:
+        lines = read_lines(process, 6)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert {(line["partition"], line["id"]): line["key"] for line in lines} == sent
