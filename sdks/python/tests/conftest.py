@@ -27,9 +27,24 @@ def _free_port() -> int:
         return port
 
 
-def _serve(binary: str, *options: str) -> Iterator[int]:
-    """Starts ``binary`` on a free loopback port until the generator is closed."""
-    port = _free_port()
+def _free_cluster_port() -> int:
+    """A free port whose Cluster bus port (the port + 10000) is a port too, and free."""
+    for _ in range(100):
+        port = _free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Cluster node in 100 tries")
+
+
+def _serve(binary: str, *options: str, port: int | None = None) -> Iterator[int]:
+    """Starts ``binary`` on ``port`` (default: a free loopback port) until the generator is closed."""
+    port = port if port is not None else _free_port()
     server = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *options],
         stdout=subprocess.DEVNULL,
@@ -79,7 +94,8 @@ def cluster_ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int
         ports = []
         for i in range(3):
             options = ("--cluster-enabled", "yes", "--cluster-config-file", str(folder / f"nodes-{i}.conf"))
-            ports.append(nodes.enter_context(contextlib.contextmanager(_serve)(binary, *options, "--dir", str(folder))))
+            server = contextlib.contextmanager(_serve)(binary, *options, "--dir", str(folder), port=_free_cluster_port())
+            ports.append(nodes.enter_context(server))
         addresses = [f"127.0.0.1:{port}" for port in ports]
         subprocess.run(
             [cli, "--cluster", "create", *addresses, "--cluster-yes"], check=True, capture_output=True, timeout=60
