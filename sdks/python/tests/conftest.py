@@ -94,7 +94,9 @@ def cluster_ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int
         ports = []
         for i in range(3):
             options = ("--cluster-enabled", "yes", "--cluster-config-file", str(folder / f"nodes-{i}.conf"))
-            server = contextlib.contextmanager(_serve)(binary, *options, "--dir", str(folder), port=_free_cluster_port())
+            server = contextlib.contextmanager(_serve)(
+                binary, *options, "--dir", str(folder), port=_free_cluster_port()
+            )
             ports.append(nodes.enter_context(server))
         addresses = [f"127.0.0.1:{port}" for port in ports]
         subprocess.run(
