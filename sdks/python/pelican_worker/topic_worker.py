@@ -26,7 +26,7 @@ from pelican_worker.in_order import InOrderPartition, Spacing
 from pelican_worker.keys import epochs_key, members_key, owners_key, partition_stream, settings_key
 from pelican_worker.settings import ContractVersionError, _fields
 from pelican_worker.topic import NotATopic, topic_partitions
-from pelican_worker.worker import Handler, Worker, WorkerStats, default_consumer_name
+from pelican_worker.worker import CANCEL_WAIT, Handler, Worker, WorkerStats, default_consumer_name
 
 __all__ = ["DEFAULT_MEMBERSHIP_TTL", "Ordering", "OrderingError", "TopicWorker"]
 
@@ -203,10 +203,11 @@ class TopicWorker:
         released: list[int] = []
         totals: dict[str, int] = {}
         fatal: list[ContractVersionError] = []
-        every: set[asyncio.Task[WorkerStats]] = set()
+        # Every partition's worker not yet ended, lost ones included.
+        every: dict[asyncio.Task[WorkerStats], _Owned] = {}
 
         def ended(run: _Owned, task: asyncio.Task[WorkerStats]) -> None:
-            every.discard(task)
+            every.pop(task, None)
             error = None if task.cancelled() else task.exception()
             if not task.cancelled() and error is None:
                 for name, value in vars_of(task.result()).items():
@@ -241,7 +242,7 @@ class TopicWorker:
                     continue
                 run = _Owned(partition, epoch)
                 run.task = asyncio.create_task(self._run_partition(client, run, handler))
-                every.add(run.task)
+                every[run.task] = run
                 run.task.add_done_callback(functools.partial(ended, run))
                 owned[partition] = run
                 log.info("partition %d taken (epoch %d)", partition, epoch, extra=self._where())
@@ -256,6 +257,7 @@ class TopicWorker:
         bridge = asyncio.create_task(_set_when(stop, stopping)) if stop is not None else None
         try:
             while not stopping.is_set():
+                _raise_if_cancelled()
                 sent = loop.time()
                 saying, released[:] = list(released), []
                 try:
@@ -295,10 +297,15 @@ class TopicWorker:
                     extra=self._where(),
                 )
         finally:
-            for task in (bridge, *every):
-                if task is not None:
-                    task.cancel()
-            await asyncio.gather(*(t for t in (bridge, *every) if t is not None), return_exceptions=True)
+            # Cancelled (or failed) before the partitions stopped: they are stopped as lost, nothing more written. A
+            # worker's own stop, not only a cancellation: redis-py on Python 3.11 can swallow a CancelledError.
+            for run in list(every.values()):
+                run.abort()
+            if bridge is not None:
+                bridge.cancel()
+            waited: set[asyncio.Task[Any]] = {*every, *([bridge] if bridge is not None else [])}
+            if waited:
+                await asyncio.wait(waited, timeout=CANCEL_WAIT + 1.0)
             await client.aclose()
             self._running = False
         if fatal:
@@ -349,6 +356,14 @@ def _number(value: str | None, default: float) -> float:
         return float(value) if value is not None else default
     except ValueError:
         return default
+
+
+def _raise_if_cancelled() -> None:
+    """Ends a task that was cancelled while a redis-py call swallowed the ``CancelledError`` (Python 3.11): its
+    cancellation is still requested, and the loop would otherwise go on heart-beating."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
+        raise asyncio.CancelledError
 
 
 async def _set_when(source: asyncio.Event, target: asyncio.Event) -> None:
