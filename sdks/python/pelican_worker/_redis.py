@@ -8,25 +8,31 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.client import NEVER_DECODE
 
 __all__ = [
     "RAW",
+    "Client",
     "ClientFactory",
     "Entry",
     "RedisSource",
+    "command_docs",
     "make_client",
     "queue_raw",
     "range_entries",
     "raw_command",
     "read_entries",
+    "socket_timeout_of",
     "text",
 ]
 
+#: A client of one server, or of a Redis Cluster (a topic's partitions are spread over its shards).
+Client = Redis | RedisCluster
 #: Builds a new client each call; the library owns and closes what it returns.
-ClientFactory = Callable[[], "Redis"]
+ClientFactory = Callable[[], Client]
 #: A ``redis://`` URL, or a factory of clients.
 RedisSource = str | ClientFactory
 
@@ -35,15 +41,16 @@ RAW: dict[str, Any] = {NEVER_DECODE: True}
 
 # Replies the library parses itself: redis-py's own parsers turn entries into dicts, which loses field order and
 # repeated names.
-_RAW_REPLIES = ("XREADGROUP", "XRANGE", "XPENDING", "HGETALL", "COMMAND")
+_RAW_REPLIES = ("XREADGROUP", "XRANGE", "XPENDING", "XAUTOCLAIM", "XCLAIM", "HGETALL", "COMMAND")
 
 
 def _unparsed(response: Any, **_options: Any) -> Any:
     return response
 
 
-def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> Redis:
+def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> Client:
     """A client of the library's own. ``resend=False``: a command is sent once, never again after a lost reply."""
+    client: Client
     if isinstance(source, str):
         if resend:
             client = Redis.from_url(source, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
@@ -62,16 +69,40 @@ def make_client(source: RedisSource, *, socket_timeout: float, resend: bool) -> 
             # Whatever the factory configured: no retries on this client's connections, present and future.
             client.set_retry(Retry(NoBackoff(), 0))
     for command in _RAW_REPLIES:
-        client.set_response_callback(command, _unparsed)
+        # A Cluster client parses COMMAND itself whenever it learns the topology (command_docs below).
+        if command != "COMMAND" or isinstance(client, Redis):
+            client.set_response_callback(command, _unparsed)
     return client
 
 
-async def raw_command(conn: Redis, *args: Any) -> Any:
+async def command_docs(conn: Client, command: str) -> Any:
+    """``COMMAND DOCS <command>``, unparsed."""
+    if isinstance(conn, Redis):
+        return await raw_command(conn, "COMMAND", "DOCS", command)
+    # The Cluster client's own COMMAND parser is set aside for this call alone, once it has learnt the topology.
+    await conn.initialize()
+    parse = conn.response_callbacks.pop("COMMAND", None)
+    try:
+        return await raw_command(conn, "COMMAND", "DOCS", command)
+    finally:
+        if parse is not None:
+            conn.response_callbacks["COMMAND"] = parse
+
+
+async def raw_command(conn: Client, *args: Any) -> Any:
     """Sends a command and answers its reply undecoded and unparsed (redis-py leaves ``execute_command`` untyped)."""
-    return await conn.execute_command(*args, **RAW)  # type: ignore[no-untyped-call]
+    return await conn.execute_command(*args, **RAW)
 
 
-def queue_raw(pipe: Pipeline, *args: Any) -> None:
+def socket_timeout_of(client: Client) -> float | None:
+    """The socket timeout the client's connections have (``None``: none)."""
+    pool = client.connection_pool if isinstance(client, Redis) else None
+    kwargs = pool.connection_kwargs if pool is not None else client.get_connection_kwargs()
+    timeout: float | None = kwargs.get("socket_timeout")
+    return timeout
+
+
+def queue_raw(pipe: Pipeline | ClusterPipeline, *args: Any) -> None:
     """Queues a command whose reply comes back undecoded and unparsed."""
     pipe.execute_command(*args, **RAW)
 

@@ -7,7 +7,13 @@ line per handler run on stdout, and exits 0 after a SIGTERM once its shutdown is
 when the operator speaks a contract version this library does not know.
 
 With ``SENTINEL_MASTER=<name>``, ``REDIS_URL`` names a sentinel, and redis-py's ``Sentinel`` asks it for the primary
-monitored under that name, again whenever a connection is made.
+monitored under that name, again whenever a connection is made. With ``REDIS_CLUSTER=1``, ``REDIS_URL`` names one
+primary of a Redis Cluster, reached through redis-py's ``RedisCluster``.
+
+With ``TOPIC=<T>`` instead of ``STREAM`` it is a member of topic ``T``'s group: it runs the library's
+:class:`~pelican_worker.TopicWorker` as member ``CONSUMER``, with a membership ttl of ``MEMBERSHIP_TTL_MS`` when set,
+and each run line also says ``partition``, ``key`` (``null`` without one), ``startedAt`` and ``endedAt`` (ms since
+the epoch; for ``exit`` both the start). A topic the library refuses exits with status 4.
 
 With ``MODE=publish`` it is a producer instead: it publishes ``MESSAGES`` messages idempotently (message ids ``m-0``,
 ``m-1``, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
@@ -20,26 +26,45 @@ import json
 import logging
 import os
 import sys
+import time
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
 
 from pelican_worker._redis import RedisSource
+from pelican_worker.keys import KEY_FIELD
 from pelican_worker.message import InvalidReason, Message, Outcome
 from pelican_worker.producer import Producer, PublishOutcomeUnknown, PublishUnavailable
 from pelican_worker.settings import ContractVersionError
+from pelican_worker.topic import NotATopic, TopicContractError
+from pelican_worker.topic_worker import DEFAULT_MEMBERSHIP_TTL, OrderingError, TopicWorker
 from pelican_worker.worker import Handler, Worker, run_until_signal
 
 
-def _report(message: Message, consumer: str, outcome: str, ms: int) -> None:
-    line = json.dumps({"id": message.id, "consumer": consumer, "outcome": outcome, "ms": ms})
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
-def handler_for(consumer: str) -> Handler:
+def handler_for(consumer: str, *, topic: bool = False) -> Handler:
+    """The handler that obeys the message; ``topic``: its run lines say the partition, the key and the times."""
+
     async def handle(message: Message) -> Outcome:
+        started = _now_ms()
+
+        def _report(message: Message, consumer: str, outcome: str, ms: int) -> None:
+            line: dict[str, object] = {"id": message.id, "consumer": consumer, "outcome": outcome, "ms": ms}
+            if topic:
+                line |= {
+                    "partition": message.partition,
+                    "key": message.text(KEY_FIELD),
+                    "startedAt": started,
+                    "endedAt": started if outcome == "exit" else _now_ms(),
+                }
+            sys.stdout.write(json.dumps(line) + "\n")
+            sys.stdout.flush()
+
         ms = int(message.text("ms") or 0)
         if ms > 0:
             await asyncio.sleep(ms / 1000)
@@ -74,8 +99,15 @@ def _line(**fields: str) -> None:
 
 
 def source(url: str) -> RedisSource:
-    """``REDIS_URL`` as the library takes it: the URL itself, or a factory of clients of the primary that the sentinel
-    it names (with ``SENTINEL_MASTER``) answers."""
+    """``REDIS_URL`` as the library takes it: the URL itself, a factory of clients of the primary that the sentinel
+    it names (with ``SENTINEL_MASTER``) answers, or (``REDIS_CLUSTER=1``) of the Cluster of the primary it names."""
+    if os.environ.get("REDIS_CLUSTER") == "1":
+
+        def cluster() -> RedisCluster:
+            # The worker's blocking reads wait up to 1 s on the server: the socket waits longer.
+            return RedisCluster.from_url(url, socket_timeout=10.0, socket_connect_timeout=5.0)
+
+        return cluster
     name = os.environ.get("SENTINEL_MASTER")
     if not name:
         return url
@@ -109,6 +141,19 @@ async def publish(url: RedisSource, stream: str, messages: int) -> None:
             break
 
 
+async def run_topic(url: RedisSource, topic: str, grace: float) -> None:
+    ttl_ms = os.environ.get("MEMBERSHIP_TTL_MS")
+    worker = await TopicWorker.connect(
+        url,
+        topic,
+        os.environ["GROUP"],
+        os.environ.get("CONSUMER") or None,
+        membership_ttl=int(ttl_ms) / 1000 if ttl_ms else DEFAULT_MEMBERSHIP_TTL,
+        shutdown_grace=grace,
+    )
+    await run_until_signal(worker, handler_for(worker.member, topic=True))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     url = source(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
@@ -116,12 +161,21 @@ def main() -> None:
         asyncio.run(publish(url, os.environ["STREAM"], int(os.environ["MESSAGES"])))
         return
     grace_ms = os.environ.get("SHUTDOWN_GRACE_MS")
+    grace = int(grace_ms) / 1000 if grace_ms else 20.0  # the library's default
+    topic = os.environ.get("TOPIC")
+    if topic:
+        try:
+            asyncio.run(run_topic(url, topic, grace))
+        except (NotATopic, TopicContractError, OrderingError, ContractVersionError) as error:
+            logging.getLogger("pelican_worker").error("%s", error)
+            sys.exit(4)
+        return
     worker = Worker(
         url,
         os.environ["STREAM"],
         os.environ["GROUP"],
         os.environ.get("CONSUMER") or None,
-        shutdown_grace=int(grace_ms) / 1000 if grace_ms else 20.0,  # the library's default
+        shutdown_grace=grace,
     )
     try:
         asyncio.run(run_until_signal(worker, handler_for(worker.consumer)))

@@ -8,20 +8,28 @@ from __future__ import annotations
 __all__ = [
     "DELIVERIES_FIELD",
     "ERROR_TEXT_MAX",
+    "KEY_FIELD",
     "ORIGIN_ID_FIELD",
     "bounds_key",
     "consumers_key",
+    "epochs_key",
     "errors_key",
     "hash_tag",
+    "members_key",
+    "owners_key",
+    "partition_stream",
     "rejected_key",
     "settings_key",
     "terminal_key",
+    "topic_key",
 ]
 
 #: The field a requeued copy carries with the message's deliveries before it.
 DELIVERIES_FIELD = "pelican-deliveries"
 #: The field a requeued copy carries with the id the message was first published under.
 ORIGIN_ID_FIELD = "pelican-origin-id"
+#: The field a topic's keyed message carries its key in, first.
+KEY_FIELD = "pelican-key"
 #: The most bytes of a message's last error a worker writes.
 ERROR_TEXT_MAX = 1024
 
@@ -68,3 +76,28 @@ def bounds_key(stream: str) -> str:
 def rejected_key(stream: str) -> str:
     """``{T}:pelican:<stream>:rejected``: group -> publishes refused for it."""
     return f"{{{hash_tag(stream)}}}:pelican:{stream}:rejected"
+
+
+def partition_stream(topic: str, partition: int) -> str:
+    """``{T:i}``: partition ``i`` of topic ``T``, the whole name its hash tag (a slot of its own)."""
+    return f"{{{topic}:{partition}}}"
+
+
+def topic_key(topic: str) -> str:
+    """``{T}:pelican:T:topic``: the topic's ``partitions`` and ``contractVersion``, whatever the group."""
+    return f"{{{topic}}}:pelican:{topic}:topic"
+
+
+def members_key(topic: str, group: str) -> str:
+    """``{T}:pelican:T:<group>:members``: member -> its lease deadline (the server's time, ms)."""
+    return f"{{{topic}}}:pelican:{topic}:{group}:members"
+
+
+def owners_key(topic: str, group: str) -> str:
+    """``{T}:pelican:T:<group>:owners``: partition index -> the member that owns it."""
+    return f"{{{topic}}}:pelican:{topic}:{group}:owners"
+
+
+def epochs_key(topic: str, group: str) -> str:
+    """``{T}:pelican:T:<group>:epochs``: partition index -> its epoch, incremented at every hand-over."""
+    return f"{{{topic}}}:pelican:{topic}:{group}:epochs"

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from pelican_worker.keys import KEY_FIELD
+
 __all__ = ["InvalidReason", "Message", "Outcome"]
 
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
@@ -13,10 +15,19 @@ _REASON = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One stream entry. Fields are raw bytes, in the order they were added (names may repeat)."""
+    """One stream entry. Fields are raw bytes, in the order they were added (names may repeat).
+
+    ``partition`` is the topic's partition the entry was read from (``None`` on a plain stream).
+    """
 
     id: str
     fields: list[tuple[bytes, bytes]]
+    partition: int | None = None
+
+    @property
+    def key(self) -> bytes | None:
+        """A topic message's key (its ``pelican-key`` field, the first), or ``None`` for a message without one."""
+        return self.field(KEY_FIELD)
 
     def field(self, name: str | bytes) -> bytes | None:
         """The value of a field (the first one when the name repeats), or ``None``."""

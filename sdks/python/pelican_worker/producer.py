@@ -14,7 +14,7 @@ from typing import Any
 from redis.commands.core import AsyncScript
 from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, RedisError, ResponseError, TimeoutError
 
-from pelican_worker._redis import RedisSource, make_client, raw_command, text
+from pelican_worker._redis import Client, RedisSource, command_docs, make_client, text
 from pelican_worker._scripts import script_source
 from pelican_worker.keys import bounds_key, rejected_key
 from pelican_worker.worker import default_consumer_name
@@ -31,6 +31,7 @@ __all__ = [
     "PublishUnavailable",
     "Published",
     "Refusal",
+    "Value",
 ]
 
 #: A field's value, as redis-py encodes it.
@@ -150,8 +151,18 @@ class Producer:
     """
 
     def __init__(self, redis: RedisSource, stream: str, *, timeout: float = 10.0) -> None:
+        self._bind(make_client(redis, socket_timeout=timeout, resend=False), stream)
+
+    @classmethod
+    def _sharing(cls, client: Client, stream: str) -> Producer:
+        """A producer of ``stream`` on a client another owns (a topic's partitions share their producer's)."""
+        producer = cls.__new__(cls)
+        producer._bind(client, stream)
+        return producer
+
+    def _bind(self, client: Client, stream: str) -> None:
         self.stream = stream
-        self._client = make_client(redis, socket_timeout=timeout, resend=False)
+        self._client = client
         self._keys = [stream, bounds_key(stream), rejected_key(stream)]
         self._publish: AsyncScript = self._client.register_script(script_source("bounded_publish"))
         self._publish_batch: AsyncScript = self._client.register_script(script_source("bounded_publish_batch"))
@@ -175,7 +186,7 @@ class Producer:
         if not producer_id:
             raise ValueError("the producer id is empty: give one stable across restarts, e.g. the Pod's name")
         try:
-            docs = await raw_command(self._client, "COMMAND", "DOCS", "XADD")
+            docs = await command_docs(self._client, "XADD")
         except ResponseError as error:
             raise IdempotenceUnsupported(f"could not ask the server for XADD's arguments: {error}") from error
         except RedisError as error:

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "KNOWN_CONTRACT_VERSIONS",
+    "TOPIC_CONTRACT_VERSIONS",
     "UNPUBLISHED_IDLE_MS",
     "UNPUBLISHED_LEASE_INTERVAL",
     "ContractVersionError",
@@ -24,6 +25,8 @@ __all__ = [
 
 #: The worker contract versions this library implements.
 KNOWN_CONTRACT_VERSIONS: frozenset[int] = frozenset({1})
+#: The contract versions a topic's settings (and its partitions') may say.
+TOPIC_CONTRACT_VERSIONS: frozenset[int] = frozenset({2})
 
 #: The idle time given back entries get when no settings are published: Pelican's default ``minIdle``.
 UNPUBLISHED_IDLE_MS = 300_000
@@ -34,9 +37,9 @@ UNPUBLISHED_LEASE_INTERVAL = 1.0
 class ContractVersionError(Exception):
     """The operator speaks a worker contract this library does not know: the worker refuses to start."""
 
-    def __init__(self, operator_version: str) -> None:
+    def __init__(self, operator_version: str, known_versions: frozenset[int] = KNOWN_CONTRACT_VERSIONS) -> None:
         self.operator_version = operator_version
-        known = ", ".join(str(v) for v in sorted(KNOWN_CONTRACT_VERSIONS))
+        known = ", ".join(str(v) for v in sorted(known_versions))
         super().__init__(
             f"the operator speaks worker contract {operator_version}, this library knows {known}: "
             "upgrade the library (pip install --upgrade pelican-worker)"
@@ -80,10 +83,11 @@ def _integer(fields: Mapping[str, str], name: str) -> int | None:
     return int(value)
 
 
-def parse_settings(raw: Any) -> WorkerSettings | None:
+def parse_settings(raw: Any, known: frozenset[int] = KNOWN_CONTRACT_VERSIONS) -> WorkerSettings | None:
     """The settings in an ``HGETALL`` reply; ``None`` for an empty hash (no policy publishes any yet).
 
-    Raises :class:`ContractVersionError` for a contract version this library does not know (a hash without
+    Raises :class:`ContractVersionError` for a contract version not in ``known`` (a topic's partition knows only
+    the topic's contract, 2; a stream only those of :data:`KNOWN_CONTRACT_VERSIONS`) (a hash without
     ``contractVersion`` was written before the contract had one: version 1), and :class:`SettingsError` when
     ``minIdleMs`` or ``retryAfterMs`` is missing or a field is no decimal integer.
     """
@@ -92,10 +96,12 @@ def parse_settings(raw: Any) -> WorkerSettings | None:
         return None
     version_text = fields.get("contractVersion")
     if version_text is not None and (
-        not version_text.isascii() or not version_text.isdigit() or int(version_text) not in KNOWN_CONTRACT_VERSIONS
+        not version_text.isascii() or not version_text.isdigit() or int(version_text) not in known
     ):
-        raise ContractVersionError(version_text)
+        raise ContractVersionError(version_text, known)
     version = int(version_text) if version_text is not None else 1
+    if version not in known:
+        raise ContractVersionError("1 (no contractVersion)", known)
     min_idle = _integer(fields, "minIdleMs")
     retry_after = _integer(fields, "retryAfterMs")
     if min_idle is None or retry_after is None:

@@ -16,13 +16,22 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
-from pelican_worker._redis import RedisSource, make_client, queue_raw, range_entries, raw_command, read_entries, text
+from pelican_worker._redis import (
+    Client,
+    RedisSource,
+    make_client,
+    queue_raw,
+    range_entries,
+    raw_command,
+    read_entries,
+    socket_timeout_of,
+    text,
+)
 from pelican_worker._scripts import script_source
 from pelican_worker.keys import (
     DELIVERIES_FIELD,
@@ -34,6 +43,8 @@ from pelican_worker.keys import (
 )
 from pelican_worker.message import Message, Outcome
 from pelican_worker.settings import (
+    KNOWN_CONTRACT_VERSIONS,
+    TOPIC_CONTRACT_VERSIONS,
     UNPUBLISHED_IDLE_MS,
     ContractVersionError,
     SettingsError,
@@ -144,6 +155,28 @@ class Worker:
         self._done = asyncio.Event()
         self._fatal: ContractVersionError | None = None
         self._running = False
+        # A topic's partition (TopicWorker, _as_partition): the contract versions its settings may say, the
+        # partition its messages carry, whether the membership is fresh (no handler starts once it may have
+        # expired), and aborted: the partition was lost, nothing more of it is written or given back.
+        self._known_versions = KNOWN_CONTRACT_VERSIONS
+        self._partition: int | None = None
+        self._fresh: Callable[[], bool] | None = None
+        self._aborted = False
+
+    def _as_partition(self, partition: int, fresh: Callable[[], bool]) -> None:
+        """Makes this worker partition ``partition`` of a topic (contract version 2), owned while ``fresh()``."""
+        self._known_versions = TOPIC_CONTRACT_VERSIONS
+        self._partition, self._fresh = partition, fresh
+
+    def _abort(self) -> None:
+        """The partition is lost (another's now): stops at once; handlers running are cancelled and nothing more is
+        written, nothing given back: the new owner takes the entries over from the pending list."""
+        if not self._aborted:
+            log.warning("partition lost: stopped at once, its messages left to the new owner", extra=self._where())
+        self._aborted = True
+        self._request_stop()
+        for task in self._tasks:
+            task.cancel()
 
     @property
     def stats(self) -> WorkerStats:
@@ -165,7 +198,7 @@ class Worker:
         if self._running:
             raise RuntimeError("this worker is already running")
         reader = make_client(self._redis, socket_timeout=self.block + READ_TIMEOUT_OVER_BLOCK, resend=True)
-        read_timeout = reader.connection_pool.connection_kwargs.get("socket_timeout")
+        read_timeout = socket_timeout_of(reader)
         if read_timeout is not None and read_timeout <= self.block:
             await reader.aclose()
             raise ValueError(
@@ -203,7 +236,7 @@ class Worker:
 
     # Settings
 
-    async def _first_settings(self, conn: Redis) -> bool:
+    async def _first_settings(self, conn: Client) -> bool:
         """Reads the settings (checking the contract version) before the first read; ``False`` when stopped first."""
         while not self._stop.is_set():
             try:
@@ -217,12 +250,12 @@ class Worker:
                 await self._sleep(0.5)
         return False
 
-    async def _read_settings(self, conn: Redis) -> None:
+    async def _read_settings(self, conn: Client) -> None:
         """Reads the settings hash. A refusal (an ACL without ``hgetall`` on it) or a malformed hash leaves the worker
         without settings (leases every second), with a warning once; a broken connection keeps the last ones."""
         try:
             raw = await raw_command(conn, "HGETALL", settings_key(self.stream, self.group))
-            settings, problem = parse_settings(raw), None
+            settings, problem = parse_settings(raw, self._known_versions), None
         except (ResponseError, SettingsError) as error:
             settings, problem = None, str(error)
         if problem is not None and problem != self._settings_problem:
@@ -238,7 +271,7 @@ class Worker:
 
     # Reading
 
-    async def _read_loop(self, handler: Handler, reader: Redis, calls: _Writer) -> list[str]:
+    async def _read_loop(self, handler: Handler, reader: Client, calls: _Writer) -> list[str]:
         """Reads and dispatches until the stop; answers the ids of what a read brought after the stop, unhandled."""
         cursor: str | None = "0"  # own PEL first: entries delivered to this name before a restart
         nogroup_wait: float | None = None
@@ -317,22 +350,22 @@ class Worker:
             else:
                 self._queued[message.id] = message
 
-    async def _read_own(self, reader: Redis, count: int, cursor: str) -> tuple[list[Message], str | None]:
+    async def _read_own(self, reader: Client, count: int, cursor: str) -> tuple[list[Message], str | None]:
         reply = await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.stream, cursor
         )
         found = read_entries(reply)
         if not found:
             return [], None
-        return _messages(found), found[-1][0]
+        return _messages(found, self._partition), found[-1][0]
 
-    async def _read_new(self, reader: Redis, count: int) -> list[Message]:
+    async def _read_new(self, reader: Client, count: int) -> list[Message]:
         block_ms = max(1, round(self.block * 1000))
         reply = await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
             "STREAMS", self.stream, ">",
         )  # fmt: skip
-        return _messages(read_entries(reply))
+        return _messages(read_entries(reply), self._partition)
 
     async def _take_up(self, handler: Handler, calls: _Writer) -> None:
         """Takes up as many hand-overs as slots are free and starts their handlers; the rest at the next tick. Not
@@ -381,11 +414,18 @@ class Worker:
             queue_raw(pipe, "XRANGE", self.stream, entry_id, entry_id)
         ranges = await pipe.execute()
         # An entry deleted while pending has no payload: the operator's pass drops it.
-        return _messages([entry for found in ranges for entry in range_entries(found)])
+        return _messages([entry for found in ranges for entry in range_entries(found)], self._partition)
 
     # Dispatch: the only place that acknowledges
 
     def _start(self, handler: Handler, calls: _Writer, message: Message) -> None:
+        if self._fresh is not None and not self._fresh():
+            log.warning(
+                "no membership heartbeat answered within the ttl: the partition may be another's", extra=self._where()
+            )
+            self._abort()
+        if self._aborted:
+            return
         self._in_flight[message.id] = asyncio.get_running_loop().time()
         task = asyncio.create_task(self._dispatch(handler, calls, message))
         self._tasks.add(task)
@@ -405,7 +445,7 @@ class Worker:
                 if not isinstance(outcome, Outcome):
                     raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
             except BaseException as error:
-                if _cancelled_by_the_worker():
+                if _cancelled_by_the_worker() or self._aborted:
                     # The grace ran out and the entry is given back: whatever the handler made of its cancellation
                     # is not written.
                     if isinstance(error, asyncio.CancelledError):
@@ -419,8 +459,10 @@ class Worker:
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
                     raise
                 return
-            if _cancelled_by_the_worker():
-                return  # the handler swallowed the cancellation at the end of the grace: its outcome is not written
+            if _cancelled_by_the_worker() or self._aborted:
+                # The handler swallowed the cancellation at the end of the grace, or the partition was lost: its
+                # outcome is not written.
+                return
             self._settle(message.id)
             if outcome.kind == "done":
                 await self._ack(calls, message)
@@ -595,6 +637,10 @@ class Worker:
         ``strategy: Reassign`` never hands work to a worker that left."""
         left = [*unhandled, *self._queued]
         self._queued.clear()
+        if self._aborted:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=CANCEL_WAIT)
+            return
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
             if pending:
@@ -649,7 +695,7 @@ class _Writer:
     """The calls on the writer's connection: the contract's scripts (each by ``EVALSHA``, loaded again on
     ``NOSCRIPT``) and the ACKs, batched."""
 
-    def __init__(self, conn: Redis, stream: str, group: str, consumer: str) -> None:
+    def __init__(self, conn: Client, stream: str, group: str, consumer: str) -> None:
         self.conn = conn
         self._stream, self._group, self._consumer = stream, group, consumer
         self._errors = errors_key(stream, group)
@@ -737,17 +783,24 @@ def _cancelled_by_the_worker() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]]) -> list[Message]:
+def _messages(found: Iterable[tuple[str, list[tuple[bytes, bytes]] | None]], partition: int | None) -> list[Message]:
     # An entry without fields (its payload was deleted) is not a message: the pass drops it.
-    return [Message(entry_id, fields) for entry_id, fields in found if fields is not None]
+    return [Message(entry_id, fields, partition) for entry_id, fields in found if fields is not None]
+
+
+class Runnable(Protocol):
+    """What :func:`run_until_signal` runs: a :class:`Worker` or a :class:`~pelican_worker.TopicWorker`."""
+
+    async def run(self, handler: Handler, stop: asyncio.Event | None = None) -> WorkerStats: ...
 
 
 async def run_until_signal(
-    worker: Worker,
+    worker: Runnable,
     handler: Handler,
     signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
 ) -> WorkerStats:
-    """Runs ``worker`` until SIGTERM or SIGINT (Unix; from the main thread), then shuts it down gracefully."""
+    """Runs ``worker`` (a :class:`Worker` or a topic's) until SIGTERM or SIGINT (Unix; from the main thread), then
+    shuts it down gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in signals:

@@ -46,6 +46,7 @@ def test_the_package_s_copies_are_the_contract_s_byte_for_byte() -> None:
     differ = [name for name in SCRIPTS if _packaged(f"scripts/{name}") != theirs[name]]
     assert differ == [], f"copies differ from contract/scripts: {differ}; run scripts/sync"
     assert _packaged("CONTRACT_VERSION") == (CONTRACT / "VERSION").read_bytes(), "run scripts/sync"
+    assert _packaged("partitions.json") == (CONTRACT / "partitions.json").read_bytes(), "run scripts/sync"
 
 
 def test_hash_tag_is_the_first_non_empty_braced_part_else_the_name() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -17,8 +18,8 @@ import redis
 from helpers import CONSUMER, GROUP, STREAM, client, eventually, pending, running, worker
 from prometheus_client import CollectorRegistry
 
-from pelican_worker import Message, Outcome
-from pelican_worker.keys import errors_key, terminal_key
+from pelican_worker import Message, Outcome, partition_of
+from pelican_worker.keys import errors_key, members_key, partition_stream, settings_key, terminal_key, topic_key
 from pelican_worker.prometheus import register
 from pelican_worker.sync import Worker as SyncWorker
 
@@ -299,3 +300,60 @@ def test_the_seed_000_example(redis_url: str) -> None:
         assert str(errors[ids["3"]]).startswith("FileNotFoundError")  # a missing file is not terminal
 
     asyncio.run(main())
+
+
+def _topic_env(redis_url: str, **extra: str) -> dict[str, str]:
+    return {"REDIS_URL": redis_url, "TOPIC": "orders", "GROUP": GROUP, "CONSUMER": "member-1", **extra}
+
+
+def _make_topic(r: redis.Redis, partitions: int) -> None:
+    fields = {"contractVersion": 2, "partitions": partitions, "ordering": "PerKey", "minIdleMs": 60_000}
+    fields |= {"retryAfterMs": 1_000, "maxDeliveries": 5}
+    r.hset(topic_key("orders"), mapping={"partitions": partitions, "contractVersion": 2})
+    r.hset(settings_key("orders", GROUP), mapping=fields)  # type: ignore[arg-type]
+    for p in range(partitions):
+        r.hset(settings_key(partition_stream("orders", p), GROUP), mapping=fields)  # type: ignore[arg-type]
+        r.xgroup_create(partition_stream("orders", p), GROUP, id="0", mkstream=True)
+
+
+def test_the_conformance_worker_s_topic_mode_says_the_partition_key_and_times_of_each_run(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    _make_topic(r, 3)
+    # Partition and id: ids of different partitions may be the same.
+    asked: dict[tuple[int, bytes | str], str | None] = {}
+    for i in range(6):
+        key = f"order-{i % 2}"
+        entry = r.xadd(partition_stream("orders", partition_of(key, 3)), {"pelican-key": key, "ms": "20"})
+        asked[partition_of(key, 3), entry] = key
+    keyless = r.xadd(partition_stream("orders", 1), {"handle": "done"})
+    asked[1, keyless] = None
+    process = _start(["-m", "pelican_worker.conformance"], _topic_env(redis_url, MEMBERSHIP_TTL_MS="2000"))
+    try:
+        lines = _lines(process, 7)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert {(line["partition"], line["id"]): line["key"] for line in lines} == asked
+    assert {(line["consumer"], line["outcome"]) for line in lines} == {("member-1", "done")}
+    for line in lines:
+        assert line["endedAt"] - line["startedAt"] >= (20 if line["key"] else 0)
+        assert abs(line["startedAt"] - time.time() * 1000) < 60_000
+    # PerKey: the runs of one key one after the other.
+    for key in ("order-0", "order-1"):
+        runs = sorted((line["startedAt"], line["endedAt"]) for line in lines if line["key"] == key)
+        assert all(before[1] <= after[0] for before, after in itertools.pairwise(runs))
+    # The member left on SIGTERM.
+    assert r.hgetall(members_key("orders", GROUP)) == {}
+
+
+def test_the_conformance_worker_exits_with_4_for_a_topic_it_refuses(redis_url: str) -> None:
+    r = _sync_client(redis_url)
+    for description in ({}, {"contractVersion": 3, "partitions": 2}):
+        r.delete(settings_key("orders", GROUP))
+        if description:
+            r.hset(settings_key("orders", GROUP), mapping=description)  # type: ignore[arg-type]
+        process = _start(["-m", "pelican_worker.conformance"], _topic_env(redis_url))
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 4, stderr
+        assert "orders" in stderr
