@@ -402,3 +402,48 @@ fn per_key_at_the_cap_the_pass_dead_letters_and_the_key_goes_on() {
     assert_eq!(field("pelican-deliveries"), "2", "each delivery one its handler saw");
     assert!(field("pelican-last-error").contains("poison fails, run 2"), "{}", field("pelican-last-error"));
 }
+
+/// Defect: a run in place whose delivery could not be counted (the server refused `XPENDING`, a broken connection)
+/// was taken for an entry no longer this member's: dropped from its key, which went on without it, while it stayed
+/// pending. Now it waits and runs again after the backoff, and its key's next message still comes after it.
+#[test]
+fn per_key_a_run_in_place_that_cannot_be_counted_waits_and_its_key_stays_in_order() {
+    let server = Server::start(Flavor::Redis);
+    let extra = "  partitions: 1\n  ordering: PerKey\n  retry:\n    maxDeliveries: 5\n";
+    let (_ns, _operator) = ready_policy("topic-not-counted", &topic_policy(&server, extra), "t");
+    let mut conn = server.conn();
+    let acl = |conn: &mut redis::Connection, rules: &[&str]| {
+        let _: () = redis::cmd("ACL").arg("SETUSER").arg("member").arg(rules).query(conn).unwrap();
+    };
+    acl(&mut conn, &["on", ">secret", "~*", "&*", "+@all"]);
+    let member =
+        Source::Server(redis::Client::open(format!("redis://member:secret@127.0.0.1:{}/", server.port)).unwrap());
+    let rt = threaded();
+    let (timeline, most) = (Timeline::default(), Arc::new(AtomicUsize::new(0)));
+    let (_stop, _member) = ordered_member(&rt, &member, &timeline, &most);
+    let producer = rt.block_on(TopicProducer::connect_to(&source(&server), "t")).unwrap();
+    publish_named(&rt, &producer, "k", &[("name", "flaky".into()), ("fail", "1".into())]);
+    publish_named(&rt, &producer, "k", &[("name", "after".into())]);
+    wait_named(&timeline, "flaky", 1);
+    // The run in place is due a second after the failure: it finds XPENDING refused.
+    acl(&mut conn, &["-xpending"]);
+    wait_for("the member's XPENDING refused", Duration::from_secs(20), || {
+        let log: Vec<HashMap<String, redis::Value>> =
+            redis::cmd("ACL").arg("LOG").query(&mut conn).map_err(|e| e.to_string())?;
+        let is = |entry: &HashMap<String, redis::Value>, key: &str, value: &str| matches!(entry.get(key), Some(redis::Value::BulkString(v)) if v == value.as_bytes());
+        // The run in place's own XPENDING (the lease script's, inside Lua, is refused too).
+        let xpending =
+            |entry: &HashMap<String, redis::Value>| is(entry, "object", "xpending") && is(entry, "context", "toplevel");
+        let refused = log.iter().any(xpending);
+        if refused { Ok(()) } else { Err("not yet".into()) }
+    });
+    let getuser: redis::Value = redis::cmd("ACL").arg("GETUSER").arg("member").query(&mut conn).unwrap();
+    let log: redis::Value = redis::cmd("ACL").arg("LOG").query(&mut conn).unwrap();
+    eprintln!("DEBUG2 {getuser:?}\nDEBUG3 {log:?}");
+    acl(&mut conn, &["+xpending"]);
+    let timeline = wait_named(&timeline, "after", 1);
+    eprintln!("DEBUG {timeline:?}");
+    let flaky = runs_of(&timeline, "flaky");
+    assert_eq!(flaky.len(), 2, "failed once, then done once its delivery could be counted: {timeline:?}");
+    assert!(runs_of(&timeline, "after")[0].started >= flaky[1].ended, "the key's next message waited: {timeline:?}");
+}

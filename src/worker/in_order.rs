@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use redis::RedisResult;
+use redis::{RedisError, RedisResult};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -64,6 +64,8 @@ enum Ran {
     Handled(Result<Result<Outcome, BoxError>, String>),
     /// The entry was no longer this worker's when its run was to count a delivery.
     Gone,
+    /// Its delivery could not be counted (the server failed or refused the call): not run, tried again later.
+    NotCounted(RedisError),
 }
 
 /// The most entries held at once per unit of concurrency: read ahead so that keys behind a slow one still run.
@@ -115,8 +117,12 @@ where
             let (message, rerun) = (head.message.clone(), head.failed);
             let (conn, config, handler) = (writer.clone(), config.clone(), handler.clone());
             running.spawn(async move {
-                if rerun && !count_delivery(conn, &config, &message.id).await {
-                    return (key, Ran::Gone);
+                if rerun {
+                    match count_delivery(conn, &config, &message.id).await {
+                        Ok(true) => {}
+                        Ok(false) => return (key, Ran::Gone),
+                        Err(e) => return (key, Ran::NotCounted(e)),
+                    }
                 }
                 let processing =
                     Processing { stream: &config.stream, group: &config.group, consumer: &config.consumer };
@@ -236,6 +242,12 @@ async fn settle(
         Ran::Gone => {
             queue.pop_front();
             return Next::Go;
+        }
+        // The entry is still pending here: its key waits, and it runs again after the backoff of a first
+        // failure (dropping it would let the key's later entries run before it).
+        Ran::NotCounted(e) => {
+            warn!(stream, group, entry_id = %id, error = %e, "could not count the delivery of a run in place; tried again after the backoff");
+            return Next::Wait(1);
         }
         Ran::Handled(Ok(Ok(Outcome::Done))) => {
             let mut pipe = redis::pipe();
@@ -364,9 +376,9 @@ async fn deliveries_of(conn: &mut Connection, config: &WorkerConfig, id: &str) -
 
 /// Counts the delivery of a run in place (`XCLAIM ... RETRYCOUNT n+1 JUSTID`, only while the entry is this
 /// consumer's); `false` when it no longer is.
-async fn count_delivery(mut conn: Connection, config: &WorkerConfig, id: &str) -> bool {
-    let Ok(Some(deliveries)) = deliveries_of(&mut conn, config, id).await else { return false };
-    let claimed: RedisResult<Vec<String>> = redis::cmd("XCLAIM")
+async fn count_delivery(mut conn: Connection, config: &WorkerConfig, id: &str) -> RedisResult<bool> {
+    let Some(deliveries) = deliveries_of(&mut conn, config, id).await? else { return Ok(false) };
+    let claimed: Vec<String> = redis::cmd("XCLAIM")
         .arg(&config.stream)
         .arg(&config.group)
         .arg(&config.consumer)
@@ -376,8 +388,8 @@ async fn count_delivery(mut conn: Connection, config: &WorkerConfig, id: &str) -
         .arg(deliveries + 1)
         .arg("JUSTID")
         .query_async(&mut conn)
-        .await;
-    claimed.is_ok_and(|ids| !ids.is_empty())
+        .await?;
+    Ok(!claimed.is_empty())
 }
 
 /// Reads the partition while there is room: its own pending list first (what it took over), then new entries.
