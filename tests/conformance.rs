@@ -126,43 +126,8 @@ fn for_every_library(flavor: Flavor, prefix: &str, reclaim: Reclaim, scenario: f
         namespace: namespace.clone(),
         library,
     });
-    let results: Vec<(String, Result<Duration, String>)> = std::thread::scope(|scope| {
-        let running: Vec<_> = lanes
-            .map(|lane| {
-                let name = lane.library.name.clone();
-                (
-                    name,
-                    scope.spawn(move || {
-                        let started = Instant::now();
-                        scenario(&lane);
-                        started.elapsed()
-                    }),
-                )
-            })
-            .collect();
-        running
-            .into_iter()
-            .map(|(name, handle)| {
-                let result = handle.join().map_err(|panic| {
-                    panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default()
-                });
-                (name, result)
-            })
-            .collect()
-    });
-    let report: Vec<String> = results
-        .iter()
-        .map(|(name, result)| match result {
-            Ok(took) => format!("  {name}: passed in {:.1} s", took.as_secs_f64()),
-            Err(why) => format!("  {name}: FAILED: {why}"),
-        })
-        .collect();
-    eprintln!("{prefix} on {flavor:?}:\n{}", report.join("\n"));
-    assert!(results.iter().all(|(_, r)| r.is_ok()), "{prefix} on {flavor:?}:\n{}", report.join("\n"));
+    let lanes = lanes.map(|lane| (lane.library.name.clone(), lane));
+    side_by_side(&format!("{prefix} on {flavor:?}"), lanes, scenario);
 }
 
 /// Waits (a minute at most) until `consumer` reads `stream`'s group: `XINFO CONSUMERS` names it.

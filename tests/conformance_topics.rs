@@ -11,7 +11,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use pelican::keys::{KEY_FIELD, owners_key, partition_stream};
@@ -189,31 +189,8 @@ fn for_every_library(place: Place, prefix: &str, partitions: u32, extra: &str, s
         place,
         library,
     });
-    let results: Vec<(String, Result<Duration, String>)> = std::thread::scope(|scope| {
-        let running: Vec<_> = lanes
-            .map(|lane| {
-                let name = lane.library.name.clone();
-                (
-                    name,
-                    scope.spawn(move || {
-                        let started = Instant::now();
-                        scenario(&lane);
-                        started.elapsed()
-                    }),
-                )
-            })
-            .collect();
-        running.into_iter().map(|(name, handle)| (name, handle.join().map_err(|panic| panic_text(&panic)))).collect()
-    });
-    let report: Vec<String> = results
-        .iter()
-        .map(|(name, result)| match result {
-            Ok(took) => format!("  {name}: passed in {:.1} s", took.as_secs_f64()),
-            Err(why) => format!("  {name}: FAILED: {why}"),
-        })
-        .collect();
-    eprintln!("{prefix} on {place:?}:\n{}", report.join("\n"));
-    assert!(results.iter().all(|(_, r)| r.is_ok()), "{prefix} on {place:?}:\n{}", report.join("\n"));
+    let lanes = lanes.map(|lane| (lane.library.name.clone(), lane));
+    side_by_side(&format!("{prefix} on {place:?}"), lanes, scenario);
 }
 
 /// The listed libraries (`conformance/workers.txt`, narrowed by `CONFORMANCE_WORKERS`) whose worker runs topics
@@ -229,14 +206,6 @@ fn topic_libraries() -> Vec<Library> {
     }
     assert!(!run.is_empty(), "no library of conformance/topics.txt is listed (or none of CONFORMANCE_WORKERS)");
     run
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
 }
 
 /// A stream id as a number pair, to order ids.

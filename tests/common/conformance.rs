@@ -140,3 +140,39 @@ impl Drop for Running {
         let _ = self.child.wait();
     }
 }
+
+/// Runs `scenario` on each lane (one per library, named) on a thread of its own, then reports each library's result
+/// on stderr and panics naming every library that failed: `what` says which scenario and where.
+pub fn side_by_side<L: Send>(what: &str, lanes: impl Iterator<Item = (String, L)>, scenario: fn(&L)) {
+    let results: Vec<(String, Result<Duration, String>)> = std::thread::scope(|scope| {
+        let running: Vec<_> = lanes
+            .map(|(name, lane)| {
+                let handle = scope.spawn(move || {
+                    let started = Instant::now();
+                    scenario(&lane);
+                    started.elapsed()
+                });
+                (name, handle)
+            })
+            .collect();
+        running.into_iter().map(|(name, handle)| (name, handle.join().map_err(|panic| panic_text(&panic)))).collect()
+    });
+    let report: Vec<String> = results
+        .iter()
+        .map(|(name, result)| match result {
+            Ok(took) => format!("  {name}: passed in {:.1} s", took.as_secs_f64()),
+            Err(why) => format!("  {name}: FAILED: {why}"),
+        })
+        .collect();
+    eprintln!("{what}:\n{}", report.join("\n"));
+    assert!(results.iter().all(|(_, r)| r.is_ok()), "{what}:\n{}", report.join("\n"));
+}
+
+/// A panic's message.
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
