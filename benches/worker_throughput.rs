@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use pelican::worker::{Outcome, Worker, WorkerConfig};
 use redis::aio::ConnectionManager;
 use support::{bed_var, fill_stream};
@@ -77,6 +79,21 @@ async fn sdk(client: &redis::Client, stream: &str, count: usize, concurrency: us
 async fn main() {
     let count: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(50_000);
     println!("worker throughput, {count} messages, no-op handler; messages per second (microseconds per message)");
+    table(count).await;
+    // Again with an OpenTelemetry SDK installed, as an application that traces would: every handler run is a
+    // recorded span (a batch processor; the exporter keeps them in memory, emptied after each table).
+    let exporter = InMemorySpanExporter::default();
+    let provider = SdkTracerProvider::builder().with_batch_exporter(exporter.clone()).build();
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    println!("the same with tracing on (an OpenTelemetry SDK recording a span per handler run)");
+    table(count).await;
+    provider.force_flush().unwrap();
+    println!("{} spans recorded", exporter.get_finished_spans().unwrap().len());
+}
+
+/// One row per server: the plain loop and the SDK, one at a time and 16 at once.
+async fn table(count: usize) {
     println!(
         "{:<14} {:>24} {:>24} {:>24} {:>24}",
         "server", "plain loop, batch 1", "SDK, concurrency 1", "plain loop, batch 16", "SDK, concurrency 16"
