@@ -21,6 +21,7 @@ const TRACER: &str = "pelican";
 /// The fields a message's trace context is carried in.
 pub type TraceFields = Vec<(String, String)>;
 
+/// The global provider's tracer, asked once per span (an application may install its SDK after a worker started).
 fn tracer() -> global::BoxedTracer {
     global::tracer(TRACER)
 }
@@ -35,7 +36,8 @@ impl Sending {
     /// Starts `send <stream>` as a child of the current context. `carried`: the fields of an earlier attempt of the
     /// same idempotent publish, sent again instead of this span's (the entry keeps its first context).
     pub fn start(stream: &str, attributes: Vec<KeyValue>, carried: Option<TraceFields>) -> Sending {
-        let mut span = tracer().span_builder(format!("send {stream}")).with_kind(SpanKind::Producer).start(&tracer());
+        let tracer = tracer();
+        let mut span = tracer.span_builder(format!("send {stream}")).with_kind(SpanKind::Producer).start(&tracer);
         // Without an SDK the span records nothing: its attributes are not even built.
         if span.is_recording() {
             let mut attributes = attributes;
@@ -138,10 +140,11 @@ impl Processing<'_> {
             }
             attributes
         };
-        let mut span = tracer()
+        let tracer = tracer();
+        let mut span = tracer
             .span_builder(format!("process {}", self.stream))
             .with_kind(SpanKind::Consumer)
-            .start_with_context(&tracer(), &parent);
+            .start_with_context(&tracer, &parent);
         // Without an SDK the span records nothing: its attributes are not even built.
         if span.is_recording() {
             span.set_attributes(attributes());
