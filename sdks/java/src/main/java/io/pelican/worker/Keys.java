@@ -9,6 +9,8 @@ public final class Keys {
     public static final String DELIVERIES_FIELD = "pelican-deliveries";
     /** The field a requeued copy carries with the id the message was first published under. */
     public static final String ORIGIN_ID_FIELD = "pelican-origin-id";
+    /** The field a topic's keyed message carries first: its key (contract/README.md, "The partition of a key"). */
+    public static final String KEY_FIELD = "pelican-key";
     /** The most bytes of a message's last error a worker writes. */
     public static final int ERROR_TEXT_MAX = 1024;
 
@@ -60,6 +62,34 @@ public final class Keys {
     /** {@code {T}:pelican:<stream>:rejected}: group -> publishes refused for it. */
     public static String rejected(String stream) {
         return prefix(stream) + ":rejected";
+    }
+
+    /**
+     * <code>{T:i}</code>: partition {@code i} of topic {@code T}, a stream whose whole name is its hash tag, so that a
+     * Redis Cluster spreads the partitions over its shards.
+     */
+    public static String partitionStream(String topic, int partition) {
+        return "{" + topic + ":" + partition + "}";
+    }
+
+    /** {@code {T}:pelican:T:topic}: the topic's description for producers ({@code partitions}, {@code contractVersion}). */
+    public static String topic(String topic) {
+        return prefix(topic) + ":topic";
+    }
+
+    /** {@code {T}:pelican:T:<group>:members}: member -> its membership deadline (the server's time, ms). */
+    public static String members(String topic, String group) {
+        return prefix(topic) + ":" + group + ":members";
+    }
+
+    /** {@code {T}:pelican:T:<group>:owners}: partition index -> the member that owns it. */
+    public static String owners(String topic, String group) {
+        return prefix(topic) + ":" + group + ":owners";
+    }
+
+    /** {@code {T}:pelican:T:<group>:epochs}: partition index -> its epoch, incremented at every hand-over. */
+    public static String epochs(String topic, String group) {
+        return prefix(topic) + ":" + group + ":epochs";
     }
 
     private static String prefix(String stream) {

@@ -60,6 +60,8 @@ public final class Producer implements AutoCloseable {
     private final Duration timeout;
     private final RedisClient client;
     private final byte[][] keys;
+    /** Whose connection this producer publishes on: itself, or the producer it was made beside (a topic's). */
+    private final Producer root;
     private StatefulRedisConnection<byte[], byte[]> connection;
 
     private Producer(Builder b) {
@@ -71,7 +73,21 @@ public final class Producer implements AutoCloseable {
                 .build();
         this.client = b.resources != null ? RedisClient.create(b.resources, b.uri) : RedisClient.create(b.uri);
         this.client.setOptions(options);
-        this.keys = new byte[][] {Worker.bytes(stream), Worker.bytes(Keys.bounds(stream)), Worker.bytes(Keys.rejected(stream))};
+        this.keys = keys(stream);
+        this.root = this;
+    }
+
+    /** A producer of {@code stream} on {@code root}'s client and connection (a topic's partition); closes nothing. */
+    Producer(Producer root, String stream) {
+        this.stream = stream;
+        this.timeout = root.timeout;
+        this.client = root.client;
+        this.keys = keys(stream);
+        this.root = root;
+    }
+
+    private static byte[][] keys(String stream) {
+        return new byte[][] {Worker.bytes(stream), Worker.bytes(Keys.bounds(stream)), Worker.bytes(Keys.rejected(stream))};
     }
 
     public static Builder builder(RedisURI uri) {
@@ -131,6 +147,9 @@ public final class Producer implements AutoCloseable {
     /** Closes the connection and the producer's client. */
     @Override
     public synchronized void close() {
+        if (root != this) {
+            return;
+        }
         if (connection != null) {
             connection.close();
         }
@@ -170,6 +189,15 @@ public final class Producer implements AutoCloseable {
         return await(() -> connection().async()
                 .dispatch(CommandType.COMMAND, new NestedMultiOutput<>(ByteArrayCodec.INSTANCE), args)
                 .toCompletableFuture());
+    }
+
+    /** {@code HGETALL key}, its names and values decoded as UTF-8. */
+    Map<String, String> hash(String key) throws PublishException {
+        Map<byte[], byte[]> raw = await(() -> connection().async().hgetall(Worker.bytes(key)).toCompletableFuture());
+        Map<String, String> decoded = new java.util.HashMap<>();
+        raw.forEach((name, value) -> decoded.put(
+                new String(name, StandardCharsets.UTF_8), new String(value, StandardCharsets.UTF_8)));
+        return decoded;
     }
 
     /** Field/value arguments after {@code prefix} (the IDMP form's three). */
@@ -233,6 +261,9 @@ public final class Producer implements AutoCloseable {
     }
 
     private synchronized StatefulRedisConnection<byte[], byte[]> connection() {
+        if (root != this) {
+            return root.connection();
+        }
         if (connection == null) {
             connection = client.connect(ByteArrayCodec.INSTANCE);
         }

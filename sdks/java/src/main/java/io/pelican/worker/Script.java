@@ -24,6 +24,7 @@ final class Script {
     static final Script TERMINAL_ACK = load("terminal_ack");
     static final Script BOUNDED_PUBLISH = load("bounded_publish");
     static final Script BOUNDED_PUBLISH_BATCH = load("bounded_publish_batch");
+    static final Script MEMBERSHIP = load("membership");
 
     final byte[] source;
     final String sha;
