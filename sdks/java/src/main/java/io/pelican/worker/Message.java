@@ -9,6 +9,8 @@ import java.util.Arrays;
 import java.util.List;
 import java.util.Map;
 import java.util.Objects;
+import java.util.Optional;
+import java.util.OptionalInt;
 
 /**
  * One stream entry: its id and its fields, raw bytes in the order they were added (names may repeat). Pelican's
@@ -51,10 +53,17 @@ public final class Message {
 
     private final String id;
     private final List<Field> fields;
+    private final OptionalInt partition;
 
     public Message(String id, List<Field> fields) {
+        this(id, fields, OptionalInt.empty());
+    }
+
+    /** A message read from a topic's partition: for a handler's unit tests as well. */
+    public Message(String id, List<Field> fields, OptionalInt partition) {
         this.id = Objects.requireNonNull(id, "id");
         this.fields = List.copyOf(fields);
+        this.partition = Objects.requireNonNull(partition, "partition");
     }
 
     /** A message with text fields in the map's order: for a handler's unit tests. */
@@ -67,6 +76,19 @@ public final class Message {
     /** The entry id, e.g. {@code 1700000000000-0}. */
     public String id() {
         return id;
+    }
+
+    /** The partition of a topic it was read from; empty for a message of a plain stream. */
+    public OptionalInt partition() {
+        return partition;
+    }
+
+    /**
+     * Its key as text: the {@code pelican-key} field a {@link TopicProducer} writes first; empty without one (or
+     * when the key is not UTF-8: {@code bytes(Keys.KEY_FIELD)} has its bytes).
+     */
+    public Optional<String> key() {
+        return Optional.ofNullable(text(Keys.KEY_FIELD));
     }
 
     /** Every field, in order. */
@@ -92,7 +114,8 @@ public final class Message {
 
     @Override
     public String toString() {
-        return "Message[" + id + ", " + fields.size() + " fields]";
+        return "Message[" + id + (partition.isPresent() ? " of partition " + partition.getAsInt() : "") + ", "
+                + fields.size() + " fields]";
     }
 
     private static String utf8(byte[] value) {

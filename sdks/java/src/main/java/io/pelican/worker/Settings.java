@@ -31,10 +31,20 @@ public record Settings(long minIdleMs, long retryAfterMs, OptionalLong maxDelive
      * lookup in the raw map finds nothing and a silent default would lease at the wrong pace.
      */
     public static Settings parseRaw(Map<byte[], byte[]> hash) {
+        return parse(decode(hash), KNOWN_CONTRACT_VERSIONS);
+    }
+
+    /** {@link #parseRaw} for a worker that knows the contract versions {@code known} (a topic's partition: 2). */
+    static Settings parseRaw(Map<byte[], byte[]> hash, Set<Integer> known) {
+        return parse(decode(hash), known);
+    }
+
+    /** A hash of a byte codec with its names and values decoded as UTF-8. */
+    static Map<String, String> decode(Map<byte[], byte[]> hash) {
         Map<String, String> fields = new HashMap<>();
         hash.forEach((name, value) -> fields.put(
                 new String(name, StandardCharsets.UTF_8), new String(value, StandardCharsets.UTF_8)));
-        return parse(fields);
+        return fields;
     }
 
     /**
@@ -46,6 +56,10 @@ public record Settings(long minIdleMs, long retryAfterMs, OptionalLong maxDelive
      *     integer
      */
     public static Settings parse(Map<String, String> fields) {
+        return parse(fields, KNOWN_CONTRACT_VERSIONS);
+    }
+
+    private static Settings parse(Map<String, String> fields, Set<Integer> known) {
         if (fields.isEmpty()) {
             return null;
         }
@@ -53,7 +67,7 @@ public record Settings(long minIdleMs, long retryAfterMs, OptionalLong maxDelive
         int version = 1;
         if (versionText != null) {
             if (!isDecimal(versionText) || versionText.length() > 9
-                    || !KNOWN_CONTRACT_VERSIONS.contains(Integer.parseInt(versionText))) {
+                    || !known.contains(Integer.parseInt(versionText))) {
                 throw new ContractVersionException(versionText);
             }
             version = Integer.parseInt(versionText);

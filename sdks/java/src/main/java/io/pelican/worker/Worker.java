@@ -26,6 +26,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.Objects;
 import java.util.Optional;
+import java.util.OptionalInt;
 import java.util.Set;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionStage;
@@ -44,6 +45,7 @@ import java.util.concurrent.TimeoutException;
 import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.concurrent.atomic.LongAdder;
+import java.util.function.BooleanSupplier;
 
 /**
  * The dispatch layer of an application consumer, as the worker contract's checklist says: reads its own PEL first,
@@ -108,6 +110,16 @@ public final class Worker implements AutoCloseable {
     private final byte[] settingsKey;
     private final byte[] consumersKey;
     private final String where;
+    /**
+     * A topic's partition ({@link TopicWorker}): the contract versions its settings may say, the partition its
+     * messages carry (empty for a plain stream), and whether the membership is fresh (false: the partition may be
+     * another's, no handler starts and the worker stops as lost).
+     */
+    private final Set<Integer> contracts;
+    private final OptionalInt partition;
+    private final BooleanSupplier fresh;
+    /** The partition was lost: no handler starts, no outcome is written, nothing is given back. */
+    private volatile boolean aborted;
 
     private final LongAdder done = new LongAdder();
     private final LongAdder terminal = new LongAdder();
@@ -181,6 +193,9 @@ public final class Worker implements AutoCloseable {
         this.settingsKey = bytes(Keys.settings(stream, group));
         this.consumersKey = bytes(Keys.consumers(stream, group));
         this.where = "[" + stream + " " + group + " " + consumer + "] ";
+        this.contracts = b.partition.isPresent() ? Set.of(Partitions.TOPIC_CONTRACT_VERSION) : Settings.KNOWN_CONTRACT_VERSIONS;
+        this.partition = b.partition;
+        this.fresh = b.fresh;
     }
 
     /** A worker on a client of the application's (its options and resources are used as they are; never shut down). */
@@ -327,7 +342,7 @@ public final class Worker implements AutoCloseable {
         Settings read;
         String problem = null;
         try {
-            read = Settings.parseRaw(await(writes.hgetall(settingsKey)));
+            read = Settings.parseRaw(await(writes.hgetall(settingsKey)), contracts);
         } catch (RedisCommandExecutionException | SettingsException e) {
             read = null;
             problem = e.getMessage();
@@ -371,10 +386,10 @@ public final class Worker implements AutoCloseable {
                             StreamOffset.from(streamKey, cursor));
                     cursor = read.isEmpty() ? null : read.get(read.size() - 1).getId();
                     ownPelRead = cursor == null;
-                    found = messages(read);
+                    found = messages(read, partition);
                 } else {
                     found = messages(readGroup(XReadArgs.Builder.count(free).block(block),
-                            StreamOffset.lastConsumed(streamKey)));
+                            StreamOffset.lastConsumed(streamKey)), partition);
                 }
             } catch (RedisCommandExecutionException e) {
                 readSentAt = null;
@@ -533,7 +548,7 @@ public final class Worker implements AutoCloseable {
         for (CompletableFuture<List<StreamMessage<byte[], byte[]>>> range : ranges) {
             entries.addAll(await(range));
         }
-        return messages(entries);
+        return messages(entries, partition);
     }
 
     // Dispatch: the only place that acknowledges
@@ -596,8 +611,18 @@ public final class Worker implements AutoCloseable {
                 freeSlot(); // given back at the end of the grace before it started
                 return;
             }
-            if (versionMet != null) {
-                freeSlot(); // never handled under a contract this library does not know: given back by the shutdown
+            if (versionMet != null || aborted) {
+                // Never handled under a contract this library does not know (given back by the shutdown), nor on a
+                // partition lost.
+                freeSlot();
+                return;
+            }
+            if (fresh != null && !fresh.getAsBoolean()) {
+                freeSlot();
+                // The membership may have expired: the partition may be another's. The topic worker starts it again
+                // once a heartbeat answers.
+                LOG.log(Level.WARNING, where + "no membership heartbeat answered within the ttl: the partition is stopped");
+                abort();
                 return;
             }
             entry.thread = Thread.currentThread();
@@ -625,7 +650,10 @@ public final class Worker implements AutoCloseable {
             Thread.interrupted(); // the interrupt of the grace's end was for this handler, not the next task
         }
         freeSlot();
-        if (mine) {
+        if (mine && aborted) {
+            inFlight.remove(message.id()); // lost: another's now, no outcome written
+            entry.written.complete(null);
+        } else if (mine) {
             CompletableFuture<Void> write = failure != null ? fail(message.id(), failure) : write(message, outcome);
             write.whenComplete((ignored, error) -> {
                 inFlight.remove(message.id());
@@ -880,6 +908,10 @@ public final class Worker implements AutoCloseable {
         synchronized (slots) {
             slots.notifyAll();
         }
+        if (aborted) {
+            abandonAll();
+            return;
+        }
         try {
             // The read in flight is awaited: the server delivers to this consumer whatever becomes of the call.
             readerThread.join(block.plus(READ_MARGIN).toMillis());
@@ -944,6 +976,44 @@ public final class Worker implements AutoCloseable {
         }
     }
 
+    /**
+     * A lost partition's shutdown: its entries are another's now. Handlers still running are interrupted, and nothing
+     * is leased, written or given back (the new owner takes the pending list over).
+     */
+    private void abandonAll() {
+        leaser.shutdownNow();
+        for (InFlight entry : inFlight.values()) {
+            if (entry.state.compareAndSet(InFlight.RUNNING, InFlight.ABANDONED)) {
+                inFlight.remove(entry.id);
+                synchronized (entry) {
+                    if (entry.thread != null) {
+                        entry.thread.interrupt();
+                    }
+                }
+            }
+        }
+        LOG.log(Level.WARNING, where + "partition lost: stopped at once, its messages left to the new owner");
+    }
+
+    /**
+     * Stops a topic's lost partition at once, on a thread of its own (this call returns at once): no handler starts,
+     * no outcome is written, nothing is given back. {@link #whenClosed()} completes once it stopped.
+     */
+    void abort() {
+        aborted = true;
+        threads("pelican-abort-" + consumer, true).newThread(this::close).start();
+    }
+
+    /** Completes once the worker is closed: by {@link #close()}, an {@link #abort()}, or an unknown contract met. */
+    CompletableFuture<Void> whenClosed() {
+        return closed.copy();
+    }
+
+    /** The unknown contract version a lease tick met, which shut the worker down; {@code null} when none. */
+    ContractVersionException versionMet() {
+        return versionMet;
+    }
+
     private void release() {
         if (leaser != null) {
             leaser.shutdownNow();
@@ -989,7 +1059,7 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    private static List<Message> messages(List<StreamMessage<byte[], byte[]>> entries) {
+    static List<Message> messages(List<StreamMessage<byte[], byte[]>> entries, OptionalInt partition) {
         List<Message> messages = new ArrayList<>(entries.size());
         for (StreamMessage<byte[], byte[]> entry : entries) {
             Map<byte[], byte[]> body = entry.getBody();
@@ -1001,7 +1071,7 @@ public final class Worker implements AutoCloseable {
             List<Message.Field> fields = new ArrayList<>(body.size());
             body.forEach((name, value) -> fields.add(new Message.Field(
                     new String(name, StandardCharsets.UTF_8), value != null ? value : new byte[0])));
-            messages.add(new Message(entry.getId(), fields));
+            messages.add(new Message(entry.getId(), fields, partition));
         }
         return messages;
     }
@@ -1113,6 +1183,9 @@ public final class Worker implements AutoCloseable {
         }
 
         private CompletableFuture<Void> send(List<Ack> batch) {
+            if (aborted) {
+                return CompletableFuture.failedFuture(new RedisException("the partition was lost: no outcome written"));
+            }
             String[] ids = new String[batch.size()];
             List<byte[]> clear = new ArrayList<>();
             for (int i = 0; i < ids.length; i++) {
@@ -1159,6 +1232,8 @@ public final class Worker implements AutoCloseable {
         private Duration maxHandling = Duration.ofMinutes(30);
         private Handler handler;
         private Executor executor;
+        private OptionalInt partition = OptionalInt.empty();
+        private BooleanSupplier fresh;
 
         private Builder(RedisClient client, RedisURI uri) {
             this.client = client;
@@ -1222,6 +1297,23 @@ public final class Worker implements AutoCloseable {
          */
         public Builder executor(Executor executor) {
             this.executor = executor;
+            return this;
+        }
+
+        /** The options of {@code other} but its stream, group, consumer and handler: a topic's for each partition. */
+        Builder sameOptionsAs(Builder other) {
+            this.concurrency = other.concurrency;
+            this.block = other.block;
+            this.shutdownGrace = other.shutdownGrace;
+            this.maxHandling = other.maxHandling;
+            this.executor = other.executor;
+            return this;
+        }
+
+        /** A topic's partition {@code partition}, whose membership is fresh while {@code fresh} says so. */
+        Builder partition(int partition, BooleanSupplier fresh) {
+            this.partition = OptionalInt.of(partition);
+            this.fresh = fresh;
             return this;
         }
 

@@ -1,0 +1,186 @@
+package io.pelican.worker;
+
+import static io.pelican.worker.Support.GROUP;
+import static io.pelican.worker.Support.eventually;
+import static io.pelican.worker.TopicSupport.TOPIC;
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertThrows;
+import static org.junit.jupiter.api.Assertions.assertTrue;
+
+import io.lettuce.core.Limit;
+import io.lettuce.core.Range;
+import io.lettuce.core.ScriptOutputType;
+import io.lettuce.core.XReadArgs.StreamOffset;
+import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.models.stream.PendingMessage;
+import java.nio.charset.StandardCharsets;
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+import java.util.Set;
+import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.CopyOnWriteArrayList;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.TimeUnit;
+import java.util.function.UnaryOperator;
+import org.junit.jupiter.api.Test;
+
+/** Topic workers against a real server: sharing partitions, hand-overs, expiry, refusals. */
+class TopicWorkerTest {
+    /** One handler run: who ran it, the partition it says, its key and the payload's {@code n}. */
+    record Run(String member, int partition, String key, String n) {}
+
+    static TopicWorker member(String name, Handler handler, UnaryOperator<TopicWorker.Builder> options) {
+        return options.apply(TopicWorker.builder(Support.server().uri()).topic(TOPIC).group(GROUP).consumer(name)
+                .membershipTtl(Duration.ofSeconds(3)).block(Duration.ofMillis(100)).shutdownGrace(Duration.ofSeconds(5))
+                .handler(handler)).build();
+    }
+
+    static Handler recording(String member, List<Run> runs) {
+        return message -> {
+            runs.add(new Run(member, message.partition().orElse(-1), message.key().orElse(null), message.text("n")));
+            return Outcome.done();
+        };
+    }
+
+    static void publishKeyed(int count) throws PublishException {
+        try (TopicProducer producer = TopicProducer.builder(Support.server().uri()).topic(TOPIC).build()) {
+            for (int i = 0; i < count; i++) {
+                producer.publishKeyed("key-" + i, Map.of("n", i));
+            }
+        }
+    }
+
+    @Test
+    void twoMembersShareFourPartitionsAndEveryKeyedMessageIsHandledOnceByItsPartitionsOwner() throws PublishException {
+        RedisCommands<String, String> r = Support.fresh();
+        TopicSupport.writeTopic(r, 4, 30_000);
+        List<Run> runs = new CopyOnWriteArrayList<>();
+        try (TopicWorker a = member("member-a", recording("member-a", runs), b -> b);
+                TopicWorker b = member("member-b", recording("member-b", runs), o -> o)) {
+            a.start();
+            b.start();
+            eventually(() -> a.owned().size() == 2 && b.owned().size() == 2, Duration.ofSeconds(10),
+                    "each member owning 2 partitions");
+            assertEquals(Set.of(0, 1, 2, 3), union(a.owned(), b.owned()));
+            publishKeyed(40);
+            eventually(() -> runs.size() >= 40, "every message handled");
+            Map<String, Set<Integer>> owners = Map.of("member-a", a.owned(), "member-b", b.owned());
+            Set<String> handled = ConcurrentHashMap.newKeySet();
+            for (Run run : runs) {
+                assertEquals(Partitions.of(run.key(), 4), run.partition(), "the partition the handler learns");
+                assertTrue(owners.get(run.member()).contains(run.partition()), run + " handled by its partition's owner");
+                assertTrue(handled.add(run.n()), run + " handled once");
+            }
+            assertEquals(40, handled.size());
+            assertTrue(runs.stream().anyMatch(run -> run.member().equals("member-a")));
+            assertTrue(runs.stream().anyMatch(run -> run.member().equals("member-b")));
+        }
+    }
+
+    @Test
+    void aMemberLeavingHandsItsPartitionsToTheOtherWhichHandlesWhatFollows() throws PublishException {
+        RedisCommands<String, String> r = Support.fresh();
+        TopicSupport.writeTopic(r, 4, 30_000);
+        List<Run> runs = new CopyOnWriteArrayList<>();
+        try (TopicWorker a = member("member-a", recording("member-a", runs), o -> o);
+                TopicWorker b = member("member-b", recording("member-b", runs), o -> o)) {
+            a.start();
+            b.start();
+            eventually(() -> a.owned().size() == 2 && b.owned().size() == 2, Duration.ofSeconds(10), "a balanced group");
+            a.close();
+            assertEquals(List.of(), r.hkeys(Keys.owners(TOPIC, GROUP)).stream()
+                    .filter(p -> r.hget(Keys.owners(TOPIC, GROUP), p).equals("member-a")).toList(), "a owns nothing");
+            eventually(() -> b.owned().equals(Set.of(0, 1, 2, 3)), Duration.ofSeconds(5), "b owning every partition");
+            publishKeyed(20);
+            eventually(() -> runs.size() >= 20, "every message handled");
+            assertTrue(runs.stream().allMatch(run -> run.member().equals("member-b")), runs.toString());
+        }
+    }
+
+    @Test
+    void aMemberThatStopsHeartbeatingLosesItsPartitionsAndTheOtherRunsItsPendingEntryFirst() throws Exception {
+        RedisCommands<String, String> r = Support.fresh();
+        TopicSupport.writeTopic(r, 1, 30_000);
+        String stream = Keys.partitionStream(TOPIC, 0);
+        // A member that joined, read an entry, and was killed: it never heartbeats again, nor leaves.
+        r.eval(new String(Script.MEMBERSHIP.source, StandardCharsets.UTF_8), ScriptOutputType.MULTI,
+                new String[] {Keys.members(TOPIC, GROUP), Keys.owners(TOPIC, GROUP), Keys.epochs(TOPIC, GROUP)},
+                "killed", "1000", "1", "0");
+        String inFlight = r.xadd(stream, Keys.KEY_FIELD, "k", "n", "in-flight");
+        readAs(r, stream, "killed");
+        String next = r.xadd(stream, Keys.KEY_FIELD, "k", "n", "next");
+        List<String> handled = new CopyOnWriteArrayList<>();
+        CountDownLatch checked = new CountDownLatch(1);
+        List<PendingMessage> seen = new CopyOnWriteArrayList<>();
+        Handler handler = message -> {
+            if (message.id().equals(inFlight)) {
+                seen.addAll(r.xpending(stream, GROUP, Range.create(inFlight, inFlight), Limit.from(1)));
+                checked.await(5, TimeUnit.SECONDS);
+            }
+            handled.add(message.id());
+            return Outcome.done();
+        };
+        try (TopicWorker survivor = member("survivor", handler, o -> o.membershipTtl(Duration.ofSeconds(1)))) {
+            survivor.start();
+            eventually(() -> survivor.owned().equals(Set.of(0)), Duration.ofSeconds(5), "the killed member's partition taken");
+            eventually(() -> !seen.isEmpty(), "the pending entry running");
+            checked.countDown();
+            assertEquals("survivor", seen.get(0).getConsumer());
+            assertEquals(2, seen.get(0).getRedeliveryCount(), "one delivery more than the killed member's, not two");
+            eventually(() -> handled.size() == 2, "both entries handled");
+            assertEquals(List.of(inFlight, next), handled);
+        }
+    }
+
+    // Lettuce takes the offsets as generic varargs: javac calls the array it makes for one offset unchecked.
+    @SuppressWarnings("unchecked")
+    static void readAs(RedisCommands<String, String> r, String stream, String consumer) {
+        r.xreadgroup(io.lettuce.core.Consumer.from(GROUP, consumer), io.lettuce.core.XReadArgs.Builder.count(1),
+                StreamOffset.lastConsumed(stream));
+    }
+
+    @Test
+    void aStreamWithoutATopicsSettingsIsRefusedNamingIt() {
+        Support.fresh();
+        TopicWorker worker = member("m", message -> Outcome.done(), o -> o);
+        NotATopicException refused = assertThrows(NotATopicException.class, worker::start);
+        assertTrue(refused.getMessage().contains("'orders'"), refused.getMessage());
+    }
+
+    @Test
+    void anUnknownContractIsRefusedNamingTheTopic() {
+        RedisCommands<String, String> r = Support.fresh();
+        TopicSupport.writeTopic(r, 2, 30_000, "contractVersion", "3");
+        TopicWorker worker = member("m", message -> Outcome.done(), o -> o);
+        TopicContractException refused = assertThrows(TopicContractException.class, worker::start);
+        assertEquals("3", refused.operatorVersion());
+        assertTrue(refused.getMessage().contains("topic 'orders'"), refused.getMessage());
+    }
+
+    @Test
+    void anUnknownOrderingIsRefusedNamingIt() {
+        RedisCommands<String, String> r = Support.fresh();
+        TopicSupport.writeTopic(r, 2, 30_000, "ordering", "Global");
+        TopicWorker worker = member("m", message -> Outcome.done(), o -> o);
+        SettingsException refused = assertThrows(SettingsException.class, worker::start);
+        assertTrue(refused.getMessage().contains("ordering 'Global'"), refused.getMessage());
+        assertEquals(Map.of(), r.hgetall(Keys.members(TOPIC, GROUP)), "refused before it joined");
+    }
+
+    @Test
+    void aMembershipTtlOutOfRangeIsRefused() {
+        for (Duration ttl : List.of(Duration.ofMillis(999), Duration.ofHours(24).plusMillis(1))) {
+            IllegalArgumentException refused = assertThrows(IllegalArgumentException.class,
+                    () -> member("m", message -> Outcome.done(), o -> o.membershipTtl(ttl)));
+            assertTrue(refused.getMessage().contains("membership ttl must be 1 s .. 24 h"), refused.getMessage());
+        }
+    }
+
+    static Set<Integer> union(Set<Integer> a, Set<Integer> b) {
+        List<Integer> all = new ArrayList<>(a);
+        all.addAll(b);
+        return Set.copyOf(all);
+    }
+}
