@@ -205,7 +205,9 @@ public final class TopicWorker implements AutoCloseable {
                 connection = client.connect(ByteArrayCodec.INSTANCE);
                 commands = connection.async();
                 readSettings();
+                long sent = System.nanoTime();
                 first = heartbeat(false, List.of());
+                beatAt = sent;
             } catch (RuntimeException e) {
                 state = State.CLOSED;
                 release();
