@@ -24,9 +24,10 @@ import org.junit.jupiter.api.Test;
 class PerKeyTest {
     private static final String STREAM = Keys.partitionStream(TOPIC, 0);
 
+    /** A member whose concurrency (8) is above the keys' count: only the key keeps two of it apart. */
     private static TopicWorker member(Handler handler) {
         return TopicWorker.builder(Support.server().uri()).topic(TOPIC).group(GROUP).consumer("member")
-                .membershipTtl(Duration.ofSeconds(3)).block(Duration.ofMillis(100)).concurrency(4).handler(handler).build();
+                .membershipTtl(Duration.ofSeconds(3)).block(Duration.ofMillis(100)).concurrency(8).handler(handler).build();
     }
 
     private static List<PendingMessage> pending(RedisCommands<String, String> r, String id) {
@@ -57,7 +58,8 @@ class PerKeyTest {
             int ofKey = runningPerKey.computeIfAbsent(key, k -> new AtomicInteger()).incrementAndGet();
             mostOfAKeyAtOnce.accumulateAndGet(ofKey, Math::max);
             mostKeysAtOnce.accumulateAndGet(running.incrementAndGet(), Math::max);
-            Thread.sleep(20); // the handler's work: long enough for keys to overlap
+            // The handler's work, of uneven lengths: entries of a key run side by side would end out of order.
+            Thread.sleep(10 + 7 * Integer.parseInt(message.text("n")) % 30);
             runs.add(new Run(key, message.text("n"), 0));
             running.decrementAndGet();
             runningPerKey.get(key).decrementAndGet();
