@@ -185,4 +185,53 @@ class ConformanceWorkerTest {
             admin.shutdown();
         }
     }
+
+    /** A topic run line: id, consumer, outcome, ms, then partition, key, startedAt, endedAt. */
+    private static final Pattern TOPIC_LINE = Pattern.compile("\\{\"id\": \"([^\"]+)\", \"consumer\": \"conformance-1\", "
+            + "\"outcome\": \"done\", \"ms\": (\\d+), \"partition\": (\\d+), \"key\": (null|\"[^\"]*\"), "
+            + "\"startedAt\": (\\d+), \"endedAt\": (\\d+)}");
+
+    @Test
+    void inATopicEachLineSaysThePartitionTheKeyAndWhenTheRunBeganAndEnded() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        TopicSupport.writeTopic(r, 2, 30_000);
+        String keyed = r.xadd(Keys.partitionStream(TopicSupport.TOPIC, Partitions.of("order-42", 2)),
+                Keys.KEY_FIELD, "order-42", "ms", "40");
+        String keyless = r.xadd(Keys.partitionStream(TopicSupport.TOPIC, 1), "handle", "done");
+        long before = System.currentTimeMillis();
+        Process process = start(Map.of("TOPIC", TopicSupport.TOPIC, "STREAM", "", "MEMBERSHIP_TTL_MS", "3000"));
+        Map<String, Matcher> lines = new HashMap<>();
+        try (BufferedReader out = new BufferedReader(new InputStreamReader(process.getInputStream(), StandardCharsets.UTF_8))) {
+            while (lines.size() < 2) {
+                String line = out.readLine();
+                assertTrue(line != null, "the worker ended before it handled both");
+                Matcher m = TOPIC_LINE.matcher(line);
+                assertTrue(m.matches(), line);
+                lines.put(m.group(1), m);
+            }
+            assertEquals(0, terminate(process));
+        } finally {
+            process.destroyForcibly();
+        }
+        Matcher k = lines.get(keyed);
+        assertEquals(List.of(Integer.toString(Partitions.of("order-42", 2)), "\"order-42\""), List.of(k.group(3), k.group(4)));
+        long startedAt = Long.parseLong(k.group(5));
+        long endedAt = Long.parseLong(k.group(6));
+        assertTrue(startedAt >= before && endedAt - startedAt >= 40, k.group(0));
+        assertEquals(List.of("1", "null"), List.of(lines.get(keyless).group(3), lines.get(keyless).group(4)));
+        assertEquals(Map.of(), r.hgetall(Keys.members(TopicSupport.TOPIC, GROUP)), "it left the group on SIGTERM");
+    }
+
+    @Test
+    void aTopicItRefusesExits4() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        TopicSupport.writeTopic(r, 2, 30_000, "contractVersion", "3");
+        Process process = start(Map.of("TOPIC", TopicSupport.TOPIC, "STREAM", ""));
+        try {
+            assertTrue(process.waitFor(30, TimeUnit.SECONDS), "no exit 30 s after a refused topic");
+            assertEquals(4, process.exitValue());
+        } finally {
+            process.destroyForcibly();
+        }
+    }
 }

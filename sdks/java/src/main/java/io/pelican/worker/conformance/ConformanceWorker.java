@@ -7,12 +7,16 @@ import io.pelican.worker.ContractVersionException;
 import io.pelican.worker.IdempotentProducer;
 import io.pelican.worker.InvalidReasonException;
 import io.pelican.worker.Message;
+import io.pelican.worker.NotATopicException;
 import io.pelican.worker.Outcome;
 import io.pelican.worker.PodName;
 import io.pelican.worker.Producer;
 import io.pelican.worker.PublishException;
 import io.pelican.worker.PublishOutcomeUnknownException;
 import io.pelican.worker.PublishUnavailableException;
+import io.pelican.worker.SettingsException;
+import io.pelican.worker.TopicContractException;
+import io.pelican.worker.TopicWorker;
 import io.pelican.worker.Worker;
 import java.io.PrintStream;
 import java.time.Duration;
@@ -35,6 +39,11 @@ import java.util.Map;
  * <p>With {@code SENTINEL_MASTER=<name>}, {@code REDIS_URL} names a sentinel, and Lettuce asks it for the primary
  * monitored under that name (a {@link RedisURI} with a sentinel), again whenever it reconnects.
  *
+ * <p>With {@code TOPIC=<T>} instead of {@code STREAM} it is a member of topic {@code T}'s group: a {@link TopicWorker}
+ * named {@code CONSUMER}, its membership ttl {@code MEMBERSHIP_TTL_MS} when set, the same handler; each run line also
+ * says {@code partition}, {@code key} ({@code null} without one), {@code startedAt} and {@code endedAt} (the wall
+ * clock, ms). A topic it refuses (none there, a contract or an ordering it does not know) exits 4.
+ *
  * <p>With {@code MODE=publish} it is a producer instead: it publishes {@code MESSAGES} messages idempotently (message
  * ids {@code m-0}, {@code m-1}, ...; the producer id is the Pod's name), each published again with the same id until
  * it answers an entry id, one JSON line per attempt.
@@ -52,22 +61,51 @@ public final class ConformanceWorker {
         }
         String consumer = env("CONSUMER") != null ? env("CONSUMER") : PodName.get();
         String grace = env("SHUTDOWN_GRACE_MS");
-        Worker worker = Worker.builder(uri)
-                .stream(required("STREAM"))
-                .group(required("GROUP"))
-                .consumer(consumer)
-                .shutdownGrace(grace != null ? Duration.ofMillis(Long.parseLong(grace)) : Duration.ofSeconds(20))
-                .handler(message -> handle(message, consumer))
-                .build();
+        Duration shutdownGrace = grace != null ? Duration.ofMillis(Long.parseLong(grace)) : Duration.ofSeconds(20);
+        String topic = env("TOPIC");
+        AutoCloseable worker;
+        Runnable run;
+        if (topic != null) {
+            String ttl = env("MEMBERSHIP_TTL_MS");
+            TopicWorker member = TopicWorker.builder(uri)
+                    .topic(topic)
+                    .group(required("GROUP"))
+                    .consumer(consumer)
+                    .shutdownGrace(shutdownGrace)
+                    .membershipTtl(ttl != null ? Duration.ofMillis(Long.parseLong(ttl)) : TopicWorker.DEFAULT_MEMBERSHIP_TTL)
+                    .handler(message -> handle(message, consumer, true))
+                    .build();
+            worker = member;
+            run = member::run;
+        } else {
+            Worker plain = Worker.builder(uri)
+                    .stream(required("STREAM"))
+                    .group(required("GROUP"))
+                    .consumer(consumer)
+                    .shutdownGrace(shutdownGrace)
+                    .handler(message -> handle(message, consumer, false))
+                    .build();
+            worker = plain;
+            run = plain::run;
+        }
         // Registered before start(): a SIGTERM while starting still ends in a complete shutdown. halt(0), because a
         // JVM ended by a signal exits 143 once its hooks have run.
         Runtime.getRuntime().addShutdownHook(new Thread(() -> {
-            worker.close();
+            try {
+                worker.close();
+            } catch (Exception e) {
+                e.printStackTrace();
+            }
             OUT.flush();
             Runtime.getRuntime().halt(0);
         }, "conformance-shutdown"));
         try {
-            worker.run(); // until the hook's close()
+            run.run(); // until the hook's close()
+        } catch (NotATopicException | TopicContractException | SettingsException e) {
+            // A topic this library refuses: nothing was read.
+            System.err.println("conformance worker: " + e.getMessage());
+            OUT.flush();
+            Runtime.getRuntime().halt(4);
         } catch (ContractVersionException e) {
             // After its shutdown; not through the hook, which would exit 0.
             System.err.println("conformance worker: " + e.getMessage());
@@ -117,7 +155,9 @@ public final class ConformanceWorker {
         }
     }
 
-    static Outcome handle(Message message, String consumer) throws InterruptedException {
+    /** The message's orders; in a topic ({@code topic}), each line also says where the message is from and when. */
+    static Outcome handle(Message message, String consumer, boolean topic) throws InterruptedException {
+        Run run = new Run(message, consumer, topic, System.currentTimeMillis());
         String msText = message.text("ms");
         long ms = msText != null && !msText.isEmpty() ? Long.parseLong(msText) : 0;
         if (ms > 0) {
@@ -125,11 +165,11 @@ public final class ConformanceWorker {
         }
         String action = message.text("handle") != null ? message.text("handle") : "done";
         if (action.equals("exit")) {
-            report(message, consumer, "exit", ms);
+            run.report("exit", ms, run.startedAt);
             Runtime.getRuntime().halt(3);
         }
         if (action.equals("fail")) {
-            report(message, consumer, "fail", ms);
+            run.report("fail", ms, System.currentTimeMillis());
             throw new IllegalStateException("the message asked the conformance worker to fail");
         }
         if (action.startsWith("terminal:")) {
@@ -137,23 +177,33 @@ public final class ConformanceWorker {
             try {
                 outcome = Outcome.terminal(action.substring("terminal:".length()));
             } catch (InvalidReasonException e) {
-                report(message, consumer, "fail", ms); // refused before anything is written: a failure
+                run.report("fail", ms, System.currentTimeMillis()); // refused before anything is written: a failure
                 throw e;
             }
-            report(message, consumer, "terminal", ms);
+            run.report("terminal", ms, System.currentTimeMillis());
             return outcome;
         }
         if (action.equals("retry")) {
-            report(message, consumer, "retry", ms);
+            run.report("retry", ms, System.currentTimeMillis());
             return Outcome.retry();
         }
-        report(message, consumer, "done", ms);
+        run.report("done", ms, System.currentTimeMillis());
         return Outcome.done();
     }
 
-    private static void report(Message message, String consumer, String outcome, long ms) {
-        line("{\"id\": " + json(message.id()) + ", \"consumer\": " + json(consumer) + ", \"outcome\": "
-                + json(outcome) + ", \"ms\": " + ms + "}");
+    /** One handler run, reported once it ends. */
+    private record Run(Message message, String consumer, boolean topic, long startedAt) {
+        void report(String outcome, long ms, long endedAt) {
+            StringBuilder line = new StringBuilder("{\"id\": " + json(message.id()) + ", \"consumer\": "
+                    + json(consumer) + ", \"outcome\": " + json(outcome) + ", \"ms\": " + ms);
+            if (topic) {
+                line.append(", \"partition\": ").append(message.partition().orElse(-1))
+                        .append(", \"key\": ").append(message.key().map(ConformanceWorker::json).orElse("null"))
+                        .append(", \"startedAt\": ").append(startedAt)
+                        .append(", \"endedAt\": ").append(endedAt);
+            }
+            line(line.append('}').toString());
+        }
     }
 
     private static void line(String json) {
