@@ -3,7 +3,7 @@ package io.pelican.worker;
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.Range;
-import io.lettuce.core.RedisClient;
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisCommandTimeoutException;
 import io.lettuce.core.RedisException;
 import io.lettuce.core.ScriptOutputType;
@@ -11,9 +11,7 @@ import io.lettuce.core.StreamMessage;
 import io.lettuce.core.XClaimArgs;
 import io.lettuce.core.XReadArgs;
 import io.lettuce.core.XReadArgs.StreamOffset;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.async.RedisAsyncCommands;
-import io.lettuce.core.codec.ByteArrayCodec;
+import io.lettuce.core.cluster.api.async.RedisClusterAsyncCommands;
 import io.lettuce.core.models.stream.PendingMessage;
 import java.lang.System.Logger.Level;
 import java.nio.charset.StandardCharsets;
@@ -56,7 +54,7 @@ final class InOrder implements PartitionRun {
     private static final int HELD_PER_SLOT = 4;
     private static final Duration READ_MARGIN = Duration.ofSeconds(5);
 
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final String stream;
     private final String consumer;
     private final int partition;
@@ -90,9 +88,9 @@ final class InOrder implements PartitionRun {
     private volatile ContractVersionException versionMet;
     private volatile int runningNow;
 
-    private StatefulRedisConnection<byte[], byte[]> reader;
-    private StatefulRedisConnection<byte[], byte[]> writer;
-    private RedisAsyncCommands<byte[], byte[]> writes;
+    private Link reader;
+    private Link writer;
+    private RedisClusterAsyncCommands<byte[], byte[]> writes;
     private ExecutorService ownExecutor;
     private Executor executor;
     private Thread readerThread;
@@ -109,7 +107,7 @@ final class InOrder implements PartitionRun {
     /** Past the shutdown's grace: results still coming are ignored, their entries given back. */
     private boolean finished;
 
-    InOrder(RedisClient client, String stream, String group, String consumer, int partition, int concurrency,
+    InOrder(AbstractRedisClient client, String stream, String group, String consumer, int partition, int concurrency,
             Duration block, Duration shutdownGrace, Handler handler, Executor executor, TopicWorker.Spacing spacing,
             BooleanSupplier fresh) {
         this.client = client;
@@ -153,9 +151,9 @@ final class InOrder implements PartitionRun {
     @Override
     public void start() {
         try {
-            writer = client.connect(ByteArrayCodec.INSTANCE);
-            writes = writer.async();
-            reader = client.connect(ByteArrayCodec.INSTANCE);
+            writer = Link.connect(client);
+            writes = writer.async;
+            reader = Link.connect(client);
             settings = Settings.parseRaw(await(writes.hgetall(settingsKey)), Set.of(Partitions.TOPIC_CONTRACT_VERSION));
             if (settings == null) {
                 throw new SettingsException("partition " + stream + " has no settings");
@@ -519,7 +517,7 @@ final class InOrder implements PartitionRun {
     // Lettuce takes the offsets as generic varargs: javac calls the array it makes for one offset unchecked.
     @SuppressWarnings("unchecked")
     private List<StreamMessage<byte[], byte[]>> readGroup(XReadArgs args, StreamOffset<byte[]> from) {
-        return reader.sync().xreadgroup(Consumer.from(groupName, consumerName), args, from);
+        return reader.sync.xreadgroup(Consumer.from(groupName, consumerName), args, from);
     }
 
     // Shutdown
@@ -598,7 +596,7 @@ final class InOrder implements PartitionRun {
     }
 
     private <T> T await(CompletionStage<T> call) {
-        Duration timeout = writer.getTimeout();
+        Duration timeout = writer.timeout();
         try {
             return call.toCompletableFuture().get(timeout.toMillis(), TimeUnit.MILLISECONDS);
         } catch (InterruptedException e) {

@@ -1,5 +1,6 @@
 package io.pelican.worker;
 
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.ClientOptions;
 import io.lettuce.core.ClientOptions.DisconnectedBehavior;
 import io.lettuce.core.RedisClient;
@@ -9,7 +10,8 @@ import io.lettuce.core.RedisException;
 import io.lettuce.core.RedisURI;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.TimeoutOptions;
-import io.lettuce.core.api.StatefulRedisConnection;
+import io.lettuce.core.cluster.ClusterClientOptions;
+import io.lettuce.core.cluster.RedisClusterClient;
 import io.lettuce.core.codec.ByteArrayCodec;
 import io.lettuce.core.output.NestedMultiOutput;
 import io.lettuce.core.protocol.CommandArgs;
@@ -58,21 +60,31 @@ public final class Producer implements AutoCloseable {
 
     private final String stream;
     private final Duration timeout;
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final byte[][] keys;
     /** Whose connection this producer publishes on: itself, or the producer it was made beside (a topic's). */
     private final Producer root;
-    private StatefulRedisConnection<byte[], byte[]> connection;
+    private Link connection;
 
     private Producer(Builder b) {
         this.stream = b.stream;
         this.timeout = b.timeout;
-        ClientOptions options = ClientOptions.builder()
-                .disconnectedBehavior(DisconnectedBehavior.REJECT_COMMANDS)
-                .timeoutOptions(TimeoutOptions.enabled(b.timeout))
-                .build();
-        this.client = b.resources != null ? RedisClient.create(b.resources, b.uri) : RedisClient.create(b.uri);
-        this.client.setOptions(options);
+        if (b.cluster) {
+            RedisClusterClient cluster = b.resources != null ? RedisClusterClient.create(b.resources, b.uri)
+                    : RedisClusterClient.create(b.uri);
+            cluster.setOptions(ClusterClientOptions.builder()
+                    .disconnectedBehavior(DisconnectedBehavior.REJECT_COMMANDS)
+                    .timeoutOptions(TimeoutOptions.enabled(b.timeout))
+                    .build());
+            this.client = cluster;
+        } else {
+            RedisClient single = b.resources != null ? RedisClient.create(b.resources, b.uri) : RedisClient.create(b.uri);
+            single.setOptions(ClientOptions.builder()
+                    .disconnectedBehavior(DisconnectedBehavior.REJECT_COMMANDS)
+                    .timeoutOptions(TimeoutOptions.enabled(b.timeout))
+                    .build());
+            this.client = single;
+        }
         this.keys = keys(stream);
         this.root = this;
     }
@@ -186,14 +198,14 @@ public final class Producer implements AutoCloseable {
     /** {@code COMMAND DOCS <command>}: nested lists (RESP3 maps flattened to name, value, ...). */
     List<Object> commandDocs(String command) throws PublishException {
         CommandArgs<byte[], byte[]> args = new CommandArgs<>(ByteArrayCodec.INSTANCE).add("DOCS").add(command);
-        return await(() -> connection().async()
+        return await(() -> connection().async
                 .dispatch(CommandType.COMMAND, new NestedMultiOutput<>(ByteArrayCodec.INSTANCE), args)
                 .toCompletableFuture());
     }
 
     /** {@code HGETALL key}, its names and values decoded as UTF-8. */
     Map<String, String> hash(String key) throws PublishException {
-        Map<byte[], byte[]> raw = await(() -> connection().async().hgetall(Worker.bytes(key)).toCompletableFuture());
+        Map<byte[], byte[]> raw = await(() -> connection().async.hgetall(Worker.bytes(key)).toCompletableFuture());
         Map<String, String> decoded = new java.util.HashMap<>();
         raw.forEach((name, value) -> decoded.put(
                 new String(name, StandardCharsets.UTF_8), new String(value, StandardCharsets.UTF_8)));
@@ -215,7 +227,7 @@ public final class Producer implements AutoCloseable {
     }
 
     private <T> T call(Script script, ScriptOutputType type, byte[][] args) throws PublishException {
-        return await(() -> script.<T>run(connection().async(), type, keys, args));
+        return await(() -> script.<T>run(connection().async, type, keys, args));
     }
 
     /** Sends a call (connecting first, once) and waits for its reply, its errors as the contract classifies them. */
@@ -260,12 +272,12 @@ public final class Producer implements AutoCloseable {
         return new PublishOutcomeUnknownException(error.toString(), error);
     }
 
-    private synchronized StatefulRedisConnection<byte[], byte[]> connection() {
+    private synchronized Link connection() {
         if (root != this) {
             return root.connection();
         }
         if (connection == null) {
-            connection = client.connect(ByteArrayCodec.INSTANCE);
+            connection = Link.connect(client);
         }
         return connection;
     }
@@ -282,9 +294,20 @@ public final class Producer implements AutoCloseable {
         private String stream;
         private Duration timeout = Duration.ofSeconds(10);
         private ClientResources resources;
+        private boolean cluster;
 
         private Builder(RedisURI uri) {
             this.uri = uri;
+        }
+
+        /**
+         * {@code true}: the URI names a node of a Redis Cluster, and the producer connects through Lettuce's
+         * {@code RedisClusterClient} (the stream's keys share its slot: each publish goes to the shard that has it).
+         * Default {@code false}.
+         */
+        public Builder cluster(boolean cluster) {
+            this.cluster = cluster;
+            return this;
         }
 
         public Builder stream(String stream) {

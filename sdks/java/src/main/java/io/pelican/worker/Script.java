@@ -2,7 +2,7 @@ package io.pelican.worker;
 
 import io.lettuce.core.RedisNoScriptException;
 import io.lettuce.core.ScriptOutputType;
-import io.lettuce.core.api.async.RedisAsyncCommands;
+import io.lettuce.core.cluster.api.async.RedisClusterAsyncCommands;
 import java.io.IOException;
 import java.io.InputStream;
 import java.io.UncheckedIOException;
@@ -52,7 +52,7 @@ final class Script {
 
     /** Runs the script; a {@code NOSCRIPT} answer (a restarted server, a {@code SCRIPT FLUSH}) runs it by source. */
     <T> CompletableFuture<T> run(
-            RedisAsyncCommands<byte[], byte[]> redis, ScriptOutputType type, byte[][] keys, byte[]... args) {
+            RedisClusterAsyncCommands<byte[], byte[]> redis, ScriptOutputType type, byte[][] keys, byte[]... args) {
         return redis.<T>evalsha(sha, type, keys, args).toCompletableFuture().exceptionallyCompose(error -> {
             if (cause(error) instanceof RedisNoScriptException) {
                 return redis.<T>eval(source, type, keys, args).toCompletableFuture();

@@ -103,9 +103,16 @@ public final class TopicProducer implements AutoCloseable {
         private String topic;
         private Duration timeout = Duration.ofSeconds(10);
         private ClientResources resources;
+        private boolean cluster;
 
         private Builder(RedisURI uri) {
             this.uri = uri;
+        }
+
+        /** {@code true}: the URI names a node of a Redis Cluster, as {@link Producer.Builder#cluster}. */
+        public Builder cluster(boolean cluster) {
+            this.cluster = cluster;
+            return this;
         }
 
         /** The topic: the policy's {@code spec.stream}. */
@@ -138,7 +145,8 @@ public final class TopicProducer implements AutoCloseable {
             if (topic.isEmpty() || topic.contains("{") || topic.contains("}")) {
                 throw new IllegalArgumentException("a topic's name is not empty and holds no { or }, got '" + topic + "'");
             }
-            Producer.Builder first = Producer.builder(uri).stream(Keys.partitionStream(topic, 0)).timeout(timeout);
+            Producer.Builder first = Producer.builder(uri).stream(Keys.partitionStream(topic, 0)).timeout(timeout)
+                    .cluster(cluster);
             if (resources != null) {
                 first.clientResources(resources);
             }

@@ -1,15 +1,15 @@
 package io.pelican.worker;
 
 import io.lettuce.core.Consumer;
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.RedisCommandTimeoutException;
 import io.lettuce.core.RedisException;
 import io.lettuce.core.RedisURI;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.XAutoClaimArgs;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.async.RedisAsyncCommands;
-import io.lettuce.core.codec.ByteArrayCodec;
+import io.lettuce.core.cluster.RedisClusterClient;
+import io.lettuce.core.cluster.api.async.RedisClusterAsyncCommands;
 import io.lettuce.core.models.stream.ClaimedMessages;
 import java.lang.System.Logger.Level;
 import java.time.Duration;
@@ -67,7 +67,7 @@ public final class TopicWorker implements AutoCloseable {
         CLOSED
     }
 
-    private final RedisClient givenClient;
+    private final AbstractRedisClient givenClient;
     private final RedisURI uri;
     private final String topic;
     private final String group;
@@ -84,10 +84,10 @@ public final class TopicWorker implements AutoCloseable {
     private final Object lifecycle = new Object();
     private State state = State.NEW;
     private final CompletableFuture<Void> closed = new CompletableFuture<>();
-    private RedisClient client;
+    private AbstractRedisClient client;
     private RedisClient ownClient;
-    private StatefulRedisConnection<byte[], byte[]> connection;
-    private RedisAsyncCommands<byte[], byte[]> commands;
+    private Link connection;
+    private RedisClusterAsyncCommands<byte[], byte[]> commands;
     private ScheduledExecutorService membership;
 
     private volatile int partitions;
@@ -124,6 +124,11 @@ public final class TopicWorker implements AutoCloseable {
 
     /** A member on a client of the application's (never shut down). */
     public static Builder builder(RedisClient client) {
+        return new Builder(Objects.requireNonNull(client, "client"), null);
+    }
+
+    /** A member on a Redis Cluster client of the application's (never shut down): the partitions spread over its shards. */
+    public static Builder builder(RedisClusterClient client) {
         return new Builder(Objects.requireNonNull(client, "client"), null);
     }
 
@@ -202,8 +207,8 @@ public final class TopicWorker implements AutoCloseable {
                     ownClient = RedisClient.create(uri);
                     client = ownClient;
                 }
-                connection = client.connect(ByteArrayCodec.INSTANCE);
-                commands = connection.async();
+                connection = Link.connect(client);
+                commands = connection.async;
                 readSettings();
                 long sent = System.nanoTime();
                 first = heartbeat(false, List.of());
@@ -427,7 +432,7 @@ public final class TopicWorker implements AutoCloseable {
         PartitionRun run = ordering == Ordering.PER_KEY
                 ? new InOrder(client, stream, group, consumer, partition, concurrency, block, shutdownGrace, handler,
                         executor, spacing, this::fresh)
-                : new PlainRun(Worker.builder(client).stream(stream).group(group).consumer(consumer).handler(handler)
+                : new PlainRun(Worker.on(client).stream(stream).group(group).consumer(consumer).handler(handler)
                         .partition(partition, this::fresh), partitionOptions);
         try {
             takeOver(stream);
@@ -506,7 +511,7 @@ public final class TopicWorker implements AutoCloseable {
     }
 
     private <T> T await(CompletionStage<T> call) {
-        Duration timeout = connection.getTimeout();
+        Duration timeout = connection.timeout();
         try {
             return call.toCompletableFuture().get(timeout.toMillis(), TimeUnit.MILLISECONDS);
         } catch (InterruptedException e) {
@@ -605,7 +610,7 @@ public final class TopicWorker implements AutoCloseable {
      * are a {@link Worker}'s, for each partition it runs ({@code concurrency}: each partition's).
      */
     public static final class Builder {
-        private final RedisClient client;
+        private final AbstractRedisClient client;
         private final RedisURI uri;
         private String topic;
         private String group;
@@ -619,7 +624,7 @@ public final class TopicWorker implements AutoCloseable {
         private Executor executor;
         private Worker.Builder partition;
 
-        private Builder(RedisClient client, RedisURI uri) {
+        private Builder(AbstractRedisClient client, RedisURI uri) {
             this.client = client;
             this.uri = uri;
         }
@@ -701,7 +706,7 @@ public final class TopicWorker implements AutoCloseable {
                 throw new IllegalArgumentException("the membership ttl must be 1 s .. 24 h, got " + membershipTtl);
             }
             // Every partition's options, checked once here.
-            partition = (client != null ? Worker.builder(client) : Worker.builder(uri)).stream(topic).group(group)
+            partition = (client != null ? Worker.on(client) : Worker.builder(uri)).stream(topic).group(group)
                     .consumer(consumer).handler(handler).concurrency(concurrency).block(block)
                     .shutdownGrace(shutdownGrace).maxHandling(maxHandling).executor(executor);
             partition.build();

@@ -3,6 +3,7 @@ package io.pelican.worker;
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.Range;
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.RedisCommandExecutionException;
 import io.lettuce.core.RedisCommandTimeoutException;
@@ -12,9 +13,8 @@ import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.StreamMessage;
 import io.lettuce.core.XReadArgs;
 import io.lettuce.core.XReadArgs.StreamOffset;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.async.RedisAsyncCommands;
-import io.lettuce.core.codec.ByteArrayCodec;
+import io.lettuce.core.cluster.RedisClusterClient;
+import io.lettuce.core.cluster.api.async.RedisClusterAsyncCommands;
 import io.lettuce.core.models.stream.PendingMessage;
 import java.lang.System.Logger.Level;
 import java.nio.charset.StandardCharsets;
@@ -91,7 +91,7 @@ public final class Worker implements AutoCloseable {
     }
 
     /** The application's client; {@code null} when the worker makes its own ({@link #uri}) at start. */
-    private final RedisClient givenClient;
+    private final AbstractRedisClient givenClient;
     private final RedisURI uri;
     private final String stream;
     private final String group;
@@ -163,9 +163,9 @@ public final class Worker implements AutoCloseable {
     /** An unknown contract version met at a lease tick: the worker shuts down, and {@link #run()} throws it. */
     private volatile ContractVersionException versionMet;
     private RedisClient ownClient;
-    private StatefulRedisConnection<byte[], byte[]> reader;
-    private StatefulRedisConnection<byte[], byte[]> writer;
-    private RedisAsyncCommands<byte[], byte[]> writes;
+    private Link reader;
+    private Link writer;
+    private RedisClusterAsyncCommands<byte[], byte[]> writes;
     private ExecutorService ownExecutor;
     private Executor executor;
     private ScheduledExecutorService leaser;
@@ -201,6 +201,19 @@ public final class Worker implements AutoCloseable {
     /** A worker on a client of the application's (its options and resources are used as they are; never shut down). */
     public static Builder builder(RedisClient client) {
         return new Builder(Objects.requireNonNull(client, "client"), null);
+    }
+
+    /**
+     * A worker on a Redis Cluster client of the application's (never shut down): every key the worker names lives in
+     * the stream's slot, so each call goes to the shard that has the stream.
+     */
+    public static Builder builder(RedisClusterClient client) {
+        return new Builder(Objects.requireNonNull(client, "client"), null);
+    }
+
+    /** A worker on either kind of client of the application's: a topic's partition. */
+    static Builder on(AbstractRedisClient client) {
+        return new Builder(client, null);
     }
 
     /** A worker with a client of its own, shut down by {@link #close()}. */
@@ -246,15 +259,15 @@ public final class Worker implements AutoCloseable {
                 throw new IllegalStateException("a worker starts once: build a new one");
             }
             try {
-                RedisClient client = givenClient;
+                AbstractRedisClient client = givenClient;
                 if (client == null) {
                     ownClient = RedisClient.create(uri);
                     client = ownClient;
                 }
-                writer = client.connect(ByteArrayCodec.INSTANCE);
-                writes = writer.async();
-                reader = client.connect(ByteArrayCodec.INSTANCE);
-                Builder.checkBlock(block, reader.getTimeout()); // an application's client: known once connected
+                writer = Link.connect(client);
+                writes = writer.async;
+                reader = Link.connect(client);
+                Builder.checkBlock(block, reader.timeout()); // an application's client: known once connected
                 refreshSettings(true);
             } catch (RuntimeException e) {
                 state = State.CLOSED;
@@ -478,7 +491,7 @@ public final class Worker implements AutoCloseable {
     // Lettuce takes the offsets as generic varargs: javac calls the array it makes for one offset unchecked.
     @SuppressWarnings("unchecked")
     private List<StreamMessage<byte[], byte[]>> readGroup(XReadArgs args, StreamOffset<byte[]> from) {
-        return reader.sync().xreadgroup(Consumer.from(groupName, consumerName), args, from);
+        return reader.sync.xreadgroup(Consumer.from(groupName, consumerName), args, from);
     }
 
     /**
@@ -1045,7 +1058,7 @@ public final class Worker implements AutoCloseable {
 
     /** The reply of a call on the writer, waited for at most the connection's timeout. */
     private <T> T await(CompletionStage<T> call) {
-        Duration timeout = writer.getTimeout();
+        Duration timeout = writer.timeout();
         try {
             return call.toCompletableFuture().get(timeout.toMillis(), TimeUnit.MILLISECONDS);
         } catch (InterruptedException e) {
@@ -1221,7 +1234,7 @@ public final class Worker implements AutoCloseable {
 
     /** The options of a {@link Worker}; {@code stream}, {@code group} and {@code handler} are required. */
     public static final class Builder {
-        private final RedisClient client;
+        private final AbstractRedisClient client;
         private final RedisURI uri;
         private String stream;
         private String group;
@@ -1235,7 +1248,7 @@ public final class Worker implements AutoCloseable {
         private OptionalInt partition = OptionalInt.empty();
         private BooleanSupplier fresh;
 
-        private Builder(RedisClient client, RedisURI uri) {
+        private Builder(AbstractRedisClient client, RedisURI uri) {
             this.client = client;
             this.uri = uri;
         }

@@ -31,14 +31,7 @@ public final class RedisServer {
     /** The server the tests share. */
     public static synchronized RedisServer shared() {
         if (shared == null) {
-            String binary = System.getenv("REDIS_SERVER");
-            if (binary == null || binary.isEmpty()) {
-                binary = onPath("redis-server");
-            }
-            if (binary == null) {
-                Assertions.fail("no redis-server: put one on PATH or name it in REDIS_SERVER");
-            }
-            shared = start(binary);
+            shared = start(binary());
         }
         return shared;
     }
@@ -69,12 +62,33 @@ public final class RedisServer {
         return "redis://127.0.0.1:" + port;
     }
 
-    private static RedisServer start(String binary) {
+    /** The redis-server the tests start: {@code REDIS_SERVER}, else the one on {@code PATH}. */
+    static String binary() {
+        String binary = System.getenv("REDIS_SERVER");
+        if (binary == null || binary.isEmpty()) {
+            binary = onPath("redis-server");
+        }
+        if (binary == null) {
+            Assertions.fail("no redis-server: put one on PATH or name it in REDIS_SERVER");
+        }
+        return binary;
+    }
+
+    /**
+     * {@code binary} on a free loopback port below 55,000 (a Cluster node's bus is its port + 10,000), with
+     * {@code extra} arguments; stopped when the test JVM exits.
+     */
+    static RedisServer start(String binary, String... extra) {
         int port = freePort();
+        while (port >= 55_000) {
+            port = freePort();
+        }
+        List<String> command = new java.util.ArrayList<>(List.of(binary, "--port", Integer.toString(port), "--bind",
+                "127.0.0.1", "--save", "", "--appendonly", "no"));
+        command.addAll(List.of(extra));
         Process process;
         try {
-            process = new ProcessBuilder(List.of(binary, "--port", Integer.toString(port), "--bind", "127.0.0.1",
-                    "--save", "", "--appendonly", "no"))
+            process = new ProcessBuilder(command)
                     .redirectErrorStream(true)
                     .redirectOutput(ProcessBuilder.Redirect.DISCARD)
                     .start();

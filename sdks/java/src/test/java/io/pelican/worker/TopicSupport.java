@@ -2,7 +2,7 @@ package io.pelican.worker;
 
 import io.lettuce.core.XGroupCreateArgs;
 import io.lettuce.core.XReadArgs.StreamOffset;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 import java.util.LinkedHashMap;
 import java.util.Map;
 
@@ -13,7 +13,7 @@ final class TopicSupport {
     private TopicSupport() {}
 
     /** Topic {@link #TOPIC} of {@code partitions} for {@link Support#GROUP}, its settings' {@code extra} fields added. */
-    static void writeTopic(RedisCommands<String, String> r, int partitions, long minIdleMs, String... extra) {
+    static void writeTopic(RedisClusterCommands<String, String> r, int partitions, long minIdleMs, String... extra) {
         r.hset(Keys.topic(TOPIC), Map.of("partitions", Integer.toString(partitions), "contractVersion", "2"));
         Map<String, String> settings = new LinkedHashMap<>();
         settings.put("contractVersion", "2");
