@@ -44,7 +44,8 @@ class ConformanceWorkerTest {
         builder.environment().putAll(Map.of("REDIS_URL", url, "STREAM", STREAM, "GROUP", GROUP,
                 "CONSUMER", "conformance-1"));
         builder.environment().putAll(extra);
-        builder.redirectError(ProcessBuilder.Redirect.DISCARD);
+        // Its logs, for a failure to be read: target/conformance-worker.log.
+        builder.redirectError(ProcessBuilder.Redirect.appendTo(new java.io.File("target/conformance-worker.log")));
         return builder.start();
     }
 
@@ -191,6 +192,36 @@ class ConformanceWorkerTest {
             + "\"outcome\": \"done\", \"ms\": (\\d+), \"partition\": (\\d+), \"key\": (null|\"[^\"]*\"), "
             + "\"startedAt\": (\\d+), \"endedAt\": (\\d+)}");
 
+    /**
+     * The next {@code count} topic run lines, id -> its match, read within {@code within} (a reader thread, so that a
+     * worker that prints nothing fails the test rather than hanging it).
+     */
+    private static Map<String, Matcher> topicLines(Process process, int count, Duration within) throws Exception {
+        java.util.concurrent.BlockingQueue<String> read = new java.util.concurrent.LinkedBlockingQueue<>();
+        BufferedReader out = new BufferedReader(new InputStreamReader(process.getInputStream(), StandardCharsets.UTF_8));
+        Thread reader = new Thread(() -> {
+            try {
+                for (String line = out.readLine(); line != null; line = out.readLine()) {
+                    read.add(line);
+                }
+            } catch (IOException e) {
+                // the process ended
+            }
+        }, "conformance-lines");
+        reader.setDaemon(true);
+        reader.start();
+        Map<String, Matcher> lines = new HashMap<>();
+        long deadline = System.nanoTime() + within.toNanos();
+        while (lines.size() < count) {
+            String line = read.poll(Math.max(deadline - System.nanoTime(), 0), TimeUnit.NANOSECONDS);
+            assertTrue(line != null, "only " + lines.size() + " of " + count + " lines within " + within + ": " + lines.keySet());
+            Matcher m = TOPIC_LINE.matcher(line);
+            assertTrue(m.matches(), line);
+            lines.put(m.group(1), m);
+        }
+        return lines;
+    }
+
     @Test
     void inATopicEachLineSaysThePartitionTheKeyAndWhenTheRunBeganAndEnded() throws Exception {
         RedisCommands<String, String> r = fresh();
@@ -200,15 +231,9 @@ class ConformanceWorkerTest {
         String keyless = r.xadd(Keys.partitionStream(TopicSupport.TOPIC, 1), "handle", "done");
         long before = System.currentTimeMillis();
         Process process = start(Map.of("TOPIC", TopicSupport.TOPIC, "STREAM", "", "MEMBERSHIP_TTL_MS", "3000"));
-        Map<String, Matcher> lines = new HashMap<>();
-        try (BufferedReader out = new BufferedReader(new InputStreamReader(process.getInputStream(), StandardCharsets.UTF_8))) {
-            while (lines.size() < 2) {
-                String line = out.readLine();
-                assertTrue(line != null, "the worker ended before it handled both");
-                Matcher m = TOPIC_LINE.matcher(line);
-                assertTrue(m.matches(), line);
-                lines.put(m.group(1), m);
-            }
+        Map<String, Matcher> lines;
+        try {
+            lines = topicLines(process, 2, Duration.ofSeconds(20));
             assertEquals(0, terminate(process));
         } finally {
             process.destroyForcibly();
@@ -230,6 +255,37 @@ class ConformanceWorkerTest {
         try {
             assertTrue(process.waitFor(30, TimeUnit.SECONDS), "no exit 30 s after a refused topic");
             assertEquals(4, process.exitValue());
+        } finally {
+            process.destroyForcibly();
+        }
+    }
+
+    @Test
+    void withRedisClusterItRunsATopicSpreadOverTheShards() throws Exception {
+        RedisCluster cluster = RedisCluster.shared();
+        io.lettuce.core.cluster.api.sync.RedisAdvancedClusterCommands<String, String> r = cluster.fresh();
+        TopicSupport.writeTopic(r, 4, 30_000);
+        java.util.Set<String> added = new java.util.HashSet<>();
+        for (int p = 0; p < 4; p++) {
+            added.add(r.xadd(Keys.partitionStream(TopicSupport.TOPIC, p), Keys.KEY_FIELD, "k" + p, "handle", "done"));
+        }
+        Process process = start(cluster.url(), Map.of("TOPIC", TopicSupport.TOPIC, "STREAM", "", "REDIS_CLUSTER", "1"));
+        try {
+            Map<String, Matcher> lines;
+            try {
+                lines = topicLines(process, 4, Duration.ofSeconds(20));
+            } catch (AssertionError e) {
+                StringBuilder state = new StringBuilder(e.getMessage());
+                for (int p = 0; p < 4; p++) {
+                    String stream = Keys.partitionStream(TopicSupport.TOPIC, p);
+                    state.append("\n").append(stream).append(" node ").append(cluster.nodeOf(stream)).append(" ")
+                            .append(r.xrange(stream, io.lettuce.core.Range.unbounded())).append(" pending ")
+                            .append(r.xpending(stream, GROUP)).append(" groups ").append(r.xinfoGroups(stream));
+                }
+                throw new AssertionError(state.toString(), e);
+            }
+            assertEquals(added, lines.keySet());
+            assertEquals(0, terminate(process));
         } finally {
             process.destroyForcibly();
         }

@@ -79,13 +79,30 @@ public final class RedisServer {
      * {@code extra} arguments; stopped when the test JVM exits.
      */
     static RedisServer start(String binary, String... extra) {
+        int port = port();
+        List<String> command = new java.util.ArrayList<>(List.of(binary, "--port", Integer.toString(port), "--bind",
+                "127.0.0.1", "--save", "", "--appendonly", "no"));
+        command.addAll(List.of(extra));
+        return launch(command, port);
+    }
+
+    /** {@code binary} as a sentinel ({@code redis-server <config> --sentinel}: what redis-sentinel runs). */
+    static RedisServer startSentinel(String binary, java.nio.file.Path config) {
+        int port = port();
+        return launch(List.of(binary, config.toString(), "--sentinel", "--port", Integer.toString(port), "--bind",
+                "127.0.0.1"), port);
+    }
+
+    private static int port() {
         int port = freePort();
         while (port >= 55_000) {
             port = freePort();
         }
-        List<String> command = new java.util.ArrayList<>(List.of(binary, "--port", Integer.toString(port), "--bind",
-                "127.0.0.1", "--save", "", "--appendonly", "no"));
-        command.addAll(List.of(extra));
+        return port;
+    }
+
+    private static RedisServer launch(List<String> command, int port) {
+        String binary = command.get(0);
         Process process;
         try {
             process = new ProcessBuilder(command)

@@ -1,6 +1,7 @@
 package io.pelican.worker.conformance;
 
 import io.lettuce.core.RedisURI;
+import io.lettuce.core.cluster.RedisClusterClient;
 import io.lettuce.core.resource.ClientResources;
 import io.lettuce.core.resource.DefaultClientResources;
 import io.pelican.worker.ContractVersionException;
@@ -44,6 +45,9 @@ import java.util.Map;
  * says {@code partition}, {@code key} ({@code null} without one), {@code startedAt} and {@code endedAt} (the wall
  * clock, ms). A topic it refuses (none there, a contract or an ordering it does not know) exits 4.
  *
+ * <p>With {@code REDIS_CLUSTER=1} (either mode), {@code REDIS_URL} names a primary of a Redis Cluster, and the
+ * program connects through Lettuce's {@code RedisClusterClient}.
+ *
  * <p>With {@code MODE=publish} it is a producer instead: it publishes {@code MESSAGES} messages idempotently (message
  * ids {@code m-0}, {@code m-1}, ...; the producer id is the Pod's name), each published again with the same id until
  * it answers an entry id, one JSON line per attempt.
@@ -55,10 +59,13 @@ public final class ConformanceWorker {
 
     public static void main(String[] args) throws PublishException, InterruptedException {
         RedisURI uri = uri(System.getenv().getOrDefault("REDIS_URL", "redis://127.0.0.1:6379"), env("SENTINEL_MASTER"));
+        boolean cluster = "1".equals(env("REDIS_CLUSTER"));
         if ("publish".equals(env("MODE"))) {
-            publish(uri, required("STREAM"), Integer.parseInt(required("MESSAGES")));
+            publish(uri, cluster, required("STREAM"), Integer.parseInt(required("MESSAGES")));
             return;
         }
+        // A Redis Cluster's client, the program's own: shut down after the worker.
+        RedisClusterClient clusterClient = cluster ? RedisClusterClient.create(uri) : null;
         String consumer = env("CONSUMER") != null ? env("CONSUMER") : PodName.get();
         String grace = env("SHUTDOWN_GRACE_MS");
         Duration shutdownGrace = grace != null ? Duration.ofMillis(Long.parseLong(grace)) : Duration.ofSeconds(20);
@@ -67,7 +74,7 @@ public final class ConformanceWorker {
         Runnable run;
         if (topic != null) {
             String ttl = env("MEMBERSHIP_TTL_MS");
-            TopicWorker member = TopicWorker.builder(uri)
+            TopicWorker member = (clusterClient != null ? TopicWorker.builder(clusterClient) : TopicWorker.builder(uri))
                     .topic(topic)
                     .group(required("GROUP"))
                     .consumer(consumer)
@@ -78,7 +85,7 @@ public final class ConformanceWorker {
             worker = member;
             run = member::run;
         } else {
-            Worker plain = Worker.builder(uri)
+            Worker plain = (clusterClient != null ? Worker.builder(clusterClient) : Worker.builder(uri))
                     .stream(required("STREAM"))
                     .group(required("GROUP"))
                     .consumer(consumer)
@@ -95,6 +102,9 @@ public final class ConformanceWorker {
                 worker.close();
             } catch (Exception e) {
                 e.printStackTrace();
+            }
+            if (clusterClient != null) {
+                clusterClient.shutdown();
             }
             OUT.flush();
             Runtime.getRuntime().halt(0);
@@ -132,14 +142,16 @@ public final class ConformanceWorker {
      * An attempt whose outcome is unknown (its reply was lost) or that found the server unavailable is published again
      * with the same message id, as the contract says: the server answers the first entry's id.
      */
-    static void publish(RedisURI uri, String stream, int messages) throws PublishException, InterruptedException {
+    static void publish(RedisURI uri, boolean cluster, String stream, int messages)
+            throws PublishException, InterruptedException {
         ClientResources resources = DefaultClientResources.create();
         try {
             for (int n = 0; n < messages; n++) {
                 String message = "m-" + n;
                 while (true) {
                     // A producer of its own per attempt, as the other libraries' programs make; one set of event loops.
-                    try (Producer producer = Producer.builder(uri).stream(stream).clientResources(resources).build()) {
+                    try (Producer producer = Producer.builder(uri).stream(stream).cluster(cluster)
+                            .clientResources(resources).build()) {
                         IdempotentProducer idempotent = producer.idempotent();
                         String id = idempotent.publish(message, Map.of("n", Integer.toString(n)));
                         line("{\"message\": " + json(message) + ", \"outcome\": \"published\", \"id\": " + json(id) + "}");
