@@ -43,6 +43,10 @@ class SentinelTest {
             RedisCommands<String, String> r = admin.connect().sync();
             r.xgroupCreate(StreamOffset.from(STREAM, "0"), GROUP, XGroupCreateArgs.Builder.mkstream());
             r.hset(Keys.settings(STREAM, GROUP), Map.of("minIdleMs", "30000", "retryAfterMs", "30000"));
+            RedisClient replicaClient = RedisClient.create(replica.uri());
+            RedisCommands<String, String> onReplica = replicaClient.connect().sync();
+            eventually(() -> onReplica.exists(Keys.settings(STREAM, GROUP)) == 1, Duration.ofSeconds(20),
+                    "the replica in sync");
             RedisSentinelCommands<String, String> s = sentinels.connectSentinel().sync();
             eventually(() -> s.replicas(MASTER).size() == 1, Duration.ofSeconds(20), "the sentinel knowing the replica");
             try (Producer producer = Producer.builder(through).stream(STREAM).timeout(Duration.ofSeconds(2)).build();
@@ -57,6 +61,7 @@ class SentinelTest {
                 s.failover(MASTER);
                 eventually(() -> port(s.getMasterAddrByName(MASTER)) == replica.port, Duration.ofSeconds(20),
                         "the replica promoted");
+                eventually(() -> r.role().get(0).equals("slave"), Duration.ofSeconds(20), "the old primary demoted");
                 // Published until the producer reaches the new primary: a publish meanwhile may find no server.
                 eventually(() -> {
                     try {
@@ -71,12 +76,9 @@ class SentinelTest {
                 eventually(() -> handled.contains("after"), Duration.ofSeconds(20),
                         "the message published after the failover handled");
             }
-            RedisClient promoted = RedisClient.create(replica.uri());
-            try {
-                assertEquals(0, promoted.connect().sync().xpending(STREAM, GROUP).getCount());
-            } finally {
-                promoted.shutdown();
-            }
+            assertEquals(2, onReplica.xlen(STREAM), "both messages on the new primary");
+            assertEquals(0, onReplica.xpending(STREAM, GROUP).getCount(), "acknowledged on the new primary");
+            replicaClient.shutdown();
         } finally {
             admin.shutdown();
             sentinels.shutdown();
