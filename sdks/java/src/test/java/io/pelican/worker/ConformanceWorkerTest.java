@@ -193,7 +193,7 @@ class ConformanceWorkerTest {
             + "\"startedAt\": (\\d+), \"endedAt\": (\\d+)}");
 
     /**
-     * The next {@code count} topic run lines, id -> its match, read within {@code within} (a reader thread, so that a
+     * The next {@code count} topic run lines, {@code <partition>/<id>} -> its match (ids repeat across partitions), read within {@code within} (a reader thread, so that a
      * worker that prints nothing fails the test rather than hanging it).
      */
     private static Map<String, Matcher> topicLines(Process process, int count, Duration within) throws Exception {
@@ -217,7 +217,7 @@ class ConformanceWorkerTest {
             assertTrue(line != null, "only " + lines.size() + " of " + count + " lines within " + within + ": " + lines.keySet());
             Matcher m = TOPIC_LINE.matcher(line);
             assertTrue(m.matches(), line);
-            lines.put(m.group(1), m);
+            lines.put(m.group(3) + "/" + m.group(1), m);
         }
         return lines;
     }
@@ -238,12 +238,12 @@ class ConformanceWorkerTest {
         } finally {
             process.destroyForcibly();
         }
-        Matcher k = lines.get(keyed);
+        Matcher k = lines.get(Partitions.of("order-42", 2) + "/" + keyed);
         assertEquals(List.of(Integer.toString(Partitions.of("order-42", 2)), "\"order-42\""), List.of(k.group(3), k.group(4)));
         long startedAt = Long.parseLong(k.group(5));
         long endedAt = Long.parseLong(k.group(6));
         assertTrue(startedAt >= before && endedAt - startedAt >= 40, k.group(0));
-        assertEquals(List.of("1", "null"), List.of(lines.get(keyless).group(3), lines.get(keyless).group(4)));
+        assertEquals("null", lines.get("1/" + keyless).group(4));
         assertEquals(Map.of(), r.hgetall(Keys.members(TopicSupport.TOPIC, GROUP)), "it left the group on SIGTERM");
     }
 
@@ -267,7 +267,7 @@ class ConformanceWorkerTest {
         TopicSupport.writeTopic(r, 4, 30_000);
         java.util.Set<String> added = new java.util.HashSet<>();
         for (int p = 0; p < 4; p++) {
-            added.add(r.xadd(Keys.partitionStream(TopicSupport.TOPIC, p), Keys.KEY_FIELD, "k" + p, "handle", "done"));
+            added.add(p + "/" + r.xadd(Keys.partitionStream(TopicSupport.TOPIC, p), Keys.KEY_FIELD, "k" + p, "handle", "done"));
         }
         Process process = start(cluster.url(), Map.of("TOPIC", TopicSupport.TOPIC, "STREAM", "", "REDIS_CLUSTER", "1"));
         try {

@@ -114,10 +114,11 @@ public final class RedisServer {
         }
         Runtime.getRuntime().addShutdownHook(new Thread(process::destroy));
         long deadline = System.nanoTime() + Duration.ofSeconds(10).toNanos();
-        while (!pong(port)) {
+        // Its own answer, not another's: a server of another program may take the port between freePort and the bind.
+        while (!pong(port) || processId(port) != process.pid()) {
             if (System.nanoTime() > deadline || !process.isAlive()) {
                 process.destroy();
-                Assertions.fail(binary + " did not answer PING on port " + port);
+                Assertions.fail(binary + " did not answer PING on port " + port + " (or another server did)");
             }
             sleep(50);
         }
@@ -135,6 +136,26 @@ public final class RedisServer {
             return read == 7 && new String(reply, StandardCharsets.US_ASCII).equals("+PONG\r\n");
         } catch (IOException e) {
             return false;
+        }
+    }
+
+    /** The {@code process_id} the server on {@code port} says ({@code INFO server}); -1 when it cannot be read. */
+    private static long processId(int port) {
+        try (Socket socket = new Socket("127.0.0.1", port)) {
+            socket.setSoTimeout(2000);
+            OutputStream out = socket.getOutputStream();
+            out.write("INFO server\r\n".getBytes(StandardCharsets.US_ASCII));
+            out.flush();
+            java.io.BufferedReader in = new java.io.BufferedReader(
+                    new java.io.InputStreamReader(socket.getInputStream(), StandardCharsets.US_ASCII));
+            for (String line = in.readLine(); line != null; line = in.readLine()) {
+                if (line.startsWith("process_id:")) {
+                    return Long.parseLong(line.substring("process_id:".length()).trim());
+                }
+            }
+            return -1;
+        } catch (IOException | NumberFormatException e) {
+            return -1;
         }
     }
 

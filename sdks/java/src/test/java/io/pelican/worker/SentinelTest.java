@@ -33,8 +33,10 @@ class SentinelTest {
     @Test
     void aWorkerAndAProducerFollowAFailover() throws Exception {
         String binary = RedisServer.binary();
-        RedisServer primary = RedisServer.start(binary);
-        RedisServer replica = RedisServer.start(binary, "--replicaof", "127.0.0.1", Integer.toString(primary.port));
+        // Directories of their own: a replica writes the primary's snapshot as dump.rdb where it runs.
+        RedisServer primary = RedisServer.start(binary, "--dir", Files.createTempDirectory("pelican-primary-").toString());
+        RedisServer replica = RedisServer.start(binary, "--replicaof", "127.0.0.1", Integer.toString(primary.port),
+                "--dir", Files.createTempDirectory("pelican-replica-").toString());
         RedisServer sentinel = RedisServer.startSentinel(binary, sentinelConfig(primary.port));
         RedisClient admin = RedisClient.create(primary.uri());
         RedisClient sentinels = RedisClient.create(sentinel.uri());
