@@ -22,7 +22,6 @@ import java.util.Set;
 import java.util.TreeSet;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionStage;
-import java.util.concurrent.ConcurrentLinkedQueue;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.Executor;
 import java.util.concurrent.Executors;
@@ -95,8 +94,9 @@ public final class TopicWorker implements AutoCloseable {
     private volatile Spacing spacing;
     /** When (nanoTime) the last answered heartbeat was sent; {@code null} before the first. */
     private volatile Long beatAt;
-    /** Every partition run started, for the counts. */
-    private final ConcurrentLinkedQueue<PartitionRun> runs = new ConcurrentLinkedQueue<>();
+    /** The partition runs not ended yet, and the counts of those that ended (guarded by {@code runs}). */
+    private final List<PartitionRun> runs = new ArrayList<>();
+    private WorkerStats endedCounts = new WorkerStats(0, 0, 0, 0, 0, 0);
     private volatile Set<Integer> ownedView = Set.of();
     private volatile ContractVersionException versionMet;
 
@@ -167,22 +167,18 @@ public final class TopicWorker implements AutoCloseable {
 
     /** Every partition's counts summed, since the start. */
     public WorkerStats stats() {
-        long done = 0;
-        long terminal = 0;
-        long failed = 0;
-        long retried = 0;
-        long abandoned = 0;
-        int inFlight = 0;
-        for (PartitionRun run : runs) {
-            WorkerStats s = run.stats();
-            done += s.done();
-            terminal += s.terminal();
-            failed += s.failed();
-            retried += s.retried();
-            abandoned += s.abandoned();
-            inFlight += s.inFlight();
+        synchronized (runs) {
+            WorkerStats total = endedCounts;
+            for (PartitionRun run : runs) {
+                total = sum(total, run.stats());
+            }
+            return total;
         }
-        return new WorkerStats(done, terminal, failed, retried, abandoned, inFlight);
+    }
+
+    private static WorkerStats sum(WorkerStats a, WorkerStats b) {
+        return new WorkerStats(a.done() + b.done(), a.terminal() + b.terminal(), a.failed() + b.failed(),
+                a.retried() + b.retried(), a.abandoned() + b.abandoned(), a.inFlight() + b.inFlight());
     }
 
     /**
@@ -442,11 +438,17 @@ public final class TopicWorker implements AutoCloseable {
                     + "heartbeat: " + e);
             return;
         }
-        runs.add(run);
+        synchronized (runs) {
+            runs.add(run);
+        }
         Owned o = new Owned(partition, epoch, run);
         owned.put(partition, o);
         LOG.log(Level.INFO, where + "partition " + partition + " taken (epoch " + epoch + ")");
         run.whenClosed().thenRun(() -> {
+            synchronized (runs) {
+                runs.remove(run);
+                endedCounts = sum(endedCounts, run.stats());
+            }
             try {
                 membership.execute(() -> ended(o));
             } catch (RejectedExecutionException e) {

@@ -74,6 +74,7 @@ class TopicWorkerTest {
                 assertTrue(handled.add(run.n()), run + " handled once");
             }
             assertEquals(40, handled.size());
+            eventually(() -> a.stats().done() + b.stats().done() == 40, "every partition's counts summed");
             assertTrue(runs.stream().anyMatch(run -> run.member().equals("member-a")));
             assertTrue(runs.stream().anyMatch(run -> run.member().equals("member-b")));
         }
