@@ -12,7 +12,7 @@ from opentelemetry.propagators.textmap import Getter, Setter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from pelican_worker._trace import Processing, TraceFields
+from pelican_worker._trace import NOT_TRACED, Processing, Run, Sending, TraceFields
 from pelican_worker.keys import KEY_FIELD
 from pelican_worker.message import Message, Outcome, error_text
 
@@ -28,6 +28,15 @@ class OpenTelemetry:
     def __init__(self) -> None:
         # A proxy until the application sets its provider, then that provider's tracer.
         self._tracer = trace.get_tracer(TRACER)
+        self._sdk = False
+
+    def _installed(self) -> bool:
+        """Whether the application installed an SDK (a tracer provider of its own): until then nothing is recorded
+        and no field added, at the cost of this look. A process sets its provider once: once there, it stays."""
+        if not self._sdk:
+            provider = trace.get_tracer_provider()
+            self._sdk = not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+        return self._sdk
 
     def start_sending(
         self,
@@ -36,7 +45,9 @@ class OpenTelemetry:
         key: str | bytes | None,
         count: int | None,
         carried: TraceFields | None,
-    ) -> _Sending:
+    ) -> Sending:
+        if not self._installed():
+            return NOT_TRACED
         span = self._tracer.start_span(f"send {stream}", kind=SpanKind.PRODUCER)
         # Without an SDK the span records nothing: its attributes are not even built.
         if span.is_recording():
@@ -61,8 +72,8 @@ class OpenTelemetry:
             propagate.inject(carried, trace.set_span_in_context(span), _FIELDS)
         return _Sending(span, carried)
 
-    def processing(self, where: Processing, message: Message) -> _Run:
-        return _Run(self._tracer, where, message)
+    def processing(self, where: Processing, message: Message) -> Run:
+        return _Run(self._tracer, where, message) if self._installed() else NOT_TRACED
 
 
 class _Sending:

@@ -15,7 +15,17 @@ from typing import Protocol
 
 from pelican_worker.message import Message, Outcome
 
-__all__ = ["KEPT", "Carried", "Processing", "Run", "Sending", "TraceFields", "processing", "start_sending"]
+__all__ = [
+    "KEPT",
+    "NOT_TRACED",
+    "Carried",
+    "Processing",
+    "Run",
+    "Sending",
+    "TraceFields",
+    "processing",
+    "start_sending",
+]
 
 #: The fields a message's trace context is carried in, in order.
 TraceFields = list[tuple[str, str]]
@@ -69,7 +79,7 @@ class Tracing(Protocol):
 
 
 class _NotTraced:
-    """Without OpenTelemetry's API: no span, no field."""
+    """Without OpenTelemetry's API, or without an SDK: no span, no field."""
 
     @property
     def fields(self) -> TraceFields:
@@ -106,12 +116,16 @@ class _NotTraced:
         pass
 
 
+#: No span, no field.
+NOT_TRACED = _NotTraced()
+
+
 @functools.cache
 def _tracing() -> Tracing:
     try:
         from pelican_worker._otel import OpenTelemetry
     except ImportError:  # the extra `otel` is not installed
-        return _NotTraced()
+        return NOT_TRACED
     return OpenTelemetry()
 
 
