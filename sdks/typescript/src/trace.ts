@@ -142,18 +142,25 @@ export interface Processing {
  * failure's text when it throws or rejects, which is passed on.
  */
 export function processing(where: Processing, message: Message, run: () => Promise<Outcome>): Promise<Outcome> {
-  return api ? traced(api, where, message, run) : run();
+  if (!api) return run();
+  const { isSpanContextValid, propagation, trace, ROOT_CONTEXT, SpanKind } = api;
+  const parent = propagation.extract(ROOT_CONTEXT, message, entryGetter);
+  const span = trace.getTracer(TRACER).startSpan(`process ${where.stream}`, { kind: SpanKind.CONSUMER }, parent);
+  // Without an SDK, and no context from the entry to pass on, the span is nothing at all: the handler runs as it
+  // would without the API.
+  if (!span.isRecording() && !isSpanContextValid(span.spanContext())) return run();
+  return traced(api, span, parent, where, message, run);
 }
 
 async function traced(
   api: typeof OpenTelemetry,
+  span: OpenTelemetry.Span,
+  parent: OpenTelemetry.Context,
   where: Processing,
   message: Message,
   run: () => Promise<Outcome>,
 ): Promise<Outcome> {
-  const { context, propagation, trace, ROOT_CONTEXT, SpanKind, SpanStatusCode } = api;
-  const parent = propagation.extract(ROOT_CONTEXT, message, entryGetter);
-  const span = trace.getTracer(TRACER).startSpan(`process ${where.stream}`, { kind: SpanKind.CONSUMER }, parent);
+  const { context, trace, SpanStatusCode } = api;
   const recording = span.isRecording();
   // Without an SDK the span records nothing: its attributes are not even built.
   if (recording) {
