@@ -1,11 +1,14 @@
 """Throughput of the library's worker beside a hand-written redis-py asyncio XREADGROUP/XACK loop, on the same server
 in one run.
 
-    python bench/throughput.py [N]      (default 20000; REDIS_URL, else a redis-server started on a free port)
+    python bench/throughput.py [N]      (default 20000; REDIS_URL, else a redis-server started on a free port;
+                                         ROUNDS, default 3: each run that many times, the best counts)
 
-Each run gets a fresh stream of N entries already published, a handler that does nothing, and is timed from the
-start until every entry is acknowledged. The ratio compares the library with the hand loop of the same batch size:
-concurrency 1 with COUNT 1, concurrency 16 with COUNT 16, each with one XACK a batch.
+Each run gets a fresh stream of N entries already published (each with the ``traceparent`` a traced producer writes),
+a handler that does nothing, and is timed from the start until every entry is acknowledged. The ratio compares the
+library with the hand loop of the same batch size: concurrency 1 with COUNT 1, concurrency 16 with COUNT 16, each with
+one XACK a batch. Then the library runs again with an OpenTelemetry SDK installed, recording a span per handler run
+(kept in memory): OpenTelemetry takes one tracer provider per process, so these runs come last.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from redis.asyncio import Redis
 
 from pelican_worker import Message, Outcome, Worker
 
 GROUP = "bench"
+#: The context a traced producer writes into each entry (contract/README.md, "Trace context").
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 async def prepare(r: Redis, stream: str, n: int) -> None:
@@ -34,7 +44,7 @@ async def prepare(r: Redis, stream: str, n: int) -> None:
     for start in range(0, n, 1000):
         pipe = r.pipeline(transaction=False)
         for i in range(start, min(n, start + 1000)):
-            pipe.xadd(stream, {"job": str(i), "path": f"/data/{i}.txt"})
+            pipe.xadd(stream, {"job": str(i), "path": f"/data/{i}.txt", "traceparent": TRACEPARENT})
         await pipe.execute()
 
 
@@ -83,19 +93,36 @@ async def measure(url: str, n: int) -> None:
         ("hand loop, COUNT 16, one XACK a batch", lambda s: hand_loop(url, s, n, 16)),
         ("pelican_worker, concurrency 16", lambda s: library(url, s, n, 16)),
     ]
+    traced: list[tuple[str, Callable[[str], Awaitable[float]]]] = [
+        ("pelican_worker traced, concurrency 1", lambda s: library(url, s, n, 1)),
+        ("pelican_worker traced, concurrency 16", lambda s: library(url, s, n, 16)),
+    ]
+    rounds = int(os.environ.get("ROUNDS", "3"))
     rates: dict[str, float] = {}
-    for i, (name, run) in enumerate(runs):
-        stream = f"bench-{i}"
-        await prepare(r, stream, n)
-        rates[name] = n / await run(stream)
-        await r.delete(stream)
+    exporter = InMemorySpanExporter()
+    for phase in (runs, traced):
+        if phase is traced:
+            # As an application that traces does: the SDK, the W3C propagator.
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+            trace.set_tracer_provider(provider)
+            propagate.set_global_textmap(TraceContextTextMapPropagator())
+        # The machine may be shared: the runs of a phase take turns, and each one's best round counts.
+        for _ in range(rounds):
+            for name, run in phase:
+                await prepare(r, "bench", n)
+                rates[name] = max(rates.get(name, 0.0), n / await run("bench"))
+                await r.delete("bench")
     await r.aclose()
-    print(f"{n} messages per run, one server, one process (Python {sys.version.split()[0]})")
+    print(f"{n} messages per run, best of {rounds}, one server, one process (Python {sys.version.split()[0]})")
     print(f"{'run':40} {'msgs/s':>10}")
     for name, rate in rates.items():
         print(f"{name:40} {rate:>10.0f}")
     for library_run, hand_run in [(runs[1][0], runs[0][0]), (runs[3][0], runs[2][0])]:
         print(f"ratio {library_run} / {hand_run}: {rates[library_run] / rates[hand_run]:.2f}")
+    for traced_run, library_run in [(traced[0][0], runs[1][0]), (traced[1][0], runs[3][0])]:
+        print(f"ratio {traced_run} / {library_run}: {rates[traced_run] / rates[library_run]:.2f}")
+    print(f"{len(exporter.get_finished_spans())} spans recorded")
 
 
 def start_server() -> tuple[subprocess.Popen[bytes], str]:

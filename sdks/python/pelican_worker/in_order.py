@@ -21,8 +21,9 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from pelican_worker._redis import Client, RedisSource, make_client, raw_command, read_entries
+from pelican_worker._trace import processing
 from pelican_worker.keys import settings_key
-from pelican_worker.message import Message, Outcome
+from pelican_worker.message import Message, Outcome, error_text
 from pelican_worker.settings import (
     TOPIC_CONTRACT_VERSIONS,
     ContractVersionError,
@@ -39,7 +40,6 @@ from pelican_worker.worker import (
     _cancelled_by_the_worker,
     _messages,
     _Writer,
-    error_text,
 )
 
 __all__ = ["InOrderPartition", "Spacing"]
@@ -261,9 +261,11 @@ class InOrderPartition:
             outcome: Outcome | None = None
             failure: BaseException | None = None
             try:
-                outcome = await handler(held.message)
-                if not isinstance(outcome, Outcome):
-                    raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
+                with processing(self, held.message) as run:
+                    outcome = await handler(held.message)
+                    if not isinstance(outcome, Outcome):
+                        raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
+                    run.ended(outcome)
             except BaseException as error:
                 if _cancelled_by_the_worker() or self._lost:
                     raise

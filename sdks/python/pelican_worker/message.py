@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from pelican_worker.keys import KEY_FIELD
+from pelican_worker.keys import ERROR_TEXT_MAX, KEY_FIELD
 
-__all__ = ["InvalidReason", "Message", "Outcome"]
+__all__ = ["InvalidReason", "Message", "Outcome", "error_text"]
 
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
 
@@ -84,3 +84,11 @@ class Outcome:
     def terminal(cls, reason: str) -> Outcome:
         """Will never succeed: acknowledge and count under ``reason`` (raises :class:`InvalidReason`)."""
         return cls("terminal", reason)
+
+
+def error_text(error: BaseException) -> str:
+    """The text recorded as a message's last error: the exception's type and message, cut to 1,024 bytes of UTF-8
+    at a character boundary."""
+    message = str(error)
+    full = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return full.encode("utf-8", "replace")[:ERROR_TEXT_MAX].decode("utf-8", "ignore")

@@ -16,7 +16,8 @@ from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, R
 
 from pelican_worker._redis import Client, RedisSource, command_docs, make_client, text
 from pelican_worker._scripts import script_source
-from pelican_worker.keys import bounds_key, rejected_key
+from pelican_worker._trace import Carried, TraceFields, start_sending
+from pelican_worker.keys import KEY_FIELD, bounds_key, rejected_key
 from pelican_worker.worker import default_consumer_name
 
 __all__ = [
@@ -134,6 +135,20 @@ def _not_connected(error: RedisError) -> bool:
     return isinstance(error, (ConnectionError, TimeoutError)) and "connecting to" in str(error)
 
 
+def _flat(fields: TraceFields) -> list[str]:
+    return [part for pair in fields for part in pair]
+
+
+@dataclass(frozen=True, slots=True)
+class _Idempotence:
+    """An idempotent publish's ids, and where its producer keeps the trace fields of attempts whose outcome was
+    unknown."""
+
+    producer_id: str
+    message_id: str
+    carried: Carried
+
+
 def _arguments(fields: Fields) -> list[Any]:
     pairs = fields.items() if isinstance(fields, Mapping) else fields
     flat: list[Any] = [part for pair in pairs for part in pair]
@@ -207,22 +222,50 @@ class Producer:
     async def __aexit__(self, *_: object) -> None:
         await self.aclose()
 
-    async def _invoke(self, args: list[Any]) -> str:
+    async def _invoke(
+        self, args: list[Any], *, key: str | bytes | None = None, idempotence: _Idempotence | None = None
+    ) -> str:
+        """One publish: IDMP's ids first when idempotent, then the key field, ``args`` (the fields), and the trace
+        context last, in a ``send`` span of its own. An idempotent publish sends the trace fields of an earlier
+        attempt of its message id whose outcome was unknown or unavailable, and keeps its own when this one's is."""
+        message_id = idempotence.message_id if idempotence else None
+        carried = idempotence.carried.take(idempotence.message_id) if idempotence else None
+        sending = start_sending(self.stream, message_id=message_id, key=key, carried=carried)
+        idmp = ["IDMP", idempotence.producer_id, idempotence.message_id] if idempotence else []
+        first = [KEY_FIELD, key] if key is not None else []
         try:
-            return text(await self._publish(keys=self._keys, args=args))
+            entry_id = text(await self._publish(keys=self._keys, args=[*idmp, *first, *args, *_flat(sending.fields)]))
         except RedisError as error:
-            raise _classify(error) from error
+            failure = _classify(error)
+            if idempotence and isinstance(failure, (PublishOutcomeUnknown, PublishUnavailable)):
+                idempotence.carried.keep(idempotence.message_id, sending.fields)
+            sending.failed(failure)
+            raise failure from error
+        except BaseException as error:  # a cancellation: the span ends all the same
+            sending.failed(error)
+            raise
+        sending.sent(entry_id)
+        return entry_id
 
     async def _invoke_batch(self, entries: list[list[Any]]) -> Published:
+        """One call of the batch script, in one ``send`` span whose context every entry carries."""
         if not entries:
             return Published([], None)
+        sending = start_sending(self.stream, count=len(entries))
+        traced = _flat(sending.fields)
         args: list[Any] = [len(entries)]
         for entry in entries:
-            args += [len(entry), *entry]
+            args += [len(entry) + len(traced), *entry, *traced]
         try:
             ids, refusal = await self._publish_batch(keys=self._keys, args=args)
         except RedisError as error:
-            raise _classify(error) from error
+            failure = _classify(error)
+            sending.failed(failure)
+            raise failure from error
+        except BaseException as error:  # a cancellation: the span ends all the same
+            sending.failed(error)
+            raise
+        sending.sent()
         refused = Refusal(text(refusal[0]), int(refusal[1]), int(refusal[2])) if refusal else None
         return Published([text(i) for i in ids], refused)
 
@@ -241,11 +284,14 @@ class IdempotentProducer:
         self.producer_id = producer_id
         self.stream = producer.stream
         self._producer = producer
+        # The trace fields of publishes whose outcome was unknown, sent again by the next attempt.
+        self._carried = Carried()
 
     async def publish(self, message_id: str, fields: Fields) -> str:
         """Adds the entry unless this producer published ``message_id`` within the window; either way answers the
         id of the one entry that holds it."""
-        return await self._producer._invoke(["IDMP", self.producer_id, message_id, *_arguments(fields)])
+        idempotence = _Idempotence(self.producer_id, message_id, self._carried)
+        return await self._producer._invoke(_arguments(fields), idempotence=idempotence)
 
     async def publish_batch(self, entries: Sequence[tuple[str, Fields]]) -> Published:
         """:meth:`Producer.publish_batch` with a message id per entry; a batch that ended

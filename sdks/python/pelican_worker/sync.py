@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import signal
 import threading
 from collections.abc import Callable
@@ -71,9 +72,13 @@ class Worker:
         async def handle(message: Message) -> Outcome:
             answer: asyncio.Future[Outcome] = loop.create_future()
             # A daemon thread, not a pool's: the interpreter joins a pool's threads at exit, so a handler blocked
-            # past the grace would keep the process alive after run() returned.
+            # past the grace would keep the process alive after run() returned. It runs in this task's context
+            # variables (a thread starts with none): the handler's own spans are children of its run's.
             thread = threading.Thread(
-                target=_call, args=(handler, message, loop, answer), name=f"pelican-handler-{message.id}", daemon=True
+                target=contextvars.copy_context().run,
+                args=(_call, handler, message, loop, answer),
+                name=f"pelican-handler-{message.id}",
+                daemon=True,
             )
             thread.start()
             return await answer

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from pelican_worker._redis import RedisSource, make_client, raw_command
-from pelican_worker.keys import KEY_FIELD, partition_stream, topic_key
-from pelican_worker.producer import Fields, Producer, _arguments, _classify
+from pelican_worker._trace import Carried
+from pelican_worker.keys import partition_stream, topic_key
+from pelican_worker.producer import Fields, Producer, _arguments, _classify, _Idempotence
 from pelican_worker.settings import _fields
 
 __all__ = [
@@ -140,12 +141,8 @@ class TopicProducer:
         field, then ``fields`` in order; without one to the next partition round robin. Raises a
         :class:`~pelican_worker.PublishError`."""
         args = _arguments(fields)
-        if key is None:
-            partition = next(self._next)
-        else:
-            partition = partition_of(key, self.partitions)
-            args = [KEY_FIELD, key, *args]
-        entry_id = await self._producers[partition]._invoke(args)
+        partition = next(self._next) if key is None else partition_of(key, self.partitions)
+        entry_id = await self._producers[partition]._invoke(args, key=key)
         return TopicPublished(partition, entry_id)
 
     async def idempotent(self, producer_id: str | None = None) -> IdempotentTopicProducer:
@@ -174,6 +171,8 @@ class IdempotentTopicProducer:
         self.producer_id = producer_id
         self.topic = producer.topic
         self._producer = producer
+        # The trace fields of publishes whose outcome was unknown, sent again by the next attempt.
+        self._carried = Carried()
 
     @property
     def partitions(self) -> int:
@@ -183,12 +182,9 @@ class IdempotentTopicProducer:
         """Adds the message ``message_id`` once within the window, to the partition of ``key`` (``pelican-key`` its
         first field) or, without one, of ``message_id``; publishing it again answers the first entry's id."""
         args = _arguments(fields)
-        if key is None:
-            partition = partition_of(message_id, self.partitions)
-        else:
-            partition = partition_of(key, self.partitions)
-            args = [KEY_FIELD, key, *args]
-        entry_id = await self._producer._producers[partition]._invoke(["IDMP", self.producer_id, message_id, *args])
+        partition = partition_of(message_id if key is None else key, self.partitions)
+        idempotence = _Idempotence(self.producer_id, message_id, self._carried)
+        entry_id = await self._producer._producers[partition]._invoke(args, key=key, idempotence=idempotence)
         return TopicPublished(partition, entry_id)
 
     async def aclose(self) -> None:

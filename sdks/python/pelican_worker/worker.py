@@ -33,15 +33,15 @@ from pelican_worker._redis import (
     text,
 )
 from pelican_worker._scripts import script_source
+from pelican_worker._trace import processing
 from pelican_worker.keys import (
     DELIVERIES_FIELD,
-    ERROR_TEXT_MAX,
     consumers_key,
     errors_key,
     settings_key,
     terminal_key,
 )
-from pelican_worker.message import Message, Outcome
+from pelican_worker.message import Message, Outcome, error_text
 from pelican_worker.settings import (
     KNOWN_CONTRACT_VERSIONS,
     TOPIC_CONTRACT_VERSIONS,
@@ -441,9 +441,11 @@ class Worker:
     async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
         try:
             try:
-                outcome = await handler(message)
-                if not isinstance(outcome, Outcome):
-                    raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
+                with processing(self, message) as run:
+                    outcome = await handler(message)
+                    if not isinstance(outcome, Outcome):
+                        raise TypeError(f"the handler returned {outcome!r}, not an Outcome")
+                    run.ended(outcome)
             except BaseException as error:
                 if _cancelled_by_the_worker() or self._aborted:
                     # The grace ran out and the entry is given back: whatever the handler made of its cancellation
@@ -766,14 +768,6 @@ class _Writer:
 
     async def record_error(self, entry_id: str, text: str) -> None:
         await self.conn.hset(self._errors, entry_id, text)
-
-
-def error_text(error: BaseException) -> str:
-    """The text recorded as a message's last error: the exception's type and message, cut to 1,024 bytes of UTF-8
-    at a character boundary."""
-    message = str(error)
-    full = f"{type(error).__name__}: {message}" if message else type(error).__name__
-    return full.encode("utf-8", "replace")[:ERROR_TEXT_MAX].decode("utf-8", "ignore")
 
 
 def _cancelled_by_the_worker() -> bool:

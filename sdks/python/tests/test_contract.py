@@ -9,8 +9,8 @@ import pytest
 
 from pelican_worker import KNOWN_CONTRACT_VERSIONS, ContractVersionError, InvalidReason, Message, Outcome
 from pelican_worker.keys import bounds_key, errors_key, hash_tag, rejected_key, settings_key, terminal_key
+from pelican_worker.message import error_text
 from pelican_worker.settings import SettingsError, WorkerSettings, lease_interval, parse_settings
-from pelican_worker.worker import error_text
 
 #: The repository's contract folder, when the package is tested inside the Pelican repository.
 CONTRACT = Path(__file__).resolve().parents[3] / "contract"

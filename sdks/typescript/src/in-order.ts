@@ -23,6 +23,7 @@ import { checkOutcome, type Outcome } from "./outcome.js";
 import { takeOver, type PartitionRunner } from "./partition.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
 import { leaseIntervalMs, parseSettings, type WorkerSettings } from "./settings.js";
+import { processing } from "./trace.js";
 import { chunks, cutUtf8, parseStreams, type Handler, type Logger, type WorkerStats } from "./worker.js";
 
 /** How retries in place are spaced: the topic's `backoffFactor` and `backoffMaxMs` (0: no most). */
@@ -268,7 +269,11 @@ export class InOrderPartition implements PartitionRunner {
     let outcome: Outcome | undefined;
     let failure: unknown;
     try {
-      outcome = checkOutcome(await this.handlerNow()(head.message, { signal: run.abort.signal }));
+      const handler = this.handlerNow();
+      const context = { signal: run.abort.signal };
+      outcome = await processing(this.options, head.message, async () =>
+        checkOutcome(await handler(head.message, context)),
+      );
     } catch (error) {
       failure = error;
     }

@@ -4,8 +4,9 @@
  */
 
 import { connect, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
-import { boundsKey, rejectedKey } from "./keys.js";
+import { KEY_FIELD, boundsKey, rejectedKey } from "./keys.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
+import { Carried, startSending } from "./trace.js";
 
 /** An entry's fields, in order: an object, or pairs (a name may then repeat). */
 export type Fields =
@@ -92,6 +93,12 @@ export interface Published {
   refused?: { group: string; backlog: number; max: number };
 }
 
+/** What a publish carries besides its fields: a topic's key (its first field), an idempotent publish's ids. */
+export interface Invocation {
+  key?: string | Buffer;
+  idempotent?: { producerId: string; messageId: string; carried: Carried };
+}
+
 /** The replies a server's own state explains, where trying again may succeed and nothing was written. */
 const UNAVAILABLE = ["READONLY", "LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN"];
 /** ioredis' words for a command it never sent: the connection was down and the offline queue is off. */
@@ -114,9 +121,8 @@ export class Producer {
   }
 
   /** Adds one entry and returns its id; throws a `PublishError` subclass otherwise. */
-  async publish(fields: Fields): Promise<string> {
-    const args = flatten(fields);
-    return String(await this.call(() => this.conn.pelicanBoundedPublish(...this.keys, ...args)));
+  publish(fields: Fields): Promise<string> {
+    return this.invoke(fields);
   }
 
   /**
@@ -159,12 +165,24 @@ export class Producer {
     return this.conn.hgetall(key);
   }
 
-  /** @internal One call of the batch script, each entry's arguments already flat (IDMP first when it has one). */
+  /**
+   * @internal One call of the batch script, each entry's arguments already flat (IDMP first when it has one), in one
+   * `send` span whose context every entry carries.
+   */
   async invokeBatch(entries: ReadonlyArray<ReadonlyArray<string | Buffer>>): Promise<Published> {
     if (entries.length === 0) return { ids: [] };
+    const sending = startSending(this.stream, { count: entries.length });
+    const traced = sending.fields.flat();
     const args: Array<string | Buffer> = [String(entries.length)];
-    for (const entry of entries) args.push(String(entry.length), ...entry);
-    const reply = await this.call(() => this.conn.pelicanBoundedPublishBatch(...this.keys, ...args));
+    for (const entry of entries) args.push(String(entry.length + traced.length), ...entry, ...traced);
+    let reply: unknown;
+    try {
+      reply = await this.call(() => this.conn.pelicanBoundedPublishBatch(...this.keys, ...args));
+    } catch (error) {
+      sending.failed(error);
+      throw error;
+    }
+    sending.sent();
     const [ids, refusal] = Array.isArray(reply) ? (reply as [unknown, unknown]) : [[], []];
     const published: Published = { ids: Array.isArray(ids) ? ids.map(String) : [] };
     if (Array.isArray(refusal) && refusal.length === 3) {
@@ -173,10 +191,34 @@ export class Producer {
     return published;
   }
 
-  /** @internal One publish with its IDMP arguments first. */
-  async invokeIdempotent(producerId: string, messageId: string, fields: Fields): Promise<string> {
-    const args = ["IDMP", producerId, messageId, ...flatten(fields)];
-    return String(await this.call(() => this.conn.pelicanBoundedPublish(...this.keys, ...args)));
+  /**
+   * @internal One publish: IDMP's ids first when idempotent, then the key field, `fields`, and the trace context
+   * last, in a `send` span of its own. An idempotent publish sends the trace fields of an earlier attempt of its
+   * message id whose outcome was unknown or unavailable, and keeps its own when this one's is.
+   */
+  async invoke(fields: Fields, { key, idempotent }: Invocation = {}): Promise<string> {
+    const args = flatten(key === undefined ? fields : withFirstField(KEY_FIELD, key, fields));
+    const sending = startSending(
+      this.stream,
+      { messageId: idempotent?.messageId, key },
+      idempotent?.carried.take(idempotent.messageId),
+    );
+    const idmp = idempotent ? ["IDMP", idempotent.producerId, idempotent.messageId] : [];
+    try {
+      const id = String(
+        await this.call(() =>
+          this.conn.pelicanBoundedPublish(...this.keys, ...idmp, ...args, ...sending.fields.flat()),
+        ),
+      );
+      sending.sent(id);
+      return id;
+    } catch (error) {
+      if (idempotent && (error instanceof PublishOutcomeUnknown || error instanceof PublishUnavailable)) {
+        idempotent.carried.keep(idempotent.messageId, sending.fields);
+      }
+      sending.failed(error);
+      throw error;
+    }
   }
 
   /** Runs a call once the first connection is up, its errors classified. */
@@ -240,6 +282,9 @@ function publishConnection(options: ProducerOptions): Connection & ScriptCommand
  * message id is the application's (an order number), never random per attempt. Made by `Producer.idempotent()`.
  */
 export class IdempotentProducer {
+  /** The trace fields of publishes whose outcome was unknown, sent again by the next attempt. */
+  private readonly carried = new Carried();
+
   constructor(
     private readonly producer: Producer,
     readonly producerId: string,
@@ -251,7 +296,9 @@ export class IdempotentProducer {
 
   /** Adds the entry unless `messageId` was published by this producer within the window; returns its id. */
   publish(messageId: string, fields: Fields): Promise<string> {
-    return this.producer.invokeIdempotent(this.producerId, messageId, fields);
+    return this.producer.invoke(fields, {
+      idempotent: { producerId: this.producerId, messageId, carried: this.carried },
+    });
   }
 
   /** `Producer.publishBatch` with a message id per entry; a batch that ended unknown is published again whole. */
@@ -302,7 +349,7 @@ export function commandTokens(docs: unknown, command: string): Set<string> {
 }
 
 /** `fields` with `[name, value]` before them (a topic's key field). */
-export function withFirstField(name: string, value: string | Buffer, fields: Fields): Fields {
+function withFirstField(name: string, value: string | Buffer, fields: Fields): Fields {
   return [[name, value], ...pairs(fields)];
 }
 

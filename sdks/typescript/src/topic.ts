@@ -6,8 +6,9 @@
 import { crc32 } from "node:zlib";
 
 import { podName, type RedisTarget } from "./connection.js";
-import { KEY_FIELD, TOPIC_CONTRACT_VERSION, partitionStream, topicKey } from "./keys.js";
-import { Producer, withFirstField, type Fields, type ProducerOptions } from "./producer.js";
+import { TOPIC_CONTRACT_VERSION, partitionStream, topicKey } from "./keys.js";
+import { Producer, type Fields, type ProducerOptions } from "./producer.js";
+import { Carried } from "./trace.js";
 
 /** The most partitions a topic has (the operator's admission refuses more). */
 export const MAX_PARTITIONS = 1024;
@@ -161,7 +162,7 @@ export class TopicProducer {
    */
   async publish(fields: Fields, options: TopicPublishOptions = {}): Promise<TopicPublished> {
     const partition = this.partition(options.key);
-    const id = await this.producerOf(partition).publish(keyed(options.key, fields));
+    const id = await this.producerOf(partition).invoke(fields, keyed(options.key));
     return { partition, id };
   }
 
@@ -194,6 +195,9 @@ export class TopicProducer {
  * partition that has it. Made by `TopicProducer.idempotent()`.
  */
 export class IdempotentTopicProducer {
+  /** The trace fields of publishes whose outcome was unknown, sent again by the next attempt. */
+  private readonly carried = new Carried();
+
   constructor(
     private readonly producer: TopicProducer,
     readonly producerId: string,
@@ -214,7 +218,8 @@ export class IdempotentTopicProducer {
   async publish(messageId: string, fields: Fields, options: TopicPublishOptions = {}): Promise<TopicPublished> {
     const partition = partitionOf(options.key ?? messageId, this.partitions);
     const producer = this.producer.producerOf(partition);
-    const id = await producer.invokeIdempotent(this.producerId, messageId, keyed(options.key, fields));
+    const idempotent = { producerId: this.producerId, messageId, carried: this.carried };
+    const id = await producer.invoke(fields, { ...keyed(options.key), idempotent });
     return { partition, id };
   }
 
@@ -223,8 +228,8 @@ export class IdempotentTopicProducer {
   }
 }
 
-/** `fields`, with the key first when there is one. */
-function keyed(key: MessageKey | undefined, fields: Fields): Fields {
-  if (key === undefined) return fields;
-  return withFirstField(KEY_FIELD, typeof key === "string" ? key : Buffer.from(key), fields);
+/** The key a publish carries as its first field, when there is one. */
+function keyed(key: MessageKey | undefined): { key?: string | Buffer } {
+  if (key === undefined) return {};
+  return { key: typeof key === "string" ? key : Buffer.from(key) };
 }

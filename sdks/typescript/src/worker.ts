@@ -11,6 +11,7 @@ import { DELIVERIES_FIELD, ERROR_TEXT_MAX, consumersKey, errorsKey, settingsKey,
 import { Message } from "./message.js";
 import { checkOutcome, type Outcome } from "./outcome.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
+import { processing } from "./trace.js";
 import {
   ContractVersionError,
   KNOWN_CONTRACT_VERSIONS,
@@ -592,7 +593,8 @@ export class Worker {
   private async handle(message: Message, handler: Handler, entry: InFlight): Promise<void> {
     let outcome: Outcome;
     try {
-      outcome = checkOutcome(await handler(message, new EntryContext(entry)));
+      const context = new EntryContext(entry);
+      outcome = await processing(this, message, async () => checkOutcome(await handler(message, context)));
     } catch (error) {
       entry.settled = true;
       if (!entry.abandoned) await this.fail(message.id, error);

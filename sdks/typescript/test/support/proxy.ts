@@ -1,6 +1,7 @@
 /**
- * A loopback TCP proxy in front of a redis-server that can lose one reply: the reply is read from the server (so
- * the command ran) and the client's connection is cut instead of receiving it.
+ * A loopback TCP proxy in front of a redis-server that can lose one reply (the reply is read from the server, so the
+ * command ran, and the client's connection is cut instead of receiving it) or one request (the client's connection
+ * is cut instead of passing it on, so the command never ran).
  */
 import { connect, createServer, type Socket } from "node:net";
 
@@ -8,11 +9,14 @@ export interface Proxy {
   port: number;
   /** The next reply the server sends to any client is lost, with the client's connection. */
   loseNextReply(): void;
+  /** The next request any client sends is lost, with the client's connection. */
+  loseNextRequest(): void;
   close(): Promise<void>;
 }
 
 export async function startProxy(targetPort: number): Promise<Proxy> {
   let armed = false;
+  let requestArmed = false;
   const sockets = new Set<Socket>();
   const server = createServer((client) => {
     const upstream = connect(targetPort, "127.0.0.1");
@@ -25,7 +29,14 @@ export async function startProxy(targetPort: number): Promise<Proxy> {
       });
       socket.on("error", () => socket.destroy());
     }
-    client.on("data", (data) => upstream.write(data));
+    client.on("data", (data) => {
+      if (requestArmed) {
+        requestArmed = false;
+        client.destroy();
+        return;
+      }
+      upstream.write(data);
+    });
     upstream.on("data", (data) => {
       if (armed) {
         armed = false;
@@ -41,6 +52,7 @@ export async function startProxy(targetPort: number): Promise<Proxy> {
   return {
     port: address.port,
     loseNextReply: () => (armed = true),
+    loseNextRequest: () => (requestArmed = true),
     close: () =>
       new Promise((resolve) => {
         for (const socket of sockets) socket.destroy();
