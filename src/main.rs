@@ -154,6 +154,12 @@ async fn main() -> anyhow::Result<()> {
             max_concurrent_reconciles,
         } => {
             init_logging(log_format);
+            // The passes' spans in messages' traces, when an OTLP endpoint is configured.
+            let traces = pelican::telemetry::traces::from_env().map_err(|e| anyhow::anyhow!("OTLP exporter: {e}"))?;
+            if let Some(provider) = traces.clone() {
+                pelican::telemetry::traces::install(provider);
+                tracing::info!("exporting the passes' spans over OTLP");
+            }
             let scaler_tls = external_scaler_tls_dir
                 .map(|dir| pelican::scaler::mutual_tls(&dir))
                 .transpose()
@@ -234,6 +240,10 @@ async fn main() -> anyhow::Result<()> {
             }
             elector.release().await;
             http.await?;
+            if let Some(provider) = traces {
+                // The spans still queued go out before the process ends (bounded by the exporter's timeout).
+                let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+            }
             tracing::info!("stopped");
         }
     }

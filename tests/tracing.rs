@@ -1,6 +1,7 @@
 //! A message's trace through the stream (SPEC 23, contract/README.md "Trace context") in the Rust SDK, with the
 //! OpenTelemetry SDK's in-memory exporter and the W3C propagator installed as an application would, against a real
-//! Redis 7.0: what the entry carries, and the spans of the publish and of each handler run, in one trace.
+//! Redis 7.0: what the entry carries, the spans of the publish and of each handler run, and the operator's passes
+//! (a requeue, a dead letter, a redrive) in the same trace.
 //!
 //! One test, in steps: the tracer provider and the propagator are global, so no other test may run beside it in
 //! this binary.
@@ -17,6 +18,10 @@ use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, global};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use pelican::api::ReclaimStrategy;
+use pelican::jobs::redrive::{self, Destination, Plan, Progress};
+use pelican::jobs::{self, Cursor, PassSettings};
+use pelican::redis::{Conn, GroupKeys, Pools, Target};
 use pelican::worker::{BoxError, Message, Outcome, Producer, Reason, Worker, WorkerConfig};
 
 fn attribute(span: &SpanData, key: &str) -> Option<String> {
@@ -121,4 +126,75 @@ fn a_message_is_one_trace_from_its_publish_through_each_handler_run_and_nothing_
     assert_eq!(run_of(1).status, Status::error("the card was declined"));
     assert_eq!(attribute(run_of(2), "pelican.outcome").as_deref(), Some("terminal"));
     assert_eq!(attribute(run_of(2), "pelican.reason").as_deref(), Some("Gone"));
+
+    // The operator's passes join the failed message's trace: requeued once, dead-lettered at the cap, redriven.
+    let send_of_failed = sends[1].span_context.span_id();
+    exporter.reset();
+    pelican::telemetry::traces::install(provider.clone());
+    let keys = GroupKeys { stream: "orders", group: "billing", dead_letter: "orders:dlq" };
+    let settings = PassSettings {
+        min_idle: Duration::from_millis(100),
+        max_per_pass: 1000,
+        max_deliveries: 2,
+        strategy: ReclaimStrategy::Requeue,
+        dead_letter_max_len: None,
+        backoff: None,
+        handover_grace: Duration::ZERO,
+        slice: Duration::MAX,
+    };
+    let pass = |conn: &mut Conn| {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut cursor = Cursor::default();
+        rt.block_on(jobs::reclaim_pass(conn, "test", &keys, &settings, &mut cursor, &|| true)).unwrap()
+    };
+    let mut operator = rt.block_on(Pools::default().get(&Target::new(server.url()))).unwrap();
+    assert_eq!(pass(&mut operator).requeued, 1, "the failed message is retried");
+    let copy = read_new(&mut conn, "orders", "billing", "worker-2", 10);
+    assert_eq!(copy.len(), 1, "the copy is delivered: {copy:?}");
+    assert_eq!(pass(&mut operator).dead_lettered, 1, "its second delivery reached the cap");
+    let plan = Plan {
+        dead_letter: "orders:dlq".into(),
+        progress_key: "orders:dlq:redrive:default/again".into(),
+        lock_key: "orders:dlq:redrive-lock".into(),
+        full_name: "default/again".into(),
+        uid: "uid-1".into(),
+        name: "again".into(),
+        target: Destination::Stream("orders".into()),
+        reasons: Vec::new(),
+        from: None,
+        to: None,
+        max_messages: None,
+        cluster: false,
+        keys: None,
+    };
+    let redriven = rt.block_on(async {
+        redrive::claim(&mut operator, "test", &plan, None).await.unwrap();
+        let mut destinations = Vec::new();
+        redrive::step(&mut operator, "test", &plan, "+", &Progress::default(), 100, &mut destinations).await.unwrap()
+    });
+    assert_eq!(redriven.moved, 1);
+    provider.force_flush().unwrap();
+    let spans = exporter.get_finished_spans().unwrap();
+    let names: Vec<&str> = spans.iter().map(|s| s.name.as_ref()).collect();
+    assert_eq!(names, ["requeue orders", "dead letter orders", "redrive orders"], "in the order they happened");
+    for span in &spans {
+        assert_eq!(span.span_context.trace_id(), trace_id, "{} is in the message's trace", span.name);
+        assert_eq!(span.parent_span_id, send_of_failed, "{} continues the publish", span.name);
+        assert_eq!(attribute(span, "messaging.system").as_deref(), Some("redis"));
+    }
+    assert_eq!(attribute(&spans[0], "messaging.message.id"), Some(ids[1].clone()));
+    assert_eq!(attribute(&spans[0], "pelican.new_id"), Some(copy[0].clone()));
+    assert_eq!(attribute(&spans[0], "messaging.consumer.group.name").as_deref(), Some("billing"));
+    assert_eq!(attribute(&spans[1], "messaging.message.id"), Some(copy[0].clone()));
+    assert_eq!(attribute(&spans[1], "pelican.reason").as_deref(), Some("MaxDeliveriesExceeded"));
+    assert_eq!(attribute(&spans[1], "pelican.deliveries").as_deref(), Some("2"));
+    let letter = attribute(&spans[1], "pelican.new_id").unwrap();
+    assert_eq!(attribute(&spans[2], "messaging.message.id"), Some(letter));
+    assert_eq!(attribute(&spans[2], "pelican.redrive").as_deref(), Some("default/again"));
+    assert_eq!(attribute(&spans[2], "pelican.reason").as_deref(), Some("MaxDeliveriesExceeded"));
+    // The redriven entry still carries the trace: its next handler run continues it.
+    let back = xrange(&mut conn, "orders");
+    let last = back.last().unwrap();
+    let parent = String::from_utf8(field(last, "traceparent").unwrap().to_vec()).unwrap();
+    assert!(parent.contains(&trace_id.to_string()), "{parent}");
 }

@@ -19,6 +19,7 @@ use crate::keys::{
     totals_key,
 };
 use crate::redis::{Conn, GroupKeys, reply};
+use crate::telemetry::traces::{self, Action, Move, Place};
 use crate::{Error, Result};
 
 static RECLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/reclaim.lua")));
@@ -366,6 +367,7 @@ async fn reclaim_call(
         .arg(settings.handover_grace.as_millis() as u64)
         .arg(gone_age.as_millis() as u64)
         .arg(CONSUMERS_LISTED_MAX)
+        .arg(if traces::on() { "1" } else { "0" })
         .arg(gone.len())
         .arg(gone)
         .arg(known)
@@ -382,9 +384,12 @@ async fn reclaim_call(
         _ => String::new(),
     };
     let position = Some(text(9)).filter(|id| !id.is_empty());
-    // After the thirteen values: (id, earlier deliveries) of each requeued copy read and found not due yet.
+    if let Some(redis::Value::Array(moves)) = reply.get(13) {
+        traces::record(&Place { stream: keys.stream, group: Some(keys.group), redrive: None }, &parse_moves(moves));
+    }
+    // After the fourteen values: (id, earlier deliveries) of each requeued copy read and found not due yet.
     let waiting = reply
-        .get(13..)
+        .get(14..)
         .unwrap_or_default()
         .chunks_exact(2)
         .filter_map(|pair| match &pair[0] {
@@ -406,6 +411,25 @@ async fn reclaim_call(
         interrupted: false,
     };
     Ok(Call { report, position, reached_end: count(10) == 1, known: text(11), waiting })
+}
+
+/// The reclaim script's moves (`{what, id, to, traceparent, tracestate, reason, deliveries}` each).
+fn parse_moves(moves: &[redis::Value]) -> Vec<Move> {
+    moves
+        .iter()
+        .filter_map(|m| {
+            let (what, id, to, traceparent, tracestate, reason, deliveries): (
+                String,
+                String,
+                String,
+                String,
+                String,
+                String,
+                u64,
+            ) = redis::from_redis_value(m.clone()).ok()?;
+            Some(Move { action: Action::from_script(&what)?, id, to, traceparent, tracestate, reason, deliveries })
+        })
+        .collect()
 }
 
 /// The most consumers Pelican lists in one call. Redis lists a group's consumers only all at once (`XINFO

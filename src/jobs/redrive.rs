@@ -12,6 +12,7 @@ use super::{BYTE_BUDGET, MAX_FIELDS};
 use crate::keys::slot;
 use crate::redis::Conn;
 use crate::redis::pager::Pager;
+use crate::telemetry::traces::{self, Action, Move, Place};
 use crate::tenancy::KeyRules;
 use crate::{Error, Result};
 
@@ -419,9 +420,17 @@ async fn call(
         .arg(BYTE_BUDGET)
         .arg(mode)
         .arg(fallback)
+        .arg(if traces::on() { "1" } else { "0" })
         .arg(&plan.reasons);
-    let (moved, too_large, left, finished, last_id, need): (u64, u64, u64, u8, String, Vec<u8>) =
+    type Moves = Vec<(String, String, String, String, String, String, String)>;
+    let (moved, too_large, left, finished, last_id, need, moves): (u64, u64, u64, u8, String, Vec<u8>, Moves) =
         invocation.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
+    for (id, to, stream, traceparent, tracestate, reason, deliveries) in moves {
+        let deliveries = deliveries.parse().unwrap_or(0);
+        let one = Move { action: Action::Redriven, id, to, traceparent, tracestate, reason, deliveries };
+        let place = Place { stream: &stream, group: None, redrive: Some(&plan.full_name) };
+        traces::record(&place, std::slice::from_ref(&one));
+    }
     Ok(Call {
         moved,
         skipped: left + too_large,

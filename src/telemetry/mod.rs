@@ -3,6 +3,7 @@
 mod events;
 mod http;
 mod metrics;
+pub mod traces;
 
 pub use events::Events;
 pub use http::{Readiness, serve};

@@ -15,18 +15,22 @@
 -- ARGV[14] hand-over grace (ms): an entry Reassign handed over is not handed over again sooner
 -- ARGV[15] how long ago (ms) the consumers below were found without a Pod
 -- ARGV[16] most consumers the group may have for Reassign to list them (XINFO CONSUMERS)
--- ARGV[17] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
--- ARGV[18+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
+-- ARGV[17] '1' when the operator traces (SPEC 23): the reply then says what became of each message moved
+-- ARGV[18] k, the number of consumers whose Pod is gone (`spec.consumers.pods`; at most 100), then their k names
+-- ARGV[19+k..] pairs: the id of a requeued copy and the deliveries it carries from before it was requeued, as earlier
 --           calls found them (see Backoff)
 --
 -- Returns {requeued, reassigned, deadLettered, payloadDeleted, skipped, tooLarge, scanned, deadLetterEvicted, idle,
--- position, reachedEnd, known, unlisted, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
+-- position, reachedEnd, known, unlisted, moves, id, earlier, id, earlier, ...}: `scanned` PEL entries were looked at, up to and
 -- including `position` (the next call starts after it; '' when none was), of which `idle` were idle long enough to
 -- be taken and `skipped` of those were left alone; `reachedEnd` is 1 when the page was the PEL's last. `unlisted` is
 -- the group's number of consumers when Reassign needed them listed and there were more than ARGV[16] (0 otherwise).
 -- `known` has one character per pair of ARGV[18+k..]: 'w' the copy is in the page and still waits, 't' it was in the page and
 -- read (moved, or returned again below), '-' not in the part of the page looked at. The pairs name the requeued
--- copies read and found not due, with the deliveries each carries from before.
+-- copies read and found not due, with the deliveries each carries from before. `moves` is empty unless ARGV[17] asks
+-- for it; then one {what, id, to, traceparent, tracestate, reason, deliveries} per message moved ('requeued',
+-- 'reassigned' or 'deadLettered'; `to` the copy's or dead letter's id, or the consumer handed to; the trace fields ''
+-- when the message carries none): at most one per entry of the page, each of a few short strings.
 --
 -- The scan is plain extended XPENDING from the position, never the IDLE filter, which walks the whole PEL on the
 -- server: a call costs the same on a PEL of a thousand entries or a million. Entries are read a run at a time
@@ -92,8 +96,9 @@ local byte_budget = tonumber(ARGV[8])
 local factor, max_wait, error_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local start, limit, grace = ARGV[12], tonumber(ARGV[13]), tonumber(ARGV[14])
 -- Consumers whose Pod is gone, by name.
-local gone_age, gone, pairs_from = tonumber(ARGV[15]), {}, 18 + tonumber(ARGV[17])
-for i = 18, pairs_from - 1 do gone[ARGV[i]] = true end
+local gone_age, gone, pairs_from = tonumber(ARGV[15]), {}, 19 + tonumber(ARGV[18])
+for i = 19, pairs_from - 1 do gone[ARGV[i]] = true end
+local traced = ARGV[17] == '1'
 local max_consumers = tonumber(ARGV[16])
 -- Copy id -> index of its pair; what became of each, as the reply tells it.
 local known, fate = {}, {}
@@ -252,6 +257,18 @@ local function fields_of(id, last)
   return run[id]
 end
 
+-- What became of each message moved, when the operator traces: see the reply.
+local moves = {}
+-- Records a move with the message's trace context (its `traceparent` / `tracestate` among its first n fields).
+local function moved(what, id, to, fields, n, reason, total)
+  if not traced then return end
+  local parent, state = '', ''
+  for f = 1, n - 1, 2 do
+    if fields[f] == 'traceparent' then parent = fields[f + 1] elseif fields[f] == 'tracestate' then state = fields[f + 1] end
+  end
+  moves[#moves + 1] = {what, id, to, parent, state, reason, string.format('%d', total)}
+end
+
 -- A copy of the message at the end of the stream, carrying its origin and deliveries, and its last error under the
 -- copy's id; the original is acknowledged at the end of the call.
 local function requeue(id, fields, n, origin, total)
@@ -269,6 +286,7 @@ local function requeue(id, fields, n, origin, total)
     end
   end
   requeued = requeued + 1
+  moved('requeued', id, copy, fields, n, '', total)
 end
 
 -- Whether `Reassign` handed entry `id` over less than the grace ago.
@@ -354,22 +372,24 @@ for _, pending in ipairs(page) do
         args[a + 7] = 'pelican-group'; args[a + 8] = group
         args[a + 9] = 'pelican-consumer'; args[a + 10] = owner
         args[a + 11] = 'pelican-deliveries'; args[a + 12] = string.format('%d', total)
-        args[a + 13] = 'pelican-reason'
-        args[a + 14] = fatal and 'NackedFatal' or invalid and 'InvalidDeliveryCount' or 'MaxDeliveriesExceeded'
+        local reason = fatal and 'NackedFatal' or invalid and 'InvalidDeliveryCount' or 'MaxDeliveriesExceeded'
+        args[a + 13] = 'pelican-reason'; args[a + 14] = reason
         args[a + 15] = 'pelican-dead-lettered-at'; args[a + 16] = now_ms
         local last_error = has_errors and redis.call('HGET', errors, id)
         if last_error then
           args[a + 17] = 'pelican-last-error'; args[a + 18] = string.sub(last_error, 1, error_max)
         end
+        local letter
         if dlq_maxlen > 0 then
           -- MAXLEN may drop older dead letters to make room: count them, they vanish from the one place people
           -- look for them.
           local before = redis.call('XLEN', dlq)
-          redis.call('XADD', unpack(args))
+          letter = redis.call('XADD', unpack(args))
           evicted = evicted + before + 1 - redis.call('XLEN', dlq)
         else
-          redis.call('XADD', unpack(args))
+          letter = redis.call('XADD', unpack(args))
         end
+        moved('deadLettered', id, letter, fields, n, reason, total)
         acks[#acks + 1] = id
         if last_error then redis.call('HDEL', errors, id) end
         dead_lettered = dead_lettered + 1
@@ -391,6 +411,7 @@ for _, pending in ipairs(page) do
             has_handovers = true
             target.pending = target.pending + 1
             reassigned = reassigned + 1
+            moved('reassigned', id, target.name, fields, n, '', deliveries + 1)
           else
             skipped = skipped + 1
           end
@@ -495,5 +516,6 @@ local fates = {}
 for i = pairs_from, #ARGV, 2 do fates[#fates + 1] = fate[i] or '-' end
 reply[12] = table.concat(fates)
 reply[13] = unlisted
+reply[14] = moves
 for _, v in ipairs(waiting) do reply[#reply + 1] = v end
 return reply

@@ -10,9 +10,12 @@
 --         (each field counts FIELD_COST bytes beyond its length)
 -- ARGV[8] where entries go: 'stream' (all to KEYS[4]) or 'source' (each to its `pelican-source-stream`)
 -- ARGV[9] with 'source': where an entry without `pelican-source-stream` goes
--- ARGV[10..] the `pelican-reason` values to move (all entries when there are none)
+-- ARGV[10] '1' when the operator traces (SPEC 23): the reply then says what became of each message moved
+-- ARGV[11..] the `pelican-reason` values to move (all entries when there are none)
 --
--- Returns {moved, tooLarge, left, finished, lastId, need}: `lastId` is the last id covered (moved or left
+-- Returns {moved, tooLarge, left, finished, lastId, need, moves}: `moves` is empty unless ARGV[10] asks for it; then
+-- one {dead letter id, new id, target stream, traceparent, tracestate, reason, deliveries} per entry moved (the trace
+-- fields '' when it carries none). `lastId` is the last id covered (moved or left
 -- in place; '' when none was), `left` the entries outside the filter, `finished` 1 when the range is exhausted (the
 -- lock is then released with the record of the end). `need` is '' or a destination stream not in KEYS: the call
 -- stopped before the entry that goes there, and the caller checks the stream and calls again with it in KEYS.
@@ -67,7 +70,9 @@ if holder and holder ~= uid then
   return redis.error_reply('OWNED lock ' .. lock .. ' belongs to another redrive (uid ' .. holder .. ')')
 end
 local reasons = nil
-for i = 10, #ARGV do
+local traced = ARGV[10] == '1'
+local moves = {}
+for i = 11, #ARGV do
   reasons = reasons or {}
   reasons[ARGV[i]] = true
 end
@@ -118,9 +123,13 @@ local function take(id, fields)
   end
   args[#args + 1] = 'pelican-redriven-from'; args[#args + 1] = id
   args[#args + 1] = 'pelican-redrive'; args[#args + 1] = name
-  redis.call('XADD', unpack(args))
+  local copy = redis.call('XADD', unpack(args))
   redis.call('XDEL', dlq, id)
   moved = moved + 1
+  if traced then
+    moves[#moves + 1] = {id, copy, target, field_value(fields, 'traceparent') or '', field_value(fields, 'tracestate') or '',
+      field_value(fields, 'pelican-reason') or '', field_value(fields, 'pelican-deliveries') or '0'}
+  end
   return true
 end
 
@@ -173,4 +182,4 @@ if finished then
   redis.call('HSET', progress, 'finishedAt', string.format('%d', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)))
   if redis.call('HGET', lock, 'uid') == uid then redis.call('DEL', lock) end
 end
-return {moved, too_large, left, finished and 1 or 0, last_id or '', need}
+return {moved, too_large, left, finished and 1 or 0, last_id or '', need, moves}
