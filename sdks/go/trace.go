@@ -200,8 +200,11 @@ func startProcessing(ctx context.Context, w *Worker, m Message) (context.Context
 	if trace.SpanContextFromContext(parent).IsValid() {
 		parent = trace.ContextWithSpanContext(parent, trace.SpanContext{})
 	}
-	parent = otel.GetTextMapPropagator().Extract(parent, entryFields(m.Fields))
-	spanCtx, span := tracer().Start(parent, "process "+w.opt.Stream, trace.WithSpanKind(trace.SpanKindConsumer))
+	// A propagator that reads no field (the API's default) has nothing to extract: not asked, at no cost.
+	if propagator := otel.GetTextMapPropagator(); len(propagator.Fields()) > 0 {
+		parent = propagator.Extract(parent, entryFields(m.Fields))
+	}
+	spanCtx, span := tracer().Start(parent, w.processName, trace.WithSpanKind(trace.SpanKindConsumer))
 	if !span.IsRecording() {
 		if span.SpanContext().IsValid() {
 			return spanCtx, span

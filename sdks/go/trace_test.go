@@ -428,3 +428,22 @@ func TestTheCarriedFieldsAreKeptForTheLast1024MessageIDsOnlyEachTakenOnce(t *tes
 		t.Errorf("the order of the kept ids is not the order they were kept in")
 	}
 }
+
+// What tracing costs a handler run without an SDK: the run inside its (no-op) span beside the bare handler call, on
+// an entry that carries a traceparent. go test -run XXX -bench HandlerRun
+func BenchmarkAHandlerRunWithoutAnSDK(b *testing.B) {
+	w := &Worker{opt: WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer},
+		processName: "process " + testStream}
+	m := Message{ID: "1-0", Fields: []Field{{"n", "1"}, {"traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}}}
+	handler := func(context.Context, Message) (Outcome, error) { return Done(), nil }
+	b.Run("bare", func(b *testing.B) {
+		for b.Loop() {
+			_, _ = runHandler(bg, handler, m)
+		}
+	})
+	b.Run("traced", func(b *testing.B) {
+		for b.Loop() {
+			_, _ = w.handle(bg, handler, m)
+		}
+	})
+}
