@@ -229,7 +229,8 @@ func startProcessing(ctx context.Context, w *Worker, m Message) (context.Context
 	return spanCtx, span
 }
 
-// endProcessing ends a run's span with its outcome: ERROR with the failure's text when err is not nil.
+// endProcessing ends a run's span with its outcome: ERROR with the failure's text when err is not nil (as the
+// worker records it as the entry's last error).
 func endProcessing(span trace.Span, outcome Outcome, err error) {
 	if span == nil {
 		return
@@ -237,7 +238,7 @@ func endProcessing(span trace.Span, outcome Outcome, err error) {
 	switch {
 	case err != nil:
 		span.SetAttributes(attribute.String("pelican.outcome", "fail"))
-		span.SetStatus(codes.Error, err.Error())
+		span.SetStatus(codes.Error, cutUTF8(err.Error(), ErrorTextMax))
 	case outcome.kind == terminalOutcome:
 		span.SetAttributes(attribute.String("pelican.outcome", "terminal"), attribute.String("pelican.reason", outcome.reason))
 	default:
