@@ -301,6 +301,22 @@ func TestATopicsPublishAndHandlerRunNameTheTopicTheKeyAndThePartition(t *testing
 	}
 }
 
+func TestARunOfAnEntryWithoutAContextIsANewTraceWhateverTheWorkersContextHolds(t *testing.T) {
+	exporter := installSDK(t)
+	ctx, serving := otel.Tracer("shop").Start(bg, "serve")
+	defer serving.End()
+	w := &Worker{opt: WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer},
+		processName: "process " + testStream}
+	var seen sync.Map
+	if _, err := w.handle(ctx, obey(&seen), Message{ID: "1-0", Fields: []Field{{"handle", "done"}}}); err != nil {
+		t.Fatal(err)
+	}
+	runs := named(exporter.GetSpans(), "process "+testStream)
+	if len(runs) != 1 || runs[0].Parent.IsValid() || runs[0].SpanContext.TraceID() == serving.SpanContext().TraceID() {
+		t.Fatalf("runs %v: one, the root of a trace of its own", runs)
+	}
+}
+
 // lostRequest is a loopback proxy to upstream that loses one request: the first EVALSHA is never passed on, and
 // its connection is closed. Later connections pass through.
 type lostRequest struct {
