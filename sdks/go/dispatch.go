@@ -103,7 +103,7 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 		w.mu.Unlock()
 		return
 	}
-	outcome, err := runHandler(hctx, handler, m)
+	outcome, err := w.handle(hctx, handler, m)
 	<-w.handlers
 	w.mu.Lock()
 	if f.abandoned || w.aborted.Load() { // given back on shutdown, or lost: no longer in flight
@@ -114,15 +114,6 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 	w.settling++
 	w.wakeLocked() // its slot is free: the next read need not wait for the outcome's write
 	w.mu.Unlock()
-	if err == nil {
-		switch outcome.kind {
-		case invalidOutcome:
-			err = errors.New("the handler returned the zero Outcome and no error: return pelican.Done(), " +
-				"pelican.Retry() or pelican.Terminal(reason)")
-		case terminalOutcome:
-			err = CheckReason(outcome.reason) // refused before anything is written: never a silent ACK
-		}
-	}
 	if err == nil && outcome.kind == doneOutcome {
 		w.ack(wctx, m, f) // finished with its batch
 		return
@@ -136,6 +127,25 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 		w.retry(wctx, m.ID)
 	}
 	w.finish(f)
+}
+
+// handle runs the handler on m inside its run's span (trace.go), which ends with what it returned: the zero
+// Outcome, or a terminal one of an invalid reason, is an error (refused before anything is written: never a silent
+// ACK).
+func (w *Worker) handle(ctx context.Context, handler Handler, m Message) (Outcome, error) {
+	ctx, span := startProcessing(ctx, w, m)
+	outcome, err := runHandler(ctx, handler, m)
+	if err == nil {
+		switch outcome.kind {
+		case invalidOutcome:
+			err = errors.New("the handler returned the zero Outcome and no error: return pelican.Done(), " +
+				"pelican.Retry() or pelican.Terminal(reason)")
+		case terminalOutcome:
+			err = CheckReason(outcome.reason)
+		}
+	}
+	endProcessing(span, outcome, err)
+	return outcome, err
 }
 
 // runHandler calls the handler; a panic is a failure of the message like an error.

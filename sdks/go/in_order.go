@@ -2,7 +2,6 @@ package pelican
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -266,16 +265,7 @@ func (o *inOrder) run(hctx, rctx context.Context, handler Handler, key string, h
 	if h.failed && !o.countDelivery(rctx, h.message.ID) {
 		return ran{key: key, gone: true}
 	}
-	outcome, err := runHandler(hctx, handler, h.message)
-	if err == nil {
-		switch outcome.kind {
-		case invalidOutcome:
-			err = errors.New("the handler returned the zero Outcome and no error: return pelican.Done(), " +
-				"pelican.Retry() or pelican.Terminal(reason)")
-		case terminalOutcome:
-			err = CheckReason(outcome.reason)
-		}
-	}
+	outcome, err := o.w.handle(hctx, handler, h.message)
 	return ran{key: key, outcome: outcome, err: err}
 }
 

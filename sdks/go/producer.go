@@ -99,7 +99,7 @@ func (p *Producer) Publish(ctx context.Context, fieldsAndValues ...string) (stri
 	if err := checkPairs(fieldsAndValues); err != nil {
 		return "", err
 	}
-	return p.publish(ctx, stringArgs(nil, fieldsAndValues))
+	return p.publish(ctx, stringArgs(nil, fieldsAndValues), sendDetails{})
 }
 
 // PublishBatch adds entries in order, with one backlog check for all, as many as every bounded group has room for.
@@ -115,14 +115,20 @@ func (p *Producer) PublishBatch(ctx context.Context, entries [][]string) (Publis
 	return p.publishBatch(ctx, args)
 }
 
-func (p *Producer) publish(ctx context.Context, args []any) (string, error) {
+// publish sends one entry (its IDMP ids first, when idempotent) in a span of its own, whose context the entry
+// carries after its fields.
+func (p *Producer) publish(ctx context.Context, args []any, details sendDetails) (string, error) {
 	if err := ctx.Err(); err != nil {
 		return "", err // never sent
 	}
-	id, err := boundedPublishScript.Run(ctx, p.client, p.keys, args...).Text()
+	s := startSending(ctx, p.stream, details)
+	id, err := boundedPublishScript.Run(ctx, p.client, p.keys, append(args, s.fields...)...).Text()
 	if err != nil {
-		return "", classify(err)
+		err = classify(err)
+		s.failed(err)
+		return "", err
 	}
+	s.sent(id)
 	return id, nil
 }
 
@@ -133,14 +139,19 @@ func (p *Producer) publishBatch(ctx context.Context, entries [][]any) (Published
 	if err := ctx.Err(); err != nil {
 		return Published{}, err // never sent
 	}
+	// One span for the batch, whose context every entry carries.
+	s := startSending(ctx, p.stream, sendDetails{count: len(entries)})
 	args := []any{len(entries)}
 	for _, entry := range entries {
-		args = append(append(args, len(entry)), entry...)
+		args = append(append(append(args, len(entry)+len(s.fields)), entry...), s.fields...)
 	}
 	reply, err := boundedBatchScript.Run(ctx, p.client, p.keys, args...).Slice()
 	if err != nil {
-		return Published{}, classify(err)
+		err = classify(err)
+		s.failed(err)
+		return Published{}, err
 	}
+	s.sent("")
 	// {ids, refusal}: refusal is empty, or {group, backlog, max}.
 	if len(reply) != 2 {
 		return Published{}, fmt.Errorf("%w: unexpected reply %v", ErrFailed, reply)
@@ -236,6 +247,7 @@ func stringArgs(args []any, values []string) []any {
 type IdempotentProducer struct {
 	producer   *Producer
 	producerID string
+	carried    carriedFields
 }
 
 // IdempotentEntry is one entry of an idempotent batch.
@@ -283,7 +295,8 @@ func (p *IdempotentProducer) Publish(ctx context.Context, messageID string, fiel
 	if err := checkPairs(fieldsAndValues); err != nil {
 		return "", err
 	}
-	return p.producer.publish(ctx, stringArgs([]any{"IDMP", p.producerID, messageID}, fieldsAndValues))
+	return p.producer.publish(ctx, stringArgs([]any{"IDMP", p.producerID, messageID}, fieldsAndValues),
+		sendDetails{messageID: messageID, carried: &p.carried})
 }
 
 // PublishBatch is Producer.PublishBatch with a message id per entry; a batch that ended *OutcomeUnknownError is

@@ -135,7 +135,7 @@ func (p *TopicProducer) Publish(ctx context.Context, fieldsAndValues ...string) 
 	partition := p.next
 	p.next = (p.next + 1) % len(p.producers)
 	p.mu.Unlock()
-	id, err := p.producers[partition].publish(ctx, stringArgs(nil, fieldsAndValues))
+	id, err := p.producers[partition].publish(ctx, stringArgs(nil, fieldsAndValues), sendDetails{})
 	return TopicPublished{Partition: partition, ID: id}, err
 }
 
@@ -146,7 +146,8 @@ func (p *TopicProducer) PublishKeyed(ctx context.Context, key string, fieldsAndV
 		return TopicPublished{}, err
 	}
 	partition := PartitionOf([]byte(key), len(p.producers))
-	id, err := p.producers[partition].publish(ctx, stringArgs([]any{KeyField, key}, fieldsAndValues))
+	id, err := p.producers[partition].publish(ctx, stringArgs([]any{KeyField, key}, fieldsAndValues),
+		sendDetails{key: &key})
 	return TopicPublished{Partition: partition, ID: id}, err
 }
 
@@ -167,6 +168,7 @@ func (p *TopicProducer) Idempotent(ctx context.Context, producerID string) (*Ide
 type IdempotentTopicProducer struct {
 	producer   *TopicProducer
 	producerID string
+	carried    carriedFields
 }
 
 // ProducerID is the id every publish carries.
@@ -181,7 +183,7 @@ func (p *IdempotentTopicProducer) Publish(ctx context.Context, messageID string,
 	if err := checkPairs(fieldsAndValues); err != nil {
 		return TopicPublished{}, err
 	}
-	return p.publish(ctx, PartitionOf([]byte(messageID), p.Partitions()), messageID, fieldsAndValues)
+	return p.publish(ctx, PartitionOf([]byte(messageID), p.Partitions()), messageID, nil, fieldsAndValues)
 }
 
 // PublishKeyed adds the message messageID once within the window, to the partition of key, with KeyField=key first.
@@ -189,12 +191,13 @@ func (p *IdempotentTopicProducer) PublishKeyed(ctx context.Context, messageID, k
 	if err := checkPairs(fieldsAndValues); err != nil {
 		return TopicPublished{}, err
 	}
-	return p.publish(ctx, PartitionOf([]byte(key), p.Partitions()), messageID,
+	return p.publish(ctx, PartitionOf([]byte(key), p.Partitions()), messageID, &key,
 		append([]string{KeyField, key}, fieldsAndValues...))
 }
 
-func (p *IdempotentTopicProducer) publish(ctx context.Context, partition int, messageID string, fields []string) (TopicPublished, error) {
+func (p *IdempotentTopicProducer) publish(ctx context.Context, partition int, messageID string, key *string, fields []string) (TopicPublished, error) {
 	args := stringArgs([]any{"IDMP", p.producerID, messageID}, fields)
-	id, err := p.producer.producers[partition].publish(ctx, args)
+	id, err := p.producer.producers[partition].publish(ctx, args,
+		sendDetails{key: key, messageID: messageID, carried: &p.carried})
 	return TopicPublished{Partition: partition, ID: id}, err
 }

@@ -69,6 +69,7 @@ type Worker struct {
 	log    *slog.Logger
 
 	settingsKey, terminalKey, errorsKey, consumersKey string
+	processName                                       string // the span of a handler run (trace.go)
 
 	settings        atomic.Pointer[Settings]
 	settingsProblem string // the last problem with the settings reported, so it is said once; lease goroutine only
@@ -169,6 +170,7 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		terminalKey:    TerminalKey(opt.Stream, opt.Group),
 		errorsKey:      ErrorsKey(opt.Stream, opt.Group),
 		consumersKey:   ConsumersKey(opt.Stream, opt.Group),
+		processName:    "process " + opt.Stream,
 		handlers:       make(chan struct{}, opt.Concurrency),
 		inFlight:       map[string]*flight{},
 		failedHere:     map[string]time.Time{},

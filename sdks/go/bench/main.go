@@ -1,7 +1,8 @@
 // The throughput of the library's worker beside a hand-written go-redis XREADGROUP/XACK loop, on the same server
 // in one run: go run ./bench [-n 20000] [-rounds 5]. REDIS_URL names the server; without it a redis-server
 // (REDIS_SERVER, else the one on PATH) is started on a free loopback port. Each round runs every pair in turn; the
-// medians are printed side by side with their ratio.
+// medians are printed side by side with their ratio; and the worker again with an OpenTelemetry SDK installed,
+// recording a span per handler run, beside the worker without one.
 package main
 
 import (
@@ -19,11 +20,22 @@ import (
 	pelican "github.com/pelican-io/pelican/sdks/go"
 	"github.com/pelican-io/pelican/sdks/go/internal/redistest"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace/noop"
 )
 
 const stream, group, consumer = "bench", "bench", "bench-1"
 
 var ctx = context.Background()
+
+// traceparent is the context a traced producer writes into each entry (contract/README.md, "Trace context").
+const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+// recorded counts the spans the SDK recorded, in every traced run.
+var recorded int
 
 // fill empties the stream and adds n entries for a new group (not timed).
 func fill(c *redis.Client, n int) error {
@@ -34,7 +46,8 @@ func fill(c *redis.Client, n int) error {
 	for added := 0; added < n; {
 		pipe := c.Pipeline()
 		for ; added < n && pipe.Len() < 1000; added++ {
-			pipe.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: []string{"job", fmt.Sprint(added)}})
+			pipe.XAdd(ctx, &redis.XAddArgs{Stream: stream,
+				Values: []string{"job", fmt.Sprint(added), "traceparent", traceparent}})
 		}
 		if _, err := pipe.Exec(ctx); err != nil {
 			return err
@@ -67,6 +80,22 @@ func library(c *redis.Client, n, concurrency int) (time.Duration, error) {
 	took := time.Since(began)
 	stop()
 	return took, <-ended
+}
+
+// traced is library with an OpenTelemetry SDK installed as an application that traces would (the W3C propagator),
+// every span recorded and kept in memory; the API's defaults are put back after the run.
+func traced(c *redis.Client, n, concurrency int) (time.Duration, error) {
+	exporter := tracetest.NewInMemoryExporter()
+	provider := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
+	otel.SetTracerProvider(provider)
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	defer func() {
+		otel.SetTracerProvider(noop.NewTracerProvider())
+		otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator())
+	}()
+	took, err := library(c, n, concurrency)
+	recorded += len(exporter.GetSpans())
+	return took, errors.Join(err, provider.Shutdown(ctx))
 }
 
 // loop is the hand-written consumer: XREADGROUP COUNT count, then one XACK of what it read.
@@ -133,15 +162,18 @@ func main() {
 	rates := map[string][]float64{}
 	for round := range *rounds {
 		for _, p := range pairs {
-			for _, side := range []string{"library", "loop"} {
+			for _, side := range []string{"library", "loop", "traced"} {
 				if err := fill(c, *n); err != nil {
 					log.Fatal(err)
 				}
 				var took time.Duration
-				if side == "library" {
+				switch side {
+				case "library":
 					took, err = library(c, *n, p.concurrency)
-				} else {
+				case "loop":
 					took, err = loop(c, *n, p.concurrency)
+				default:
+					took, err = traced(c, *n, p.concurrency)
 				}
 				if err != nil {
 					log.Fatal(err)
@@ -157,5 +189,12 @@ func main() {
 	for _, p := range pairs {
 		lib, hand := median(rates[p.name+" library"]), median(rates[p.name+" loop"])
 		fmt.Printf("%-28s %10.0f/s %10.0f/s %7.2f\n", p.name, lib, hand, lib/hand)
+	}
+	fmt.Printf("\ntracing: the worker without an SDK and with one recording a span per handler run (%d spans)\n",
+		recorded)
+	fmt.Printf("%-28s %12s %12s %7s\n", "", "no SDK", "SDK", "ratio")
+	for _, p := range pairs {
+		lib, sdk := median(rates[p.name+" library"]), median(rates[p.name+" traced"])
+		fmt.Printf("%-28s %10.0f/s %10.0f/s %7.2f\n", p.name, lib, sdk, sdk/lib)
 	}
 }

@@ -15,6 +15,8 @@ import java.util.Map;
 public final class IdempotentProducer {
     private final Producer producer;
     private final String producerId;
+    /** The trace fields of publishes whose outcome was unknown, sent again by the next attempt. */
+    private final Carried carried = new Carried();
 
     /** Made once the server said its {@code XADD} takes {@code IDMP}: see {@link #check(Producer)}. */
     IdempotentProducer(Producer producer, String producerId) {
@@ -53,7 +55,8 @@ public final class IdempotentProducer {
 
     /** Adds the entry unless this producer published {@code messageId} within the window; answers the one entry's id. */
     public String publish(String messageId, Map<String, ?> fields) throws PublishException {
-        return producer.publishArguments(Producer.arguments(idmp(messageId), fields));
+        return producer.publishArguments(Producer.arguments(idmp(messageId), fields),
+                new Tracing.Send(null, messageId, 0), carried);
     }
 
     /**

@@ -14,6 +14,8 @@ import java.util.Map;
 public final class IdempotentTopicProducer {
     private final TopicProducer producer;
     private final String producerId;
+    /** The trace fields of publishes whose outcome was unknown, sent again by the next attempt. */
+    private final Carried carried = new Carried();
 
     IdempotentTopicProducer(TopicProducer producer, String producerId) {
         this.producer = producer;
@@ -34,21 +36,22 @@ public final class IdempotentTopicProducer {
 
     /** Adds the message {@code messageId} once within the window, to the partition of {@code messageId}. */
     public TopicPublished publish(String messageId, Map<String, ?> fields) throws PublishException {
-        return publish(Partitions.of(messageId, partitions()), messageId, List.of(), fields);
+        return publish(Partitions.of(messageId, partitions()), messageId, null, List.of(), fields);
     }
 
     /** Adds the message {@code messageId} once within the window, to the partition of {@code key}, the key first. */
     public TopicPublished publishKeyed(String messageId, String key, Map<String, ?> fields) throws PublishException {
         byte[] raw = key.getBytes(StandardCharsets.UTF_8);
-        return publish(Partitions.of(raw, partitions()), messageId, TopicProducer.keyField(raw), fields);
+        return publish(Partitions.of(raw, partitions()), messageId, key, TopicProducer.keyField(raw), fields);
     }
 
-    private TopicPublished publish(int partition, String messageId, List<byte[]> first, Map<String, ?> fields)
-            throws PublishException {
+    private TopicPublished publish(int partition, String messageId, String key, List<byte[]> first,
+            Map<String, ?> fields) throws PublishException {
         List<byte[]> prefix = new ArrayList<>(List.of(Worker.bytes("IDMP"), Worker.bytes(producerId),
                 Worker.bytes(messageId)));
         prefix.addAll(first);
-        String id = producer.partition(partition).publishArguments(Producer.arguments(prefix, fields));
+        String id = producer.partition(partition).publishArguments(Producer.arguments(prefix, fields),
+                new Tracing.Send(key, messageId, 0), carried);
         return new TopicPublished(partition, id);
     }
 }

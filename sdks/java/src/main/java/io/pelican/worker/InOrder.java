@@ -73,6 +73,8 @@ final class InOrder implements PartitionRun {
     private final byte[] settingsKey;
     private final byte[] consumersKey;
     private final String where;
+    /** The names a handler run's span carries. */
+    private final Tracing.Where tracedAs;
 
     private final LongAdder done = new LongAdder();
     private final LongAdder terminal = new LongAdder();
@@ -130,6 +132,7 @@ final class InOrder implements PartitionRun {
         this.consumersKey = Worker.bytes(Keys.consumers(stream, group));
         this.room = new Semaphore(concurrency * HELD_PER_SLOT);
         this.where = "[" + stream + " " + group + " " + consumer + " PerKey] ";
+        this.tracedAs = new Tracing.Where(stream, group, consumer);
     }
 
     /** An entry read and not yet done, terminal or dead-lettered. */
@@ -304,13 +307,17 @@ final class InOrder implements PartitionRun {
         } catch (RuntimeException e) {
             return new Ran(key, null, e, false);
         }
+        Tracing.Processing processing = Tracing.CURRENT.processing(tracedAs, head.message);
+        Ran ran;
         try {
             Outcome outcome = handler.handle(head.message);
-            return new Ran(key, outcome,
+            ran = new Ran(key, outcome,
                     outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null, false);
         } catch (Throwable e) {
-            return new Ran(key, null, e, false);
+            ran = new Ran(key, null, e, false);
         }
+        processing.end(ran.outcome, ran.failure);
+        return ran;
     }
 
     /** Writes the outcome of a key's head, and lets the key go on, wait or stay at the cap. */

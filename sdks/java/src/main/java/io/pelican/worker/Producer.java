@@ -115,7 +115,7 @@ public final class Producer implements AutoCloseable {
      * id. Values are {@code byte[]} as they are, anything else as its {@code String.valueOf} in UTF-8.
      */
     public String publish(Map<String, ?> fields) throws PublishException {
-        return publishArguments(arguments(List.of(), fields));
+        return publishArguments(arguments(List.of(), fields), Tracing.Send.PLAIN, null);
     }
 
     /**
@@ -168,22 +168,54 @@ public final class Producer implements AutoCloseable {
         client.shutdown();
     }
 
-    String publishArguments(List<byte[]> args) throws PublishException {
-        byte[] id = call(Script.BOUNDED_PUBLISH, ScriptOutputType.VALUE, args.toArray(new byte[0][]));
-        return new String(id, StandardCharsets.UTF_8);
+    /**
+     * One publish of {@code args} (IDMP's ids first when idempotent, then the entry's fields) and its trace context
+     * last, in a {@code send} span of its own. An idempotent publish ({@code carried} not {@code null}) sends the
+     * trace fields of an earlier attempt of its message id whose outcome was unknown or unavailable, and keeps its
+     * own when this one's is.
+     */
+    String publishArguments(List<byte[]> args, Tracing.Send send, Carried carried) throws PublishException {
+        Tracing.Sending sending = Tracing.CURRENT.sending(stream, send,
+                carried == null ? null : carried.take(send.messageId()));
+        List<byte[]> all = new ArrayList<>(args.size() + sending.fields.size());
+        all.addAll(args);
+        all.addAll(sending.fields);
+        String id;
+        try {
+            id = new String(call(Script.BOUNDED_PUBLISH, ScriptOutputType.VALUE, all.toArray(new byte[0][])),
+                    StandardCharsets.UTF_8);
+        } catch (PublishException e) {
+            if (carried != null && (e instanceof PublishOutcomeUnknownException || e instanceof PublishUnavailableException)) {
+                carried.keep(send.messageId(), sending.fields);
+            }
+            sending.failed(e);
+            throw e;
+        }
+        sending.sent(id);
+        return id;
     }
 
     Published publishBatchArguments(List<List<byte[]>> entries) throws PublishException {
         if (entries.isEmpty()) {
             return new Published(List.of(), Optional.empty());
         }
+        // One span for the batch, whose context every entry carries.
+        Tracing.Sending sending = Tracing.CURRENT.sending(stream, Tracing.Send.batch(entries.size()), null);
         List<byte[]> args = new ArrayList<>();
         args.add(Worker.bytes(Integer.toString(entries.size())));
         for (List<byte[]> entry : entries) {
-            args.add(Worker.bytes(Integer.toString(entry.size())));
+            args.add(Worker.bytes(Integer.toString(entry.size() + sending.fields.size())));
             args.addAll(entry);
+            args.addAll(sending.fields);
         }
-        List<?> reply = call(Script.BOUNDED_PUBLISH_BATCH, ScriptOutputType.MULTI, args.toArray(new byte[0][]));
+        List<?> reply;
+        try {
+            reply = call(Script.BOUNDED_PUBLISH_BATCH, ScriptOutputType.MULTI, args.toArray(new byte[0][]));
+        } catch (PublishException e) {
+            sending.failed(e);
+            throw e;
+        }
+        sending.sent(null);
         List<String> ids = new ArrayList<>();
         for (Object id : (List<?>) reply.get(0)) {
             ids.add(new String((byte[]) id, StandardCharsets.UTF_8));

@@ -61,7 +61,8 @@ public final class TopicProducer implements AutoCloseable {
     /** Adds one entry to the partition of {@code key}, with {@code pelican-key} (the key's bytes) its first field. */
     public TopicPublished publishKeyed(byte[] key, Map<String, ?> fields) throws PublishException {
         int partition = Partitions.of(key, producers.size());
-        String id = producers.get(partition).publishArguments(Producer.arguments(keyField(key), fields));
+        String id = producers.get(partition).publishArguments(Producer.arguments(keyField(key), fields),
+                Tracing.Send.keyed(new String(key, StandardCharsets.UTF_8)), null);
         return new TopicPublished(partition, id);
     }
 

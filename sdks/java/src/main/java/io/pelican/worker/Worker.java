@@ -110,6 +110,8 @@ public final class Worker implements AutoCloseable {
     private final byte[] settingsKey;
     private final byte[] consumersKey;
     private final String where;
+    /** The names a handler run's span carries. */
+    private final Tracing.Where tracedAs;
     /**
      * A topic's partition ({@link TopicWorker}): the contract versions its settings may say, the partition its
      * messages carry (empty for a plain stream), and whether the membership is fresh (false: the partition may be
@@ -193,6 +195,7 @@ public final class Worker implements AutoCloseable {
         this.settingsKey = bytes(Keys.settings(stream, group));
         this.consumersKey = bytes(Keys.consumers(stream, group));
         this.where = "[" + stream + " " + group + " " + consumer + "] ";
+        this.tracedAs = new Tracing.Where(stream, group, consumer);
         this.contracts = b.partition.isPresent() ? Set.of(Partitions.TOPIC_CONTRACT_VERSION) : Settings.KNOWN_CONTRACT_VERSIONS;
         this.partition = b.partition;
         this.fresh = b.fresh;
@@ -640,17 +643,20 @@ public final class Worker implements AutoCloseable {
             }
             entry.thread = Thread.currentThread();
         }
+        Tracing.Processing run = Tracing.CURRENT.processing(tracedAs, message);
         Outcome outcome;
         try {
             outcome = handler.handle(message);
         } catch (Throwable e) {
             // An Error as well (StackOverflowError, NoClassDefFoundError, AssertionError): a failure of the message,
             // never of the worker, whose thread goes on with the next one.
+            run.end(null, e);
             settle(message, entry, null, e);
             return;
         }
-        settle(message, entry, outcome,
-                outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null);
+        Throwable failure = outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null;
+        run.end(outcome, failure);
+        settle(message, entry, outcome, failure);
     }
 
     /** The handler ended: frees its slot and writes its outcome, unless the grace's end gave the entry back. */

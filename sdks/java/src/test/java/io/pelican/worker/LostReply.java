@@ -13,15 +13,27 @@ import java.util.concurrent.atomic.AtomicBoolean;
 /**
  * A loopback proxy to a server that loses one reply: on the first connection whose client sends {@code EVALSHA}, it
  * lets the command through and closes the connection instead of passing the answer on. Later connections pass
- * through.
+ * through. {@link #request} makes one that loses the request instead: the {@code EVALSHA} never reaches the server.
  */
 final class LostReply implements AutoCloseable {
     private final int target;
     private final ServerSocket listener;
     private final AtomicBoolean cut = new AtomicBoolean();
+    /** The request is lost rather than its reply. */
+    private final boolean request;
 
     LostReply(int target) {
+        this(target, false);
+    }
+
+    /** A proxy to {@code target} that loses the first {@code EVALSHA} itself, closing its connection. */
+    static LostReply request(int target) {
+        return new LostReply(target, true);
+    }
+
+    private LostReply(int target, boolean request) {
         this.target = target;
+        this.request = request;
         try {
             this.listener = new ServerSocket(0, 50, InetAddress.getLoopbackAddress());
         } catch (IOException e) {
@@ -67,6 +79,10 @@ final class LostReply implements AutoCloseable {
                 for (int read; (read = in.read(buffer)) > 0; ) {
                     if (upstream && !cut.get()
                             && new String(buffer, 0, read, StandardCharsets.ISO_8859_1).toUpperCase().contains("EVALSHA")) {
+                        if (request) {
+                            cut.set(true);
+                            return; // the request is lost: both sockets close
+                        }
                         armed.set(true);
                     }
                     if (!upstream && armed.get()) {

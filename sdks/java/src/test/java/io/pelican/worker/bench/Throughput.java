@@ -16,6 +16,13 @@ import io.pelican.worker.Message;
 import io.pelican.worker.Outcome;
 import io.pelican.worker.RedisServer;
 import io.pelican.worker.Worker;
+import io.opentelemetry.api.GlobalOpenTelemetry;
+import io.opentelemetry.api.trace.propagation.W3CTraceContextPropagator;
+import io.opentelemetry.context.propagation.ContextPropagators;
+import io.opentelemetry.sdk.OpenTelemetrySdk;
+import io.opentelemetry.sdk.testing.exporter.InMemorySpanExporter;
+import io.opentelemetry.sdk.trace.SdkTracerProvider;
+import io.opentelemetry.sdk.trace.export.SimpleSpanProcessor;
 import com.sun.management.OperatingSystemMXBean;
 import java.io.IOException;
 import java.lang.management.ManagementFactory;
@@ -33,13 +40,16 @@ import java.util.concurrent.TimeUnit;
  * each (default 20,000), every handler a no-op. {@code mvn -q test-compile exec:java} (REDIS_URL to use a running
  * server, else one is started on a free loopback port; N and ROUNDS to change the count and the rounds). Beside the
  * rates, for the best round of each: this JVM's CPU time and context switches (all its threads, from /proc) per
- * message, which tell where the time goes on a shared machine.
+ * message, which tell where the time goes on a shared machine. Then the worker again with an OpenTelemetry SDK
+ * installed, recording a span per handler run, beside the worker without one.
  */
 public final class Throughput {
     private static final int N = Integer.parseInt(System.getenv().getOrDefault("N", "20000"));
     private static final int ROUNDS = Integer.parseInt(System.getenv().getOrDefault("ROUNDS", "5"));
     private static final byte[] GROUP = bytes("bench");
     private static final byte[] CONSUMER = bytes("bench");
+    /** The context a traced producer writes into each entry (contract/README.md, "Trace context"). */
+    private static final byte[] TRACEPARENT = bytes("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
     private static final OperatingSystemMXBean OS = (OperatingSystemMXBean) ManagementFactory.getOperatingSystemMXBean();
 
     /** A run's rate, and its CPU time and context switches per message. */
@@ -86,6 +96,8 @@ public final class Throughput {
     }
 
     private static int runs;
+    /** The spans the SDK recorded, in every traced run. */
+    private static int recorded;
 
     private Throughput() {}
 
@@ -101,19 +113,30 @@ public final class Throughput {
             System.out.println("| hand-written loop | library worker | hand-written msgs/s | library msgs/s "
                     + "| library / hand-written | hand-written CPU, switches per msg | library CPU, switches per msg |");
             System.out.println("| --- | --- | --- | --- | --- | --- | --- |");
+            List<String> tracing = new ArrayList<>();
             for (int[] pair : new int[][] {{1, 1}, {16, 16}}) {
                 int concurrency = pair[0];
                 int count = pair[1];
                 Run hand = new Run(0, 0, 0);
                 Run library = new Run(0, 0, 0);
+                Run traced = new Run(0, 0, 0);
                 for (int round = 0; round < ROUNDS; round++) {
                     hand = hand.better(handWritten(client, admin.sync(), count));
                     library = library.better(library(client, admin.sync(), concurrency));
+                    traced = traced.better(traced(client, admin.sync(), concurrency));
                 }
                 System.out.printf(Locale.ROOT, "| COUNT %d%s | concurrency %d | %.0f | %.0f | %.2f | %s | %s |%n", count,
                         count > 1 ? ", one XACK of the batch" : "", concurrency, hand.rate, library.rate,
                         library.rate / hand.rate, hand.costs(), library.costs());
+                tracing.add(String.format(Locale.ROOT, "| concurrency %d | %.0f | %.0f | %.2f | %s | %s |", concurrency,
+                        library.rate, traced.rate, traced.rate / library.rate, library.costs(), traced.costs()));
             }
+            System.out.printf("%ntracing: the library worker without an SDK and with one recording a span per handler "
+                    + "run (%d spans)%n", recorded);
+            System.out.println("| library worker | no SDK msgs/s | SDK msgs/s | SDK / no SDK | no SDK CPU, switches per msg "
+                    + "| SDK CPU, switches per msg |");
+            System.out.println("| --- | --- | --- | --- | --- | --- |");
+            tracing.forEach(System.out::println);
             admin.sync().flushall();
         } finally {
             client.shutdown();
@@ -130,7 +153,8 @@ public final class Throughput {
             for (int i = 0; i < N; i += 1000) {
                 List<RedisFuture<String>> adds = new ArrayList<>();
                 for (int j = i; j < Math.min(N, i + 1000); j++) {
-                    adds.add(async.xadd(stream, bytes("n"), bytes(Integer.toString(j)), bytes("payload"), payload));
+                    adds.add(async.xadd(stream, bytes("n"), bytes(Integer.toString(j)), bytes("payload"), payload,
+                            bytes("traceparent"), TRACEPARENT));
                 }
                 for (RedisFuture<String> add : adds) {
                     add.toCompletableFuture().join();
@@ -153,6 +177,27 @@ public final class Throughput {
         Run run = meter.stop();
         worker.close();
         return run;
+    }
+
+    /**
+     * {@link #library} with an OpenTelemetry SDK installed as an application that traces would (the W3C propagator),
+     * every span recorded and kept in memory; removed after the run.
+     */
+    private static Run traced(RedisClient client, RedisCommands<byte[], byte[]> admin, int concurrency)
+            throws InterruptedException {
+        InMemorySpanExporter exporter = InMemorySpanExporter.create();
+        OpenTelemetrySdk sdk = OpenTelemetrySdk.builder()
+                .setTracerProvider(SdkTracerProvider.builder().addSpanProcessor(SimpleSpanProcessor.create(exporter)).build())
+                .setPropagators(ContextPropagators.create(W3CTraceContextPropagator.getInstance()))
+                .buildAndRegisterGlobal();
+        try {
+            Run run = library(client, admin, concurrency);
+            recorded += exporter.getFinishedSpanItems().size();
+            return run;
+        } finally {
+            GlobalOpenTelemetry.resetForTest();
+            sdk.close();
+        }
     }
 
     private static Outcome handle(Message message) {
