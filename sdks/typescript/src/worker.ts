@@ -533,8 +533,8 @@ export class Worker {
   }
 
   /**
-   * Up to `count` entries of the own PEL (its first 100) that are neither in flight nor failed here nor delivered
-   * since the read on its way was sent: handed over by the operator (`strategy: Reassign`). An entry that failed
+   * Up to `count` entries of the own PEL (its first 100) that are neither in flight nor failed here nor perhaps
+   * delivered by the read on its way: handed over by the operator (`strategy: Reassign`). An entry that failed
    * here counts as handed back only when its idle time is shorter than the time since it failed (less a second): a
    * hand-over reset it. Each is taken with `lease.lua` (never a plain XCLAIM, which would take back what the pass
    * gave someone else meanwhile) and read with `XRANGE`.
@@ -556,13 +556,15 @@ export class Worker {
       return failedAt === undefined || idleMs + HAND_OVER_MARGIN_MS <= askedAt - failedAt;
     };
     // Taken after the reply: an entry the read on its way delivered has been idle at most this long (give or take
-    // the server's whole milliseconds). Taking it would run it twice: here, and when the read's reply is handed
-    // out (or after its ACK, which XRANGE does not see). A hand-over is older at a later tick.
+    // the server's whole milliseconds), delivered once. Taking it would run it twice: here, and when the read's
+    // reply is handed out (or after its ACK, which XRANGE does not see). A hand-over has its delivery counted
+    // (Reassign's RETRYCOUNT); an entry whose read reply was lost is older than the read on its way.
     const sinceReadMs = this.readSentAt === undefined ? -Infinity : Date.now() - this.readSentAt + 1;
+    const perhapsRead = (idleMs: number, deliveries: number): boolean => deliveries === 1 && idleMs <= sinceReadMs;
     const candidates = pending
       .filter(
-        ({ id, idleMs }) =>
-          !this.inFlight.has(id) && !this.queued.has(id) && idleMs > sinceReadMs && handedBack(id, idleMs),
+        ({ id, idleMs, deliveries }) =>
+          !this.inFlight.has(id) && !this.queued.has(id) && !perhapsRead(idleMs, deliveries) && handedBack(id, idleMs),
       )
       .slice(0, count)
       .map(({ id }) => id);
@@ -952,10 +954,12 @@ function toBuffer(value: unknown): Buffer {
 }
 
 /** `XPENDING`'s extended form: `[[id, consumer, idle ms, deliveries], ...]`. */
-function parsePending(reply: unknown): Array<{ id: string; idleMs: number }> {
+function parsePending(reply: unknown): Array<{ id: string; idleMs: number; deliveries: number }> {
   if (!Array.isArray(reply)) return [];
   return reply.flatMap((row: unknown) =>
-    Array.isArray(row) && row.length >= 3 ? [{ id: String(row[0]), idleMs: Number(row[2]) }] : [],
+    Array.isArray(row) && row.length >= 4
+      ? [{ id: String(row[0]), idleMs: Number(row[2]), deliveries: Number(row[3]) }]
+      : [],
   );
 }
 
