@@ -462,9 +462,10 @@ func TestAHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged(t *testing.T
 	entry := add(t, c, "n", "1")
 	c.XReadGroup(bg, &redis.XReadGroupArgs{Group: testGroup, Consumer: "other", Streams: []string{testStream, ">"}})
 	started := make(chan string, 1)
-	w, _ := newWorker(t, WorkerOptions{Block: 200 * time.Millisecond})
+	// An idle worker: its blocking read (4 s) is not what finds the hand-over, nor does its age delay it.
+	w, _ := newWorker(t, WorkerOptions{Block: 4 * time.Second})
 	r := start(t, w, slow(300*time.Millisecond, started))
-	eventually(t, 5*time.Second, "the first read", func() bool { return slices.Contains(consumers(t, c), testConsumer) })
+	eventually(t, 5*time.Second, "the blocking read", func() bool { return readBlocked(t, c) })
 	// What strategy: Reassign does: XCLAIM to this worker's name, the delivery counted.
 	if err := c.Do(bg, "XCLAIM", testStream, testGroup, testConsumer, 0, entry, "RETRYCOUNT", 2).Err(); err != nil {
 		t.Fatal(err)
@@ -486,6 +487,22 @@ func TestAHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged(t *testing.T
 	if len(p) != 1 || p[0].Consumer != testConsumer || p[0].RetryCount != 2 || stats.Done != 1 {
 		t.Fatalf("pending %+v, stats %+v (taken up after %v)", p, stats, took)
 	}
+}
+
+// readBlocked tells whether a client waits in a blocking XREADGROUP (CLIENT LIST: flags b, cmd xreadgroup).
+func readBlocked(t *testing.T, c *redis.Client) bool {
+	t.Helper()
+	list, err := c.ClientList(bg).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(list, "\n") {
+		fields := strings.Fields(line)
+		if slices.Contains(fields, "flags=b") && slices.Contains(fields, "cmd=xreadgroup") {
+			return true
+		}
+	}
+	return false
 }
 
 func TestTheHeartbeatIsWrittenAtEveryLeaseTickWhileIdle(t *testing.T) {
