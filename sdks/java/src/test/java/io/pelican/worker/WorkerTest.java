@@ -478,12 +478,12 @@ class WorkerTest {
             handling.countDown();
             Thread.sleep(300);
             return Outcome.done();
-        }, b -> b.block(Duration.ofMillis(200)));
+        }, b -> b.block(Duration.ofSeconds(4))); // its age does not delay the hand-over: the read's next is in 4 s
         Pending p;
         long took;
         try (w) {
             w.start();
-            eventually(() -> consumers(r).contains(CONSUMER), "the first read");
+            eventually(() -> readBlocked(r), "the blocking read");
             // What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted.
             r.xclaim(STREAM, io.lettuce.core.Consumer.from(GROUP, CONSUMER), XClaimArgs.Builder.minIdleTime(0).retryCount(2),
                     entry);
@@ -496,6 +496,12 @@ class WorkerTest {
         assertTrue(took < 3000, "taken up after " + took + " ms");
         assertEquals(List.of(CONSUMER, 2L), List.of(p.consumer(), p.deliveries())); // lease.lua and XRANGE: not counted
         assertEquals(1, w.stats().done());
+    }
+
+    /** A client waits in a blocking XREADGROUP (CLIENT LIST: flags b, cmd xreadgroup). */
+    private static boolean readBlocked(RedisCommands<String, String> r) {
+        return r.clientList().lines().map(line -> List.of(line.split(" ")))
+                .anyMatch(fields -> fields.contains("flags=b") && fields.contains("cmd=xreadgroup"));
     }
 
     @Test
