@@ -565,8 +565,9 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 	w.mu.Lock()
 	// Taken after the reply: an entry delivered by the read on its way is idle at most this long, give or take the
 	// server's whole milliseconds (an entry delivered within a millisecond of the read's sending may be listed
-	// idle a millisecond longer), and delivered once. A hand-over has its delivery counted (Reassign's RETRYCOUNT);
-	// an entry whose read reply was lost is older than the read on its way.
+	// idle a millisecond longer), and delivered once. A hand-over raises the count (Reassign's RETRYCOUNT) and is
+	// taken at once; one whose count a shutdown's give-back had lowered to 0, like an entry whose read's reply was
+	// lost, is taken once it is older than the read on its way.
 	sinceRead := time.Duration(-1)
 	if !w.readSentAt.IsZero() {
 		sinceRead = time.Since(w.readSentAt) + time.Millisecond

@@ -410,8 +410,9 @@ class Worker:
 
         # Taken after the reply: an entry the read on its way delivered has been idle at most this long (give or take
         # the server's whole milliseconds), delivered once. Taking it would run it twice: here, and when the read's
-        # reply is handed out (or after its ACK, which XRANGE does not see). A hand-over has its delivery counted
-        # (Reassign's RETRYCOUNT); an entry whose read reply was lost is older than the read on its way.
+        # reply is handed out (or after its ACK, which XRANGE does not see). A hand-over raises the count (Reassign's
+        # RETRYCOUNT) and is taken at once; one whose count a shutdown's give-back had lowered to 0, like an entry
+        # whose read's reply was lost, is taken once it is older than the read on its way.
         since_read_ms = (
             -1.0 if self._read_sent_at is None else (asyncio.get_running_loop().time() - self._read_sent_at) * 1000 + 1
         )
