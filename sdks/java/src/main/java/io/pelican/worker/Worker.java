@@ -531,8 +531,9 @@ public final class Worker implements AutoCloseable {
                 Range.unbounded(), Limit.from(asked)));
         // Taken after the reply: an entry delivered by the read in flight is idle at most this long, give or take the
         // server's whole milliseconds (one delivered within a millisecond of the read's sending may be listed idle a
-        // millisecond longer), and delivered once. A hand-over has its delivery counted (Reassign's RETRYCOUNT); an
-        // entry whose read reply was lost is older than the read in flight.
+        // millisecond longer), and delivered once. A hand-over raises the count (Reassign's RETRYCOUNT) and is taken
+        // at once; one whose count a shutdown's give-back had lowered to 0, like an entry whose read's reply was lost,
+        // is taken once it is older than the read in flight.
         Long readAt = readSentAt;
         long sinceReadNanos = readAt == null ? -1 : System.nanoTime() - readAt + 1_000_000;
         if (pending.size() < asked) {
