@@ -565,10 +565,14 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 	}
 	var candidates []string
 	w.mu.Lock()
-	// Taken after the reply: an entry delivered by the read on its way is idle at most this long.
+	// Taken after the reply: an entry delivered by the read on its way is idle at most this long, give or take the
+	// server's whole milliseconds (an entry delivered within a millisecond of the read's sending may be listed
+	// idle a millisecond longer), and delivered once. A hand-over raises the count (Reassign's RETRYCOUNT) and is
+	// taken at once; one whose count a shutdown's give-back had lowered to 0, like an entry whose read's reply was
+	// lost, is taken once it is older than the read on its way.
 	sinceRead := time.Duration(-1)
 	if !w.readSentAt.IsZero() {
-		sinceRead = time.Since(w.readSentAt)
+		sinceRead = time.Since(w.readSentAt) + time.Millisecond
 	}
 	if len(pending) < asked {
 		// The whole own PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
@@ -588,7 +592,7 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 		if at, ok := failed[p.ID]; ok && p.Idle+handOverMargin > askedAt.Sub(at) {
 			continue // failed here and not handed back since: the pass retries it
 		}
-		if p.Idle <= sinceRead {
+		if p.RetryCount == 1 && p.Idle <= sinceRead {
 			continue // perhaps the read's: looked at again at the next tick
 		}
 		candidates = append(candidates, p.ID)

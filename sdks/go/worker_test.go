@@ -1,8 +1,10 @@
 package pelican
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -462,9 +464,10 @@ func TestAHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged(t *testing.T
 	entry := add(t, c, "n", "1")
 	c.XReadGroup(bg, &redis.XReadGroupArgs{Group: testGroup, Consumer: "other", Streams: []string{testStream, ">"}})
 	started := make(chan string, 1)
-	w, _ := newWorker(t, WorkerOptions{Block: 200 * time.Millisecond})
+	// An idle worker: its blocking read (4 s) is not what finds the hand-over, nor does its age delay it.
+	w, _ := newWorker(t, WorkerOptions{Block: 4 * time.Second})
 	r := start(t, w, slow(300*time.Millisecond, started))
-	eventually(t, 5*time.Second, "the first read", func() bool { return slices.Contains(consumers(t, c), testConsumer) })
+	eventually(t, 5*time.Second, "the blocking read", func() bool { return readBlocked(t, c) })
 	// What strategy: Reassign does: XCLAIM to this worker's name, the delivery counted.
 	if err := c.Do(bg, "XCLAIM", testStream, testGroup, testConsumer, 0, entry, "RETRYCOUNT", 2).Err(); err != nil {
 		t.Fatal(err)
@@ -486,6 +489,127 @@ func TestAHandOverIsTakenUpAtTheNextLeaseTicksWithItsCountUnchanged(t *testing.T
 	if len(p) != 1 || p[0].Consumer != testConsumer || p[0].RetryCount != 2 || stats.Done != 1 {
 		t.Fatalf("pending %+v, stats %+v (taken up after %v)", p, stats, took)
 	}
+}
+
+func TestAnEntryAReadDeliveredIsNoHandOverWhileItsReplyIsOnItsWay(t *testing.T) {
+	c := newClient(t)
+	createGroup(t, c)
+	writeSettings(t, c, 600, 60_000) // a lease tick every 200 ms
+	proxy := newHeldRead(t, server.Addr, "held by the proxy")
+	logger, _ := testLogger(t)
+	client := redis.NewClient(&redis.Options{Addr: proxy.listener.Addr().String()})
+	t.Cleanup(func() { client.Close() })
+	w, err := NewWorker(client, WorkerOptions{Stream: testStream, Group: testGroup, Consumer: testConsumer,
+		Block: time.Second, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := &seen{}
+	r := start(t, w, done(runs))
+	entry := add(t, c, "n", "held by the proxy")
+	eventually(t, 5*time.Second, "the read's delivery", func() bool { return len(pending(t, c)) == 1 })
+	// In the worker's PEL, the reply that brings it held back: the lease ticks look at the PEL meanwhile.
+	heartbeat := func() string { return c.HGet(bg, ConsumersKey(testStream, testGroup), testConsumer).Val() }
+	for range 3 {
+		before := heartbeat()
+		eventually(t, 5*time.Second, "the next lease tick", func() bool { return heartbeat() != before })
+	}
+	reads := proxy.reads.Load()
+	close(proxy.release)
+	// The next read is sent once what the held one brought was handled.
+	eventually(t, 5*time.Second, "the next read", func() bool { return proxy.reads.Load() > reads })
+	stats, _ := r.stop(t)
+	if ids := runs.list(); !slices.Equal(ids, []string{entry}) || stats.Done != 1 || len(pending(t, c)) != 0 {
+		t.Fatalf("runs %v, stats %+v, pending %+v", ids, stats, pending(t, c))
+	}
+}
+
+// heldRead is a loopback proxy to the server that holds back the reply of a read: on a connection whose client sent
+// XREADGROUP, the first reply holding marker and all after it wait until release is closed. The server delivered
+// what the read asked for; the client does not see it. reads counts the XREADGROUP requests.
+type heldRead struct {
+	listener net.Listener
+	upstream string
+	marker   []byte
+	release  chan struct{}
+	held     atomic.Bool
+	reads    atomic.Int64
+}
+
+func newHeldRead(t *testing.T, upstream, marker string) *heldRead {
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &heldRead{listener: listener, upstream: upstream, marker: []byte(marker), release: make(chan struct{})}
+	t.Cleanup(func() { listener.Close() })
+	go func() {
+		for {
+			conn, err := listener.Accept()
+			if err != nil {
+				return
+			}
+			go p.serve(conn)
+		}
+	}()
+	return p
+}
+
+func (p *heldRead) serve(client net.Conn) {
+	defer client.Close()
+	server, err := net.Dial("tcp", p.upstream)
+	if err != nil {
+		return
+	}
+	defer server.Close()
+	var reader atomic.Bool
+	go func() {
+		buf := make([]byte, 65536)
+		for {
+			n, err := client.Read(buf)
+			if err != nil {
+				server.Close()
+				return
+			}
+			// go-redis writes each command whole: on loopback a command's name comes in one chunk.
+			if sent := bytes.Count(bytes.ToUpper(buf[:n]), []byte("XREADGROUP")); sent > 0 {
+				p.reads.Add(int64(sent))
+				reader.Store(true)
+			}
+			if _, err := server.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+	}()
+	buf := make([]byte, 65536)
+	for {
+		n, err := server.Read(buf)
+		if err != nil {
+			return
+		}
+		if reader.Load() && bytes.Contains(buf[:n], p.marker) && p.held.CompareAndSwap(false, true) {
+			<-p.release // what comes after waits in the socket meanwhile
+		}
+		if _, err := client.Write(buf[:n]); err != nil {
+			return
+		}
+	}
+}
+
+// readBlocked tells whether a client waits in a blocking XREADGROUP (CLIENT LIST: flags b, cmd xreadgroup).
+func readBlocked(t *testing.T, c *redis.Client) bool {
+	t.Helper()
+	list, err := c.ClientList(bg).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(list, "\n") {
+		fields := strings.Fields(line)
+		if slices.Contains(fields, "flags=b") && slices.Contains(fields, "cmd=xreadgroup") {
+			return true
+		}
+	}
+	return false
 }
 
 func TestTheHeartbeatIsWrittenAtEveryLeaseTickWhileIdle(t *testing.T) {

@@ -144,6 +144,9 @@ class Worker:
         self._queued: dict[str, Message] = {}
         # The own PEL was read to its end (entries delivered to this name before a restart): hand-overs from now on.
         self._own_pel_read = False
+        # When the read on its way was sent (loop time; None once what it brought is in flight or queued): an entry
+        # delivered since is in the own PEL before its reply is here, and may be that read's, not a hand-over.
+        self._read_sent_at: float | None = None
         # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
         self._failed_here: dict[str, float] = {}
         self._errors_recorded: set[str] = set()
@@ -283,6 +286,7 @@ class Worker:
                 await self._slot_freed()
                 await self._settled()
                 continue
+            self._read_sent_at = asyncio.get_running_loop().time()
             try:
                 if cursor is not None:
                     found, cursor = await self._read_own(reader, free, cursor)
@@ -290,6 +294,7 @@ class Worker:
                 else:
                     found = await self._read_new(reader, free)
             except ResponseError as error:
+                self._read_sent_at = None
                 if not str(error).startswith("NOGROUP"):
                     log.warning("read refused; retrying: %s", error, extra=self._where())
                     await self._sleep(0.5)
@@ -307,6 +312,7 @@ class Worker:
                 nogroup_wait = min(nogroup_wait * 2, 10.0)
                 continue
             except (RedisError, OSError) as error:
+                self._read_sent_at = None
                 log.warning("read failed; retrying: %s", error, extra=self._where())
                 await self._sleep(0.5)
                 continue
@@ -317,6 +323,7 @@ class Worker:
                 # The read was sent before the stop, and the server delivered to this consumer all the same.
                 return [message.id for message in found]
             self._hand_out(handler, calls, found)
+            self._read_sent_at = None
         return []
 
     async def _slot_freed(self) -> None:
@@ -382,26 +389,43 @@ class Worker:
 
     async def _take_handed_over(self, calls: _Writer, count: int) -> list[Message]:
         """Up to ``count`` entries of the own PEL (its first ``LEASE_BATCH``) that are neither in flight nor failed
-        here (or failed here and handed back since): the ones ``strategy: Reassign`` handed over. Taken with
-        ``lease.lua`` (which leaves alone what the pass gave to someone else meanwhile), then read with ``XRANGE``."""
+        here (or failed here and handed back since) nor perhaps delivered by the read on its way: the ones
+        ``strategy: Reassign`` handed over. Taken with ``lease.lua`` (which leaves alone what the pass gave to someone
+        else meanwhile), then read with ``XRANGE``."""
         failed_here = dict(self._failed_here)
         # Measured before the server measures idle times: an entry untouched since it failed here is idle this long.
         asked_at = asyncio.get_running_loop().time()
         pending = await raw_command(
             calls.conn, "XPENDING", self.stream, self.group, "-", "+", LEASE_BATCH, self.consumer
         )
-        listed = [(text(p[0]), int(p[2])) for p in pending]
+        listed = [(text(p[0]), int(p[2]), int(p[3])) for p in pending]
         if len(listed) < LEASE_BATCH:
             # The whole PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
-            ids_listed = {entry_id for entry_id, _ in listed}
+            ids_listed = {entry_id for entry_id, _, _ in listed}
             self._failed_here = {k: v for k, v in self._failed_here.items() if k in ids_listed}
 
         def handed_back(entry_id: str, idle_ms: int) -> bool:
             failed = failed_here.get(entry_id)
             return failed is None or idle_ms / 1000 + HAND_OVER_MARGIN <= asked_at - failed
 
+        # Taken after the reply: an entry the read on its way delivered has been idle at most this long (give or take
+        # the server's whole milliseconds), delivered once. Taking it would run it twice: here, and when the read's
+        # reply is handed out (or after its ACK, which XRANGE does not see). A hand-over raises the count (Reassign's
+        # RETRYCOUNT) and is taken at once; one whose count a shutdown's give-back had lowered to 0, like an entry
+        # whose read's reply was lost, is taken once it is older than the read on its way.
+        since_read_ms = (
+            -1.0 if self._read_sent_at is None else (asyncio.get_running_loop().time() - self._read_sent_at) * 1000 + 1
+        )
+
+        def perhaps_read(idle_ms: int, deliveries: int) -> bool:
+            return deliveries == 1 and idle_ms <= since_read_ms
+
         busy = self._in_flight.keys() | self._settling | self._queued.keys()
-        candidates = [i for i, idle in listed if i not in busy and handed_back(i, idle)][:count]
+        candidates = [
+            i
+            for i, idle, deliveries in listed
+            if i not in busy and not perhaps_read(idle, deliveries) and handed_back(i, idle)
+        ][:count]
         if not candidates:
             return []
         taken = await calls.lease(candidates)

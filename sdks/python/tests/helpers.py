@@ -73,3 +73,57 @@ async def running(worker: Worker, handler: Handler) -> AsyncIterator[asyncio.Tas
 
 def worker(url: str, **options: Any) -> Worker:
     return Worker(url, STREAM, GROUP, CONSUMER, **options)
+
+
+class HeldReadReply:
+    """A loopback proxy to the server that holds back the reply of a read: on a connection whose client sent
+    ``XREADGROUP``, the first reply holding ``marker`` and all after it wait until ``release()``. The server delivered
+    what the read asked for; the client does not see it. ``reads`` counts the ``XREADGROUP`` requests."""
+
+    def __init__(self, port: int, marker: bytes) -> None:
+        self.port = port
+        self.marker = marker
+        self.reads = 0
+        self.released = asyncio.Event()
+
+    def release(self) -> None:
+        self.released.set()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[int]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        try:
+            yield server.sockets[0].getsockname()[1]
+        finally:
+            self.released.set()
+            server.close()
+
+    async def _serve(self, from_client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+        from_server, to_server = await asyncio.open_connection("127.0.0.1", self.port)
+        reader = False
+
+        async def upstream() -> None:
+            nonlocal reader
+            while data := await from_client.read(65536):
+                # redis-py writes each command whole: on loopback a command's name comes in one chunk.
+                sent = data.upper().count(b"XREADGROUP")
+                self.reads += sent
+                reader = reader or sent > 0
+                to_server.write(data)
+                await to_server.drain()
+
+        async def downstream() -> None:
+            while data := await from_server.read(65536):
+                if reader and self.marker in data and not self.released.is_set():
+                    await self.released.wait()  # what comes after waits in the socket meanwhile
+                to_client.write(data)
+                await to_client.drain()
+
+        tasks = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            to_client.close()
+            to_server.close()

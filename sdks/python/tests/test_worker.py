@@ -8,7 +8,18 @@ import logging
 from typing import Any
 
 import pytest
-from helpers import CONSUMER, GROUP, STREAM, client, eventually, pending, running, worker, write_settings
+from helpers import (
+    CONSUMER,
+    GROUP,
+    STREAM,
+    HeldReadReply,
+    client,
+    eventually,
+    pending,
+    running,
+    worker,
+    write_settings,
+)
 from redis.asyncio import Redis
 
 from pelican_worker import ContractVersionError, Message, Outcome, Producer, Worker
@@ -450,6 +461,46 @@ def test_a_hand_over_is_taken_up_at_the_next_lease_ticks_with_its_count_unchange
         assert w.stats.done == 1
 
     asyncio.run(main())
+
+
+def test_an_entry_a_read_delivered_is_no_hand_over_while_its_reply_is_on_its_way(
+    redis_url: str, redis_port: int
+) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=600)  # a lease tick every 200 ms
+        runs: list[str] = []
+
+        async def handle(message: Message) -> Outcome:
+            runs.append(message.id)
+            return Outcome.done()
+
+        proxy = HeldReadReply(redis_port, b"held by the proxy")
+        async with proxy.serving() as proxy_port:
+            w = worker(f"redis://127.0.0.1:{proxy_port}", block=5.0)
+            async with running(w, handle):
+                entry = await r.xadd(STREAM, {"n": "held by the proxy"})
+                await eventually(lambda: _delivered(r), what="the read's delivery")
+                # In the worker's PEL, the reply that brings it held back: the lease ticks look at the PEL meanwhile.
+                await _lease_ticks(r, 3)
+                reads = proxy.reads
+                proxy.release()
+                # The next read is sent once what the held one brought was handled.
+                await eventually(lambda: _more_reads(proxy, reads), what="the next read")
+        assert runs == [entry]
+        assert w.stats.done == 1
+        assert await pending(r) == []
+
+    asyncio.run(main())
+
+
+async def _delivered(r: Redis) -> bool:
+    return len(await pending(r)) == 1
+
+
+async def _more_reads(proxy: HeldReadReply, reads: int) -> bool:
+    return proxy.reads > reads
 
 
 def test_nogroup_is_waited_out_and_the_group_never_created(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -172,6 +172,11 @@ export class Worker {
   private readonly queued = new Map<string, Message>();
   /** The own PEL was read to its end (entries delivered to this name before a restart): hand-overs from now on. */
   private ownPelRead = false;
+  /**
+   * When the read on its way was sent (none once what it brought is in flight or queued): an entry delivered since
+   * is in the own PEL before its reply is here, and may be that read's, not a hand-over.
+   */
+  private readSentAt: number | undefined;
   private handler: Handler | undefined;
   /** An unknown contract version met at a lease tick: the worker shuts down, then `run` rejects with it. */
   private fatal: ContractVersionError | undefined;
@@ -402,6 +407,7 @@ export class Worker {
       const free = this.concurrency - this.inFlight.size - this.queued.size;
       if (free <= 0) continue;
       let messages: Message[];
+      this.readSentAt = Date.now();
       try {
         if (cursor !== undefined) {
           const read = await this.readEntries(free, cursor);
@@ -412,6 +418,7 @@ export class Worker {
           messages = (await this.readEntries(free, ">")).messages;
         }
       } catch (error) {
+        this.readSentAt = undefined;
         if (this.lost) break;
         if (isReplyError(error) && error.message.startsWith("NOGROUP")) {
           // The group is the operator's to create: wait for it, never create it.
@@ -436,6 +443,7 @@ export class Worker {
       // Delivered by a read in flight when the stop came (awaited: the server delivers to this consumer whatever
       // becomes of the call) are queued, never started, and given back on shutdown.
       this.handOut(messages, handler);
+      this.readSentAt = undefined;
     }
   }
 
@@ -525,10 +533,11 @@ export class Worker {
   }
 
   /**
-   * Up to `count` entries of the own PEL (its first 100) that are neither in flight nor failed here: handed over by the operator
-   * (`strategy: Reassign`). An entry that failed here counts as handed back only when its idle time is shorter
-   * than the time since it failed (less a second): a hand-over reset it. Each is taken with `lease.lua` (never a
-   * plain XCLAIM, which would take back what the pass gave someone else meanwhile) and read with `XRANGE`.
+   * Up to `count` entries of the own PEL (its first 100) that are neither in flight nor failed here nor perhaps
+   * delivered by the read on its way: handed over by the operator (`strategy: Reassign`). An entry that failed
+   * here counts as handed back only when its idle time is shorter than the time since it failed (less a second): a
+   * hand-over reset it. Each is taken with `lease.lua` (never a plain XCLAIM, which would take back what the pass
+   * gave someone else meanwhile) and read with `XRANGE`.
    */
   private async takeHandedOver(count: number): Promise<Message[]> {
     const writer = this.writerConn();
@@ -546,8 +555,18 @@ export class Worker {
       const failedAt = this.failedHere.get(id);
       return failedAt === undefined || idleMs + HAND_OVER_MARGIN_MS <= askedAt - failedAt;
     };
+    // Taken after the reply: an entry the read on its way delivered has been idle at most this long (give or take
+    // the server's whole milliseconds), delivered once. Taking it would run it twice: here, and when the read's
+    // reply is handed out (or after its ACK, which XRANGE does not see). A hand-over raises the count (Reassign's
+    // RETRYCOUNT) and is taken at once; one whose count a shutdown's give-back had lowered to 0, like an entry whose
+    // read's reply was lost, is taken once it is older than the read on its way.
+    const sinceReadMs = this.readSentAt === undefined ? -Infinity : Date.now() - this.readSentAt + 1;
+    const perhapsRead = (idleMs: number, deliveries: number): boolean => deliveries === 1 && idleMs <= sinceReadMs;
     const candidates = pending
-      .filter(({ id, idleMs }) => !this.inFlight.has(id) && !this.queued.has(id) && handedBack(id, idleMs))
+      .filter(
+        ({ id, idleMs, deliveries }) =>
+          !this.inFlight.has(id) && !this.queued.has(id) && !perhapsRead(idleMs, deliveries) && handedBack(id, idleMs),
+      )
       .slice(0, count)
       .map(({ id }) => id);
     if (candidates.length === 0) return [];
@@ -936,10 +955,12 @@ function toBuffer(value: unknown): Buffer {
 }
 
 /** `XPENDING`'s extended form: `[[id, consumer, idle ms, deliveries], ...]`. */
-function parsePending(reply: unknown): Array<{ id: string; idleMs: number }> {
+function parsePending(reply: unknown): Array<{ id: string; idleMs: number; deliveries: number }> {
   if (!Array.isArray(reply)) return [];
   return reply.flatMap((row: unknown) =>
-    Array.isArray(row) && row.length >= 3 ? [{ id: String(row[0]), idleMs: Number(row[2]) }] : [],
+    Array.isArray(row) && row.length >= 4
+      ? [{ id: String(row[0]), idleMs: Number(row[2]), deliveries: Number(row[3]) }]
+      : [],
   );
 }
 

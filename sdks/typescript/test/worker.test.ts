@@ -19,6 +19,7 @@ import {
   type WorkerOptions,
 } from "../src/index.js";
 import { registerWorkerMetrics } from "../src/metrics.js";
+import { startProxy } from "./support/proxy.js";
 import { startRedis, type RedisServer } from "./support/server.js";
 import { aclUser, createGroup, freshStream, pending, recordingLogger, waitFor } from "./support/helpers.js";
 
@@ -429,6 +430,32 @@ test("a hand-over is taken up: leased, read with XRANGE and handled", async () =
   await worker.stop();
   assert.ok(took < 1000, `taken up ${took} ms after the hand-over: not at the next lease ticks (200 ms)`);
   assert.deepEqual(seen, [`${id} handed over`]);
+  assert.deepEqual(await pending(admin, stream, group), []);
+});
+
+test("an entry a read delivered is no hand-over while the read's reply is on its way: it runs once", async () => {
+  const proxy = await startProxy(server.port);
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600 }); // a lease tick every 200 ms
+  const runs: string[] = [];
+  const worker = workerFor(stream, { redis: `redis://127.0.0.1:${proxy.port}`, blockMs: 5000 });
+  const release = proxy.holdReadReply("held by the proxy");
+  start(worker, async (message) => {
+    runs.push(message.id);
+    return done();
+  });
+  const id = await admin.xadd(stream, "*", "n", "held by the proxy");
+  await waitFor("the read's delivery", async () => (await pending(admin, stream, group)).length === 1);
+  // The entry is in the worker's PEL, the reply that brings it held back: the lease ticks look at the PEL meanwhile.
+  await leaseTicks(stream, 3);
+  const readsBefore = proxy.reads();
+  release();
+  // The next read is sent once what the held one brought was handled.
+  await waitFor("the next read", () => proxy.reads() > readsBefore);
+  await worker.stop();
+  await proxy.close();
+  assert.deepEqual(runs, [id]);
+  assert.equal(worker.stats().done, 1);
   assert.deepEqual(await pending(admin, stream, group), []);
 });
 

@@ -1,7 +1,7 @@
 /**
  * A loopback TCP proxy in front of a redis-server that can lose one reply (the reply is read from the server, so the
  * command ran, and the client's connection is cut instead of receiving it) or one request (the client's connection
- * is cut instead of passing it on, so the command never ran).
+ * is cut instead of passing it on, so the command never ran), and can hold back the reply of a read.
  */
 import { connect, createServer, type Socket } from "node:net";
 
@@ -11,15 +11,27 @@ export interface Proxy {
   loseNextReply(): void;
   /** The next request any client sends is lost, with the client's connection. */
   loseNextRequest(): void;
+  /**
+   * Holds back, from a connection that sent `XREADGROUP`, the first reply holding `text` and all after it: the
+   * server delivered what the read asked for, the client does not see it. Returns the function that lets them on.
+   */
+  holdReadReply(text: string): () => void;
+  /** How many `XREADGROUP` requests the clients sent. */
+  reads(): number;
   close(): Promise<void>;
 }
 
 export async function startProxy(targetPort: number): Promise<Proxy> {
   let armed = false;
   let requestArmed = false;
+  let holdText: string | undefined;
+  let reads = 0;
+  const releases: Array<() => void> = [];
   const sockets = new Set<Socket>();
   const server = createServer((client) => {
     const upstream = connect(targetPort, "127.0.0.1");
+    let reader = false;
+    let held: Buffer[] | undefined;
     for (const socket of [client, upstream]) {
       sockets.add(socket);
       socket.on("close", () => {
@@ -35,6 +47,10 @@ export async function startProxy(targetPort: number): Promise<Proxy> {
         client.destroy();
         return;
       }
+      // ioredis writes each command whole: on loopback a command's name comes in one chunk.
+      const sent = data.toString("latin1").match(/XREADGROUP/gi)?.length ?? 0;
+      reads += sent;
+      reader ||= sent > 0;
       upstream.write(data);
     });
     upstream.on("data", (data) => {
@@ -43,7 +59,17 @@ export async function startProxy(targetPort: number): Promise<Proxy> {
         client.destroy();
         return;
       }
-      client.write(data);
+      if (!held && reader && holdText !== undefined && data.includes(holdText)) {
+        holdText = undefined;
+        const chunks: Buffer[] = [];
+        held = chunks;
+        releases.push(() => {
+          held = undefined;
+          for (const chunk of chunks) client.write(chunk);
+        });
+      }
+      if (held) held.push(data);
+      else client.write(data);
     });
   });
   await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
@@ -53,6 +79,14 @@ export async function startProxy(targetPort: number): Promise<Proxy> {
     port: address.port,
     loseNextReply: () => (armed = true),
     loseNextRequest: () => (requestArmed = true),
+    holdReadReply: (text) => {
+      holdText = text;
+      return () => {
+        holdText = undefined;
+        for (const release of releases.splice(0)) release();
+      };
+    },
+    reads: () => reads,
     close: () =>
       new Promise((resolve) => {
         for (const socket of sockets) socket.destroy();

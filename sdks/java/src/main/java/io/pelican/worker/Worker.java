@@ -521,8 +521,8 @@ public final class Worker implements AutoCloseable {
 
     /**
      * Up to {@code count} entries of the own PEL that are neither in flight nor failed here (or failed here and handed
-     * back since: idle for less than the time since they failed, less a second) nor delivered since the read in flight
-     * was sent (they may be its own): the ones {@code strategy: Reassign} handed over. Taken with {@code lease.lua} (never a plain XCLAIM, which would take back what the pass meanwhile
+     * back since: idle for less than the time since they failed, less a second) nor delivered once since the read in
+     * flight was sent (they may be its own): the ones {@code strategy: Reassign} handed over. Taken with {@code lease.lua} (never a plain XCLAIM, which would take back what the pass meanwhile
      * gave to someone else), then read with {@code XRANGE}.
      */
     private List<Message> takeHandedOver(int count) {
@@ -532,9 +532,13 @@ public final class Worker implements AutoCloseable {
         long askedAt = System.nanoTime();
         List<PendingMessage> pending = await(writes.xpending(streamKey, Consumer.from(groupName, consumerName),
                 Range.unbounded(), Limit.from(asked)));
-        // Taken after the reply: an entry delivered by the read in flight is idle at most this long.
+        // Taken after the reply: an entry delivered by the read in flight is idle at most this long, give or take the
+        // server's whole milliseconds (one delivered within a millisecond of the read's sending may be listed idle a
+        // millisecond longer), and delivered once. A hand-over raises the count (Reassign's RETRYCOUNT) and is taken
+        // at once; one whose count a shutdown's give-back had lowered to 0, like an entry whose read's reply was lost,
+        // is taken once it is older than the read in flight.
         Long readAt = readSentAt;
-        long sinceRead = readAt == null ? -1 : (System.nanoTime() - readAt) / 1_000_000;
+        long sinceReadNanos = readAt == null ? -1 : System.nanoTime() - readAt + 1_000_000;
         if (pending.size() < asked) {
             // The whole own PEL: what failed here and left it (requeued, dead-lettered, handed on) is forgotten.
             Set<String> listed = new HashSet<>();
@@ -546,8 +550,9 @@ public final class Worker implements AutoCloseable {
             Long failedAt = failedBefore.get(p.getId());
             boolean handedBack = failedAt == null
                     || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failedAt) / 1_000_000;
-            boolean beforeRead = p.getMsSinceLastDelivery() > sinceRead;
-            if (!inFlight.containsKey(p.getId()) && handedBack && beforeRead && candidates.size() < count) {
+            boolean perhapsRead = p.getRedeliveryCount() == 1
+                    && p.getMsSinceLastDelivery() * 1_000_000 <= sinceReadNanos;
+            if (!inFlight.containsKey(p.getId()) && handedBack && !perhapsRead && candidates.size() < count) {
                 candidates.add(p.getId());
             }
         }

@@ -35,6 +35,7 @@ import java.util.ArrayList;
 import java.util.Collections;
 import java.util.List;
 import java.util.Map;
+import java.util.Objects;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
@@ -478,12 +479,12 @@ class WorkerTest {
             handling.countDown();
             Thread.sleep(300);
             return Outcome.done();
-        }, b -> b.block(Duration.ofMillis(200)));
+        }, b -> b.block(Duration.ofSeconds(4))); // its age does not delay the hand-over: the read's next is in 4 s
         Pending p;
         long took;
         try (w) {
             w.start();
-            eventually(() -> consumers(r).contains(CONSUMER), "the first read");
+            eventually(() -> readBlocked(r), "the blocking read");
             // What `strategy: Reassign` does: XCLAIM to this worker's name, the delivery counted.
             r.xclaim(STREAM, io.lettuce.core.Consumer.from(GROUP, CONSUMER), XClaimArgs.Builder.minIdleTime(0).retryCount(2),
                     entry);
@@ -496,6 +497,47 @@ class WorkerTest {
         assertTrue(took < 3000, "taken up after " + took + " ms");
         assertEquals(List.of(CONSUMER, 2L), List.of(p.consumer(), p.deliveries())); // lease.lua and XRANGE: not counted
         assertEquals(1, w.stats().done());
+    }
+
+    @Test
+    void anEntryAReadDeliveredIsNoHandOverWhileItsReplyIsOnItsWay() throws Exception {
+        RedisCommands<String, String> r = fresh();
+        createGroup(r);
+        writeSettings(r, 600, 60_000); // a lease tick every 200 ms
+        List<String> runs = new CopyOnWriteArrayList<>();
+        String entry;
+        Worker w;
+        try (HeldRead proxy = new HeldRead(Support.server().port, "held by the proxy")) {
+            w = Worker.builder(RedisURI.create("redis://127.0.0.1:" + proxy.port())).stream(STREAM).group(GROUP)
+                    .consumer(CONSUMER).block(Duration.ofSeconds(1)).handler(m -> {
+                        runs.add(m.id());
+                        return Outcome.done();
+                    }).build();
+            try (w) {
+                w.start();
+                entry = add(r, "n", "held by the proxy");
+                eventually(() -> pending(r).size() == 1, "the read's delivery");
+                // In the worker's PEL, the reply that brings it held back: the lease ticks look at the PEL meanwhile.
+                String heartbeats = Keys.consumers(STREAM, GROUP);
+                for (int tick = 0; tick < 3; tick++) {
+                    String before = r.hget(heartbeats, CONSUMER);
+                    eventually(() -> !Objects.equals(r.hget(heartbeats, CONSUMER), before), "the next lease tick");
+                }
+                int reads = proxy.reads();
+                proxy.release();
+                // The next read is sent once what the held one brought was handled.
+                eventually(() -> proxy.reads() > reads, "the next read");
+            }
+        }
+        assertEquals(List.of(entry), runs);
+        assertEquals(1, w.stats().done());
+        assertEquals(List.of(), pending(r));
+    }
+
+    /** A client waits in a blocking XREADGROUP (CLIENT LIST: flags b, cmd xreadgroup). */
+    private static boolean readBlocked(RedisCommands<String, String> r) {
+        return r.clientList().lines().map(line -> List.of(line.split(" ")))
+                .anyMatch(fields -> fields.contains("flags=b") && fields.contains("cmd=xreadgroup"));
     }
 
     @Test
