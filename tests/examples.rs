@@ -48,6 +48,7 @@ fn every_example_is_covered_here() {
         "redrive.yaml",
         "seek.yaml",
         "backoff.yaml",
+        "ordered.yaml",
     ]
     .into();
     let present: BTreeSet<String> = std::fs::read_dir(EXAMPLES)
@@ -65,7 +66,7 @@ fn plain_examples_get_ready() {
     let open = Server::start(Flavor::Redis);
     let address = |s: &Server| format!("127.0.0.1:{}", s.port);
     applies_and_gets_ready("ex-notif", &example("notifications.yaml").replace("127.0.0.1:6379", &address(&open)));
-    for name in ["reassign.yaml", "bounded.yaml", "backoff.yaml"] {
+    for name in ["reassign.yaml", "bounded.yaml", "backoff.yaml", "ordered.yaml"] {
         applies_and_gets_ready("ex-plain", &example(name).replace("redis.apps.svc:6379", &address(&open)));
     }
     applies_and_gets_ready(
