@@ -221,10 +221,7 @@ fn preview(payload: &BTreeMap<String, String>) -> String {
 
 /// `text` on one line (control characters escaped), cut at `max` characters with an ellipsis.
 fn one_line(text: &str, max: usize) -> String {
-    let text: String = text
-        .chars()
-        .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
-        .collect();
+    let text = super::escape_controls(text);
     if text.chars().count() > max { format!("{}…", text.chars().take(max - 1).collect::<String>()) } else { text }
 }
 

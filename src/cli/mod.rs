@@ -141,13 +141,26 @@ impl Session {
 
 /// Aligned columns, as kubectl prints them.
 fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
-    let mut table = tabwriter::TabWriter::new(std::io::stdout()).padding(3);
+    render_table(std::io::stdout(), header, rows)
+}
+
+/// The table, every cell with its control characters escaped: what a worker, a producer or a stream's name put in a
+/// cell (an error text, a reason, a source stream) can neither break the table's columns (a tab, a newline) nor send
+/// the terminal escape sequences (ESC) that would rewrite what the operator of the cluster sees.
+fn render_table(out: impl std::io::Write, header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
+    let mut table = tabwriter::TabWriter::new(out).padding(3);
     writeln!(table, "{}", header.join("\t"))?;
     for row in rows {
-        writeln!(table, "{}", row.join("\t"))?;
+        let cells: Vec<String> = row.iter().map(|cell| escape_controls(cell)).collect();
+        writeln!(table, "{}", cells.join("\t"))?;
     }
     table.flush()?;
     Ok(())
+}
+
+/// `text` with its control characters escaped (`\n`, `\t`, `\u{1b}`).
+fn escape_controls(text: &str) -> String {
+    text.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect()
 }
 
 /// `45s`, `12m`, `3h`, `5d`: the short ages kubectl shows.
@@ -185,6 +198,18 @@ mod tests {
         assert_eq!(age(7_199), "119m");
         assert_eq!(age(7_200), "2h");
         assert_eq!(age(200_000), "2d");
+    }
+
+    #[test]
+    fn a_cell_can_neither_break_the_table_nor_reach_the_terminal() {
+        let rows = vec![vec!["1-0".to_string(), "Gone\x1b[2J\x1b[31mFAKE".to_string(), "a\tb\nc".to_string()]];
+        let mut out = Vec::new();
+        render_table(&mut out, &["ID", "REASON", "SOURCE"], &rows).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(!out.contains('\x1b'), "{out:?}");
+        assert_eq!(out.lines().count(), 2, "{out:?}");
+        assert!(out.contains("Gone\\u{1b}[2J\\u{1b}[31mFAKE"), "{out:?}");
+        assert!(out.contains("a\\tb\\nc"), "{out:?}");
     }
 
     #[test]
