@@ -63,7 +63,7 @@ async fn reconcile(server: Arc<RedisServer>, shared: Arc<Shared>) -> Result<Acti
             (Verdict::Ready(note), Some(info.to_string()))
         }
         Err(e) => (
-            Verdict::Failed { reason: e.reason(), message: e.to_string(), stalled: e.is_stalled() },
+            Verdict::Failed { reason: e.reason(), message: on_a_server(&e.to_string()), stalled: e.is_stalled() },
             previous.server_version.clone(),
         ),
     };
@@ -113,4 +113,25 @@ async fn check(server: &RedisServer, shared: &Shared) -> Result<crate::redis::Se
 fn error_policy(server: Arc<RedisServer>, error: &Error, _shared: Arc<Shared>) -> Action {
     warn!(namespace = server.namespace(), server = server.name_any(), reason = error.reason(), error = %error, "server status failed; retrying");
     Action::requeue(RECHECK)
+}
+
+/// An error's message as a `RedisServer`'s condition says it: the connection errors name the policy's fields
+/// (`spec.redis.url`, `spec.redis.tls`, `spec.redis.sentinel.masterName`), which a RedisServer has one level up
+/// (`spec.url`, `spec.tls`, `spec.sentinel.masterName`).
+fn on_a_server(message: &str) -> String {
+    message.replace("spec.redis.", "spec.")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_servers_conditions_name_its_own_fields() {
+        let error = Error::NotACluster { server: "redis://r:6379".into() };
+        let message = on_a_server(&error.to_string());
+        assert!(message.starts_with("spec.mode is Cluster"), "{message}");
+        assert!(message.contains("point spec.url at a cluster node"), "{message}");
+        assert!(!message.contains("spec.redis"), "{message}");
+    }
 }
