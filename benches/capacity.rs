@@ -131,6 +131,44 @@ async fn pending_and_retries(conn: &mut Conn, entries: usize) -> Vec<Figure> {
     ]
 }
 
+/// `retries` retries made while the application adds entries: one new entry, then one pass that requeues one
+/// entry, in turn, so that copies and new entries share the stream's nodes, and a copy's field names are stored with
+/// it whenever its node began with the other shape. Per retry, the stream's growth less the new entries' own cost
+/// (`entry`, measured on a stream of new entries alone), with every pending entry acknowledged at both ends.
+async fn interleaved_retries(conn: &mut Conn, entries: usize, retries: usize, entry: &Figure) -> Figure {
+    clean(conn).await;
+    fill_stream(conn, STREAM, GROUP, entries, BODY).await;
+    let (stream, filled) = (memory_usage(conn, STREAM).await, used_memory(conn).await);
+    deliver_all(conn, STREAM, GROUP, entries).await;
+    tokio::time::sleep(IDLE * 2).await;
+    let body = "x".repeat(BODY);
+    let settings = pass_settings(ReclaimStrategy::Requeue, 10, 1);
+    for n in 0..retries {
+        let _: String = redis::cmd("XADD")
+            .arg(STREAM)
+            .arg("*")
+            .arg("n")
+            .arg(n)
+            .arg("body")
+            .arg(&body)
+            .query_async(conn)
+            .await
+            .unwrap();
+        assert_eq!(pass(conn, &the_keys(), &settings).await.requeued, 1);
+    }
+    for ids in pending_ids(conn, entries).await.chunks(1000) {
+        let _: () = redis::cmd("XACK").arg(STREAM).arg(GROUP).arg(ids).query_async(conn).await.unwrap();
+    }
+    let (grown, used) = (memory_usage(conn, STREAM).await, used_memory(conn).await);
+    clean(conn).await;
+    let less = |total: i64, per_entry: f64| total as f64 - per_entry * retries as f64;
+    Figure {
+        what: "retry, a new entry between each: the copy at the tail".into(),
+        usage: less(grown - stream, entry.usage) / retries as f64,
+        used: less(used - filled, entry.used) / retries as f64,
+    }
+}
+
 /// A group of `count` consumers that own nothing, each with its worker's heartbeat (as the contract's lease.lua
 /// writes it at every lease tick).
 async fn consumers(conn: &mut Conn, count: usize) -> Vec<Figure> {
@@ -160,10 +198,21 @@ async fn consumers(conn: &mut Conn, count: usize) -> Vec<Figure> {
     ]
 }
 
-/// `entries` dead letters, each of an entry whose last delivery recorded an error of `error_len` bytes (none when
-/// 0), under `maxLen` when given: the errors hash before the pass, the dead-letter stream after it, and what the
-/// dead-letter stream keeps under the cap.
-async fn dead_letters(conn: &mut Conn, entries: usize, error_len: usize, max_len: Option<u64>) -> (Figure, Figure) {
+/// What the dead letters of `entries` cost.
+struct Letters {
+    /// Bytes of the error the last delivery recorded (0: none).
+    error_len: usize,
+    /// One entry in `every` recorded it: with 2, the dead letters alternate between two shapes (with and without
+    /// `pelican-last-error`), and a stream stores field names once per node only for entries of the node's first
+    /// entry's shape.
+    every: usize,
+    max_len: Option<u64>,
+}
+
+/// `entries` dead letters as `letters` says: the errors hash before the pass, the dead-letter stream after it (what
+/// it keeps under `maxLen`).
+async fn dead_letters(conn: &mut Conn, entries: usize, letters: Letters) -> (Figure, Figure) {
+    let Letters { error_len, every, max_len } = letters;
     clean(conn).await;
     fill_stream(conn, STREAM, GROUP, entries, BODY).await;
     deliver_all(conn, STREAM, GROUP, entries).await;
@@ -173,7 +222,7 @@ async fn dead_letters(conn: &mut Conn, entries: usize, error_len: usize, max_len
         let text = "e".repeat(error_len);
         for ids in pending_ids(conn, entries).await.chunks(1000) {
             let mut pipe = redis::pipe();
-            for id in ids {
+            for id in ids.iter().step_by(every) {
                 pipe.cmd("HSET").arg(&errors).arg(id).arg(&text).ignore();
             }
             let _: () = pipe.query_async(conn).await.unwrap();
@@ -192,12 +241,17 @@ async fn dead_letters(conn: &mut Conn, entries: usize, error_len: usize, max_len
     del(conn, &[DLQ.to_string()]).await;
     let freed = held - used_memory(conn).await;
     clean(conn).await;
-    let error =
-        figure(&format!("recorded error of {error_len} bytes (errors hash)"), recorded, written - before, entries);
-    let what = match (error_len, max_len) {
-        (0, None) => "dead letter, no error recorded".to_string(),
-        (_, None) => format!("dead letter with a {error_len}-byte pelican-last-error"),
-        (_, Some(cap)) => format!("dead-letter stream under maxLen {cap}: {kept} kept, per entry"),
+    let error = figure(
+        &format!("recorded error of {error_len} bytes (errors hash)"),
+        recorded,
+        written - before,
+        entries.div_ceil(every),
+    );
+    let what = match (error_len, every, max_len) {
+        (0, _, None) => "dead letter, no error recorded".to_string(),
+        (_, 1, None) => format!("dead letter with a {error_len}-byte pelican-last-error"),
+        (_, _, None) => format!("dead letter, one in {every} with a {error_len}-byte error (mixed shapes)"),
+        (_, _, Some(cap)) => format!("dead-letter stream under maxLen {cap}: {kept} kept, per entry"),
     };
     (error, figure(&what, letters, freed, kept))
 }
@@ -254,23 +308,8 @@ async fn policies(conn: &mut Conn, count: usize) -> (Vec<Figure>, Figure, Durati
         assert_eq!(pass(conn, &keys, &settings).await.dead_lettered, 1);
     }
     let after = used_memory(conn).await;
-    let one = &streams[0];
-    let mut keys = vec![Figure {
-        what: "the group in the stream, one consumer".into(),
-        usage: (with_group - application) as f64,
-        used: f64::NAN,
-    }];
-    for (what, key) in [
-        (":creator", creator_key(one, GROUP)),
-        (":settings", settings_key(one, GROUP)),
-        (":consumers (heartbeats), two workers", consumers_key(one, GROUP)),
-        (":totals", totals_key(one, GROUP)),
-        (":terminal", terminal_key(one, GROUP)),
-        ("the dead-letter stream, one letter", dead[0].clone()),
-    ] {
-        keys.push(Figure { what: what.into(), usage: memory_usage(conn, &key).await as f64, used: f64::NAN });
-    }
-    let total = figure("one policy in all (used_memory, over all)", 0, after - before, count);
+    let total =
+        Figure { what: "one policy in all".into(), usage: f64::NAN, used: (after - before) as f64 / count as f64 };
 
     // An idle pass (nothing pending) of each policy: the server's CPU time and the wall time.
     let cpu = async |conn: &mut Conn| {
@@ -290,6 +329,47 @@ async fn policies(conn: &mut Conn, count: usize) -> (Vec<Figure>, Figure, Durati
     }
     let wall = started.elapsed() / count as u32;
     let server_cpu = cpu(conn).await.saturating_sub(cpu_before) / count as u32;
+
+    // Each key of one policy by MEMORY USAGE, and by what deleting that key of every policy frees.
+    let mut keys = Vec::new();
+    let group = async |conn: &mut Conn| {
+        let mut pipe = redis::pipe();
+        for stream in &streams {
+            pipe.cmd("XGROUP").arg("DESTROY").arg(stream).arg(GROUP).ignore();
+        }
+        let _: () = pipe.query_async(conn).await.unwrap();
+    };
+    let held = used_memory(conn).await;
+    group(conn).await;
+    let freed = held - used_memory(conn).await;
+    keys.push(Figure {
+        what: "the group in the stream, one consumer".into(),
+        usage: (with_group - application) as f64,
+        used: freed as f64 / count as f64,
+    });
+    let kinds: [(&str, fn(&str, &str) -> String); 5] = [
+        (":creator", creator_key),
+        (":settings", settings_key),
+        (":consumers (heartbeats), two workers", consumers_key),
+        (":totals", totals_key),
+        (":terminal", terminal_key),
+    ];
+    for (what, key) in kinds {
+        let usage = memory_usage(conn, &key(&streams[0], GROUP)).await;
+        let held = used_memory(conn).await;
+        del(conn, &streams.iter().map(|s| key(s, GROUP)).collect::<Vec<_>>()).await;
+        let freed = held - used_memory(conn).await;
+        keys.push(Figure { what: what.into(), usage: usage as f64, used: freed as f64 / count as f64 });
+    }
+    let usage = memory_usage(conn, &dead[0]).await;
+    let held = used_memory(conn).await;
+    del(conn, &dead).await;
+    let freed = held - used_memory(conn).await;
+    keys.push(Figure {
+        what: "the dead-letter stream, one letter".into(),
+        usage: usage as f64,
+        used: freed as f64 / count as f64,
+    });
     del(conn, &all_keys().collect::<Vec<_>>()).await;
     (keys, total, server_cpu, wall)
 }
@@ -311,12 +391,16 @@ async fn measure(conn: &mut Conn, entries: usize, policy_count: usize) -> Measur
     fill_stream(conn, STREAM, GROUP, 1, BODY).await;
     pass(conn, &the_keys(), &pass_settings(ReclaimStrategy::Requeue, 1, 1)).await;
     let mut items = pending_and_retries(conn, entries).await;
+    let interleaved = interleaved_retries(conn, entries, 1000.min(entries), &items[0]).await;
+    items.push(interleaved);
     items.extend(consumers(conn, 1000).await);
     let mut errors = Vec::new();
     let mut letters = Vec::new();
-    for (error_len, max_len) in [(0, None), (100, None), (1000, None), (0, Some(1000))] {
-        let (error, letter) = dead_letters(conn, entries, error_len, max_len).await;
-        if error_len > 0 {
+    for (error_len, every, max_len) in
+        [(0, 1, None), (100, 1, None), (1000, 1, None), (100, 2, None), (0, 1, Some(1000))]
+    {
+        let (error, letter) = dead_letters(conn, entries, Letters { error_len, every, max_len }).await;
+        if error_len > 0 && every == 1 {
             errors.push(error);
         }
         letters.push(letter);
