@@ -87,6 +87,9 @@ fn the_keys() -> GroupKeys<'static> {
     GroupKeys { stream: STREAM, group: GROUP, dead_letter: DLQ }
 }
 
+/// A key of Pelican's for a stream's group, as `pelican::keys` names it.
+type KeyOf = fn(&str, &str) -> String;
+
 fn group_keys(stream: &str, group: &str) -> Vec<String> {
     [totals_key, terminal_key, errors_key, consumers_key, settings_key, creator_key]
         .iter()
@@ -347,7 +350,7 @@ async fn policies(conn: &mut Conn, count: usize) -> (Vec<Figure>, Figure, Durati
         usage: (with_group - application) as f64,
         used: freed as f64 / count as f64,
     });
-    let kinds: [(&str, fn(&str, &str) -> String); 5] = [
+    let kinds: [(&str, KeyOf); 5] = [
         (":creator", creator_key),
         (":settings", settings_key),
         (":consumers (heartbeats), two workers", consumers_key),
