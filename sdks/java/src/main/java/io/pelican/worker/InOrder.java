@@ -4,8 +4,6 @@ import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.Range;
 import io.lettuce.core.AbstractRedisClient;
-import io.lettuce.core.RedisCommandTimeoutException;
-import io.lettuce.core.RedisException;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.StreamMessage;
 import io.lettuce.core.XClaimArgs;
@@ -26,7 +24,6 @@ import java.util.OptionalInt;
 import java.util.Set;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionStage;
-import java.util.concurrent.ExecutionException;
 import java.util.concurrent.Executor;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
@@ -34,7 +31,6 @@ import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.RejectedExecutionException;
 import java.util.concurrent.Semaphore;
 import java.util.concurrent.TimeUnit;
-import java.util.concurrent.TimeoutException;
 import java.util.concurrent.atomic.LongAdder;
 import java.util.function.BooleanSupplier;
 
@@ -603,17 +599,6 @@ final class InOrder implements PartitionRun {
     }
 
     private <T> T await(CompletionStage<T> call) {
-        Duration timeout = writer.timeout();
-        try {
-            return call.toCompletableFuture().get(timeout.toMillis(), TimeUnit.MILLISECONDS);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-            throw new RedisException("interrupted while waiting for a reply", e);
-        } catch (ExecutionException e) {
-            Throwable cause = Script.cause(e);
-            throw cause instanceof RuntimeException runtime ? runtime : new RedisException(cause);
-        } catch (TimeoutException e) {
-            throw new RedisCommandTimeoutException("no reply within " + timeout);
-        }
+        return Script.await(call, writer.timeout());
     }
 }

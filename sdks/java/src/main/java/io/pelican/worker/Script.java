@@ -61,6 +61,21 @@ final class Script {
         });
     }
 
+    /** A call's reply, waited for at most {@code timeout}; its failure as the Redis error it is. */
+    static <T> T await(java.util.concurrent.CompletionStage<T> call, java.time.Duration timeout) {
+        try {
+            return call.toCompletableFuture().get(timeout.toMillis(), java.util.concurrent.TimeUnit.MILLISECONDS);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+            throw new io.lettuce.core.RedisException("interrupted while waiting for a reply", e);
+        } catch (ExecutionException e) {
+            Throwable cause = cause(e);
+            throw cause instanceof RuntimeException runtime ? runtime : new io.lettuce.core.RedisException(cause);
+        } catch (java.util.concurrent.TimeoutException e) {
+            throw new io.lettuce.core.RedisCommandTimeoutException("no reply within " + timeout);
+        }
+    }
+
     /** The error itself, out of the wrappers futures put around it. */
     static Throwable cause(Throwable error) {
         Throwable cause = error;

@@ -3,7 +3,6 @@ package io.pelican.worker;
 import io.lettuce.core.Consumer;
 import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
-import io.lettuce.core.RedisCommandTimeoutException;
 import io.lettuce.core.RedisException;
 import io.lettuce.core.RedisURI;
 import io.lettuce.core.ScriptOutputType;
@@ -29,7 +28,6 @@ import java.util.concurrent.RejectedExecutionException;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.ScheduledFuture;
 import java.util.concurrent.TimeUnit;
-import java.util.concurrent.TimeoutException;
 
 /**
  * A member of a topic's group (contract/README.md, "Topics (contract version 2)"): it owns the partitions
@@ -513,18 +511,7 @@ public final class TopicWorker implements AutoCloseable {
     }
 
     private <T> T await(CompletionStage<T> call) {
-        Duration timeout = connection.timeout();
-        try {
-            return call.toCompletableFuture().get(timeout.toMillis(), TimeUnit.MILLISECONDS);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-            throw new RedisException("interrupted while waiting for a reply", e);
-        } catch (ExecutionException e) {
-            Throwable cause = Script.cause(e);
-            throw cause instanceof RuntimeException runtime ? runtime : new RedisException(cause);
-        } catch (TimeoutException e) {
-            throw new RedisCommandTimeoutException("no reply within " + timeout);
-        }
+        return Script.await(call, connection.timeout());
     }
 
     /** An owned partition and its worker; {@code releasing}: told to release it, finishing. */

@@ -6,7 +6,6 @@ import io.lettuce.core.Range;
 import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.RedisCommandExecutionException;
-import io.lettuce.core.RedisCommandTimeoutException;
 import io.lettuce.core.RedisException;
 import io.lettuce.core.RedisURI;
 import io.lettuce.core.ScriptOutputType;
@@ -33,7 +32,6 @@ import java.util.concurrent.CompletionStage;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.ConcurrentLinkedQueue;
 import java.util.concurrent.CountDownLatch;
-import java.util.concurrent.ExecutionException;
 import java.util.concurrent.Executor;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
@@ -41,7 +39,6 @@ import java.util.concurrent.RejectedExecutionException;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.ThreadFactory;
 import java.util.concurrent.TimeUnit;
-import java.util.concurrent.TimeoutException;
 import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.concurrent.atomic.LongAdder;
@@ -1067,20 +1064,8 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** The reply of a call on the writer, waited for at most the connection's timeout. */
     private <T> T await(CompletionStage<T> call) {
-        Duration timeout = writer.timeout();
-        try {
-            return call.toCompletableFuture().get(timeout.toMillis(), TimeUnit.MILLISECONDS);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-            throw new RedisException("interrupted while waiting for a reply", e);
-        } catch (ExecutionException e) {
-            Throwable cause = Script.cause(e);
-            throw cause instanceof RuntimeException runtime ? runtime : new RedisException(cause);
-        } catch (TimeoutException e) {
-            throw new RedisCommandTimeoutException("no reply within " + timeout);
-        }
+        return Script.await(call, writer.timeout());
     }
 
     static List<Message> messages(List<StreamMessage<byte[], byte[]>> entries, OptionalInt partition) {
