@@ -179,6 +179,12 @@ cmd_node_up() {
   # One node per machine: the kubelet's cgroups (kubepods) are the machine's.
   [[ -z $(ls -d /sys/fs/cgroup/*/kubepods 2>/dev/null) ]] ||
     die "another node runs on this machine (/sys/fs/cgroup/*/kubepods exists); stop it with its scripts/testenv node down"
+  # The kubelet evicts pods when its disk has less than 1% free, and containerd needs room for the images: say so
+  # here rather than as pods that never become Ready.
+  local free_kib
+  free_kib=$(df --output=avail -k "$STATE" | tail -1)
+  ((free_kib > 5 * 1024 * 1024)) ||
+    die "the node needs 5 GiB free on the disk of $STATE; $((free_kib / 1024)) MiB are: free some (cargo clean, old clones)"
   local start=$SECONDS api_port
   ensure_node_packages
   build_kubernetes
@@ -252,10 +258,30 @@ cmd_node_down() {
   log "node down"
 }
 
+# What a failed node test needs to be understood after the bed is gone: the node's conditions and taints, the pods
+# that are not running and why, the last Warning events, the images containerd holds, the disk, and the kubelet's
+# last errors.
+cmd_node_explain() {
+  local kubectl=("$BIN/kubectl" --kubeconfig "$STATE/kubeconfig")
+  echo "== the node: conditions and taints"
+  "${kubectl[@]}" get nodes -o jsonpath='{range .items[*]}{.metadata.name}: {range .status.conditions[*]}{.type}={.status} {end}taints={.spec.taints}{"\n"}{end}' || true
+  echo "== pods not Running"
+  "${kubectl[@]}" get pods -A --field-selector=status.phase!=Running -o wide 2>&1 | head -30 || true
+  echo "== the last Warning events"
+  "${kubectl[@]}" get events -A --field-selector=type=Warning --sort-by=.lastTimestamp 2>&1 | tail -30 || true
+  echo "== images on the node"
+  ctr --address "$NODE/containerd.sock" -n k8s.io images ls -q 2>&1 | grep -v '^sha256:' || true
+  echo "== disk"
+  df -h "$STATE" /var/lib 2>&1 || true
+  echo "== the kubelet's last errors"
+  grep -E '^E[0-9]{4}' "$STATE/logs/node-kubelet.log" 2>/dev/null | tail -20 || true
+}
+
 cmd_node() {
   case "${1:-}" in
     up) cmd_node_up ;;
     down) cmd_node_down ;;
+    explain) cmd_node_explain ;;
     env) cat "$NODE/env" 2>/dev/null || die "the node is not up: run scripts/testenv node up" ;;
     import)
       shift
@@ -266,6 +292,6 @@ cmd_node() {
         log "imported $tar"
       done
       ;;
-    *) die "usage: scripts/testenv node up|down|env|import IMAGE.tar..." ;;
+    *) die "usage: scripts/testenv node up|down|env|explain|import IMAGE.tar..." ;;
   esac
 }
