@@ -531,14 +531,109 @@ fn a_seek_walks_large_entries_a_budget_at_a_time() {
     assert!(calls >= 8, "18 MB walked in {calls} calls: more than 2 MB a call");
 }
 
-/// A topic's partitions are N streams, and a seek moves one group: refused naming the topic and what to do by hand,
-/// nothing moved.
+/// (last-delivered-id, lag) of group g on `stream`.
+fn position_of(conn: &mut impl redis::ConnectionLike, stream: &str) -> (String, Option<i64>) {
+    let groups = xinfo_groups(conn, stream);
+    let g = groups.iter().find(|g| group_field::<String>(g, "name") == "g").unwrap();
+    let lag = match &g["lag"] {
+        redis::Value::Nil => None,
+        value => Some(redis::from_redis_value::<i64>(value.clone()).unwrap()),
+    };
+    (group_field(g, "last-delivered-id"), lag)
+}
+
+/// A topic's seek moves the group of every partition (SPEC 22): each partition planned first, so a consumer active on
+/// one refuses the whole seek with nothing moved; the status lists each partition; an id (of one stream) is refused.
 #[test]
-fn a_seek_of_a_topic_fails_saying_how_to_move_its_partitions() {
+fn a_topic_seek_moves_every_partition_or_none_and_lists_each() {
     let server = Server::start(Flavor::Redis);
-    let (ns, _operator) = ready_policy("seektopic", &policy("p", &server.url(), "s", "g", "  partitions: 2\n"), "p");
-    let status = run_seek(&ns, &seek("replay", "{position: Earliest}", ""));
-    assert_eq!(failed_reason(&status), "InvalidSpec");
-    let text = status["conditions"].to_string();
-    assert!(text.contains("a topic of 2 partitions") && text.contains("XGROUP SETID {s:<i>} g"), "{status}");
+    let (ns, _operator) = ready_policy("seektopic", &policy("p", &server.url(), "s", "g", "  partitions: 4\n"), "p");
+    let mut conn = server.conn();
+    // Partition i holds i + 2 entries, all read and acknowledged by a consumer that is then removed.
+    let streams: Vec<String> = (0..4).map(|i| pelican::keys::partition_stream("s", i)).collect();
+    for (i, stream) in streams.iter().enumerate() {
+        for _ in 0..i + 2 {
+            let _: String = redis::cmd("XADD").arg(stream).arg("*").arg("n").arg(i).query(&mut conn).unwrap();
+        }
+        let ids = read_new(&mut conn, stream, "g", "c", 100);
+        let _: i64 = redis::cmd("XACK").arg(stream).arg("g").arg(&ids).query(&mut conn).unwrap();
+        let _: i64 = redis::cmd("XGROUP").arg("DELCONSUMER").arg(stream).arg("g").arg("c").query(&mut conn).unwrap();
+    }
+
+    // A consumer reading partition 2 just now: a seek that wants consumers idle for an hour moves no partition.
+    let _: String = redis::cmd("XADD").arg(&streams[2]).arg("*").arg("n").arg(2).query(&mut conn).unwrap();
+    let busy = read_new(&mut conn, &streams[2], "g", "busy", 1);
+    let _: i64 = redis::cmd("XACK").arg(&streams[2]).arg("g").arg(&busy).query(&mut conn).unwrap();
+    let before: Vec<_> = streams.iter().map(|s| position_of(&mut conn, s)).collect();
+    let refused = run_seek(&ns, &seek("skip", "{position: Latest}", "").replace("0s", "1h"));
+    assert_eq!(failed_reason(&refused), "ConsumersActive", "{refused}");
+    let text = refused["conditions"].to_string();
+    assert!(text.contains("partition 2:") && text.contains("busy") && text.contains("no partition moved"), "{text}");
+    assert_eq!(streams.iter().map(|s| position_of(&mut conn, s)).collect::<Vec<_>>(), before, "nothing moved");
+
+    // Back to the earliest entry: each partition replays all it holds (2, 3, 5 and 5 entries).
+    let done = run_seek(&ns, &seek("back", "{position: Earliest}", ""));
+    assert_eq!(done["phase"], "Succeeded", "{done}");
+    let each = done["partitions"].as_array().unwrap();
+    let replayed: Vec<(i64, i64, i64)> = each
+        .iter()
+        .map(|p| {
+            (p["partition"].as_i64().unwrap(), p["redelivered"].as_i64().unwrap(), p["to"]["lag"].as_i64().unwrap())
+        })
+        .collect();
+    assert_eq!(replayed, [(0, 2, 2), (1, 3, 3), (2, 5, 5), (3, 5, 5)], "{done}");
+    assert_eq!((done["redelivered"].as_i64(), done["from"].is_null()), (Some(15), true), "{done}");
+    for (stream, (_, _, lag)) in streams.iter().zip(&replayed) {
+        assert_eq!(position_of(&mut conn, stream), ("0-0".to_string(), Some(*lag)), "{stream}");
+    }
+    println!("the topic's seek: {}", done["conditions"]);
+
+    // The same manifest again after a delete: every partition says it moved before, and none moves again.
+    kubectl_ok(&["delete", "seek", "back", "-n", &ns]);
+    let _ = read_new(&mut conn, &streams[0], "g", "c", 100);
+    let again = run_seek(&ns, &seek("back", "{position: Earliest}", ""));
+    let succeeded = again["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Complete").unwrap().clone();
+    assert_eq!(succeeded["reason"], "AlreadyFinished", "{again}");
+    assert_eq!(again["partitions"].as_array().map(Vec::len), Some(4), "{again}");
+    assert_eq!(position_of(&mut conn, &streams[0]).1, Some(0), "partition 0 was read since and not moved again");
+
+    let by_id = run_seek(&ns, &seek("byid", "{id: \"5-0\"}", ""));
+    assert_eq!(failed_reason(&by_id), "InvalidSpec");
+    let said = by_id["conditions"].to_string();
+    assert!(said.contains("topic of 4 partitions") && said.contains("by time, position or shift"), "{said}");
+}
+
+/// On a Cluster each partition's pending entries are dead-lettered into its own dead-letter stream, in its slot.
+#[test]
+fn on_a_cluster_a_topic_seek_dead_letters_each_partitions_pending_in_its_slot() {
+    let cluster = Cluster::start(Flavor::Redis);
+    let manifest = policy("p", &cluster.url(), "s", "g", "  partitions: 6\n").replacen(
+        "  stream:",
+        "    mode: Cluster\n  stream:",
+        1,
+    );
+    let (ns, _operator) = ready_policy("seekcluster", &manifest, "p");
+    let mut conn = cluster.conn();
+    let streams: Vec<String> = (0..6).map(|i| pelican::keys::partition_stream("s", i)).collect();
+    for stream in &streams {
+        let _: String = redis::cmd("XADD").arg(stream).arg("*").arg("n").arg(1).query(&mut conn).unwrap();
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("w")
+            .arg("STREAMS")
+            .arg(stream)
+            .arg(">")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let done = run_seek(&ns, &seek("skip", "{position: Latest}", "  pending: DeadLetter\n"));
+    assert_eq!((done["phase"].as_str(), done["pendingHandled"].as_i64()), (Some("Succeeded"), Some(6)), "{done}");
+    for stream in &streams {
+        let letters = xrange(&mut conn, &format!("{stream}:s:dlq"));
+        assert_eq!(letters.len(), 1, "{stream}'s dead letters");
+        let pending: (i64, redis::Value, redis::Value, redis::Value) =
+            redis::cmd("XPENDING").arg(stream).arg("g").query(&mut conn).unwrap();
+        assert_eq!(pending.0, 0, "{stream}'s PEL");
+    }
 }

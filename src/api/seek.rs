@@ -13,7 +13,8 @@ use super::PolicyRef;
 const ENTRY_ID_PATTERN: &str = r"^[0-9]{1,20}(-[0-9]{1,20})?$";
 
 /// Moves the group of one `ConsumerGroupPolicy` to a time, an id, its earliest or latest entry, or by a number of
-/// entries, once; the entries pending at that moment are kept, acknowledged or dead-lettered.
+/// entries, once; the entries pending at that moment are kept, acknowledged or dead-lettered. On a topic, the group
+/// of every partition moves to the time or position, or by the shift (each partition by that many of its entries).
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
@@ -71,7 +72,8 @@ pub struct SeekTarget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
     pub time: Option<String>,
-    /// The group reads next this entry, or the first after it when the stream does not hold it.
+    /// The group reads next this entry, or the first after it when the stream does not hold it (not on a topic:
+    /// each partition has ids of its own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = ENTRY_ID_PATTERN), length(max = 41))]
     pub id: Option<String>,
@@ -81,7 +83,7 @@ pub struct SeekTarget {
     #[schemars(with = "SeekPosition")]
     pub position: Option<SeekPosition>,
     /// Entries to move by from the group's position: negative replays that many, positive skips that many (at
-    /// most to the end).
+    /// most to the end); on a topic, that many of each partition's entries.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self != 0").message("spec.to.shift must not be 0"))]
     pub shift: Option<i64>,
@@ -180,6 +182,11 @@ pub struct GroupSeekStatus {
     /// stream is the replay window).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oldest_available: Option<String>,
+    /// A topic's seek: each partition's move, in partition order (`from` and `to` are absent, and the counts
+    /// above are the partitions' sums).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["partition"]))]
+    pub partitions: Vec<PartitionSeek>,
     /// When the seek ran on the server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]
@@ -192,4 +199,25 @@ pub struct GroupSeekStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+}
+
+/// One partition of a topic, moved (or, with `dryRun`, as it would be).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionSeek {
+    /// The partition's index: its stream is `{<topic>:<partition>}`.
+    pub partition: u32,
+    /// Its group before the move.
+    pub from: GroupPosition,
+    /// Its group after the move.
+    pub to: GroupPosition,
+    /// Entries of the partition the group reads again.
+    pub redelivered: i64,
+    /// Entries of the partition the group will never read.
+    pub skipped: i64,
+    /// Its pending entries acknowledged or dead-lettered.
+    pub pending_handled: i64,
+    /// The partition's first entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_available: Option<String>,
 }

@@ -126,9 +126,30 @@ pub(super) async fn run(session: &Session, args: SeekArgs) -> anyhow::Result<()>
             status.oldest_available.as_deref().unwrap_or("-")
         );
     }
+    if !status.partitions.is_empty() {
+        let rows: Vec<Vec<String>> = status
+            .partitions
+            .iter()
+            .map(|p| {
+                let counts = [p.redelivered, p.skipped, p.pending_handled].map(|n| n.to_string());
+                [p.partition.to_string(), p.from.id.clone(), p.to.id.clone()].into_iter().chain(counts).collect()
+            })
+            .collect();
+        let header = ["PARTITION", "FROM", "TO", "REDELIVERED", "SKIPPED", "PENDING-HANDLED"];
+        super::render_table(std::io::stdout(), &header, &rows)?;
+        println!(
+            "redelivered {}, skipped {}, pending handled {}",
+            status.redelivered.unwrap_or(0),
+            status.skipped.unwrap_or(0),
+            status.pending_handled.unwrap_or(0)
+        );
+    }
     println!("{:?} {reason}: {message}", status.phase);
     if status.phase == crate::api::SeekPhase::Failed {
-        anyhow::bail!("seek {name} was refused: nothing moved");
+        match status.partitions.len() {
+            0 => anyhow::bail!("seek {name} was refused: nothing moved"),
+            n => anyhow::bail!("seek {name} was refused after {n} partitions moved (they stay moved)"),
+        }
     }
     Ok(())
 }

@@ -50,7 +50,7 @@ use neighbours::Neighbours;
 use validate::Schedule;
 
 pub use act::{Host, Observation};
-pub use plan::Announcement;
+pub use plan::{Announcement, dead_letter_of, streams};
 pub use validate::validate;
 
 pub const FINALIZER: &str = "pelican.io/cleanup";

@@ -5,7 +5,8 @@
 //! 2. resolve: the policy (from the policy controller's store, so a shard handles the seeks of its own policies),
 //!    whether it is Ready, the target, its server and credentials (tenancy applies);
 //! 3. decide: one seek per stream at a time in this process (the server refuses one beside a running redrive);
-//! 4. act: the seek script's bounded steps ([`crate::jobs::seek`]), then the status, the Events and the metric.
+//! 4. act: the seek script's bounded steps ([`crate::jobs::seek`]), on a topic each partition's after every
+//!    partition was planned ([`seek_topic`]), then the status, the Events and the metric.
 //!
 //! The script records each seek's progress and result on the server under its namespace/name, so an operator
 //! killed between two steps resumes where the last ended, one killed between the move and the status write finds
@@ -27,11 +28,12 @@ use kube::{Resource, ResourceExt};
 use tracing::{info, instrument, warn};
 
 use crate::api::{
-    ConsumerGroupPolicy, DeadLetterRedrive, GroupSeek, GroupSeekStatus, READY, SeekPhase, SeekPosition, SeekTarget,
-    parse_duration,
+    ConsumerGroupPolicy, DeadLetterRedrive, GroupSeek, GroupSeekStatus, PartitionSeek, READY, SeekPhase, SeekPosition,
+    SeekTarget, parse_duration,
 };
 use crate::context::Shared;
 use crate::context::conditions::{JobState, job_conditions};
+use crate::controller;
 use crate::jobs::redrive as redrive_moves;
 use crate::jobs::seek::{self, Moved, Outcome, Target};
 use crate::keys::redrive_lock_key;
@@ -150,6 +152,32 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
         Err(e) if e.is_stalled() => return ctx.fail(&object, status, e.reason(), e.to_string()).await,
         Err(e) => return ctx.retry(&object, &status, e).await,
     };
+    let started = Timestamp::now().to_string();
+    let go_on = || ctx.shared.leadership.may_write();
+    if policy.spec.partitions.is_some() {
+        let ended = seek_topic(&ctx, &mut conn, &target.server(), &policy, target.cluster, &plan, go_on).await;
+        return match ended {
+            Ok(TopicEnd::Done(moves)) => ctx.succeed(&object, &policy, status, Moves::Topic(moves), started).await,
+            Ok(TopicEnd::Finished(moves, uid)) => {
+                ctx.already_finished(&object, status, Moves::Partitions(moves), &uid).await
+            }
+            Ok(TopicEnd::Refused { partition, reason, message, moved }) => {
+                let note = match moved.len() {
+                    0 => format!("partition {partition}: {message}; no partition moved"),
+                    n => format!(
+                        "partition {partition}: {message}; partitions 0 to {} had moved before it (a consumer came \
+                         back between the plan and the move?) and stay moved, the rest did not move",
+                        n - 1
+                    ),
+                };
+                let mut status = status;
+                Moves::Topic(moved).record(&mut status);
+                ctx.fail(&object, status, &reason, note).await
+            }
+            Err(e) if e.is_stalled() => ctx.fail(&object, status, e.reason(), e.to_string()).await,
+            Err(e) => ctx.retry(&object, &status, e).await,
+        };
+    }
     let keys = GroupKeys {
         stream: &policy.spec.stream,
         group: &policy.spec.group,
@@ -158,15 +186,70 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
     if let Err(e) = ctx.release_stale_redrive_lock(&mut conn, &target.server(), &keys).await {
         return ctx.retry(&object, &status, e).await;
     }
-    let started = Timestamp::now().to_string();
-    let go_on = || ctx.shared.leadership.may_write();
     match seek::run(&mut conn, &target.server(), &keys, &plan, go_on).await {
-        Ok(Outcome::Done(moved)) => ctx.succeed(&object, &policy, status, moved, started).await,
-        Ok(Outcome::Finished { moved, uid }) => ctx.already_finished(&object, status, moved, &uid).await,
+        Ok(Outcome::Done(moved)) => ctx.succeed(&object, &policy, status, Moves::One(moved), started).await,
+        Ok(Outcome::Finished { moved, uid }) => ctx.already_finished(&object, status, Moves::One(moved), &uid).await,
         Ok(Outcome::Refused { reason, message }) => ctx.fail(&object, status, &reason, message).await,
         Err(e) if e.is_stalled() => ctx.fail(&object, status, e.reason(), e.to_string()).await,
         Err(e) => ctx.retry(&object, &status, e).await,
     }
+}
+
+/// How a topic's seek ended.
+enum TopicEnd {
+    /// Every partition moved (or, with `dryRun`, planned), in partition order.
+    Done(Vec<Moved>),
+    /// Another object of this name moved these partitions before (its uid): nothing moved now.
+    Finished(Vec<(u32, Moved)>, String),
+    /// `partition` refused; `moved` are the partitions before it that moved (none when the plan refused).
+    Refused { partition: u32, reason: String, message: String, moved: Vec<Moved> },
+}
+
+/// A topic's seek (SPEC 22): the same target on every partition, each partition's move atomic and once (the script's
+/// record in that partition's seeks hash, so a retry or another replica finds the partitions already moved and
+/// moves the rest). Every partition is planned (a dry run) before the first moves: a refusal found then moves
+/// nothing. One that comes up between the plan and the move (a consumer active since) leaves the partitions before
+/// it moved, and says so.
+async fn seek_topic(
+    ctx: &Seeks,
+    conn: &mut Conn,
+    server: &str,
+    policy: &ConsumerGroupPolicy,
+    cluster: bool,
+    plan: &seek::Seek,
+    go_on: impl Fn() -> bool + Copy,
+) -> Result<TopicEnd> {
+    let streams = controller::streams(policy);
+    let dead_letters: Vec<String> = streams.iter().map(|s| controller::dead_letter_of(policy, s, cluster)).collect();
+    let keys = |i: usize| GroupKeys { stream: &streams[i], group: &policy.spec.group, dead_letter: &dead_letters[i] };
+    for i in 0..streams.len() {
+        // One server: one dead-letter stream for the topic, looked at once.
+        if i == 0 || dead_letters[i] != dead_letters[0] {
+            ctx.release_stale_redrive_lock(conn, server, &keys(i)).await?;
+        }
+    }
+    let dry_run = seek::Seek { dry_run: true, ..plan.clone() };
+    let passes = if plan.dry_run { vec![&dry_run] } else { vec![&dry_run, plan] };
+    let mut moved = Vec::new();
+    for pass in passes {
+        moved.clear();
+        let mut finished = Vec::new();
+        for (i, partition) in (0..streams.len()).zip(0u32..) {
+            match seek::run(conn, server, &keys(i), pass, go_on).await? {
+                Outcome::Done(m) => moved.push(m),
+                Outcome::Finished { moved: m, uid } => finished.push((partition, m, uid)),
+                Outcome::Refused { reason, message } => {
+                    let moved = if pass.dry_run { Vec::new() } else { std::mem::take(&mut moved) };
+                    return Ok(TopicEnd::Refused { partition, reason, message, moved });
+                }
+            }
+        }
+        if let Some((_, _, uid)) = finished.first() {
+            let uid = uid.clone();
+            return Ok(TopicEnd::Finished(finished.into_iter().map(|(p, m, _)| (p, m)).collect(), uid));
+        }
+    }
+    Ok(TopicEnd::Done(moved))
 }
 
 fn error_policy(object: Arc<GroupSeek>, error: &Error, _ctx: Arc<Seeks>) -> Action {
@@ -177,12 +260,11 @@ fn error_policy(object: Arc<GroupSeek>, error: &Error, _ctx: Arc<Seeks>) -> Acti
 
 /// The script's arguments from the spec, or what is wrong with the spec.
 fn plan(object: &GroupSeek, policy: &ConsumerGroupPolicy) -> std::result::Result<seek::Seek, String> {
-    if let Some(n) = policy.spec.partitions {
-        let (topic, group) = (&policy.spec.stream, &policy.spec.group);
+    if let (Some(n), Some(id)) = (policy.spec.partitions, &object.spec.to.id) {
         return Err(format!(
-            "ConsumerGroupPolicy {:?} is a topic of {n} partitions, and a GroupSeek moves the group of one stream: a \
-             topic's seek is not supported yet. To move it by hand, stop its workers and run `XGROUP SETID \
-             {{{topic}:<i>}} {group} <id>` on each partition",
+            "spec.to.id {id:?} names an entry of one stream, and ConsumerGroupPolicy {:?} is a topic of {n} \
+             partitions, each with ids of its own: seek a topic by time, position or shift (each partition moves by \
+             it)",
             policy.name_any()
         ));
     }
@@ -239,22 +321,73 @@ impl Drop for Moving<'_> {
     }
 }
 
-/// How a finished seek reads in words: `from -> to` and the counts.
-fn summary(moved: &Moved) -> String {
-    format!(
-        "{} -> {}: {} redelivered, {} skipped, {} pending handled",
-        moved.from.id, moved.to.id, moved.redelivered, moved.skipped, moved.pending_handled
-    )
+/// What a seek did (or plans): one stream's move, or each partition's of a topic.
+enum Moves {
+    One(Moved),
+    /// In partition order, or (a seek found already finished) each with its partition.
+    Topic(Vec<Moved>),
+    Partitions(Vec<(u32, Moved)>),
 }
 
-/// What the seek did (or plans), into its status.
-fn record(status: &mut GroupSeekStatus, moved: Moved) {
-    status.from = Some(moved.from);
-    status.to = Some(moved.to);
-    status.redelivered = Some(moved.redelivered);
-    status.skipped = Some(moved.skipped);
-    status.pending_handled = Some(moved.pending_handled);
-    status.oldest_available = moved.oldest_available;
+impl Moves {
+    /// How it reads in words: `from -> to` and the counts, or a topic's partitions and sums.
+    fn summary(&self) -> String {
+        match self {
+            Moves::One(moved) => format!(
+                "{} -> {}: {} redelivered, {} skipped, {} pending handled",
+                moved.from.id, moved.to.id, moved.redelivered, moved.skipped, moved.pending_handled
+            ),
+            Moves::Topic(_) | Moves::Partitions(_) => {
+                let each = self.partitions();
+                let sum = |count: fn(&PartitionSeek) -> i64| each.iter().map(count).sum::<i64>();
+                format!(
+                    "{} partitions: {} redelivered, {} skipped, {} pending handled",
+                    each.len(),
+                    sum(|p| p.redelivered),
+                    sum(|p| p.skipped),
+                    sum(|p| p.pending_handled)
+                )
+            }
+        }
+    }
+
+    fn partitions(&self) -> Vec<PartitionSeek> {
+        let each = |partition: u32, moved: &Moved| PartitionSeek {
+            partition,
+            from: moved.from.clone(),
+            to: moved.to.clone(),
+            redelivered: moved.redelivered,
+            skipped: moved.skipped,
+            pending_handled: moved.pending_handled,
+            oldest_available: moved.oldest_available.clone(),
+        };
+        match self {
+            Moves::One(_) => Vec::new(),
+            Moves::Topic(moves) => (0u32..).zip(moves).map(|(p, m)| each(p, m)).collect(),
+            Moves::Partitions(moves) => moves.iter().map(|(p, m)| each(*p, m)).collect(),
+        }
+    }
+
+    /// Into the status: the positions and counts, or a topic's partitions and their sums.
+    fn record(self, status: &mut GroupSeekStatus) {
+        status.partitions = self.partitions();
+        match self {
+            Moves::One(moved) => {
+                status.from = Some(moved.from);
+                status.to = Some(moved.to);
+                status.redelivered = Some(moved.redelivered);
+                status.skipped = Some(moved.skipped);
+                status.pending_handled = Some(moved.pending_handled);
+                status.oldest_available = moved.oldest_available;
+            }
+            Moves::Topic(_) | Moves::Partitions(_) => {
+                let sum = |count: fn(&PartitionSeek) -> i64| Some(status.partitions.iter().map(count).sum::<i64>());
+                status.redelivered = sum(|p| p.redelivered);
+                status.skipped = sum(|p| p.skipped);
+                status.pending_handled = sum(|p| p.pending_handled);
+            }
+        }
+    }
 }
 
 impl Seeks {
@@ -328,15 +461,15 @@ impl Seeks {
         &self,
         object: &GroupSeek,
         mut status: GroupSeekStatus,
-        moved: Moved,
+        moves: Moves,
         uid: &str,
     ) -> Result<Action> {
         let note = format!(
             "a GroupSeek of this name (uid {uid}) already moved this group ({}); nothing moved again. To move the \
              group again on purpose, create a GroupSeek with another name",
-            summary(&moved)
+            moves.summary()
         );
-        record(&mut status, moved);
+        moves.record(&mut status);
         status.completion_time = Some(Timestamp::now().to_string());
         info!("{note}");
         self.write(object, &mut status, SeekPhase::Succeeded, "AlreadyFinished", &note).await?;
@@ -350,12 +483,12 @@ impl Seeks {
         object: &GroupSeek,
         policy: &ConsumerGroupPolicy,
         mut status: GroupSeekStatus,
-        moved: Moved,
+        moves: Moves,
         started: String,
     ) -> Result<Action> {
         let dry_run = object.spec.dry_run;
-        let said = summary(&moved);
-        record(&mut status, moved);
+        let said = moves.summary();
+        moves.record(&mut status);
         status.start_time = status.start_time.or(Some(started));
         status.completion_time = Some(Timestamp::now().to_string());
         let (reason, note) = match dry_run {

@@ -6,7 +6,7 @@ use super::*;
 pub type RawEntry = (String, Vec<(Vec<u8>, Vec<u8>)>);
 
 /// All entries of a stream, raw.
-pub fn xrange(conn: &mut redis::Connection, stream: &str) -> Vec<RawEntry> {
+pub fn xrange(conn: &mut impl redis::ConnectionLike, stream: &str) -> Vec<RawEntry> {
     let reply: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(conn).unwrap();
     reply
         .into_iter()
