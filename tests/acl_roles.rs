@@ -1,7 +1,8 @@
 //! The documented ACL rule sets (`examples/acl/*.acl`), one per role, each role run with exactly its rules: the
 //! operator (a policy with a bound and retention, its passes and a redrive), a producer through the SDK and through
 //! the script sent whole (`EVAL`, as clients do that fall back from `EVALSHA`), and a worker through the SDK with a
-//! failure and a terminal ACK. On untagged names, tagged names, database 3 and a Redis Cluster (Redis 7.0).
+//! failure and a terminal ACK. On untagged names, tagged names, database 3 and a Redis Cluster (Redis 7.0). A topic's
+//! three roles (`topic-*.acl`) the same way, on one server and on a Cluster.
 
 #[macro_use]
 mod common;
@@ -12,7 +13,8 @@ use std::time::Duration;
 use common::*;
 use pelican::keys::hash_tag;
 use pelican::worker::{
-    BOUNDED_PUBLISH_LUA, Connection, Message, Outcome, Producer, PublishError, Source, Worker, WorkerConfig,
+    BOUNDED_PUBLISH_LUA, Connection, Message, Outcome, Producer, PublishError, Source, TopicProducer, TopicWorker,
+    TopicWorkerConfig, Worker, WorkerConfig,
 };
 
 const GROUP: &str = "workers";
@@ -92,6 +94,7 @@ fn rules(role: &str, stream: &str, dead_letter: &str, password: &str) -> Vec<Str
             rule.replace("{D}", &tag(dead_letter))
                 .replace("{T}", &tag(stream))
                 .replace("DEAD_LETTER_STREAM", dead_letter)
+                .replace("TOPIC", stream)
                 .replace("STREAM", stream)
                 .replace("GROUP", GROUP)
                 .replace(">CHANGE-ME", &format!(">{password}"))
@@ -246,4 +249,72 @@ fn database_3() {
 #[test]
 fn redis_cluster() {
     every_role_runs_with_its_rules(Bed::Cluster(Cluster::start(Flavor::Redis)), "{orders}:in", "{orders}:dlq");
+}
+
+/// A topic's roles, each with exactly its rules: the operator converges 4 partitions and dead-letters at the cap, a
+/// keyed producer publishes to them, a member takes every partition and handles what it reads and cannot rewrite a
+/// partition's settings.
+fn a_topics_roles_run_with_their_rules(bed: Bed) {
+    let (topic, dead_letter) = ("orders", "orders:dlq");
+    for (user, role) in [("pelican", "topic-pelican"), ("producer", "topic-producer"), ("worker", "topic-worker")] {
+        set_user(&bed, user, &rules(role, topic, dead_letter, &format!("{user}-pw")));
+    }
+    let ns = namespace("acl-topic");
+    let operator = Operator::start(&ns);
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: redis-acl\nstringData:\n  username: pelican\n  password: pelican-pw\n";
+    let refs = "    usernameSecretRef: {name: redis-acl, key: username}\n    passwordSecretRef: {name: redis-acl, key: password}\n";
+    let mode = if matches!(bed, Bed::Cluster(_)) { "    mode: Cluster\n" } else { "" };
+    let manifest =
+        policy("roles", &bed.policy_url(), topic, GROUP, "  partitions: 4\n  retry:\n    maxDeliveries: 2\n")
+            .replace("    interval: 1s\n", "    interval: 1s\n    minIdle: 1s\n")
+            .replacen("  stream:", &format!("{refs}{mode}  stream:"), 1);
+    assert!(kubectl_apply(&ns, &format!("{secret}---\n{manifest}")).0);
+    wait_condition(&ns, "roles", "Ready", "True", "Reconciled");
+
+    let runtime = runtime();
+    let producer = runtime.block_on(TopicProducer::connect_to(&bed.source("producer", "producer-pw"), topic)).unwrap();
+    let mut partitions = std::collections::BTreeSet::new();
+    for key in ["bad", "k1", "k2", "k3", "k4", "k5", "k6", "k7"] {
+        let (partition, _) = runtime
+            .block_on(producer.publish(Some(key.as_bytes()), &[("n", key)]))
+            .unwrap_or_else(|e| panic!("producer: {e}"));
+        partitions.insert(partition);
+    }
+    let mut config = TopicWorkerConfig::new(topic, GROUP, "w1");
+    config.worker.block = Duration::from_millis(100);
+    let stats = runtime.block_on(async {
+        let worker = TopicWorker::connect_to(bed.source("worker", "worker-pw"), config).await.unwrap();
+        let handler = |m: Message| async move {
+            match m.field_str("n") {
+                Some("bad") => Err("downstream refused".into()),
+                _ => Ok(Outcome::Done),
+            }
+        };
+        worker.run(handler, tokio::time::sleep(Duration::from_secs(8))).await.unwrap()
+    });
+    assert!(stats.done == 7 && stats.failed >= 1, "{stats:?} over partitions {partitions:?}");
+    let settings = pelican::keys::settings_key(&pelican::keys::partition_stream(topic, 0), GROUP);
+    let mut conn = runtime.block_on(bed.conn("worker", "worker-pw"));
+    let mut rewrite = redis::cmd("HSET");
+    rewrite.arg(&settings).arg("minIdleMs").arg(3_600_000);
+    let refused = runtime.block_on(rewrite.query_async::<i64>(&mut conn)).expect_err("the worker may not write");
+    assert_eq!(refused.code(), Some("NOPERM"), "{refused}");
+    let policy = wait_for("the dead letter in status", Duration::from_secs(60), || {
+        let p = get_policy(&ns, "roles");
+        if p["status"]["totals"]["deadLettered"] == 1 { Ok(p) } else { Err(p["status"].to_string()) }
+    });
+    assert!(condition(&policy, "Ready") == Some(("True".into(), "Reconciled".into())), "{}", policy["status"]);
+    let logs = operator.logs();
+    assert!(!logs.contains("NOPERM") && !logs.contains("can't run"), "a refusal in the operator's log");
+    println!("a topic's roles ran with exactly their rules: {stats:?}, {}", policy["status"]["totals"]);
+}
+
+#[test]
+fn a_topic_on_one_server() {
+    a_topics_roles_run_with_their_rules(Bed::Server(Server::start(Flavor::Redis), 0));
+}
+
+#[test]
+fn a_topic_on_a_cluster() {
+    a_topics_roles_run_with_their_rules(Bed::Cluster(Cluster::start(Flavor::Redis)));
 }
