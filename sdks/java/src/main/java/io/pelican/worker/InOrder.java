@@ -57,6 +57,8 @@ final class InOrder implements PartitionRun {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
+    /** How long a run's entry is leased (the loop's alone). */
+    private final MaxHandling maxHandling;
     private final Handler handler;
     private final Executor givenExecutor;
     private final TopicWorker.Spacing spacing;
@@ -106,8 +108,8 @@ final class InOrder implements PartitionRun {
     private boolean finished;
 
     InOrder(AbstractRedisClient client, String stream, String group, String consumer, int partition, int concurrency,
-            Duration block, Duration shutdownGrace, Handler handler, Executor executor, TopicWorker.Spacing spacing,
-            BooleanSupplier fresh) {
+            Duration block, Duration shutdownGrace, Duration maxHandling, Handler handler, Executor executor,
+            TopicWorker.Spacing spacing, BooleanSupplier fresh) {
         this.client = client;
         this.stream = stream;
         this.consumer = consumer;
@@ -129,6 +131,7 @@ final class InOrder implements PartitionRun {
         this.room = new Semaphore(concurrency * HELD_PER_SLOT);
         this.where = "[" + stream + " " + group + " " + consumer + " PerKey] ";
         this.tracedAs = new Tracing.Where(stream, group, consumer);
+        this.maxHandling = new MaxHandling(maxHandling, where);
     }
 
     /** An entry read and not yet done, terminal or dead-lettered. */
@@ -138,6 +141,8 @@ final class InOrder implements PartitionRun {
         boolean failed;
         /** At the cap: no longer leased, left to the pass. */
         boolean capped;
+        /** When (nanoTime) its run began; {@code null} while it does not run: leased up to maxHandling. */
+        Long runningSince;
 
         Held(Message message) {
             this.message = message;
@@ -266,6 +271,7 @@ final class InOrder implements PartitionRun {
             }
             String key = ready.poll();
             Held head = queues.get(key).peek();
+            head.runningSince = System.nanoTime();
             running++;
             runningNow = running;
             try {
@@ -324,6 +330,7 @@ final class InOrder implements PartitionRun {
             return; // another's now, or given back at the end of the grace
         }
         Held head = queues.get(ran.key).peek();
+        head.runningSince = null;
         String id = head.message.id();
         if (ran.gone) {
             pop(ran.key);
@@ -404,8 +411,9 @@ final class InOrder implements PartitionRun {
     }
 
     /**
-     * A lease tick: re-reads the settings, extends the leases of every entry held but those at the cap (the
-     * consumer's heartbeat too), and lets the keys whose capped head left the pending list go on.
+     * A lease tick: re-reads the settings, extends the leases of every entry held but those at the cap and those whose
+     * run passed maxHandling (the consumer's heartbeat too), and lets the keys whose capped head left the pending list
+     * go on.
      */
     private void hold() {
         try {
@@ -422,10 +430,13 @@ final class InOrder implements PartitionRun {
             LOG.log(Level.WARNING, where + "could not re-read the settings; the last ones stay: " + e);
         }
         List<String> leased = new ArrayList<>();
+        Map<String, Long> runs = new HashMap<>();
         List<String> capped = new ArrayList<>();
         queues.forEach((key, queue) -> {
             queue.forEach(h -> {
-                if (!h.capped) {
+                if (h.runningSince != null) {
+                    runs.put(h.message.id(), h.runningSince);
+                } else if (!h.capped) {
                     leased.add(h.message.id());
                 }
             });
@@ -433,6 +444,7 @@ final class InOrder implements PartitionRun {
                 capped.add(key);
             }
         });
+        leased.addAll(maxHandling.leased(runs, System.nanoTime()));
         try {
             for (int from = 0; from < Math.max(leased.size(), 1); from += Worker.ID_BATCH) {
                 List<String> batch = leased.subList(Math.min(from, leased.size()), Math.min(leased.size(), from + Worker.ID_BATCH));

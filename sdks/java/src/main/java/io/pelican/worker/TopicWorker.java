@@ -74,6 +74,7 @@ public final class TopicWorker implements AutoCloseable {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
+    private final Duration maxHandling;
     private final Handler handler;
     private final Executor executor;
     private final String where;
@@ -115,6 +116,7 @@ public final class TopicWorker implements AutoCloseable {
         this.concurrency = b.concurrency;
         this.block = b.block;
         this.shutdownGrace = b.shutdownGrace;
+        this.maxHandling = b.maxHandling;
         this.handler = b.handler;
         this.executor = b.executor;
         this.where = "[topic " + topic + " " + group + " " + consumer + "] ";
@@ -424,8 +426,8 @@ public final class TopicWorker implements AutoCloseable {
     private void take(int partition, long epoch) {
         String stream = Keys.partitionStream(topic, partition);
         PartitionRun run = ordering == Ordering.PER_KEY
-                ? new InOrder(client, stream, group, consumer, partition, concurrency, block, shutdownGrace, handler,
-                        executor, spacing, this::fresh)
+                ? new InOrder(client, stream, group, consumer, partition, concurrency, block, shutdownGrace,
+                        maxHandling, handler, executor, spacing, this::fresh)
                 : new PlainRun(Worker.on(client).stream(stream).group(group).consumer(consumer).handler(handler)
                         .partition(partition, this::fresh), partitionOptions);
         try {
