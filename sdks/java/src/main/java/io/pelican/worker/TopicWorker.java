@@ -240,7 +240,7 @@ public final class TopicWorker implements AutoCloseable {
         closed.join();
         ContractVersionException met = versionMet;
         if (met != null) {
-            throw new ContractVersionException(met.operatorVersion());
+            throw new ContractVersionException(met.operatorVersion(), met.known());
         }
     }
 

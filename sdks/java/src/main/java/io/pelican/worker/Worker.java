@@ -305,7 +305,7 @@ public final class Worker implements AutoCloseable {
         closed.join();
         ContractVersionException met = versionMet;
         if (met != null) {
-            throw new ContractVersionException(met.operatorVersion());
+            throw new ContractVersionException(met.operatorVersion(), met.known());
         }
     }
 

@@ -4,6 +4,7 @@ import static io.pelican.worker.Support.GROUP;
 import static io.pelican.worker.Support.eventually;
 import static io.pelican.worker.TopicSupport.TOPIC;
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertInstanceOf;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
@@ -19,9 +20,11 @@ import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
+import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
 import java.util.function.UnaryOperator;
 import org.junit.jupiter.api.Test;
@@ -160,6 +163,25 @@ class TopicWorkerTest {
         TopicContractException refused = assertThrows(TopicContractException.class, worker::start);
         assertEquals("3", refused.operatorVersion());
         assertTrue(refused.getMessage().contains("topic 'orders'"), refused.getMessage());
+    }
+
+    @Test
+    void aPartitionWhoseSettingsChangeToAnUnknownContractStopsTheMemberSayingItKnowsContract2() throws Exception {
+        for (String ordering : List.of("None", "PerKey")) {
+            RedisCommands<String, String> r = Support.fresh();
+            TopicSupport.writeTopic(r, 2, 300, "ordering", ordering); // settings re-read every 100 ms
+            TopicWorker worker = member("m", message -> Outcome.done(), o -> o);
+            CompletableFuture<Void> run = CompletableFuture.runAsync(worker::run);
+            eventually(() -> worker.owned().equals(Set.of(0, 1)), Duration.ofSeconds(5), "m owning both partitions");
+            r.hset(Keys.settings(Keys.partitionStream(TOPIC, 1), GROUP), "contractVersion", "3");
+            ExecutionException stopped = assertThrows(ExecutionException.class, () -> run.get(10, TimeUnit.SECONDS));
+            ContractVersionException version = assertInstanceOf(ContractVersionException.class, stopped.getCause());
+            assertEquals("3", version.operatorVersion(), ordering);
+            assertEquals(Set.of(2), version.known(), ordering);
+            assertTrue(version.getMessage().contains("worker contract 3, this library knows 2"),
+                    ordering + ": " + version.getMessage());
+            assertEquals(Map.of(), r.hgetall(Keys.members(TOPIC, GROUP)), ordering + ": the member left");
+        }
     }
 
     @Test
