@@ -17,6 +17,7 @@ import java.time.Duration;
 import java.util.ArrayDeque;
 import java.util.ArrayList;
 import java.util.HashMap;
+import java.util.HashSet;
 import java.util.Iterator;
 import java.util.List;
 import java.util.Map;
@@ -94,6 +95,9 @@ final class InOrder implements PartitionRun {
     private ExecutorService ownExecutor;
     private Executor executor;
     private Thread readerThread;
+    private Thread loopThread;
+    /** The threads running a handler now: interrupted when the partition is lost (guarded by itself). */
+    private final Set<Thread> handling = new HashSet<>();
     /** What the read in flight at the stop brought: given back unhandled. */
     private volatile List<String> leftover = List.of();
 
@@ -180,9 +184,9 @@ final class InOrder implements PartitionRun {
         readerThread = new Thread(this::readLoop, "pelican-reader-" + consumer + "-" + partition);
         readerThread.setDaemon(true);
         readerThread.start();
-        Thread loop = new Thread(this::loop, "pelican-in-order-" + consumer + "-" + partition);
-        loop.setDaemon(true);
-        loop.start();
+        loopThread = new Thread(this::loop, "pelican-in-order-" + consumer + "-" + partition);
+        loopThread.setDaemon(true);
+        loopThread.start();
     }
 
     @Override
@@ -192,11 +196,18 @@ final class InOrder implements PartitionRun {
         closed.join();
     }
 
+    /**
+     * Stops at once, as a {@link Worker}'s abort does: the handlers running are interrupted, and so is the loop, which
+     * may be waiting for a reply that never comes (a member cut off from the server).
+     */
     @Override
     public void abort() {
         aborted = true;
         stopRequested = true;
-        events.add(() -> {});
+        synchronized (handling) {
+            handling.forEach(Thread::interrupt);
+        }
+        loopThread.interrupt();
     }
 
     @Override
@@ -245,16 +256,19 @@ final class InOrder implements PartitionRun {
                     nextLease = System.nanoTime() + Settings.leaseInterval(settings).toNanos();
                 }
             }
-            if (aborted) {
-                LOG.log(Level.WARNING, where + "partition lost: stopped at once, its messages left to the new owner");
-            } else {
+            if (!aborted) {
                 shutDown();
             }
         } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
+            // The abort's (it alone interrupts the loop): stopped below.
         } catch (RuntimeException e) {
-            LOG.log(Level.ERROR, where + "stopped: " + e);
+            if (!aborted) {
+                LOG.log(Level.ERROR, where + "stopped: " + e);
+            }
         } finally {
+            if (aborted) {
+                LOG.log(Level.WARNING, where + "partition lost: stopped at once, its messages left to the new owner");
+            }
             stopRequested = true;
             release();
             closed.complete(null);
@@ -309,6 +323,13 @@ final class InOrder implements PartitionRun {
         } catch (RuntimeException e) {
             return new Ran(key, null, e, false);
         }
+        Thread thread = Thread.currentThread();
+        synchronized (handling) {
+            if (aborted) {
+                return new Ran(key, null, null, true);
+            }
+            handling.add(thread);
+        }
         Tracing.Processing processing = Tracing.CURRENT.processing(tracedAs, head.message);
         Ran ran;
         try {
@@ -317,6 +338,12 @@ final class InOrder implements PartitionRun {
                     outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null, false);
         } catch (Throwable e) {
             ran = new Ran(key, null, e, false);
+        } finally {
+            synchronized (handling) {
+                handling.remove(thread);
+                // An abort's interrupt was this run's: the executor's thread goes on to other work without it.
+                Thread.interrupted();
+            }
         }
         processing.end(ran.outcome, ran.failure);
         return ran;

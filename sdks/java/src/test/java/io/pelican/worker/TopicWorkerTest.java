@@ -10,6 +10,7 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.Limit;
 import io.lettuce.core.Range;
+import io.lettuce.core.RedisURI;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.XReadArgs.StreamOffset;
 import io.lettuce.core.api.sync.RedisCommands;
@@ -26,6 +27,7 @@ import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicLong;
 import java.util.function.UnaryOperator;
 import org.junit.jupiter.api.Test;
 
@@ -137,6 +139,59 @@ class TopicWorkerTest {
             assertEquals(2, seen.get(0).getRedeliveryCount(), "one delivery more than the killed member's, not two");
             eventually(() -> r.xpending(stream, GROUP).getCount() == 0, "both entries handled");
             assertEquals(List.of(inFlight, next), started, "the pending list first");
+        }
+    }
+
+    @Test
+    void aMemberCutOffFromTheServerStopsItsPartitionsWithinTheTtlBeforeAnotherMemberRunsThem() throws Exception {
+        Duration ttl = Duration.ofSeconds(2);
+        for (String ordering : List.of("None", "PerKey")) {
+            RedisCommands<String, String> r = Support.fresh();
+            // Leases every 300 ms: a's partition worker is waiting for a lease's reply when the ttl ends.
+            TopicSupport.writeTopic(r, 1, 900, "ordering", ordering);
+            CountDownLatch running = new CountDownLatch(1);
+            AtomicLong stoppedAt = new AtomicLong(); // wall clock, ms: when a's handler was interrupted
+            Handler hangs = message -> {
+                running.countDown();
+                try {
+                    Thread.sleep(30_000);
+                } catch (InterruptedException e) {
+                    stoppedAt.set(System.currentTimeMillis());
+                    throw e;
+                }
+                return Outcome.done();
+            };
+            List<Long> startedByB = new CopyOnWriteArrayList<>();
+            Handler records = message -> {
+                startedByB.add(System.currentTimeMillis());
+                return Outcome.done();
+            };
+            // a's client waits 5 s for a reply (more than the ttl): a heartbeat it sends once cut off stays unanswered.
+            RedisURI throughProxy;
+            try (CutOff proxy = new CutOff(Support.server().port)) {
+                throughProxy = RedisURI.builder().withHost("127.0.0.1").withPort(proxy.port())
+                        .withTimeout(Duration.ofSeconds(5)).build();
+                try (TopicWorker a = TopicWorker.builder(throughProxy).topic(TOPIC).group(GROUP).consumer("a")
+                                .membershipTtl(ttl).block(Duration.ofMillis(100)).handler(hangs).build();
+                        TopicWorker b = member("b", records, o -> o.membershipTtl(ttl))) {
+                    a.start();
+                    eventually(() -> a.owned().equals(Set.of(0)), Duration.ofSeconds(5), "a owning the partition");
+                    r.xadd(Keys.partitionStream(TOPIC, 0), Keys.KEY_FIELD, "k", "n", "stuck");
+                    assertTrue(running.await(5, TimeUnit.SECONDS), ordering + ": a running the entry");
+                    b.start(); // one partition: a, first by name, keeps it
+                    long cutAt = System.currentTimeMillis();
+                    proxy.cut();
+                    eventually(() -> !startedByB.isEmpty(), Duration.ofSeconds(10), ordering + ": b running the entry");
+                    assertTrue(stoppedAt.get() > 0, ordering + ": a's handler still runs while b runs its entry");
+                    assertTrue(stoppedAt.get() <= startedByB.get(0), ordering + ": a stopped "
+                            + (stoppedAt.get() - startedByB.get(0)) + " ms after b started the entry");
+                    assertTrue(stoppedAt.get() - cutAt < ttl.toMillis() + 1000,
+                            ordering + ": a stopped " + (stoppedAt.get() - cutAt) + " ms after the cut");
+                    assertEquals(Set.of(), a.owned(), ordering);
+                    eventually(() -> r.xpending(Keys.partitionStream(TOPIC, 0), GROUP).getCount() == 0,
+                            ordering + ": b acknowledged it");
+                }
+            }
         }
     }
 
