@@ -17,6 +17,7 @@ import java.time.Duration;
 import java.util.ArrayDeque;
 import java.util.ArrayList;
 import java.util.HashMap;
+import java.util.HashSet;
 import java.util.Iterator;
 import java.util.List;
 import java.util.Map;
@@ -57,6 +58,8 @@ final class InOrder implements PartitionRun {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
+    /** How long a run's entry is leased (the loop's alone). */
+    private final MaxHandling maxHandling;
     private final Handler handler;
     private final Executor givenExecutor;
     private final TopicWorker.Spacing spacing;
@@ -92,6 +95,9 @@ final class InOrder implements PartitionRun {
     private ExecutorService ownExecutor;
     private Executor executor;
     private Thread readerThread;
+    private Thread loopThread;
+    /** The threads running a handler now: interrupted when the partition is lost (guarded by itself). */
+    private final Set<Thread> handling = new HashSet<>();
     /** What the read in flight at the stop brought: given back unhandled. */
     private volatile List<String> leftover = List.of();
 
@@ -106,8 +112,8 @@ final class InOrder implements PartitionRun {
     private boolean finished;
 
     InOrder(AbstractRedisClient client, String stream, String group, String consumer, int partition, int concurrency,
-            Duration block, Duration shutdownGrace, Handler handler, Executor executor, TopicWorker.Spacing spacing,
-            BooleanSupplier fresh) {
+            Duration block, Duration shutdownGrace, Duration maxHandling, Handler handler, Executor executor,
+            TopicWorker.Spacing spacing, BooleanSupplier fresh) {
         this.client = client;
         this.stream = stream;
         this.consumer = consumer;
@@ -129,6 +135,7 @@ final class InOrder implements PartitionRun {
         this.room = new Semaphore(concurrency * HELD_PER_SLOT);
         this.where = "[" + stream + " " + group + " " + consumer + " PerKey] ";
         this.tracedAs = new Tracing.Where(stream, group, consumer);
+        this.maxHandling = new MaxHandling(maxHandling, where);
     }
 
     /** An entry read and not yet done, terminal or dead-lettered. */
@@ -138,6 +145,8 @@ final class InOrder implements PartitionRun {
         boolean failed;
         /** At the cap: no longer leased, left to the pass. */
         boolean capped;
+        /** When (nanoTime) its run began; {@code null} while it does not run: leased up to maxHandling. */
+        Long runningSince;
 
         Held(Message message) {
             this.message = message;
@@ -175,9 +184,9 @@ final class InOrder implements PartitionRun {
         readerThread = new Thread(this::readLoop, "pelican-reader-" + consumer + "-" + partition);
         readerThread.setDaemon(true);
         readerThread.start();
-        Thread loop = new Thread(this::loop, "pelican-in-order-" + consumer + "-" + partition);
-        loop.setDaemon(true);
-        loop.start();
+        loopThread = new Thread(this::loop, "pelican-in-order-" + consumer + "-" + partition);
+        loopThread.setDaemon(true);
+        loopThread.start();
     }
 
     @Override
@@ -187,11 +196,18 @@ final class InOrder implements PartitionRun {
         closed.join();
     }
 
+    /**
+     * Stops at once, as a {@link Worker}'s abort does: the handlers running are interrupted, and so is the loop, which
+     * may be waiting for a reply that never comes (a member cut off from the server).
+     */
     @Override
     public void abort() {
         aborted = true;
         stopRequested = true;
-        events.add(() -> {});
+        synchronized (handling) {
+            handling.forEach(Thread::interrupt);
+        }
+        loopThread.interrupt();
     }
 
     @Override
@@ -240,16 +256,19 @@ final class InOrder implements PartitionRun {
                     nextLease = System.nanoTime() + Settings.leaseInterval(settings).toNanos();
                 }
             }
-            if (aborted) {
-                LOG.log(Level.WARNING, where + "partition lost: stopped at once, its messages left to the new owner");
-            } else {
+            if (!aborted) {
                 shutDown();
             }
         } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
+            // The abort's (it alone interrupts the loop): stopped below.
         } catch (RuntimeException e) {
-            LOG.log(Level.ERROR, where + "stopped: " + e);
+            if (!aborted) {
+                LOG.log(Level.ERROR, where + "stopped: " + e);
+            }
         } finally {
+            if (aborted) {
+                LOG.log(Level.WARNING, where + "partition lost: stopped at once, its messages left to the new owner");
+            }
             stopRequested = true;
             release();
             closed.complete(null);
@@ -266,6 +285,7 @@ final class InOrder implements PartitionRun {
             }
             String key = ready.poll();
             Held head = queues.get(key).peek();
+            head.runningSince = System.nanoTime();
             running++;
             runningNow = running;
             try {
@@ -303,6 +323,13 @@ final class InOrder implements PartitionRun {
         } catch (RuntimeException e) {
             return new Ran(key, null, e, false);
         }
+        Thread thread = Thread.currentThread();
+        synchronized (handling) {
+            if (aborted) {
+                return new Ran(key, null, null, true);
+            }
+            handling.add(thread);
+        }
         Tracing.Processing processing = Tracing.CURRENT.processing(tracedAs, head.message);
         Ran ran;
         try {
@@ -311,6 +338,12 @@ final class InOrder implements PartitionRun {
                     outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null, false);
         } catch (Throwable e) {
             ran = new Ran(key, null, e, false);
+        } finally {
+            synchronized (handling) {
+                handling.remove(thread);
+                // An abort's interrupt was this run's: the executor's thread goes on to other work without it.
+                Thread.interrupted();
+            }
         }
         processing.end(ran.outcome, ran.failure);
         return ran;
@@ -324,6 +357,7 @@ final class InOrder implements PartitionRun {
             return; // another's now, or given back at the end of the grace
         }
         Held head = queues.get(ran.key).peek();
+        head.runningSince = null;
         String id = head.message.id();
         if (ran.gone) {
             pop(ran.key);
@@ -404,8 +438,9 @@ final class InOrder implements PartitionRun {
     }
 
     /**
-     * A lease tick: re-reads the settings, extends the leases of every entry held but those at the cap (the
-     * consumer's heartbeat too), and lets the keys whose capped head left the pending list go on.
+     * A lease tick: re-reads the settings, extends the leases of every entry held but those at the cap and those whose
+     * run passed maxHandling (the consumer's heartbeat too), and lets the keys whose capped head left the pending list
+     * go on.
      */
     private void hold() {
         try {
@@ -422,10 +457,13 @@ final class InOrder implements PartitionRun {
             LOG.log(Level.WARNING, where + "could not re-read the settings; the last ones stay: " + e);
         }
         List<String> leased = new ArrayList<>();
+        Map<String, Long> runs = new HashMap<>();
         List<String> capped = new ArrayList<>();
         queues.forEach((key, queue) -> {
             queue.forEach(h -> {
-                if (!h.capped) {
+                if (h.runningSince != null) {
+                    runs.put(h.message.id(), h.runningSince);
+                } else if (!h.capped) {
                     leased.add(h.message.id());
                 }
             });
@@ -433,6 +471,7 @@ final class InOrder implements PartitionRun {
                 capped.add(key);
             }
         });
+        leased.addAll(maxHandling.leased(runs, System.nanoTime()));
         try {
             for (int from = 0; from < Math.max(leased.size(), 1); from += Worker.ID_BATCH) {
                 List<String> batch = leased.subList(Math.min(from, leased.size()), Math.min(leased.size(), from + Worker.ID_BATCH));

@@ -64,7 +64,7 @@ final class Script {
     /** A call's reply, waited for at most {@code timeout}; its failure as the Redis error it is. */
     static <T> T await(java.util.concurrent.CompletionStage<T> call, java.time.Duration timeout) {
         try {
-            return call.toCompletableFuture().get(timeout.toMillis(), java.util.concurrent.TimeUnit.MILLISECONDS);
+            return call.toCompletableFuture().get(timeout.toNanos(), java.util.concurrent.TimeUnit.NANOSECONDS);
         } catch (InterruptedException e) {
             Thread.currentThread().interrupt();
             throw new io.lettuce.core.RedisException("interrupted while waiting for a reply", e);

@@ -68,7 +68,7 @@ public record Settings(long minIdleMs, long retryAfterMs, OptionalLong maxDelive
         if (versionText != null) {
             if (!isDecimal(versionText) || versionText.length() > 9
                     || !known.contains(Integer.parseInt(versionText))) {
-                throw new ContractVersionException(versionText);
+                throw new ContractVersionException(versionText, known);
             }
             version = Integer.parseInt(versionText);
         }

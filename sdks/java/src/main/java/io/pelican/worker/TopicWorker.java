@@ -74,6 +74,7 @@ public final class TopicWorker implements AutoCloseable {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
+    private final Duration maxHandling;
     private final Handler handler;
     private final Executor executor;
     private final String where;
@@ -115,6 +116,7 @@ public final class TopicWorker implements AutoCloseable {
         this.concurrency = b.concurrency;
         this.block = b.block;
         this.shutdownGrace = b.shutdownGrace;
+        this.maxHandling = b.maxHandling;
         this.handler = b.handler;
         this.executor = b.executor;
         this.where = "[topic " + topic + " " + group + " " + consumer + "] ";
@@ -205,7 +207,7 @@ public final class TopicWorker implements AutoCloseable {
                 commands = connection.async;
                 readSettings();
                 long sent = System.nanoTime();
-                first = heartbeat(false, List.of());
+                first = heartbeat(false, List.of(), connection.timeout());
                 beatAt = sent;
             } catch (RuntimeException e) {
                 state = State.CLOSED;
@@ -238,7 +240,7 @@ public final class TopicWorker implements AutoCloseable {
         closed.join();
         ContractVersionException met = versionMet;
         if (met != null) {
-            throw new ContractVersionException(met.operatorVersion());
+            throw new ContractVersionException(met.operatorVersion(), met.known());
         }
     }
 
@@ -284,7 +286,7 @@ public final class TopicWorker implements AutoCloseable {
                 closer.join();
             }
             try {
-                heartbeat(true, List.of());
+                heartbeat(true, List.of(), connection.timeout());
                 LOG.log(Level.INFO, where + "left the topic's group");
             } catch (RuntimeException e) {
                 LOG.log(Level.WARNING, where + "could not leave the group: its partitions move when the membership "
@@ -324,8 +326,11 @@ public final class TopicWorker implements AutoCloseable {
     /** What a heartbeat answers: the partitions owned with their epochs, and those to release. */
     private record Assignment(Map<Integer, Long> owned, List<Integer> release) {}
 
-    /** {@code membership.lua}: renews the membership, frees what was released, answers the assignment. */
-    private Assignment heartbeat(boolean leaving, List<Integer> releasedSince) {
+    /**
+     * {@code membership.lua}: renews the membership, frees what was released, answers the assignment; its reply waited
+     * for at most {@code within}.
+     */
+    private Assignment heartbeat(boolean leaving, List<Integer> releasedSince, Duration within) {
         List<byte[]> args = new ArrayList<>();
         args.add(Worker.bytes(consumer));
         args.add(Worker.bytes(Long.toString(membershipTtl.toMillis())));
@@ -334,8 +339,8 @@ public final class TopicWorker implements AutoCloseable {
         releasedSince.forEach(p -> args.add(Worker.bytes(Integer.toString(p))));
         byte[][] keys = {Worker.bytes(Keys.members(topic, group)), Worker.bytes(Keys.owners(topic, group)),
             Worker.bytes(Keys.epochs(topic, group))};
-        List<?> reply = await(Script.MEMBERSHIP.<List<?>>run(commands, ScriptOutputType.MULTI, keys,
-                args.toArray(new byte[0][])));
+        List<?> reply = Script.await(Script.MEMBERSHIP.<List<?>>run(commands, ScriptOutputType.MULTI, keys,
+                args.toArray(new byte[0][])), within);
         Map<Integer, Long> ownedNow = new HashMap<>();
         for (Object pair : (List<?>) reply.get(0)) {
             List<?> p = (List<?>) pair;
@@ -358,6 +363,19 @@ public final class TopicWorker implements AutoCloseable {
         return membershipTtl.toMillis() / 3;
     }
 
+    /**
+     * How long a heartbeat's reply is awaited: while the membership is fresh, no longer than it lasts, so that a member
+     * cut off from the server (its call queued for a reconnect, answered at the client's timeout at best) stops its
+     * partitions when the ttl since its last answered heartbeat passes, before another member may take them; else a
+     * beat interval.
+     */
+    private Duration replyWithin(long sent) {
+        Long at = beatAt;
+        long left = at == null ? 0 : at + membershipTtl.toNanos() - sent;
+        Duration within = left > 0 ? Duration.ofNanos(left) : Duration.ofMillis(beatInterval());
+        return within.compareTo(connection.timeout()) < 0 ? within : connection.timeout();
+    }
+
     /** One heartbeat, on the membership thread. */
     private void tick() {
         if (closing) {
@@ -365,7 +383,7 @@ public final class TopicWorker implements AutoCloseable {
         }
         long sent = System.nanoTime();
         try {
-            Assignment assignment = heartbeat(false, released);
+            Assignment assignment = heartbeat(false, released, replyWithin(sent));
             released = new ArrayList<>();
             beatAt = sent;
             follow(assignment);
@@ -424,8 +442,8 @@ public final class TopicWorker implements AutoCloseable {
     private void take(int partition, long epoch) {
         String stream = Keys.partitionStream(topic, partition);
         PartitionRun run = ordering == Ordering.PER_KEY
-                ? new InOrder(client, stream, group, consumer, partition, concurrency, block, shutdownGrace, handler,
-                        executor, spacing, this::fresh)
+                ? new InOrder(client, stream, group, consumer, partition, concurrency, block, shutdownGrace,
+                        maxHandling, handler, executor, spacing, this::fresh)
                 : new PlainRun(Worker.on(client).stream(stream).group(group).consumer(consumer).handler(handler)
                         .partition(partition, this::fresh), partitionOptions);
         try {
@@ -483,9 +501,10 @@ public final class TopicWorker implements AutoCloseable {
     private void takeOver(String stream) {
         String cursor = "0-0";
         do {
-            ClaimedMessages<byte[], byte[]> page = await(commands.xautoclaim(Worker.bytes(stream),
+            // Within the membership, as a heartbeat: the membership thread stops the partitions when it ends.
+            ClaimedMessages<byte[], byte[]> page = Script.await(commands.xautoclaim(Worker.bytes(stream),
                     XAutoClaimArgs.Builder.<byte[]>justid(Consumer.from(Worker.bytes(group), Worker.bytes(consumer)), 0,
-                            cursor).count(TAKE_OVER_BATCH)));
+                            cursor).count(TAKE_OVER_BATCH)), replyWithin(System.nanoTime()));
             cursor = page.getId();
         } while (cursor != null && !cursor.equals("0-0"));
     }

@@ -96,7 +96,8 @@ public final class Worker implements AutoCloseable {
     private final int concurrency;
     private final Duration block;
     private final Duration shutdownGrace;
-    private final Duration maxHandling;
+    /** How long a handler's entry is leased (the lease thread's alone). */
+    private final MaxHandling maxHandling;
     private final Handler handler;
     private final Executor givenExecutor;
     private final byte[] streamKey;
@@ -181,7 +182,6 @@ public final class Worker implements AutoCloseable {
         this.concurrency = b.concurrency;
         this.block = b.block;
         this.shutdownGrace = b.shutdownGrace;
-        this.maxHandling = b.maxHandling;
         this.handler = b.handler;
         this.givenExecutor = b.executor;
         this.streamKey = bytes(stream);
@@ -192,6 +192,7 @@ public final class Worker implements AutoCloseable {
         this.settingsKey = bytes(Keys.settings(stream, group));
         this.consumersKey = bytes(Keys.consumers(stream, group));
         this.where = "[" + stream + " " + group + " " + consumer + "] ";
+        this.maxHandling = new MaxHandling(b.maxHandling, where);
         this.tracedAs = new Tracing.Where(stream, group, consumer);
         this.contracts = b.partition.isPresent() ? Set.of(Partitions.TOPIC_CONTRACT_VERSION) : Settings.KNOWN_CONTRACT_VERSIONS;
         this.partition = b.partition;
@@ -304,7 +305,7 @@ public final class Worker implements AutoCloseable {
         closed.join();
         ContractVersionException met = versionMet;
         if (met != null) {
-            throw new ContractVersionException(met.operatorVersion());
+            throw new ContractVersionException(met.operatorVersion(), met.known());
         }
     }
 
@@ -810,21 +811,14 @@ public final class Worker implements AutoCloseable {
                     LOG.log(Level.WARNING, where + "could not re-read the group's settings; the last ones stay: " + e);
                 }
             }
-            long now = System.nanoTime();
-            List<String> ids = new ArrayList<>();
+            Map<String, Long> running = new HashMap<>();
             for (InFlight entry : inFlight.values()) {
                 // A settled entry's outcome is being written: a lease after its give-back would undo the idle it set.
-                if (entry.state.get() != InFlight.RUNNING) {
-                    continue;
-                }
-                if (now - entry.startedAt < maxHandling.toNanos()) {
-                    ids.add(entry.id);
-                } else if (!entry.overdue) {
-                    entry.overdue = true;
-                    LOG.log(Level.WARNING, where + "handler of " + entry.id + " still running after maxHandling ("
-                            + maxHandling + "): its lease is no longer extended, and the operator's pass may retry it");
+                if (entry.state.get() == InFlight.RUNNING) {
+                    running.put(entry.id, entry.startedAt);
                 }
             }
+            List<String> ids = maxHandling.leased(running, System.nanoTime());
             List<String> kept;
             long sent = System.nanoTime();
             try {
@@ -1142,8 +1136,7 @@ public final class Worker implements AutoCloseable {
         final CompletableFuture<Void> written = new CompletableFuture<>();
         /** The handler's thread while it runs (guarded by this entry): interrupted at the end of the grace. */
         Thread thread;
-        /** Past maxHandling, said; taken by the pass while running, said (the lease thread's alone). */
-        boolean overdue;
+        /** Taken by the pass while running, said (the lease thread's alone). */
         boolean lost;
 
         InFlight(String id) {

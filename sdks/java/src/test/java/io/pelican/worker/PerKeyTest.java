@@ -17,7 +17,11 @@ import java.util.List;
 import java.util.Map;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.CopyOnWriteArrayList;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
+import java.util.function.UnaryOperator;
+import java.util.logging.Level;
 import org.junit.jupiter.api.Test;
 
 /** An {@code ordering: PerKey} topic: order per key, one entry of a key at once, retries in place, the cap. */
@@ -26,8 +30,13 @@ class PerKeyTest {
 
     /** A member whose concurrency (8) is above the keys' count: only the key keeps two of it apart. */
     private static TopicWorker member(Handler handler) {
-        return TopicWorker.builder(Support.server().uri()).topic(TOPIC).group(GROUP).consumer("member")
-                .membershipTtl(Duration.ofSeconds(3)).block(Duration.ofMillis(100)).concurrency(8).handler(handler).build();
+        return member(handler, b -> b);
+    }
+
+    private static TopicWorker member(Handler handler, UnaryOperator<TopicWorker.Builder> options) {
+        return options.apply(TopicWorker.builder(Support.server().uri()).topic(TOPIC).group(GROUP).consumer("member")
+                .membershipTtl(Duration.ofSeconds(3)).block(Duration.ofMillis(100)).concurrency(8).handler(handler))
+                .build();
     }
 
     private static List<PendingMessage> pending(RedisCommands<String, String> r, String id) {
@@ -138,5 +147,35 @@ class PerKeyTest {
         assertEquals(List.of("a-1", "a-1", "a-2"), runs);
         assertFalse(r.hget(Keys.errors(STREAM, GROUP), capped).isEmpty(), "its last error recorded for the pass");
         assertEquals(new ArrayList<>(List.of()), new ArrayList<>(pending(r, capped)));
+    }
+
+    @Test
+    void pastMaxHandlingTheRunningEntryIsNoLongerLeasedSaidOnceWhileTheEntriesBehindItStayLeased()
+            throws InterruptedException {
+        RedisCommands<String, String> r = Support.fresh();
+        TopicSupport.writeTopic(r, 1, 300, "ordering", "PerKey"); // a lease every 100 ms
+        String slow = r.xadd(STREAM, Keys.KEY_FIELD, "a", "n", "a-1");
+        String behind = r.xadd(STREAM, Keys.KEY_FIELD, "a", "n", "a-2");
+        CountDownLatch started = new CountDownLatch(1);
+        CountDownLatch finish = new CountDownLatch(1);
+        Handler handler = message -> {
+            if (message.id().equals(slow)) {
+                started.countDown();
+                finish.await(10, TimeUnit.SECONDS);
+            }
+            return Outcome.done();
+        };
+        try (Support.Logs logs = new Support.Logs();
+                TopicWorker worker = member(handler, b -> b.maxHandling(Duration.ofMillis(400)))) {
+            worker.start();
+            assertTrue(started.await(5, TimeUnit.SECONDS), "a-1 running");
+            // Past maxHandling (400 ms) its lease lapses: idle well past the 100 ms between leases, while it runs.
+            eventually(() -> pending(r, slow).get(0).getMsSinceLastDelivery() >= 700, Duration.ofSeconds(3),
+                    "a-1 idle past maxHandling");
+            assertTrue(pending(r, behind).get(0).getMsSinceLastDelivery() < 300, "a-2, queued behind it, still leased");
+            assertEquals(1, logs.at(Level.WARNING, "still running after maxHandling").size(), logs.messages().toString());
+            finish.countDown();
+            eventually(() -> r.xpending(STREAM, GROUP).getCount() == 0, "a-1 and a-2 done");
+        }
     }
 }

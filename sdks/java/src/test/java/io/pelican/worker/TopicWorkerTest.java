@@ -4,11 +4,13 @@ import static io.pelican.worker.Support.GROUP;
 import static io.pelican.worker.Support.eventually;
 import static io.pelican.worker.TopicSupport.TOPIC;
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertInstanceOf;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.Limit;
 import io.lettuce.core.Range;
+import io.lettuce.core.RedisURI;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.XReadArgs.StreamOffset;
 import io.lettuce.core.api.sync.RedisCommands;
@@ -19,10 +21,13 @@ import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
+import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicLong;
 import java.util.function.UnaryOperator;
 import org.junit.jupiter.api.Test;
 
@@ -137,6 +142,59 @@ class TopicWorkerTest {
         }
     }
 
+    @Test
+    void aMemberCutOffFromTheServerStopsItsPartitionsWithinTheTtlBeforeAnotherMemberRunsThem() throws Exception {
+        Duration ttl = Duration.ofSeconds(2);
+        for (String ordering : List.of("None", "PerKey")) {
+            RedisCommands<String, String> r = Support.fresh();
+            // Leases every 300 ms: a's partition worker is waiting for a lease's reply when the ttl ends.
+            TopicSupport.writeTopic(r, 1, 900, "ordering", ordering);
+            CountDownLatch running = new CountDownLatch(1);
+            AtomicLong stoppedAt = new AtomicLong(); // wall clock, ms: when a's handler was interrupted
+            Handler hangs = message -> {
+                running.countDown();
+                try {
+                    Thread.sleep(30_000);
+                } catch (InterruptedException e) {
+                    stoppedAt.set(System.currentTimeMillis());
+                    throw e;
+                }
+                return Outcome.done();
+            };
+            List<Long> startedByB = new CopyOnWriteArrayList<>();
+            Handler records = message -> {
+                startedByB.add(System.currentTimeMillis());
+                return Outcome.done();
+            };
+            // a's client waits 5 s for a reply (more than the ttl): a heartbeat it sends once cut off stays unanswered.
+            RedisURI throughProxy;
+            try (CutOff proxy = new CutOff(Support.server().port)) {
+                throughProxy = RedisURI.builder().withHost("127.0.0.1").withPort(proxy.port())
+                        .withTimeout(Duration.ofSeconds(5)).build();
+                try (TopicWorker a = TopicWorker.builder(throughProxy).topic(TOPIC).group(GROUP).consumer("a")
+                                .membershipTtl(ttl).block(Duration.ofMillis(100)).handler(hangs).build();
+                        TopicWorker b = member("b", records, o -> o.membershipTtl(ttl))) {
+                    a.start();
+                    eventually(() -> a.owned().equals(Set.of(0)), Duration.ofSeconds(5), "a owning the partition");
+                    r.xadd(Keys.partitionStream(TOPIC, 0), Keys.KEY_FIELD, "k", "n", "stuck");
+                    assertTrue(running.await(5, TimeUnit.SECONDS), ordering + ": a running the entry");
+                    b.start(); // one partition: a, first by name, keeps it
+                    long cutAt = System.currentTimeMillis();
+                    proxy.cut();
+                    eventually(() -> !startedByB.isEmpty(), Duration.ofSeconds(10), ordering + ": b running the entry");
+                    assertTrue(stoppedAt.get() > 0, ordering + ": a's handler still runs while b runs its entry");
+                    assertTrue(stoppedAt.get() <= startedByB.get(0), ordering + ": a stopped "
+                            + (stoppedAt.get() - startedByB.get(0)) + " ms after b started the entry");
+                    assertTrue(stoppedAt.get() - cutAt < ttl.toMillis() + 1000,
+                            ordering + ": a stopped " + (stoppedAt.get() - cutAt) + " ms after the cut");
+                    assertEquals(Set.of(), a.owned(), ordering);
+                    eventually(() -> r.xpending(Keys.partitionStream(TOPIC, 0), GROUP).getCount() == 0,
+                            ordering + ": b acknowledged it");
+                }
+            }
+        }
+    }
+
     // Lettuce takes the offsets as generic varargs: javac calls the array it makes for one offset unchecked.
     @SuppressWarnings("unchecked")
     static void readAs(RedisCommands<String, String> r, String stream, String consumer) {
@@ -160,6 +218,25 @@ class TopicWorkerTest {
         TopicContractException refused = assertThrows(TopicContractException.class, worker::start);
         assertEquals("3", refused.operatorVersion());
         assertTrue(refused.getMessage().contains("topic 'orders'"), refused.getMessage());
+    }
+
+    @Test
+    void aPartitionWhoseSettingsChangeToAnUnknownContractStopsTheMemberSayingItKnowsContract2() throws Exception {
+        for (String ordering : List.of("None", "PerKey")) {
+            RedisCommands<String, String> r = Support.fresh();
+            TopicSupport.writeTopic(r, 2, 300, "ordering", ordering); // settings re-read every 100 ms
+            TopicWorker worker = member("m", message -> Outcome.done(), o -> o);
+            CompletableFuture<Void> run = CompletableFuture.runAsync(worker::run);
+            eventually(() -> worker.owned().equals(Set.of(0, 1)), Duration.ofSeconds(5), "m owning both partitions");
+            r.hset(Keys.settings(Keys.partitionStream(TOPIC, 1), GROUP), "contractVersion", "3");
+            ExecutionException stopped = assertThrows(ExecutionException.class, () -> run.get(10, TimeUnit.SECONDS));
+            ContractVersionException version = assertInstanceOf(ContractVersionException.class, stopped.getCause());
+            assertEquals("3", version.operatorVersion(), ordering);
+            assertEquals(Set.of(2), version.known(), ordering);
+            assertTrue(version.getMessage().contains("worker contract 3, this library knows 2"),
+                    ordering + ": " + version.getMessage());
+            assertEquals(Map.of(), r.hgetall(Keys.members(TOPIC, GROUP)), ordering + ": the member left");
+        }
     }
 
     @Test

@@ -380,15 +380,17 @@ class WorkerTest {
         add(r, "n", "1");
         CountDownLatch started = new CountDownLatch(1);
         Pending p;
-        try (Worker w = worker(m -> {
-            started.countDown();
-            Thread.sleep(1600);
-            return Outcome.done();
-        }, b -> b.maxHandling(Duration.ofMillis(400)))) {
+        try (Logs logs = new Logs();
+                Worker w = worker(m -> {
+                    started.countDown();
+                    Thread.sleep(1600);
+                    return Outcome.done();
+                }, b -> b.maxHandling(Duration.ofMillis(400)))) {
             w.start();
             assertTrue(await(started));
             RedisServer.sleep(1300);
             p = pending(r).get(0);
+            assertEquals(1, logs.at(Level.WARNING, "still running after maxHandling").size(), logs.messages().toString());
         }
         assertTrue(p.idleMs() >= 700, "idle " + p.idleMs());
     }
