@@ -553,6 +553,37 @@ fn a_stream_whose_hash_tag_is_another_teams_is_refused_for_pelicans_own_keys() {
     assert_eq!(exists, 0, "nothing written for the refused policy");
 }
 
+/// A topic on a shared server (SPEC 22): the server must admit each partition `{t:<i>}` and Pelican's keys in its
+/// slot, the topic's own keys and the dead-letter stream. Admitted `{t}:*` (the topic's own keys) but no partition,
+/// it is refused naming partition 0; once the server admits `{t*` it is Ready, the group on every partition.
+#[test]
+fn a_topic_on_a_shared_server_needs_every_partition_admitted() {
+    let server = Server::start(Flavor::Redis);
+    let (platform, team) = (namespace("platform"), namespace("topics"));
+    let label = team.clone();
+    let _operator = operator(&label, &[]);
+    let admitting = |keys: &str| {
+        let tenants = format!("  tenants:\n  - namespaces: [{team}]\n    keys: [{keys}, \"t:dlq\"]\n");
+        server_manifest(&label, &server.url(), "", &tenants)
+            .replace("  passwordSecretRef: {name: shared-auth, key: password}\n", "")
+    };
+    assert!(kubectl_apply(&platform, &admitting("\"{t}:*\"")).0);
+    let topic = tenant_policy("topic", &label, &platform, "t", "g", "t:dlq", "  partitions: 4\n");
+    assert!(kubectl_apply(&team, &topic).0);
+    let refused = wait_condition(&team, "topic", "Stalled", "True", "KeyNotAllowed");
+    let message = ready_message(&refused);
+    assert!(message.contains("spec.stream (partition 0)") && message.contains("{t:0}"), "{message}");
+    let mut conn = server.conn();
+    let exists: i64 = redis::cmd("EXISTS").arg("{t:0}").arg("{t}:pelican:t:topic").query(&mut conn).unwrap();
+    assert_eq!(exists, 0, "nothing written for the refused topic");
+
+    assert!(kubectl_apply(&platform, &admitting("\"{t*\"")).0);
+    wait_condition(&team, "topic", "Ready", "True", "Reconciled");
+    for i in 0..4 {
+        assert_eq!(group_names(&mut conn, &pelican::keys::partition_stream("t", i)), ["g"], "partition {i}");
+    }
+}
+
 /// Defect: a `RedisServer` change stalled the namespace's policies, but a running `DeadLetterRedrive` kept moving
 /// with the keys admitted when it started. Revoked mid-redrive (`ratePerSecond: 1`), it ends `Failed`
 /// `ServerNotAllowed` within seconds and moves nothing more.

@@ -65,11 +65,6 @@ fn admission_refuses_topics_it_cannot_serve_and_says_what_to_do() {
     let out = refused(&ns, &plain("  partitions: 2\n  backlog:\n    maxLength: 10\n"));
     assert!(out.contains("spec.partitions") && out.contains("remove them"), "{out}");
 
-    let on_a_server =
-        plain("  partitions: 2\n").replace(&format!("    url: {URL}\n"), "    serverRef: {name: shared}\n");
-    let out = refused(&ns, &on_a_server);
-    assert!(out.contains("spec.partitions") && out.contains("use an inline connection"), "{out}");
-
     assert!(kubectl_apply(&ns, &plain("  partitions: 4\n")).0);
     let out = refused(&ns, &plain("  partitions: 8\n"));
     assert!(out.contains("spec.partitions is immutable") && out.contains("move the producers"), "{out}");

@@ -5,6 +5,37 @@
 
 pub mod conditions;
 mod resolve;
+
+/// `KeyNotAllowed` unless the server admits every key the policy writes: its stream and dead-letter stream and
+/// Pelican's keys in their slots; for a topic (SPEC 22) each partition `{<topic>:<i>}` and its keys, the dead-letter
+/// stream of each (one for the topic on one server, the partition's own on a Cluster), and the topic's own keys
+/// (`{<topic>}:pelican:<topic>:...`: its description and membership), which are named after no admitted key.
+fn check_keys(keys: &KeyRules, policy: &ConsumerGroupPolicy, cluster: bool) -> Result<()> {
+    let (stream, group) = (&policy.spec.stream, &policy.spec.group);
+    let check_stream = |field: &str, stream: &str, dead_letter: &str| -> Result<()> {
+        keys.check(field, stream)?;
+        keys.check("spec.deadLetter.stream", dead_letter)?;
+        keys.check_own(field, stream, &crate::keys::group_keys(stream, group))?;
+        keys.check_own("spec.deadLetter.stream", dead_letter, &[crate::keys::redrive_lock_key(dead_letter)])
+    };
+    let Some(partitions) = policy.spec.partitions else {
+        return check_stream("spec.stream", stream, &policy.spec.dead_letter.stream);
+    };
+    let own = [
+        crate::keys::topic_key(stream),
+        crate::keys::settings_key(stream, group),
+        crate::keys::members_key(stream, group),
+        crate::keys::owners_key(stream, group),
+        crate::keys::epochs_key(stream, group),
+    ];
+    own.iter().try_for_each(|key| keys.check("Pelican's own key for the topic spec.stream", key))?;
+    (0..partitions).try_for_each(|i| {
+        let partition = crate::keys::partition_stream(stream, i);
+        let dead_letter = crate::controller::dead_letter_of(policy, &partition, cluster);
+        check_stream(&format!("spec.stream (partition {i})"), &partition, &dead_letter)
+    })
+}
+
 #[cfg(test)]
 pub(crate) mod scripted;
 
@@ -167,11 +198,8 @@ impl Shared {
             false => None,
         };
         let keys = tenancy::admit(&server, &namespace, labels.as_ref())?;
-        let (stream, dead_letter) = (&policy.spec.stream, &policy.spec.dead_letter.stream);
-        keys.check("spec.stream", stream)?;
-        keys.check("spec.deadLetter.stream", dead_letter)?;
-        keys.check_own("spec.stream", stream, &crate::keys::group_keys(stream, &policy.spec.group))?;
-        keys.check_own("spec.deadLetter.stream", dead_letter, &[crate::keys::redrive_lock_key(dead_letter)])?;
+        let cluster = server.spec.mode == crate::api::RedisMode::Cluster;
+        check_keys(&keys, policy, cluster)?;
         Ok(Some((server, keys)))
     }
 
