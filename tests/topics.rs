@@ -62,8 +62,8 @@ fn admission_refuses_topics_it_cannot_serve_and_says_what_to_do() {
         let out = refused(&ns, &plain(&format!("  partitions: {count}\n")));
         assert!(out.contains("spec.partitions"), "{count}: {out}");
     }
-    let out = refused(&ns, &plain("  partitions: 2\n  backlog:\n    maxLength: 10\n"));
-    assert!(out.contains("spec.partitions") && out.contains("remove them"), "{out}");
+    let out = refused(&ns, &plain("  partitions: 2\n  idempotence:\n    duration: 10m\n    maxSize: 1000\n"));
+    assert!(out.contains("spec.partitions") && out.contains("remove it"), "{out}");
 
     assert!(kubectl_apply(&ns, &plain("  partitions: 4\n")).0);
     let out = refused(&ns, &plain("  partitions: 8\n"));
@@ -114,8 +114,8 @@ fn a_topic_of_four_partitions_is_converged_partition_by_partition_and_shown_as_o
     assert_eq!(status["deadLetterLength"], 1, "one dead-letter stream for the topic: {status}");
     assert_eq!(
         status["partitions"],
-        serde_json::json!({"count": 4, "withGroup": 4, "members": 0}),
-        "no worker: no member; {status}"
+        serde_json::json!({"count": 4, "withGroup": 4, "members": 0, "largestBacklog": {"partition": 0, "backlog": 1}}),
+        "no worker: no member; each partition's backlog 1, the first named; {status}"
     );
     let table = kubectl_ok(&["get", "cgp", "t", "-n", &ns, "-o", "wide"]);
     assert_eq!(table_rows(&table)[0]["PARTITIONS"], "4", "{table}");
@@ -300,4 +300,48 @@ fn suspend_stops_every_partitions_jobs() {
     patch_policy(&ns, "t", "merge", r#"{"spec":{"suspend":false}}"#);
     let letters = wait_dead_letters(&mut conn, 1);
     assert_eq!(field(&letters[0], "pelican-source-stream"), "{t:1}");
+}
+
+/// `spec.backlog.maxLength` bounds each partition (SPEC 22): a key whose partition is full is refused while another
+/// key's partition takes more; `Saturated` names the full partition, `status.partitions.largestBacklog` shows it; a
+/// bound removed from the spec leaves no partition's bounds hash.
+#[test]
+fn a_backlog_bound_holds_each_partition() {
+    let server = Server::start(Flavor::Redis);
+    let (ns, _operator) =
+        ready_policy("topic-backlog", &topic_policy(&server, "  partitions: 2\n  backlog:\n    maxLength: 3\n"), "t");
+    let runtime = runtime();
+    let source = pelican::worker::Source::Server(redis::Client::open(server.url()).unwrap());
+    let producer = runtime.block_on(pelican::worker::TopicProducer::connect_to(&source, "t")).unwrap();
+    let full = producer.partition(Some(b"a"));
+    let other = (0..100).map(|i| format!("k{i}")).find(|k| producer.partition(Some(k.as_bytes())) != full).unwrap();
+    for n in 0..3 {
+        runtime.block_on(producer.publish(Some(b"a"), &[("n", n)])).unwrap();
+    }
+    match runtime.block_on(producer.publish(Some(b"a"), &[("n", 3)])) {
+        Err(pelican::worker::PublishError::Refused { backlog: 3, max: 3, .. }) => {}
+        other => panic!("the fourth message of a full partition: {other:?}"),
+    }
+    for n in 0..2 {
+        runtime.block_on(producer.publish(Some(other.as_bytes()), &[("n", n)])).unwrap();
+    }
+    let saturated = wait_condition(&ns, "t", "Saturated", "True", "BacklogFull");
+    let conditions = saturated["status"]["conditions"].as_array().unwrap();
+    let message = conditions.iter().find(|c| c["type"] == "Saturated").unwrap()["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("partition {full}'s backlog 3")) && message.contains("per partition"),
+        "{message}"
+    );
+    let largest = &saturated["status"]["partitions"]["largestBacklog"];
+    assert_eq!(largest["backlog"], 3, "{}", saturated["status"]);
+    assert_eq!(saturated["status"]["backlog"], 5, "{}", saturated["status"]);
+
+    patch_policy(&ns, "t", "json", r#"[{"op": "remove", "path": "/spec/backlog"}]"#);
+    let mut conn = server.conn();
+    wait_for("no partition's bound left", Duration::from_secs(30), || {
+        let bounds: Vec<usize> =
+            (0..2).map(|i| hash(&mut conn, &pelican::keys::bounds_key(&partition_stream("t", i))).len()).collect();
+        if bounds == [0, 0] { Ok(()) } else { Err(format!("{bounds:?}")) }
+    });
+    runtime.block_on(producer.publish(Some(b"a"), &[("n", 4)])).unwrap();
 }

@@ -103,7 +103,7 @@ pub const RECONCILED: &str = "Reconciled";
 #[x_kube(validation = Rule::new("has(self.partitions) || !has(self.ordering) || self.ordering == 'None'").message("spec.ordering PerKey needs spec.partitions: order per key is kept by giving each key one partition of a topic; set spec.partitions or remove spec.ordering").field_path(".ordering"))]
 #[x_kube(validation = Rule::new("!has(self.partitions) || !(self.stream.contains('{') || self.stream.contains('}'))").message("spec.stream names a topic when spec.partitions is set and must not contain { or }: each partition is the stream {<topic>:<i>}, a hash tag of its own").field_path(".stream"))]
 #[x_kube(validation = Rule::new("!has(self.partitions) || !(self.deadLetter.stream.startsWith('{' + self.stream + ':') && self.deadLetter.stream.matches('^[{].*:[0-9]+[}]$'))").message("spec.deadLetter.stream is one of the topic's partitions ({<topic>:<i>}): dead-lettered entries would be read again by the group; name a stream outside the topic").field_path(".deadLetter.stream"))]
-#[x_kube(validation = Rule::new("!has(self.partitions) || (!has(self.backlog) && !has(self.idempotence))").message("spec.backlog and spec.idempotence apply to one stream and are not supported with spec.partitions yet: remove them from a partitioned policy").field_path(".partitions"))]
+#[x_kube(validation = Rule::new("!has(self.partitions) || !has(self.idempotence)").message("spec.idempotence applies to one stream and is not supported with spec.partitions yet: remove it from a partitioned policy").field_path(".partitions"))]
 #[x_kube(validation = Rule::new("has(self.partitions) == has(oldSelf.partitions)").message("spec.partitions cannot be added or removed: a topic's entries live in its partition streams, a plain stream's in the stream itself; create a new policy and move the producers to it").field_path(".partitions"))]
 #[serde(rename_all = "camelCase")]
 pub struct ConsumerGroupPolicySpec {
@@ -612,6 +612,18 @@ pub struct PartitionsStatus {
     /// members found them.
     #[serde(default)]
     pub members: u32,
+    /// The partition with the largest backlog (lag + pending, as `status.backlog`): a hot key's partition, and what
+    /// `spec.backlog.maxLength` (a bound per partition) refuses at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest_backlog: Option<PartitionBacklog>,
+}
+
+/// One partition's backlog.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionBacklog {
+    pub partition: u32,
+    pub backlog: i64,
 }
 
 /// The stream's idempotent production, as the server reports it.

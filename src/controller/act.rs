@@ -169,6 +169,12 @@ pub async fn converge(
         };
         let held_for = seen.iter().map(|s| s.held_for).max().unwrap_or_default();
         let facts: Vec<GroupFacts> = seen.into_iter().map(|s| s.facts).collect();
+        // The backlog bound is each partition's (its producers run the bounded publish script on it).
+        for (stream, partition) in plan::streams(policy).iter().zip(&facts) {
+            if let Some(bound) = plan::bound_change(policy, partition.bound.as_deref()) {
+                redis_ops::set_bound(&mut conn, &server, stream, &policy.spec.group, bound).await?;
+            }
+        }
         let slots = if target.cluster { redis_ops::slot_primaries(&mut conn, &server).await? } else { Vec::new() };
         let mut summary = topic::summary(&policy.spec.stream, &facts, &slots);
         // Members that stopped beating leave the group here too, not only at another member's heartbeat.
@@ -189,7 +195,9 @@ pub async fn converge(
         host.announce(policy, said).await;
     }
     let keys = group_keys(policy);
-    if let Some(bound) = plan::bound_change(policy, facts.bound.as_deref()) {
+    if policy.spec.partitions.is_none()
+        && let Some(bound) = plan::bound_change(policy, facts.bound.as_deref())
+    {
         redis_ops::set_bound(&mut conn, &server, keys.stream, keys.group, bound).await?;
     }
     let window = validate::effective_idempotence(policy, schedule.idempotence, others);
@@ -444,7 +452,9 @@ async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy:
     let target = ctx.shared.target(policy).await?;
     let (target, mut conn) = ctx.shared.pools.reach_primary(&target).await?;
     let server = target.server();
-    redis_ops::set_bound(&mut conn, &server, &policy.spec.stream, &policy.spec.group, None).await?;
+    for stream in plan::streams(policy) {
+        redis_ops::set_bound(&mut conn, &server, &stream, &policy.spec.group, None).await?;
+    }
     if policy.spec.idempotence.is_some() {
         let uid = policy.uid().unwrap_or_default();
         redis_ops::withdraw_idempotence(&mut conn, &server, &policy.spec.stream, &uid).await?;

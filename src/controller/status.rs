@@ -135,13 +135,30 @@ pub fn saturated(
 ) -> Option<Condition> {
     let max = max_length?;
     let old = previous.iter().find(|c| c.type_ == SATURATED);
+    // On a topic the bound is each partition's: the fullest one says whether any producer is refused.
+    let (of, value) = match &status.partitions {
+        Some(topic) => match &topic.largest_backlog {
+            Some(fullest) => (format!("partition {}'s ", fullest.partition), Some(fullest.backlog)),
+            None => (String::new(), None),
+        },
+        None => (String::new(), status.backlog),
+    };
     let backlog = |b: i64| match status.lag {
-        Some(_) => format!("backlog {b}"),
+        Some(_) => format!("{of}backlog {b}"),
         None => format!(
-            "backlog {b} (an upper bound: the server cannot tell the lag until the group reads the stream's last entry)"
+            "{of}backlog {b} (an upper bound: the server cannot tell the lag until the group reads the stream's last \
+             entry)"
         ),
     };
-    let (status, reason, message) = match status.backlog {
+    let (status, reason, message) = match value {
+        Some(b) if b >= max && !of.is_empty() => (
+            "True",
+            "BacklogFull",
+            format!(
+                "{} is at spec.backlog.maxLength {max} (a bound per partition): bounded publishes to it are refused",
+                backlog(b)
+            ),
+        ),
         Some(b) if b >= max => (
             "True",
             "BacklogFull",

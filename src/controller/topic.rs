@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::api::PartitionsStatus;
+use crate::api::{PartitionBacklog, PartitionsStatus};
 use crate::keys;
-use crate::redis::GroupFacts;
+use crate::redis::{Backlog, GroupFacts};
 
 /// The topic's facts from its partitions': counts summed (pending, lag, lengths, totals, terminal reasons), the
 /// oldest pending entry and the oldest unread one over all partitions, the consumers of the busiest partition (a
@@ -69,11 +69,16 @@ pub fn summary(topic: &str, partitions: &[GroupFacts], slots: &[(u16, u16, Strin
             *shards.entry(name.to_string()).or_insert(0) += 1;
         }
     }
+    let largest_backlog = (0u32..)
+        .zip(partitions)
+        .map(|(partition, facts)| PartitionBacklog { partition, backlog: Backlog::of(facts).total() })
+        .max_by_key(|p| (p.backlog, std::cmp::Reverse(p.partition)));
     PartitionsStatus {
         count: partitions.len() as u32,
         with_group: partitions.iter().filter(|p| p.has_group).count() as u32,
         shards,
         members: 0,
+        largest_backlog,
     }
 }
 
