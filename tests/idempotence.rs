@@ -279,3 +279,41 @@ fn without_command_docs_the_window_is_still_applied_where_the_server_has_idmp() 
     assert!(policy["status"]["serverFeatures"].as_array().is_none_or(|f| f.is_empty()), "{}", policy["status"]);
     assert_eq!((stream_info(&mut conn, "idmp-duration"), stream_info(&mut conn, "idmp-maxsize")), (600, 1000));
 }
+
+/// A topic's window (SPEC 22) is each partition's: set on every partition, and an idempotent topic producer's message
+/// published three times is one entry in its partition, the duplicates summed in the topic's status.
+#[test]
+fn a_topics_window_is_set_on_every_partition() {
+    let server = Server::start(Flavor::Redis86);
+    let mut conn = server.conn();
+    let extra = "  partitions: 3\n  idempotence:\n    duration: 10m\n    maxSize: 1000\n";
+    let (ns, _operator) = ready_policy("idmptopic", &policy("p", &server.url(), "t", "billing", extra), "p");
+    wait_condition(&ns, "p", "Idempotent", "True", "WindowApplied");
+    for i in 0..3 {
+        let info: std::collections::HashMap<String, redis::Value> =
+            redis::cmd("XINFO").arg("STREAM").arg(pelican::keys::partition_stream("t", i)).query(&mut conn).unwrap();
+        let field = |name: &str| redis::from_redis_value::<i64>(info[name].clone()).unwrap();
+        assert_eq!((field("idmp-duration"), field("idmp-maxsize")), (600, 1000), "partition {i}");
+    }
+    let said = wait_for("the IdempotenceWindowSet Event", Duration::from_secs(30), || {
+        let set = events(&ns, "IdempotenceWindowSet");
+        if set.is_empty() { Err("none".into()) } else { Ok(set) }
+    });
+    assert_eq!(said.len(), 1, "said once for the topic: {said:?}");
+    assert!(said[0]["message"].as_str().unwrap().contains("3 of the 3 partitions of topic \"t\""), "{}", said[0]);
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let source = Source::Server(redis::Client::open(server.url()).unwrap());
+    let producer = runtime.block_on(async {
+        pelican::worker::TopicProducer::connect_to(&source, "t").await.unwrap().idempotent("pod-0").await.unwrap()
+    });
+    let published: Vec<(u32, String)> = (0..3)
+        .map(|_| runtime.block_on(producer.publish(Some(b"user-7"), "order-1", &[("order", "1")])).unwrap())
+        .collect();
+    assert!(published.iter().all(|p| *p == published[0]), "{published:?}");
+    wait_for("status.idempotence.duplicates 2", Duration::from_secs(30), || match shown(&ns, "duplicates") {
+        Some(2) => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
+    assert_eq!((shown(&ns, "durationSeconds"), shown(&ns, "added")), (Some(600), Some(1)));
+}

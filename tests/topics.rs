@@ -62,8 +62,6 @@ fn admission_refuses_topics_it_cannot_serve_and_says_what_to_do() {
         let out = refused(&ns, &plain(&format!("  partitions: {count}\n")));
         assert!(out.contains("spec.partitions"), "{count}: {out}");
     }
-    let out = refused(&ns, &plain("  partitions: 2\n  idempotence:\n    duration: 10m\n    maxSize: 1000\n"));
-    assert!(out.contains("spec.partitions") && out.contains("remove it"), "{out}");
 
     assert!(kubectl_apply(&ns, &plain("  partitions: 4\n")).0);
     let out = refused(&ns, &plain("  partitions: 8\n"));

@@ -154,6 +154,8 @@ pub async fn converge(
         acked_trim: features.has("XTRIM ACKED"),
         pods: pods_of(policy, host)?,
     };
+    // Each partition's facts, for what is decided per partition (the bound, the idempotence window).
+    let mut each_partition = Vec::new();
     let (setup, mut facts, min_idle_held_for, partitions) = if policy.spec.partitions.is_some() {
         let (each, id) = (&each, &id);
         // Owned stream names: a stream of futures borrowing from its own items is not `Send`.
@@ -182,7 +184,9 @@ pub async fn converge(
         let swept = crate::topic::sweep(&mut conn, stream, group, summary.count).await;
         summary.members = swept.map_err(|e| Error::from_redis(&server, e))?;
         // On a Cluster each partition has a dead-letter stream of its own (plan::dead_letter_of).
-        (setup, topic::facts(&facts, target.cluster), held_for, Some(summary))
+        let topic_facts = topic::facts(&facts, target.cluster);
+        each_partition = facts;
+        (setup, topic_facts, held_for, Some(summary))
     } else {
         let seen = each.stream(&policy.spec.stream, id.clone(), host.unread(policy).as_ref()).await?;
         (seen.setup, seen.facts, seen.held_for, None)
@@ -202,29 +206,35 @@ pub async fn converge(
     }
     let window = validate::effective_idempotence(policy, schedule.idempotence, others);
     // The stream's own `idmp-*` fields tell as well as COMMAND DOCS, which an ACL without +command|docs refuses.
-    let has_idmp = features.has("XADD IDMP") || facts.idempotence.is_some();
-    let mut idempotence = plan::idempotence(window, facts.idempotence.as_ref(), has_idmp);
-    if let plan::Idempotence::Set(window) | plan::Idempotence::Applied(window) = idempotence {
-        let uid = policy.uid().unwrap_or_default();
-        let (seconds, max_size) = (window.seconds, window.max_size);
-        idempotence = match redis_ops::agree_idempotence(&mut conn, &server, keys.stream, &uid, seconds, max_size).await
-        {
-            Ok((seconds, max_size, set)) => {
-                let in_force = validate::Window { seconds, max_size };
-                if set {
-                    let before = facts.idempotence.as_ref();
-                    host.announce(policy, plan::idempotence_announcement(keys.stream, in_force, before)).await;
-                    if let Some(now) = facts.idempotence.as_mut() {
-                        (now.duration_seconds, now.max_size, now.producers, now.message_ids) =
-                            (seconds, max_size, 0, 0);
-                    }
-                }
-                plan::Idempotence::Applied(in_force)
+    let has_idmp = features.has("XADD IDMP")
+        || facts.idempotence.is_some()
+        || each_partition.iter().any(|p| p.idempotence.is_some());
+    let idempotence = match policy.spec.partitions {
+        None => {
+            let said = agree_window(&mut conn, &server, keys.stream, policy, window, &mut facts, has_idmp).await;
+            if let Some(said) = said.announcement {
+                host.announce(policy, said).await;
             }
-            // Nothing else depends on it: the policy stays Ready, and the condition says why.
-            Err(e) => plan::Idempotence::Refused(window, e.to_string()),
-        };
-    }
+            said.verdict
+        }
+        // On a topic the window is each partition's (a producer's `XADD ... IDMP` goes to one partition); the
+        // verdict is the first refusal, else the window every partition agreed on, said once for the topic.
+        Some(count) => {
+            let mut verdicts = Vec::with_capacity(each_partition.len());
+            let mut set = 0;
+            for (stream, partition) in plan::streams(policy).iter().zip(each_partition.iter_mut()) {
+                let said = agree_window(&mut conn, &server, stream, policy, window, partition, has_idmp).await;
+                set += usize::from(said.announcement.is_some());
+                verdicts.push(said.verdict);
+            }
+            facts.idempotence = topic::idempotence(&each_partition);
+            if let (true, Some(plan::Idempotence::Applied(in_force))) = (set > 0, verdicts.first()) {
+                host.announce(policy, plan::topic_idempotence_announcement(keys.stream, count, set, *in_force)).await;
+            }
+            let refused = verdicts.iter().find(|v| matches!(v, plan::Idempotence::Refused(..)));
+            refused.or(verdicts.first()).cloned().unwrap_or(plan::Idempotence::Undeclared)
+        }
+    };
     let interval = schedule.interval;
     let retention = jobs.retention_note;
     Ok(Observation {
@@ -238,6 +248,44 @@ pub async fn converge(
         min_idle_held_for,
         partitions,
     })
+}
+
+/// What agreeing on one stream's idempotence window came to: the verdict, and the Event to publish when the
+/// window was set (`XCFGSET` clears the server's record of producers and message ids).
+struct WindowAgreed {
+    verdict: plan::Idempotence,
+    announcement: Option<plan::Announcement>,
+}
+
+/// Agrees on `stream`'s idempotence window with the other policies of the stream (`IDEMPOTENCE_WINDOW`), setting
+/// it when it differs, and updates `facts.idempotence` to what is in force.
+async fn agree_window(
+    conn: &mut Conn,
+    server: &str,
+    stream: &str,
+    policy: &ConsumerGroupPolicy,
+    window: Option<validate::Window>,
+    facts: &mut GroupFacts,
+    has_idmp: bool,
+) -> WindowAgreed {
+    let verdict = plan::idempotence(window, facts.idempotence.as_ref(), has_idmp);
+    let (plan::Idempotence::Set(window) | plan::Idempotence::Applied(window)) = verdict else {
+        return WindowAgreed { verdict, announcement: None };
+    };
+    let uid = policy.uid().unwrap_or_default();
+    match redis_ops::agree_idempotence(conn, server, stream, &uid, window.seconds, window.max_size).await {
+        Ok((seconds, max_size, set)) => {
+            let in_force = validate::Window { seconds, max_size };
+            let announcement =
+                set.then(|| plan::idempotence_announcement(stream, in_force, facts.idempotence.as_ref()));
+            if set && let Some(now) = facts.idempotence.as_mut() {
+                (now.duration_seconds, now.max_size, now.producers, now.message_ids) = (seconds, max_size, 0, 0);
+            }
+            WindowAgreed { verdict: plan::Idempotence::Applied(in_force), announcement }
+        }
+        // Nothing else depends on it: the policy stays Ready, and the condition says why.
+        Err(e) => WindowAgreed { verdict: plan::Idempotence::Refused(window, e.to_string()), announcement: None },
+    }
 }
 
 /// Partitions of a topic converged at once: their commands share the connection, so they travel together (a
@@ -457,7 +505,9 @@ async fn release_on_server(policy: &ConsumerGroupPolicy, ctx: &Context, destroy:
     }
     if policy.spec.idempotence.is_some() {
         let uid = policy.uid().unwrap_or_default();
-        redis_ops::withdraw_idempotence(&mut conn, &server, &policy.spec.stream, &uid).await?;
+        for stream in plan::streams(policy) {
+            redis_ops::withdraw_idempotence(&mut conn, &server, &stream, &uid).await?;
+        }
     }
     if !destroy {
         return Ok(());

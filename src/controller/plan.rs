@@ -124,6 +124,17 @@ pub fn idempotence_announcement(stream: &str, window: Window, before: Option<&Id
     Announcement { type_: EventType::Normal, reason: "IdempotenceWindowSet", note }
 }
 
+/// The window set on `set` of a topic's `count` partitions, said once for the topic.
+pub fn topic_idempotence_announcement(topic: &str, count: u32, set: usize, window: Window) -> Announcement {
+    let note = format!(
+        "set the idempotence window of {set} of the {count} partitions of topic {topic:?} to {} s and {} message ids \
+         per producer: XCFGSET clears the server's record of producers and message ids, so a publish retried across \
+         this change can duplicate",
+        window.seconds, window.max_size
+    );
+    Announcement { type_: EventType::Normal, reason: "IdempotenceWindowSet", note }
+}
+
 /// The work of the policy's jobs; `None` in [`Jobs::work`] stops them (suspended).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Jobs {

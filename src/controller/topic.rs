@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::api::{PartitionBacklog, PartitionsStatus};
+use crate::api::{IdempotenceStatus, PartitionBacklog, PartitionsStatus};
 use crate::keys;
 use crate::redis::{Backlog, GroupFacts};
 
@@ -47,6 +47,23 @@ pub fn facts(partitions: &[GroupFacts], dead_letter_each: bool) -> GroupFacts {
         // The probe of the next reconcile reads each partition's oldest unread entry afresh.
         unread: None,
     }
+}
+
+/// The topic's idempotent production: the window in force on every partition (absent unless each reports one), the
+/// producers and message ids remembered, the entries added and the duplicates refused, summed over the partitions (a
+/// producer publishing to N partitions counts N times).
+pub fn idempotence(partitions: &[GroupFacts]) -> Option<IdempotenceStatus> {
+    let each: Option<Vec<&IdempotenceStatus>> = partitions.iter().map(|p| p.idempotence.as_ref()).collect();
+    let each = each?;
+    let first = each.first()?;
+    let sum = |count: fn(&IdempotenceStatus) -> i64| each.iter().map(|i| count(i)).sum();
+    Some(IdempotenceStatus {
+        producers: sum(|i| i.producers),
+        message_ids: sum(|i| i.message_ids),
+        added: sum(|i| i.added),
+        duplicates: sum(|i| i.duplicates),
+        ..(*first).clone()
+    })
 }
 
 fn summed<'a>(counts: impl Iterator<Item = &'a BTreeMap<String, i64>>) -> BTreeMap<String, i64> {
