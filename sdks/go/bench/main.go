@@ -134,19 +134,11 @@ func main() {
 	n := flag.Int("n", 20000, "messages per run")
 	rounds := flag.Int("rounds", 5, "runs of each pair")
 	flag.Parse()
-	url := os.Getenv("REDIS_URL")
-	if url == "" {
-		binary, err := redistest.Binary()
-		if err != nil {
-			log.Fatal(err)
-		}
-		server, err := redistest.Start(binary)
-		if err != nil {
-			log.Fatal(err)
-		}
-		defer server.Stop()
-		url = server.URL()
+	url, stop, err := redistest.FromEnv()
+	if err != nil {
+		log.Fatal(err)
 	}
+	defer stop()
 	options, err := redis.ParseURL(url)
 	if err != nil {
 		log.Fatal(err)

@@ -170,19 +170,11 @@ func main() {
 	n := flag.Int("n", 20000, "messages a case")
 	rounds := flag.Int("rounds", 3, "rounds, each running every case in turn")
 	flag.Parse()
-	url := os.Getenv("REDIS_URL")
-	if url == "" {
-		binary, err := redistest.Binary()
-		if err != nil {
-			log.Fatal(err)
-		}
-		server, err := redistest.Start(binary)
-		if err != nil {
-			log.Fatal(err)
-		}
-		defer server.Stop()
-		url = server.URL()
+	url, stop, err := redistest.FromEnv()
+	if err != nil {
+		log.Fatal(err)
 	}
+	defer stop()
 	options, err := redis.ParseURL(url)
 	if err != nil {
 		log.Fatal(err)

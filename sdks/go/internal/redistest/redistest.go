@@ -148,3 +148,20 @@ func (s *Server) Stop() {
 	_ = s.cmd.Process.Kill()
 	_ = s.cmd.Wait()
 }
+
+// FromEnv is the server REDIS_URL names, or else one started here on the binary Binary finds; stop is a no-op for
+// the named one. The benchmarks' way to a server.
+func FromEnv() (url string, stop func(), err error) {
+	if url := os.Getenv("REDIS_URL"); url != "" {
+		return url, func() {}, nil
+	}
+	binary, err := Binary()
+	if err != nil {
+		return "", nil, err
+	}
+	server, err := Start(binary)
+	if err != nil {
+		return "", nil, err
+	}
+	return server.URL(), server.Stop, nil
+}
