@@ -393,7 +393,7 @@ impl Worker {
         let mut unread = Vec::new();
         let mut missing_group = MissingGroup::default();
         loop {
-            // While it waits for slots, the acknowledgements of the handlers that free them wait for its read.
+            // The acknowledgements of the handlers that free slots wait for the next read.
             counters.acks.lock().expect("acks lock").carried = true;
             let first = tokio::select! {
                 _ = &mut shutdown => break,
@@ -423,7 +423,7 @@ impl Worker {
                 next_pel_check = Instant::now() + lease_interval(settings);
             }
             let skip: HashSet<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
-            let carried = counters.acks.lock().expect("acks lock").carry();
+            let carried = std::mem::take(&mut counters.acks.lock().expect("acks lock").waiting);
             let outcome = {
                 let pel_check = pel_check_due.then_some(&skip);
                 let read = self.read(batch_permits.len(), &mut own_pel_cursor, pel_check, carried, &acks);
@@ -445,6 +445,7 @@ impl Worker {
                     messages
                 }
                 Ok(Err(e)) if e.code() == Some("NOGROUP") => {
+                    release_acks(&counters, &acks);
                     // The group is the operator's to create: wait for it, saying so once.
                     let wait = missing_group.missing(&self.config);
                     tokio::select! {
@@ -453,6 +454,7 @@ impl Worker {
                     }
                 }
                 Ok(Err(e)) => {
+                    release_acks(&counters, &acks);
                     warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     if self.source.follows_failovers() {
@@ -484,8 +486,7 @@ impl Worker {
             while tasks.try_join_next().is_some() {}
         }
         // No read comes to carry what waits: the acknowledger writes it, and whatever the handlers still finish.
-        counters.acks.lock().expect("acks lock").carried = false;
-        let _ = acks.send(());
+        release_acks(&counters, &acks);
         // The leases go on while in-flight handlers finish: a slow one is not taken from under them.
         let finished = tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await;
         drop(leases);
@@ -534,7 +535,8 @@ impl Worker {
     /// `pel_check` (the ids in flight), the entries the operator handed to us instead. `carried`: acknowledgements
     /// written in the same round trip, before a read that does not block (they never wait behind a blocking read);
     /// the blocking read follows when that one brought nothing. The acknowledger (woken through `wake`) writes them
-    /// when the hand-over check reads instead, or when the connection broke under them.
+    /// when the hand-over check reads instead, or when the connection broke under them, and, from a blocking read on,
+    /// what the handlers finish.
     async fn read(
         &mut self,
         count: usize,
@@ -545,16 +547,17 @@ impl Worker {
     ) -> RedisResult<Vec<Message>> {
         let counters = self.counters.clone();
         let to_acknowledger = |acks: Vec<AckRequest>| {
-            if !acks.is_empty() {
-                counters.acks.lock().expect("acks lock").waiting.extend(acks);
-                let _ = wake.send(());
-            }
+            counters.acks.lock().expect("acks lock").waiting.extend(acks);
+            release_acks(&counters, wake);
         };
         if let Some(in_flight) = pel_check {
             to_acknowledger(carried);
             return self.read_handed_over(count, in_flight, &counters).await;
         }
         if carried.is_empty() {
+            if own_pel_cursor.is_none() {
+                release_acks(&counters, wake);
+            }
             return read_group(&mut self.reader, &self.config, count, own_pel_cursor).await;
         }
         let mut pipe = ack_pipeline(&self.config, &carried);
@@ -566,6 +569,7 @@ impl Worker {
                     to_acknowledger(carried);
                 } else {
                     settle_acks(&self.config, carried, Err(AckFailure::of(&e)), &counters, &self.in_flight);
+                    release_acks(&counters, wake);
                 }
                 return Err(e);
             }
@@ -577,6 +581,7 @@ impl Worker {
         settle_acks(&self.config, carried, acked, &counters, &self.in_flight);
         let messages = entries_read(read.extract_error()?, own_pel_cursor);
         if messages.is_empty() && own_pel_cursor.is_none() {
+            release_acks(&counters, wake);
             return read_group(&mut self.reader, &self.config, count, own_pel_cursor).await;
         }
         Ok(messages)
@@ -1061,20 +1066,28 @@ struct AckRequest {
 }
 
 /// `Done` outcomes waiting for their XACK. The read loop's next read carries them (one round trip for the
-/// acknowledgements and the read, as in a hand-written loop) while it waits for slots; otherwise (it is reading, or
-/// stopped) the acknowledger writes them.
+/// acknowledgements and the read, as in a hand-written loop) until it sends a blocking read, waits or stops; from
+/// then on the acknowledger writes them.
 #[derive(Default)]
 struct AckQueue {
     waiting: Vec<AckRequest>,
-    /// The read loop waits for slots: its next read carries what waits here.
+    /// The read loop reads again soon, without blocking: that read carries what waits here.
     carried: bool,
 }
 
 impl AckQueue {
-    /// What waits, for the read about to be sent: from here on a `Done` wakes the acknowledger.
-    fn carry(&mut self) -> Vec<AckRequest> {
+    /// No read comes soon (a blocking one is sent, or the loop waits or stops): from here on a `Done` wakes the
+    /// acknowledger. Answers whether something waits already, for the acknowledger to be woken.
+    fn release(&mut self) -> bool {
         self.carried = false;
-        std::mem::take(&mut self.waiting)
+        !self.waiting.is_empty()
+    }
+}
+
+/// Hands what waits to the acknowledger, which writes from here on what the handlers still finish.
+fn release_acks(counters: &Counters, wake: &mpsc::UnboundedSender<()>) {
+    if counters.acks.lock().expect("acks lock").release() {
+        let _ = wake.send(());
     }
 }
 
