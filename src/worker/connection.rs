@@ -118,7 +118,12 @@ where
     Fut: Future<Output = RedisResult<T>>,
 {
     match write(conn.clone()).await {
-        Err(e) if e.is_connection_dropped() || (e.is_io_error() && !e.is_timeout()) => write(conn.clone()).await,
+        Err(e) if broken(&e) => write(conn.clone()).await,
         written => written,
     }
+}
+
+/// Whether `e` is a connection that broke under the command (not a timeout: a slow server may still write it).
+pub(crate) fn broken(e: &redis::RedisError) -> bool {
+    e.is_connection_dropped() || (e.is_io_error() && !e.is_timeout())
 }
