@@ -621,7 +621,9 @@ pub struct PartitionsStatus {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct PartitionBacklog {
+    /// The partition's index: its stream is `{<topic>:<partition>}`.
     pub partition: u32,
+    /// Its lag (or, when the server cannot tell it, its length) plus its pending entries.
     pub backlog: i64,
 }
 
