@@ -552,8 +552,7 @@ func (w *Worker) readCarrying(ctx context.Context, id string, count int, acks []
 // XRANGE.
 func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, error) {
 	w.mu.Lock()
-	failed := maps.Clone(w.failedHere)
-	asked := count + len(w.inFlight) + len(failed)
+	asked := count + len(w.inFlight) + len(w.failedHere)
 	w.mu.Unlock()
 	// Taken before the server measures idle times: an entry untouched since it failed is idle at least this long.
 	askedAt := time.Now()
@@ -589,7 +588,9 @@ func (w *Worker) takeHandedOver(ctx context.Context, count int) ([]Message, erro
 		if _, busy := w.inFlight[p.ID]; busy {
 			continue
 		}
-		if at, ok := failed[p.ID]; ok && p.Idle+handOverMargin > askedAt.Sub(at) {
+		// Read now, not before the call: one that failed while the XPENDING was out (its outcome written, so no
+		// longer in flight) failed after askedAt, and is not handed back.
+		if at, ok := w.failedHere[p.ID]; ok && p.Idle+handOverMargin > askedAt.Sub(at) {
 			continue // failed here and not handed back since: the pass retries it
 		}
 		if p.RetryCount == 1 && p.Idle <= sinceRead {

@@ -392,7 +392,6 @@ class Worker:
         here (or failed here and handed back since) nor perhaps delivered by the read on its way: the ones
         ``strategy: Reassign`` handed over. Taken with ``lease.lua`` (which leaves alone what the pass gave to someone
         else meanwhile), then read with ``XRANGE``."""
-        failed_here = dict(self._failed_here)
         # Measured before the server measures idle times: an entry untouched since it failed here is idle this long.
         asked_at = asyncio.get_running_loop().time()
         pending = await raw_command(
@@ -405,7 +404,9 @@ class Worker:
             self._failed_here = {k: v for k, v in self._failed_here.items() if k in ids_listed}
 
         def handed_back(entry_id: str, idle_ms: int) -> bool:
-            failed = failed_here.get(entry_id)
+            # Read now, not before the call: one that failed while the XPENDING was out (its outcome written, so no
+            # longer busy) failed after asked_at, and is not handed back.
+            failed = self._failed_here.get(entry_id)
             return failed is None or idle_ms / 1000 + HAND_OVER_MARGIN <= asked_at - failed
 
         # Taken after the reply: an entry the read on its way delivered has been idle at most this long (give or take

@@ -524,8 +524,7 @@ public final class Worker implements AutoCloseable {
      * gave to someone else), then read with {@code XRANGE}.
      */
     private List<Message> takeHandedOver(int count) {
-        Map<String, Long> failedBefore = new HashMap<>(failedHere);
-        int asked = count + inFlight.size() + failedBefore.size();
+        int asked = count + inFlight.size() + failedHere.size();
         // Taken before the server measures idle times: an entry untouched since it failed here is idle this long.
         long askedAt = System.nanoTime();
         List<PendingMessage> pending = await(writes.xpending(streamKey, Consumer.from(groupName, consumerName),
@@ -545,7 +544,9 @@ public final class Worker implements AutoCloseable {
         }
         List<String> candidates = new ArrayList<>();
         for (PendingMessage p : pending) {
-            Long failedAt = failedBefore.get(p.getId());
+            // Read now, not before the call: one that failed while the XPENDING was out (its outcome written, so no
+            // longer in flight) failed after askedAt, and is not handed back.
+            Long failedAt = failedHere.get(p.getId());
             boolean handedBack = failedAt == null
                     || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failedAt) / 1_000_000;
             boolean perhapsRead = p.getRedeliveryCount() == 1
