@@ -19,7 +19,7 @@ on_both_servers!(
 /// Writes `count` dead letters the way the reclaim script does (application fields, then Pelican's metadata);
 /// `reason(n)` picks each one's `pelican-reason`.
 fn dead_letters(
-    conn: &mut redis::Connection,
+    conn: &mut impl redis::ConnectionLike,
     dlq: &str,
     source: &str,
     count: u64,
@@ -79,7 +79,7 @@ fn wait_phase(namespace: &str, name: &str, phase: &str, timeout: Duration) -> Va
 }
 
 /// Values of `n` in a stream, with how often each appears, counting only the entries `keep` accepts.
-fn ns_in(conn: &mut redis::Connection, stream: &str, keep: impl Fn(&RawEntry) -> bool) -> HashMap<u64, usize> {
+fn ns_in(conn: &mut impl redis::ConnectionLike, stream: &str, keep: impl Fn(&RawEntry) -> bool) -> HashMap<u64, usize> {
     let mut seen = HashMap::new();
     for entry in xrange(conn, stream).iter().filter(|e| keep(e)) {
         let n = String::from_utf8_lossy(field(entry, "n").expect("field n kept")).parse().unwrap();
@@ -573,9 +573,10 @@ fn a_deleted_redrive_leaves_no_lock_that_refuses_a_seek() {
 }
 
 /// On one server a topic has one dead-letter stream: each dead letter goes back to the partition it came from
-/// (`pelican-source-stream`). On a Cluster each partition has its own, and a redrive is refused by name.
+/// (`pelican-source-stream`). On a Cluster each partition has its own, in its slot: a redrive counts every
+/// partition's range, then moves one partition after the other, `maxMessages` carried across them.
 #[test]
-fn a_topics_dead_letters_go_back_to_their_partitions_and_on_a_cluster_are_refused_by_name() {
+fn a_topics_dead_letters_go_back_to_their_partitions_on_one_server_and_on_a_cluster() {
     let server = Server::start(Flavor::Redis);
     let manifest = policy("t", &server.url(), "t", "workers", "  partitions: 2\n");
     let (ns, _operator) = ready_policy("redrive-topic", &manifest, "t");
@@ -591,7 +592,7 @@ fn a_topics_dead_letters_go_back_to_their_partitions_and_on_a_cluster_are_refuse
     assert!(!exists, "nothing written to a stream named after the topic");
 
     let cluster = Cluster::start(Flavor::Redis);
-    let manifest = policy("c", &cluster.url(), "c", "workers", "  partitions: 2\n").replacen(
+    let manifest = policy("c", &cluster.url(), "c", "workers", "  partitions: 3\n").replacen(
         "  stream:",
         "    mode: Cluster\n  stream:",
         1,
@@ -599,9 +600,30 @@ fn a_topics_dead_letters_go_back_to_their_partitions_and_on_a_cluster_are_refuse
     let (applied, out) = kubectl_apply(&ns, &manifest);
     assert!(applied, "{out}");
     wait_condition(&ns, "c", "Ready", "True", "Reconciled");
-    let (ok, out) = kubectl_apply(&ns, &redrive("on-cluster", "c", ""));
+    let mut conn = cluster.conn();
+    let partition = |i: u32| pelican::keys::partition_stream("c", i);
+    let letters = |i: u32| format!("{}:c:dlq", partition(i));
+    for i in 0..3 {
+        dead_letters(&mut conn, &letters(i), &partition(i), u64::from(i) + 1, |_| "MaxDeliveriesExceeded");
+    }
+    let (ok, out) = kubectl_apply(&ns, &redrive("count", "c", "  dryRun: true\n"));
     assert!(ok, "{out}");
-    let failed = wait_phase(&ns, "on-cluster", "Failed", Duration::from_secs(30));
-    let text = failed["status"]["conditions"].to_string();
-    assert!(text.contains("TopicOnCluster") && text.contains("{c:<i>}:c:dlq"), "{text}");
+    let planned = wait_phase(&ns, "count", "Succeeded", Duration::from_secs(30));
+    assert_eq!(planned["status"]["toMove"], 6, "{}", planned["status"]);
+
+    let (ok, out) = kubectl_apply(&ns, &redrive("some", "c", "  maxMessages: 4\n"));
+    assert!(ok, "{out}");
+    let some = wait_phase(&ns, "some", "Succeeded", Duration::from_secs(30));
+    println!("a topic's redrive on a Cluster: {}", some["status"]);
+    assert_eq!((some["status"]["toMove"].as_i64(), some["status"]["moved"].as_i64()), (Some(4), Some(4)));
+    let back: Vec<usize> = (0..3).map(|i| ns_in(&mut conn, &partition(i), redriven).len()).collect();
+    assert_eq!(back, [1, 2, 1], "each back in its own partition, partition by partition, 4 in all");
+    let left: Vec<usize> = (0..3).map(|i| xrange(&mut conn, &letters(i)).len()).collect();
+    assert_eq!(left, [0, 0, 2]);
+
+    let (ok, out) = kubectl_apply(&ns, &redrive("rest", "c", ""));
+    assert!(ok, "{out}");
+    let rest = wait_phase(&ns, "rest", "Succeeded", Duration::from_secs(30));
+    assert_eq!(rest["status"]["moved"], 2, "{}", rest["status"]);
+    assert_eq!(ns_in(&mut conn, &partition(2), redriven).len(), 3);
 }

@@ -168,6 +168,10 @@ pub struct DeadLetterRedriveStatus {
     /// message that fails again is not redriven in a loop.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until_id: Option<String>,
+    /// A topic on a Redis Cluster, where each partition has a dead-letter stream of its own: the partition whose
+    /// dead letters move now (one after the other; `untilId` and `lastId` are its own, the counts the topic's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition: Option<u32>,
     /// When the redrive started moving.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("format" = "date-time"))]

@@ -248,6 +248,45 @@ pub async fn read_progress(conn: &mut Conn, server: &str, key: &str) -> Result<P
     })
 }
 
+/// One partition's range of a topic's redrive (SPEC 22), kept in its record before its first move.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Range {
+    /// The last dead-letter id to look at (`0-0` when nothing is in range).
+    pub until_id: String,
+    pub to_move: u64,
+}
+
+/// The range this redrive (`uid`) recorded in its record, if it did.
+pub async fn read_range(conn: &mut Conn, server: &str, key: &str, uid: &str) -> Result<Option<Range>> {
+    let (owner, until_id, to_move): (Option<String>, Option<String>, Option<u64>) = redis::cmd("HMGET")
+        .arg(key)
+        .arg("uid")
+        .arg("untilId")
+        .arg("toMove")
+        .query_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    Ok(match (owner, until_id, to_move) {
+        (Some(owner), Some(until_id), Some(to_move)) if owner == uid => Some(Range { until_id, to_move }),
+        _ => None,
+    })
+}
+
+/// Records the range in the record (owned by `uid` from then on), before the first move of it.
+pub async fn record_range(conn: &mut Conn, server: &str, key: &str, uid: &str, range: &Range) -> Result<()> {
+    redis::cmd("HSET")
+        .arg(key)
+        .arg("uid")
+        .arg(uid)
+        .arg("untilId")
+        .arg(&range.until_id)
+        .arg("toMove")
+        .arg(range.to_move)
+        .query_async::<()>(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))
+}
+
 /// Removes the record of a redrive that never finished (its object was deleted and created again under the same
 /// name), so the new one starts from its own snapshot.
 pub async fn forget_progress(conn: &mut Conn, server: &str, key: &str) -> Result<()> {

@@ -203,22 +203,30 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         }
         Err(e) => return Err(e),
     };
-    if let Some(n) = policy.spec.partitions.filter(|_| target.cluster) {
-        let note = format!(
-            "ConsumerGroupPolicy {policy_name:?} is a topic of {n} partitions on a Redis Cluster, where each partition \
-             has a dead-letter stream of its own ({{{}:<i>}}:{}): a redrive of a topic's dead letters on a Cluster is \
-             not supported yet; on one server the topic's single dead-letter stream can be redriven",
-            policy.spec.stream, policy.spec.dead_letter.stream
-        );
-        let mut next = status.clone();
-        ctx.finish(&redrive, &mut next, RedrivePhase::Failed, "TopicOnCluster", note).await?;
-        return Ok(Action::await_change());
-    }
-    let plan = plan(&redrive, &policy, target.cluster, resolved.keys);
+    // A dead letter that names no source goes to the policy's stream; on a topic (which is no stream), to its first
+    // partition.
+    let fallback = match policy.spec.partitions {
+        Some(_) => keys::partition_stream(&policy.spec.stream, 0),
+        None => policy.spec.stream.clone(),
+    };
+    let keys = resolved.keys;
+    let plan = plan(&redrive, &policy.spec.dead_letter.stream, fallback, target.cluster, keys.clone());
+    // A topic on a Cluster has a dead-letter stream per partition, in the partition's slot: a plan for each, its
+    // dead letters without a source going back to the partition.
+    let partitions = match policy.spec.partitions.filter(|_| target.cluster) {
+        Some(_) => crate::controller::streams(&policy)
+            .into_iter()
+            .map(|stream| {
+                let dead_letter = crate::controller::dead_letter_of(&policy, &stream, true);
+                self::plan(&redrive, &dead_letter, stream, true, keys.clone())
+            })
+            .collect(),
+        None => Vec::new(),
+    };
     let (rate_tx, rate_rx) = watch::channel(rate(&redrive));
     let (halt_tx, halt_rx) = watch::channel(None);
     ctx.tasks.lock().expect("tasks lock").insert(uid.clone(), Running { rate: rate_tx, halt: halt_tx });
-    let work = task::Work { conn, server: target.server(), plan, rate: rate_rx, halt: halt_rx };
+    let work = task::Work { conn, server: target.server(), plan, partitions, rate: rate_rx, halt: halt_rx };
     let task_ctx = ctx.clone();
     // The task's log lines carry the redrive's span (namespace and name), as the reconcile's do.
     tokio::spawn(
@@ -240,24 +248,24 @@ fn rate(redrive: &DeadLetterRedrive) -> Option<u32> {
     redrive.spec.rate_per_second.map(|r| r.max(1) as u32)
 }
 
-fn plan(redrive: &DeadLetterRedrive, policy: &ConsumerGroupPolicy, cluster: bool, keys: Option<KeyRules>) -> Plan {
-    let dead_letter = policy.spec.dead_letter.stream.clone();
+/// The plan of the redrive of `dead_letter`, whose dead letters without a `pelican-source-stream` go to `fallback`.
+fn plan(
+    redrive: &DeadLetterRedrive,
+    dead_letter: &str,
+    fallback: String,
+    cluster: bool,
+    keys: Option<KeyRules>,
+) -> Plan {
     let namespace = redrive.namespace().unwrap_or_default();
     let filter = redrive.spec.filter.clone().unwrap_or_default();
     Plan {
-        progress_key: keys::redrive_key(&dead_letter, &namespace, &redrive.name_any()),
-        lock_key: keys::redrive_lock_key(&dead_letter),
+        progress_key: keys::redrive_key(dead_letter, &namespace, &redrive.name_any()),
+        lock_key: keys::redrive_lock_key(dead_letter),
         full_name: format!("{namespace}/{}", redrive.name_any()),
-        dead_letter,
+        dead_letter: dead_letter.to_string(),
         uid: redrive.uid().unwrap_or_default(),
         name: redrive.name_any(),
         target: if redrive.spec.target == SOURCE_TARGET {
-            // A dead letter that names no source goes to the policy's stream; on a topic (which is no stream), to
-            // its first partition.
-            let fallback = match policy.spec.partitions {
-                Some(_) => keys::partition_stream(&policy.spec.stream, 0),
-                None => policy.spec.stream.clone(),
-            };
             Destination::Source { fallback }
         } else {
             Destination::Stream(redrive.spec.target.clone())
