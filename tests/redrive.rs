@@ -627,3 +627,59 @@ fn a_topics_dead_letters_go_back_to_their_partitions_on_one_server_and_on_a_clus
     assert_eq!(rest["status"]["moved"], 2, "{}", rest["status"]);
     assert_eq!(ns_in(&mut conn, &partition(2), redriven).len(), 3);
 }
+
+/// A topic's redrive on a Cluster through kill -9s of the operator (SPEC 22): each restarted operator resumes the
+/// partition it was in, from the ranges the records hold; every dead letter ends in its partition once, or stays.
+#[test]
+fn a_topics_redrive_on_a_cluster_resumes_through_kill9_each_letter_once() {
+    const EACH: u64 = 400;
+    let cluster = Cluster::start(Flavor::Redis);
+    let manifest = policy("c", &cluster.url(), "c", "workers", "  partitions: 3\n").replacen(
+        "  stream:",
+        "    mode: Cluster\n  stream:",
+        1,
+    );
+    let (ns, mut operator) = ready_policy("redrive-topic-kill", &manifest, "c");
+    let mut conn = cluster.conn();
+    let partition = |i: u32| pelican::keys::partition_stream("c", i);
+    let letters = |i: u32| format!("{}:c:dlq", partition(i));
+    for i in 0..3 {
+        dead_letters(&mut conn, &letters(i), &partition(i), EACH, |_| "MaxDeliveriesExceeded");
+    }
+    // 400 a second: three seconds of moving, the operator killed at random instants in between.
+    assert!(kubectl_apply(&ns, &redrive("back", "c", "  ratePerSecond: 400\n")).0);
+    let mut rng = Lcg(0x5eed_0022);
+    let (mut kills, mut moved_before) = (0, -1);
+    loop {
+        let phase = wait_for("the redrive moving or done", Duration::from_secs(60), || {
+            let status = get_redrive(&ns, "back")["status"].clone();
+            let moved = status["moved"].as_i64().unwrap_or(0);
+            match status["phase"].as_str() {
+                Some("Succeeded") => Ok("Succeeded".to_string()),
+                Some("Running") if moved > moved_before => {
+                    moved_before = moved;
+                    Ok("Running".to_string())
+                }
+                _ => Err(status.to_string()),
+            }
+        });
+        if phase == "Succeeded" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(rng.next_in(50, 900)));
+        operator.kill9();
+        kills += 1;
+        operator = Operator::start(&ns);
+        assert!(kills < 30, "the redrive never finished: {}", get_redrive(&ns, "back")["status"]);
+    }
+    let done = get_redrive(&ns, "back");
+    println!("a topic's redrive on a Cluster: {kills} kills; status {}", done["status"]);
+    assert!(kills >= 2, "the operator must die while moving (killed {kills} times)");
+    assert_eq!((done["status"]["toMove"].as_i64(), done["status"]["moved"].as_i64()), (Some(1200), Some(1200)));
+    for i in 0..3 {
+        let back = ns_in(&mut conn, &partition(i), redriven);
+        assert_eq!(back.len() as u64, EACH, "partition {i}: every letter back");
+        assert!(back.values().all(|&times| times == 1), "partition {i}: a letter moved twice");
+        assert!(xrange(&mut conn, &letters(i)).is_empty(), "partition {i}: letters left");
+    }
+}
