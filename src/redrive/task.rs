@@ -185,19 +185,15 @@ async fn drive(
     }
     // One redrive per dead-letter stream, decided on the server: whatever this process has seen (it may have just
     // started), a redrive moves nothing while another one holds the stream.
-    if !redrive.spec.dry_run {
-        let mut owner = moves::claim(conn, server, plan, None).await?;
-        if owner.uid != plan.uid && ctx.is_gone(&owner.uid).await {
-            owner = moves::claim(conn, server, plan, Some(&owner.uid)).await?;
-        }
-        if owner.uid != plan.uid {
-            let note = format!(
-                "waiting for DeadLetterRedrive {}, which redrives the same dead-letter stream {:?}: one redrive runs \
-                 per dead-letter stream at a time",
-                owner.name, plan.dead_letter
-            );
-            return ctx.pending(redrive, status, "Waiting", note).await;
-        }
+    if !redrive.spec.dry_run
+        && let Some(owner) = take_lock(ctx, conn, server, plan).await?
+    {
+        let note = format!(
+            "waiting for DeadLetterRedrive {}, which redrives the same dead-letter stream {:?}: one redrive runs per \
+             dead-letter stream at a time",
+            owner.name, plan.dead_letter
+        );
+        return ctx.pending(redrive, status, "Waiting", note).await;
     }
     if others.is_some() {
         // An unfinished record of an object deleted mid-run (of the same name): this object starts from its own
@@ -251,6 +247,16 @@ async fn drive(
         }
         RangeEnd::Stopped => Ok(()),
     }
+}
+
+/// Takes the dead-letter stream's lock for this redrive (from a holder whose redrive is gone too): `None` once it
+/// is this redrive's, else who holds it.
+async fn take_lock(ctx: &Redrives, conn: &mut Conn, server: &str, plan: &Plan) -> Result<Option<moves::LockOwner>> {
+    let mut owner = moves::claim(conn, server, plan, None).await?;
+    if owner.uid != plan.uid && ctx.is_gone(&owner.uid).await {
+        owner = moves::claim(conn, server, plan, Some(&owner.uid)).await?;
+    }
+    Ok((owner.uid != plan.uid).then_some(owner))
 }
 
 /// How a range ended: every entry of it moved or left in place (the record says finished), or the task stopped
@@ -369,11 +375,7 @@ async fn drive_topic(
             continue;
         }
         if !redrive.spec.dry_run {
-            let mut owner = moves::claim(conn, server, plan, None).await?;
-            if owner.uid != plan.uid && ctx.is_gone(&owner.uid).await {
-                owner = moves::claim(conn, server, plan, Some(&owner.uid)).await?;
-            }
-            if owner.uid != plan.uid {
+            if let Some(owner) = take_lock(ctx, conn, server, plan).await? {
                 let note = format!(
                     "waiting for DeadLetterRedrive {}, which redrives the dead-letter stream {:?} of partition {index}: \
                      one redrive runs per dead-letter stream at a time",
@@ -437,8 +439,7 @@ async fn drive_topic(
         }
         // The lock again (ours since the count, unless a server restart lost it), as a plain redrive takes it at
         // every start.
-        let owner = moves::claim(&mut work.conn, &work.server, &work.plan, None).await?;
-        if owner.uid != work.plan.uid {
+        if let Some(owner) = take_lock(ctx, &mut work.conn, &work.server, &work.plan).await? {
             let note = format!(
                 "waiting for DeadLetterRedrive {}, which redrives the dead-letter stream {:?} of partition {index}",
                 owner.name, work.plan.dead_letter
