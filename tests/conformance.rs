@@ -981,12 +981,24 @@ fn faults_leave_every_message_in_one_final_state(flavor: Flavor, strategy: &str)
 /// A conformance producer (`MODE=publish`) of `library` through the sentinel `url`, publishing `messages` messages
 /// to `stream` as producer `producer`.
 fn start_producer(library: &Library, url: &str, stream: &str, producer: &str, messages: usize) -> Child {
+    start_producer_with(library, url, stream, producer, messages, &[("SENTINEL_MASTER", MASTER_NAME)])
+}
+
+/// A conformance producer (`MODE=publish`) of `library` connected to `url`, with `env` added.
+fn start_producer_with(
+    library: &Library,
+    url: &str,
+    stream: &str,
+    producer: &str,
+    messages: usize,
+    env: &[(&str, &str)],
+) -> Child {
     Command::new(&library.command[0])
         .args(&library.command[1..])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .envs(env.iter().copied())
         .env("MODE", "publish")
         .env("MESSAGES", messages.to_string())
-        .env("SENTINEL_MASTER", MASTER_NAME)
         .env("REDIS_URL", url)
         .env("STREAM", stream)
         .env("POD_NAME", producer)
@@ -1175,4 +1187,296 @@ fn a_sentinel_failover_is_followed_by_workers_and_producers(flavor: Flavor) {
     }
     eprintln!("a sentinel failover on {flavor:?}:\n{}", report.join("\n"));
     assert!(!report.iter().any(|l| l.contains("FAILED")), "a sentinel failover on {flavor:?}:\n{}", report.join("\n"));
+}
+
+/// Traces (SPEC 23): each program exports over OTLP to a Jaeger of the test's own, the operator too; what is asserted
+/// is what Jaeger's query API (the one its UI reads) returns. Jaeger is built apart (long when cold), so these run
+/// once it is: `eval "$(scripts/testenv jaeger)" && cargo test --test conformance -- --ignored` (scripts/test does).
+mod traces {
+    #[test]
+    #[ignore = "needs Jaeger: eval \"$(scripts/testenv jaeger)\", then --ignored (scripts/test runs it)"]
+    fn each_librarys_spans_follow_its_messages_through_producer_worker_and_operator() {
+        super::each_librarys_spans_follow_its_messages(super::Flavor::Redis86)
+    }
+
+    #[test]
+    #[ignore = "needs Jaeger: eval \"$(scripts/testenv jaeger)\", then --ignored (scripts/test runs it)"]
+    fn published_in_typescript_failed_twice_in_python_dead_lettered_redriven_done_in_go_is_one_trace() {
+        super::one_trace_through_three_libraries_and_the_operator()
+    }
+}
+
+/// The environment that makes a conformance program export its spans to `jaeger` as `pelican-conformance-<name>`.
+fn exporting_to(jaeger: &Jaeger, library: &str) -> Vec<(String, String)> {
+    vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), jaeger.otlp_endpoint()),
+        ("OTEL_SERVICE_NAME".into(), format!("pelican-conformance-{library}")),
+    ]
+}
+
+fn env_refs(env: &[(String, String)]) -> Vec<(&str, &str)> {
+    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()
+}
+
+/// `bytes` random bytes as lowercase hex: a trace or span id of the test's own.
+fn random_hex(bytes: usize) -> String {
+    use std::hash::BuildHasher;
+    (0..bytes.div_ceil(8))
+        .map(|i| format!("{:016x}", std::collections::hash_map::RandomState::new().hash_one(i)))
+        .collect::<String>()[..bytes * 2]
+        .to_string()
+}
+
+/// A lane whose programs and operator export to one Jaeger.
+struct TracedLane {
+    lane: Lane,
+    jaeger: Arc<Jaeger>,
+}
+
+/// Every library side by side, each on its own stream (`maxDeliveries: 2`, Requeue) on Redis 8.6 (its producer
+/// publishes idempotently): the library's producer publishes two messages, and a failing and a terminal message
+/// arrive with a `traceparent` of the test's own (as an application's request would put them). In Jaeger: each
+/// publish is a trace `send <stream>` -> `process <stream>` with the conventions' attributes; the failing message's
+/// trace is its two runs (ERROR) around the operator's requeue and then its dead letter; the terminal one's run says
+/// its reason.
+fn each_librarys_spans_follow_its_messages(flavor: Flavor) {
+    let jaeger = Arc::new(Jaeger::start());
+    let libraries = libraries();
+    let server = Server::start(flavor);
+    let namespace = namespace("conf-traces");
+    let _operator = Operator::start_exporting(&namespace, &jaeger.otlp_endpoint());
+    spec("1s", 2, "Requeue").apply(&namespace, &server.url(), &libraries);
+    let lanes = libraries.into_iter().map(|library| {
+        let lane = Lane {
+            stream: library.name.clone(),
+            policy: format!("c-{}", library.name),
+            url: server.url(),
+            namespace: namespace.clone(),
+            library,
+        };
+        (lane.library.name.clone(), TracedLane { lane, jaeger: jaeger.clone() })
+    });
+    side_by_side(&format!("traces on {flavor:?}"), lanes, |traced| {
+        let (lane, jaeger) = (&traced.lane, &traced.jaeger);
+        let (name, stream) = (&lane.library.name, &lane.stream);
+        let service = format!("pelican-conformance-{name}");
+        let env = exporting_to(jaeger, name);
+        let mut worker = Running::start_with(&lane.library, &lane.url, stream, "w1", 5_000, &env_refs(&env));
+        let mut conn = lane.conn();
+        wait_reading(&mut conn, stream, "w1", &worker.what);
+        let (failing, failing_parent) = (random_hex(16), random_hex(8));
+        let (terminal, terminal_parent) = (random_hex(16), random_hex(8));
+        for (handle, trace, parent) in
+            [("fail", &failing, &failing_parent), ("terminal:Gone", &terminal, &terminal_parent)]
+        {
+            let _: String = redis::cmd("XADD")
+                .arg(stream)
+                .arg("*")
+                .arg("handle")
+                .arg(handle)
+                .arg("ms")
+                .arg(0)
+                .arg("traceparent")
+                .arg(format!("00-{trace}-{parent}-01"))
+                .query(&mut conn)
+                .unwrap();
+        }
+        let producer = start_producer_with(&lane.library, &lane.url, stream, &format!("p-{name}"), 2, &env_refs(&env));
+        let published = published_by(producer).unwrap_or_else(|why| panic!("{name}'s producer: {why}"));
+        assert_eq!(published.len(), 2, "{name}'s producer published m-0 and m-1: {published:?}");
+        wait_for(
+            "the published messages done, the terminal one run, the failing one dead-lettered",
+            Duration::from_secs(60),
+            || {
+                let runs = worker.runs();
+                let done =
+                    published.iter().filter(|id| runs.iter().any(|r| &r.id == *id && r.outcome == "done")).count();
+                let terminal = runs.iter().filter(|r| r.outcome == "terminal").count();
+                let letters = lane.dead_letters(&mut conn).len();
+                if done == 2 && terminal == 1 && letters == 1 {
+                    Ok(())
+                } else {
+                    Err(format!("{done} done, {terminal} terminal, {letters} dead letters: {runs:?}"))
+                }
+            },
+        );
+        assert!(worker.terminate().success(), "{} exits 0 after SIGTERM", worker.what);
+
+        // What Jaeger shows: each trace whole once the batches arrived.
+        let (process, send) = (format!("{service}: process {stream}"), format!("{service}: send {stream}"));
+        let failing_outline = [
+            process.clone(),
+            format!("pelican-operator: requeue {stream}"),
+            process.clone(),
+            format!("pelican-operator: dead letter {stream}"),
+        ];
+        let (failing, terminal, publishes) = wait_for("every span in Jaeger", Duration::from_secs(30), || {
+            let failing = jaeger.trace(&failing).ok_or("no failing trace yet")?;
+            let terminal = jaeger.trace(&terminal).ok_or("no terminal trace yet")?;
+            let publishes: Vec<Trace> = jaeger
+                .traces_of(&service)
+                .into_iter()
+                .filter(|trace| trace.spans.first().is_some_and(|span| span.name.starts_with("send ")))
+                .collect();
+            let whole = failing.outline() == failing_outline
+                && terminal.outline() == [process.clone()]
+                && publishes.len() == 2
+                && publishes.iter().all(|trace| trace.outline() == [send.clone(), process.clone()]);
+            let seen = format!(
+                "failing {:?}, terminal {:?}, publishes {:?}",
+                failing.outline(),
+                terminal.outline(),
+                publishes.iter().map(Trace::outline).collect::<Vec<_>>()
+            );
+            if whole { Ok((failing, terminal, publishes)) } else { Err(seen) }
+        });
+        for trace in &publishes {
+            let (send, run) = (&trace.spans[0], &trace.spans[1]);
+            let entry = send.tag("messaging.message.id").unwrap_or_else(|| panic!("send names its entry: {send:?}"));
+            assert!(published.iter().any(|id| id == entry), "{entry} is one of {published:?}");
+            assert!(
+                matches!(send.tag("pelican.message_id"), Some("m-0" | "m-1")),
+                "the idempotent message id: {send:?}"
+            );
+            for (key, value) in [
+                ("span.kind", "producer"),
+                ("messaging.system", "redis"),
+                ("messaging.destination.name", stream.as_str()),
+                ("messaging.operation.type", "send"),
+            ] {
+                assert_eq!(send.tag(key), Some(value), "{name}'s send span, {key}: {send:?}");
+            }
+            assert_eq!(run.parent.as_deref(), Some(send.id.as_str()), "the run continues the publish: {run:?}");
+            for (key, value) in [
+                ("span.kind", "consumer"),
+                ("messaging.system", "redis"),
+                ("messaging.destination.name", stream.as_str()),
+                ("messaging.operation.type", "process"),
+                ("messaging.consumer.group.name", GROUP),
+                ("messaging.client.id", "w1"),
+                ("messaging.message.id", entry),
+                ("pelican.outcome", "done"),
+            ] {
+                assert_eq!(run.tag(key), Some(value), "{name}'s process span, {key}: {run:?}");
+            }
+        }
+        for span in &failing.spans {
+            assert_eq!(
+                span.parent.as_deref(),
+                Some(failing_parent.as_str()),
+                "{} continues the message's context: {span:?}",
+                span.name
+            );
+        }
+        for run in [&failing.spans[0], &failing.spans[2]] {
+            assert_eq!(run.tag("pelican.outcome"), Some("fail"), "{run:?}");
+            assert_eq!(run.tag("otel.status_code"), Some("ERROR"), "a failed run is an error: {run:?}");
+        }
+        let copy = failing.spans[1].tag("pelican.new_id").expect("the requeue names its copy");
+        assert_eq!(failing.spans[2].tag("messaging.message.id"), Some(copy), "the second run is the copy's");
+        assert_eq!(failing.spans[3].tag("pelican.reason"), Some("MaxDeliveriesExceeded"));
+        assert_eq!(failing.spans[3].tag("pelican.deliveries"), Some("2"));
+        let run = &terminal.spans[0];
+        assert_eq!(run.parent.as_deref(), Some(terminal_parent.as_str()));
+        assert_eq!(
+            (run.tag("pelican.outcome"), run.tag("pelican.reason")),
+            (Some("terminal"), Some("Gone")),
+            "{run:?}"
+        );
+    });
+}
+
+/// SPEC 23's proof: a message published by the TypeScript producer fails twice in a Python worker (`HANDLE=fail`), is
+/// dead-lettered by the operator, redriven by a `DeadLetterRedrive` and done by a Go worker: in Jaeger, one trace with
+/// every span in the order it happened, each a child of the publish.
+fn one_trace_through_three_libraries_and_the_operator() {
+    let jaeger = Jaeger::start();
+    let listed = libraries();
+    let library = |name: &str| {
+        listed
+            .iter()
+            .find(|l| l.name == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name}'s conformance worker is not listed (CONFORMANCE_WORKERS?)"))
+    };
+    let (typescript, python, go) = (library("typescript"), library("python"), library("go"));
+    let server = Server::start(Flavor::Redis86);
+    let url = server.url();
+    let namespace = namespace("conf-one-trace");
+    let _operator = Operator::start_exporting(&namespace, &jaeger.otlp_endpoint());
+    let (applied, out) = kubectl_apply(&namespace, &spec("1s", 2, "Requeue").manifest("orders", &url, "orders"));
+    assert!(applied, "kubectl apply failed: {out}");
+    wait_all_ready(&namespace, 1, Duration::from_secs(60));
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_connection().unwrap();
+
+    let mut env = exporting_to(&jaeger, "python");
+    env.push(("HANDLE".into(), "fail".into()));
+    let mut failing = Running::start_with(&python, &url, "orders", "python-1", 5_000, &env_refs(&env));
+    wait_reading(&mut conn, "orders", "python-1", &failing.what);
+    let producer =
+        start_producer_with(&typescript, &url, "orders", "shop", 1, &env_refs(&exporting_to(&jaeger, "typescript")));
+    let published = published_by(producer).expect("the TypeScript producer publishes");
+    wait_for("the message dead-lettered", Duration::from_secs(60), || {
+        let letters = xrange(&mut conn, "orders:dlq");
+        if letters.len() == 1 {
+            Ok(())
+        } else {
+            Err(format!("{} dead letters; python ran {:?}", letters.len(), failing.runs()))
+        }
+    });
+    assert_eq!(failing.runs().iter().filter(|r| r.outcome == "fail").count(), 2, "failed twice: {:?}", failing.runs());
+    assert!(failing.terminate().success());
+
+    let mut done = Running::start_with(&go, &url, "orders", "go-1", 5_000, &env_refs(&exporting_to(&jaeger, "go")));
+    wait_reading(&mut conn, "orders", "go-1", &done.what);
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: again\nspec:\n  policyRef:\n    name: orders\n";
+    let (applied, out) = kubectl_apply(&namespace, redrive);
+    assert!(applied, "kubectl apply failed: {out}");
+    wait_for("the Go worker to run the redriven message", Duration::from_secs(60), || {
+        let runs = done.runs();
+        if runs.iter().any(|r| r.outcome == "done") { Ok(()) } else { Err(format!("{runs:?}")) }
+    });
+    assert!(done.terminate().success());
+
+    let expected = [
+        "pelican-conformance-typescript: send orders",
+        "pelican-conformance-python: process orders",
+        "pelican-operator: requeue orders",
+        "pelican-conformance-python: process orders",
+        "pelican-operator: dead letter orders",
+        "pelican-operator: redrive orders",
+        "pelican-conformance-go: process orders",
+    ];
+    let trace = wait_for("the whole trace in Jaeger", Duration::from_secs(30), || {
+        let traces = jaeger.traces_of("pelican-conformance-typescript");
+        let [trace] = traces.as_slice() else { return Err(format!("{} traces of the producer", traces.len())) };
+        if trace.outline() == expected { Ok(trace.clone()) } else { Err(format!("{:#?}", trace.outline())) }
+    });
+    let send = &trace.spans[0];
+    assert_eq!(send.parent, None, "the publish is the trace's root");
+    assert_eq!(send.tag("messaging.message.id"), Some(published[0].as_str()));
+    for span in &trace.spans[1..] {
+        assert_eq!(span.parent.as_deref(), Some(send.id.as_str()), "{} is a child of the publish", span.name);
+    }
+    let start = send.start;
+    let lines: Vec<String> = trace
+        .spans
+        .iter()
+        .map(|s| {
+            format!(
+                "  +{:>7.1} ms {:>7.1} ms  {:<32} {:<24} {}",
+                (s.start - start) as f64 / 1e3,
+                s.duration as f64 / 1e3,
+                s.service,
+                s.name,
+                s.tag("messaging.message.id").unwrap_or("")
+            )
+        })
+        .collect();
+    eprintln!("trace {} as Jaeger returns it (start, duration, service, span, entry):\n{}", trace.id, lines.join("\n"));
+    // The book's picture of a trace (docs/src/tracing.md) is drawn from this one: `PELICAN_TRACE_OUT=<file>`, then
+    // `hack/trace-svg < <file>`.
+    if let Ok(path) = std::env::var("PELICAN_TRACE_OUT") {
+        std::fs::write(path, jaeger.trace_json(&trace.id).unwrap()).unwrap();
+    }
 }

@@ -6,7 +6,7 @@
 //! A stale generated page is rewritten by `PELICAN_WRITE_DOCS=1 cargo test --test docs` (then review the diff).
 
 use std::collections::BTreeSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use regex::Regex;
@@ -147,6 +147,46 @@ fn every_environment_variable_the_code_reads_is_documented() {
     read_vars.insert("RUST_LOG".into());
     let missing: Vec<&String> = read_vars.iter().filter(|v| !docs.contains(v.as_str())).collect();
     assert!(missing.is_empty(), "environment variables the code reads that docs/src does not name: {missing:?}");
+}
+
+/// The source files that talk to OpenTelemetry: the operator's and every library's (tests and benches left out).
+fn telemetry_sources() -> Vec<PathBuf> {
+    let root = Path::new(ROOT);
+    let mut files = files_below(&root.join("src"), ".rs");
+    for (dir, suffix) in [
+        ("sdks/typescript/src", ".ts"),
+        ("sdks/python/pelican_worker", ".py"),
+        ("sdks/go", ".go"),
+        ("sdks/java/src/main", ".java"),
+    ] {
+        files.extend(files_below(&root.join(dir), suffix));
+    }
+    files.retain(|f| {
+        let name = f.to_string_lossy();
+        !name.ends_with("_test.go") && !name.contains("/bench") && read(f).to_lowercase().contains("opentelemetry")
+    });
+    files
+}
+
+#[test]
+fn every_span_attribute_the_code_sets_is_in_the_reference() {
+    let files = telemetry_sources();
+    assert!(files.len() >= 6, "the operator's and the five libraries' OpenTelemetry code: {files:?}");
+    let attribute = Regex::new(r#""((?:messaging|pelican)\.[a-z_.]+[a-z])""#).unwrap();
+    let mut set = BTreeSet::new();
+    for file in &files {
+        set.extend(attribute.captures_iter(&read(file)).map(|c| c[1].to_string()));
+    }
+    let reference = read(&Path::new(ROOT).join("docs/src/reference/telemetry.md"));
+    let listed: BTreeSet<String> = Regex::new(r"(?m)^\| `((?:messaging|pelican)\.[a-z_.]+)` \|")
+        .unwrap()
+        .captures_iter(&reference)
+        .map(|c| c[1].to_string())
+        .collect();
+    let missing: Vec<&String> = set.difference(&listed).collect();
+    let stale: Vec<&String> = listed.difference(&set).collect();
+    assert!(missing.is_empty(), "attributes the code sets that reference/telemetry.md does not list: {missing:?}");
+    assert!(stale.is_empty(), "attributes reference/telemetry.md lists that no code sets: {stale:?}");
 }
 
 #[test]

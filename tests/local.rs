@@ -187,3 +187,42 @@ fn two_policies_of_one_group_are_refused_as_the_controller_refuses_them() {
         "{stderr}"
     );
 }
+
+/// SPEC 23: with `OTEL_EXPORTER_OTLP_ENDPOINT` set, `pelican local` puts its passes into the messages' traces as the
+/// operator does: an entry published inside a trace and never acknowledged shows, in Jaeger, its requeue and then its
+/// dead letter, each a child of the context the entry carries.
+#[test]
+#[ignore = "needs Jaeger: eval \"$(scripts/testenv jaeger)\", then --ignored (scripts/test runs it)"]
+fn the_passes_join_the_traces_of_the_messages_they_move() {
+    let jaeger = Jaeger::start();
+    let server = Server::start(Flavor::Redis);
+    let mut conn = server.conn();
+    let (trace, parent) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let _: String = redis::cmd("XADD")
+        .arg(&["orders", "*", "job", "42", "traceparent", &format!("00-{trace}-{parent}-01")])
+        .query(&mut conn)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = policy_file(&dir, "orders", &server.url(), "");
+    let mut command = pelican(&["local", "-f", file.to_str().unwrap()]);
+    command.env("OTEL_EXPORTER_OTLP_ENDPOINT", jaeger.otlp_endpoint()).env("OTEL_SERVICE_NAME", "pelican-local");
+    let mut local = Running::start(command);
+    local.line_with(&["created group \"billing\""], Duration::from_secs(20));
+    read_one(&mut conn, "worker-1").expect("the entry is delivered");
+    local.line_with(&["apps/orders: pass: requeued 1"], Duration::from_secs(20));
+    read_one(&mut conn, "worker-1").expect("the requeued copy is delivered");
+    local.line_with(&["apps/orders: pass: dead-lettered 1"], Duration::from_secs(20));
+    let (status, _) = local.interrupt();
+    assert!(status.success(), "{status}");
+
+    let expected = ["pelican-local: requeue orders", "pelican-local: dead letter orders"];
+    let found = wait_for("the passes' spans in Jaeger", Duration::from_secs(20), || {
+        let found = jaeger.trace(trace).ok_or("no such trace yet")?;
+        if found.outline() == expected { Ok(found) } else { Err(format!("{:?}", found.outline())) }
+    });
+    for span in &found.spans {
+        assert_eq!(span.parent.as_deref(), Some(parent), "{} continues the entry's context", span.name);
+        assert_eq!(span.tag("messaging.consumer.group.name"), Some("billing"));
+    }
+    assert_eq!(found.spans[1].tag("pelican.reason"), Some("MaxDeliveriesExceeded"));
+}

@@ -59,6 +59,16 @@ impl Operator {
         Operator::launch(&args, bed().kubeconfig())
     }
 
+    /// Watching one namespace, its traces exported over OTLP to `endpoint` as service `pelican-operator`.
+    pub fn start_exporting(namespace: &str, endpoint: &str) -> Operator {
+        Operator::spawn(
+            "127.0.0.1",
+            &["--namespace", namespace],
+            bed().kubeconfig(),
+            &[("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)],
+        )
+    }
+
     /// `pelican run <args>` against the API server of `kubeconfig`.
     pub fn launch(args: &[&str], kubeconfig: &str) -> Operator {
         Operator::launch_listening("127.0.0.1", args, kubeconfig)
@@ -66,6 +76,10 @@ impl Operator {
 
     /// The same, its metrics and health listeners on `host` (`[::]` for every IPv6 address).
     pub fn launch_listening(host: &str, args: &[&str], kubeconfig: &str) -> Operator {
+        Operator::spawn(host, args, kubeconfig, &[])
+    }
+
+    fn spawn(host: &str, args: &[&str], kubeconfig: &str, env: &[(&str, &str)]) -> Operator {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("operator.log");
         let file = std::fs::File::create(&log).unwrap();
@@ -79,6 +93,7 @@ impl Operator {
             .args(args)
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,pelican=debug")
+            .envs(env.iter().copied())
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .spawn()

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod conformance;
+mod jaeger;
 mod kubernetes;
 mod node;
 mod servers;
@@ -23,6 +24,8 @@ mod streams;
 // Each test file uses a part of the harness.
 #[allow(unused_imports)]
 pub use conformance::*;
+#[allow(unused_imports)]
+pub use jaeger::*;
 #[allow(unused_imports)]
 pub use kubernetes::*;
 #[allow(unused_imports)]
