@@ -119,6 +119,21 @@ pub enum Error {
     )]
     ScriptingUnavailable { server: String, version: String },
 
+    #[error(
+        "another install of Pelican ({owner}) runs this group's jobs on {server}: this one ({me}) runs no pass and \
+         writes nothing for it. Its claim lapses {left}s after it stops renewing it, and then this install takes \
+         over. Two installs on one Redis: make the other passive (--passive, the chart's passive: true), or remove \
+         the policy from one of them"
+    )]
+    AnotherInstallRuns { server: String, owner: String, me: String, left: u64 },
+
+    #[error(
+        "this install ({me}) is passive (--passive, the chart's passive: true): it runs no pass and writes nothing on \
+         {server}; {owner}. To take over (a failover), set passive: false: it claims the group once no other install \
+         renews its claim"
+    )]
+    Passive { server: String, me: String, owner: String },
+
     #[error("{0}")]
     ResourceConflict(String),
 
@@ -188,6 +203,8 @@ impl Error {
             Error::WrongKeyType(_) => "WrongKeyType",
             Error::UnsupportedServerVersion { .. } => "UnsupportedServerVersion",
             Error::ScriptingUnavailable { .. } => "ScriptingUnavailable",
+            Error::AnotherInstallRuns { .. } => "AnotherInstallRuns",
+            Error::Passive { .. } => "Passive",
             Error::ResourceConflict(_) => "ResourceConflict",
             Error::InvalidSpec(_) => "InvalidSpec",
             Error::TooManyConsumers { .. } => "TooManyConsumers",
@@ -223,6 +240,8 @@ impl Error {
                 | Error::WrongKeyType(_)
                 | Error::UnsupportedServerVersion { .. }
                 | Error::ScriptingUnavailable { .. }
+                | Error::AnotherInstallRuns { .. }
+                | Error::Passive { .. }
                 | Error::ResourceConflict(_)
                 | Error::InvalidSpec(_)
                 | Error::UnexpectedReply { .. }

@@ -160,6 +160,12 @@ impl WorkerSettings {
     }
 }
 
+/// `{T}:pelican:<stream>:<group>:owner`: the install of Pelican that runs the group's jobs (its id, with a TTL:
+/// `scripts/claim_group.lua`). On a topic, `<stream>` is the topic's name.
+pub fn owner_key(stream: &str, group: &str) -> String {
+    format!("{{{}}}:pelican:{stream}:{group}:owner", hash_tag(stream))
+}
+
 /// `{T}:pelican:<stream>:<group>:totals`: the operator's own counters.
 pub fn totals_key(stream: &str, group: &str) -> String {
     format!("{{{}}}:pelican:{stream}:{group}:totals", hash_tag(stream))

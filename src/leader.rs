@@ -205,6 +205,22 @@ async fn guard(
     }
 }
 
+/// The cluster this process runs in, as clusters are told apart: the UID of its `kube-system` namespace (made once,
+/// with the cluster). `unknown-cluster` (said in a warning) when it cannot be read: two clusters then differ only by
+/// their release namespace, so give each install its own `--install-id`.
+pub async fn cluster_id(client: &Client) -> String {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    match namespaces.get("kube-system").await.map(|ns| ns.metadata.uid) {
+        Ok(Some(uid)) => uid,
+        Ok(None) | Err(_) => {
+            warn!(
+                "could not read the kube-system namespace's UID to name this install on the Redis servers: set --install-id"
+            );
+            "unknown-cluster".into()
+        }
+    }
+}
+
 /// The Lease a replica takes when none is named: `pelican-leader`, or for one shard (`--watch-label-selector`)
 /// `pelican-leader-<hash of the selector>`, so that shards never share one and two copies of one shard always do.
 pub fn default_lease_name(selector: Option<&str>) -> String {

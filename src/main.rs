@@ -71,6 +71,16 @@ enum Command {
         /// (KEDA: the trigger's `caCert`, `tlsClientCert`, `tlsClientKey`).
         #[arg(long, requires = "external_scaler_addr", env = "PELICAN_EXTERNAL_SCALER_TLS_DIR")]
         external_scaler_tls_dir: Option<std::path::PathBuf>,
+        /// This install's name on the Redis servers, where it claims each group whose jobs it runs: another install
+        /// on the same server (in another cluster, say) finds the claim and stands by (AnotherInstallRuns). Default:
+        /// `<the cluster's kube-system namespace UID>/<the leader Lease's namespace>`, which the shards of one install
+        /// share. Give a rebuilt or restored cluster's install the old name to take its groups back at once.
+        #[arg(long, env = "PELICAN_INSTALL_ID")]
+        install_id: Option<String>,
+        /// Claim no group: run no pass and write nothing on the servers, only report each policy (Ready False,
+        /// Passive, naming the install that runs it): the standby of a DR pair or a blue/green switch.
+        #[arg(long, env = "PELICAN_PASSIVE")]
+        passive: bool,
         /// How many policies are reconciled at once (0: no bound).
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
@@ -135,7 +145,16 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
             let credentials = pelican::redis::Credentials { username: redis_username, password: redis_password };
             let options = pelican::local::Options { files, redis_url, credentials, status_every };
-            pelican::local::run(options, shutdown_signal()).await?;
+            // The passes' spans in the messages' traces, as `pelican run` exports them.
+            let traces = pelican::telemetry::traces::from_env().map_err(|e| anyhow::anyhow!("OTLP exporter: {e}"))?;
+            if let Some(provider) = traces.clone() {
+                pelican::telemetry::traces::install(provider);
+            }
+            let ran = pelican::local::run(options, shutdown_signal()).await;
+            if let Some(provider) = traces {
+                let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+            }
+            ran?;
         }
         Command::Run {
             namespace,
@@ -151,6 +170,8 @@ async fn main() -> anyhow::Result<()> {
             inline_connections,
             external_scaler_addr,
             external_scaler_tls_dir,
+            install_id,
+            passive,
             max_concurrent_reconciles,
         } => {
             init_logging(log_format);
@@ -192,6 +213,13 @@ async fn main() -> anyhow::Result<()> {
                 concurrency: max_concurrent_reconciles,
                 secret_namespaces: (!secret_namespaces.is_empty()).then(|| secret_namespaces.into_iter().collect()),
                 install: lease.clone(),
+                claimant: pelican::controller::Claimant {
+                    id: match install_id {
+                        Some(id) => id,
+                        None => format!("{}/{lease_namespace}", pelican::leader::cluster_id(&client).await),
+                    },
+                    passive,
+                },
             };
             let holder = pelican::leader::live_holder(&client, &lease_namespace, &lease_name, &identity).await;
             let holder = holder.map_err(|e| anyhow::anyhow!("could not read the leader Lease {lease}: {e}"))?;

@@ -157,6 +157,29 @@ fn pods_are_restricted_and_labelled() {
     assert!(!manifests.contains("\"*\""), "no wildcard in RBAC");
 }
 
+/// Issue 66: OpenShift's restricted-v2 SCC assigns the user and group from the namespace's range and refuses a Pod
+/// that fixes them. Where the API group security.openshift.io is served the chart sets neither (the rest of the
+/// restricted profile stays); elsewhere the image's 65532, or none when the values say null.
+#[test]
+fn on_openshift_the_pod_leaves_its_user_and_group_to_the_scc() {
+    let plain = render("sec", "pelican-system", &[]);
+    assert!(plain.contains("runAsUser: 65532") && plain.contains("runAsGroup: 65532"), "{plain}");
+    let args =
+        ["template", "sec", CHART, "--namespace", "pelican-system", "--api-versions", "security.openshift.io/v1"];
+    let (ok, openshift) = helm(&args);
+    assert!(ok, "helm template failed: {openshift}");
+    assert!(
+        !openshift.contains("runAsUser") && !openshift.contains("runAsGroup"),
+        "a fixed user on OpenShift: {openshift}"
+    );
+    for needle in ["runAsNonRoot: true", "allowPrivilegeEscalation: false", "drop: [\"ALL\"]", "type: RuntimeDefault"] {
+        assert!(openshift.contains(needle), "{needle} missing on OpenShift");
+    }
+    let unset =
+        render("sec", "pelican-system", &["podSecurityContext.runAsUser=null", "podSecurityContext.runAsGroup=null"]);
+    assert!(!unset.contains("runAsUser") && !unset.contains("runAsGroup"), "null leaves them to the image: {unset}");
+}
+
 /// Installs the chart's RBAC for a release that watches `watched`, and returns a kubeconfig holding a token of the
 /// chart's ServiceAccount.
 fn install_rbac(release: &str, watched: &str, edit: impl Fn(String) -> String) -> (String, tempfile::TempDir) {

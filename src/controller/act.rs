@@ -23,7 +23,7 @@ use crate::api::{ConsumerGroupPolicy, DeletionPolicy, PartitionsStatus};
 use crate::context::policy_id;
 use crate::keys::{self, WorkerSettings};
 use crate::redis::{
-    self as redis_ops, Conn, Destroyed, Features, GroupFacts, GroupKeys, GroupSetup, Pools, ServerInfo, Target,
+    self as redis_ops, Claim, Conn, Destroyed, Features, GroupFacts, GroupKeys, GroupSetup, Pools, ServerInfo, Target,
     TopicSettings, Unread,
 };
 use crate::runner::{Job, PodWatch, PodsOf, Runner, partition_task};
@@ -51,8 +51,22 @@ pub struct Observation {
 
 /// What converging a policy needs from whoever runs it: the operator's reconcile ([`Context`]), or `pelican local`,
 /// which has Redis and no cluster. Both converge through [`converge`], so the jobs have one code path.
+/// This install as it claims each group on its server (`scripts/claim_group.lua`): `--install-id` (by default the
+/// cluster's and the leader Lease's names), and `--passive` (claim nothing, only report).
+#[derive(Clone, Debug)]
+pub struct Claimant {
+    pub id: String,
+    pub passive: bool,
+}
+
+/// How long a group's claim outlives its owner's last renewal: three reconciles (each renews it), at least 15 s.
+pub fn claim_lifetime(schedule: &Schedule) -> Duration {
+    (schedule.interval * 3).max(Duration::from_secs(15))
+}
+
 pub trait Host {
     fn pools(&self) -> &Arc<Pools>;
+    fn claimant(&self) -> &Claimant;
     fn runner(&self) -> &Runner;
     /// The policy uses this connection now (an earlier one no policy uses any more is closed).
     fn uses(&self, policy: &ConsumerGroupPolicy, target: &Target);
@@ -67,6 +81,10 @@ pub trait Host {
 impl Host for Context {
     fn pools(&self) -> &Arc<Pools> {
         &self.shared.pools
+    }
+
+    fn claimant(&self) -> &Claimant {
+        &self.claimant
     }
 
     fn runner(&self) -> &Runner {
@@ -120,8 +138,29 @@ pub async fn converge(
         host.pools().features.forget(&server);
         return Err(Error::ScriptingUnavailable { server, version: features.version });
     }
-    let jobs = plan::jobs(policy, schedule, others);
     let id = policy_id(policy);
+    // One install runs a group's jobs, claimed on the server: another install on the same Redis (in another cluster,
+    // say) stands by, as a passive one does, writing nothing.
+    let claimant = host.claimant();
+    let group = (policy.spec.stream.as_str(), policy.spec.group.as_str());
+    let claim =
+        redis_ops::claim_group(&mut conn, &server, group, &claimant.id, claim_lifetime(schedule), claimant.passive);
+    match claim.await? {
+        Claim::Ours => {}
+        Claim::Theirs { owner, left } if !claimant.passive => {
+            host.runner().stop(&id);
+            return Err(Error::AnotherInstallRuns { server, owner, me: claimant.id.clone(), left: left.as_secs() });
+        }
+        other => {
+            host.runner().stop(&id);
+            let owner = match other {
+                Claim::Theirs { owner, .. } => format!("the install {owner} runs its jobs"),
+                _ => "no install runs its jobs now".to_string(),
+            };
+            return Err(Error::Passive { server, me: claimant.id.clone(), owner });
+        }
+    }
+    let jobs = plan::jobs(policy, schedule, others);
     if jobs.work.is_none() {
         host.runner().stop(&id);
     }

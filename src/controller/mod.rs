@@ -49,7 +49,7 @@ use crate::{Error, Result};
 use neighbours::Neighbours;
 use validate::Schedule;
 
-pub use act::{Host, Observation};
+pub use act::{Claimant, Host, Observation};
 pub use plan::{Announcement, dead_letter_of, streams};
 pub use validate::validate;
 
@@ -87,6 +87,8 @@ pub struct Context {
     progress: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, progress::Window>>,
     /// [`Settings::install`].
     install: String,
+    /// [`Settings::claimant`].
+    claimant: act::Claimant,
     /// The policies whose status this process wrote: one that names another install since was written by it.
     wrote: Mutex<HashSet<ObjectRef<ConsumerGroupPolicy>>>,
     /// The watched namespace (`--namespace`), for the Pod watch.
@@ -259,6 +261,8 @@ pub struct Settings {
     /// This install, named by its leader Lease (`<namespace>/<name>`): written in each policy's status, where
     /// another install's name shows that two serve it.
     pub install: String,
+    /// This install as it claims each group on its server, so that two installs on one Redis never both run it.
+    pub claimant: Claimant,
 }
 
 /// Up to `max`, at random: spreads out retries that would otherwise come due together.
@@ -307,6 +311,7 @@ pub async fn run(
         terminating: Mutex::default(),
         progress: Mutex::default(),
         install: settings.install.clone(),
+        claimant: settings.claimant.clone(),
         wrote: Mutex::default(),
         watch_namespace: settings.namespace.clone(),
         pods: OnceLock::new(),
@@ -648,6 +653,7 @@ mod tests {
             terminating: Mutex::default(),
             progress: Mutex::default(),
             install: "pelican-system/pelican-leader".into(),
+            claimant: Claimant { id: "test/pelican-system/pelican-leader".into(), passive: false },
             wrote: Mutex::default(),
             watch_namespace: None,
             pods: OnceLock::new(),

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use crate::api::{ConsumerGroupPolicy, RedisMode};
 use crate::context::policy_id;
-use crate::controller::{Announcement, Host, Observation, validate, validate_and_converge};
+use crate::controller::{Announcement, Claimant, Host, Observation, validate, validate_and_converge};
 use crate::leader::Leadership;
 use crate::redis::{Credentials, PoolKey, Pools, Sentinel, Target, Tls, Unread};
 use crate::runner::{Announcer, PodWatch, Runner, Said};
@@ -78,6 +78,8 @@ pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Re
         pools,
         users: Mutex::default(),
         unread: Mutex::default(),
+        // A restarted `pelican local` on the same machine is the same claimant: it takes its groups back at once.
+        claimant: Claimant { id: format!("local/{}", hostname()), passive: false },
     };
     let mut schedules = vec![Schedule::default(); policies.len()];
     let mut first = true;
@@ -178,11 +180,21 @@ struct Local {
     runner: Runner,
     users: Mutex<HashMap<String, PoolKey>>,
     unread: Mutex<HashMap<String, Option<Unread>>>,
+    claimant: Claimant,
+}
+
+/// This machine's name, as the kernel has it.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "localhost".into(), |n| n.trim().to_string())
 }
 
 impl Host for Local {
     fn pools(&self) -> &Arc<Pools> {
         &self.pools
+    }
+
+    fn claimant(&self) -> &Claimant {
+        &self.claimant
     }
 
     fn runner(&self) -> &Runner {

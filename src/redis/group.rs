@@ -11,8 +11,8 @@ use redis::{Script, Value, pipe};
 use super::Conn;
 use super::reply::{self, Fields};
 use crate::keys::{
-    WorkerSettings, bounds_key, creator_key, idempotence_key, legacy_keys, rejected_key, settings_key, terminal_key,
-    totals_key,
+    WorkerSettings, bounds_key, creator_key, idempotence_key, legacy_keys, owner_key, rejected_key, settings_key,
+    terminal_key, totals_key,
 };
 use crate::{Error, Result};
 
@@ -21,6 +21,7 @@ static CARRY_OVER_COUNTERS: LazyLock<Script> =
 static IDEMPOTENCE_WINDOW: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("scripts/idempotence_window.lua")));
 static DESTROY_GROUP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/destroy_group.lua")));
+static CLAIM_GROUP: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/claim_group.lua")));
 static PUBLISH_SETTINGS: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/publish_settings.lua")));
 
 /// Which server answers, from `INFO server`.
@@ -349,6 +350,47 @@ pub struct TopicSettings {
     /// and no most without a backoff).
     pub backoff_factor: u32,
     pub backoff_max_ms: u64,
+}
+
+/// Who runs a group's jobs, as [`claim_group`] found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// This install: the claim taken or renewed for its lifetime.
+    Ours,
+    /// Another install (its id), whose claim lapses in `left` unless it renews it.
+    Theirs { owner: String, left: Duration },
+    /// Nobody (a passive install only looks).
+    Nobody,
+}
+
+/// Claims the group for the install `me` for `lifetime`, or with `passive` only looks who holds it
+/// ([`owner_key`], `scripts/claim_group.lua`).
+pub async fn claim_group(
+    conn: &mut Conn,
+    server: &str,
+    (stream, group): (&str, &str),
+    me: &str,
+    lifetime: Duration,
+    passive: bool,
+) -> Result<Claim> {
+    let reply: Vec<Value> = CLAIM_GROUP
+        .key(owner_key(stream, group))
+        .arg(me)
+        .arg(lifetime.as_millis() as u64)
+        .arg(if passive { "look" } else { "claim" })
+        .invoke_async(conn)
+        .await
+        .map_err(|e| Error::from_redis(server, e))?;
+    let int = |v: &Value| redis::from_redis_value_ref::<i64>(v).ok();
+    match reply.as_slice() {
+        [held, _] if int(held) == Some(1) => Ok(Claim::Ours),
+        [_, owner, left] => {
+            let owner: String = redis::from_redis_value_ref(owner).unwrap_or_default();
+            let left = Duration::from_millis(int(left).unwrap_or(0).max(0) as u64);
+            Ok(if owner.is_empty() { Claim::Nobody } else { Claim::Theirs { owner, left } })
+        }
+        _ => Err(Error::UnexpectedReply { server: server.into(), detail: format!("claim_group.lua: {reply:?}") }),
+    }
 }
 
 /// Publishes the group's settings for workers ([`settings_key`]) when they changed, and answers the `minIdle` the
