@@ -14,8 +14,15 @@
 //! returned. With `REDIS_CLUSTER=1`, `REDIS_URL` names one primary of a Redis Cluster.
 //! With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
 //! `m-1`, ...), each retried until it answers an id, one JSON line per attempt.
+//! With `OTEL_EXPORTER_OTLP_ENDPOINT` set, the SDK's spans go to it over OTLP (HTTP/protobuf, the standard
+//! `OTEL_EXPORTER_OTLP_*` variables), the service named by `OTEL_SERVICE_NAME` (`pelican-conformance-rust` by
+//! default); whatever way the program ends, the spans still queued are exported first (for at most 5 s).
 
+use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
 
 use pelican::worker::{
     BoxError, DEFAULT_SHUTDOWN_GRACE, Message, Outcome, Producer, PublishError, Reason, Source, TopicWorker,
@@ -29,6 +36,50 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
+    export_traces()?;
+    let ended = run().await;
+    flush_traces();
+    ended
+}
+
+/// The tracer provider exporting over OTLP, when the program was given an endpoint.
+static TRACES: OnceLock<SdkTracerProvider> = OnceLock::new();
+
+/// Installs the OpenTelemetry SDK (a batch processor, the OTLP exporter configured by the standard variables, the
+/// W3C propagator) when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; without it nothing is installed.
+fn export_traces() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_none_or(|endpoint| endpoint.is_empty()) {
+        return Ok(());
+    }
+    let exporter = opentelemetry_otlp::SpanExporter::builder().with_http().build()?;
+    let service = std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "pelican-conformance-rust".into());
+    let resource = opentelemetry_sdk::Resource::builder().with_service_name(service).build();
+    let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource).build();
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    let _ = TRACES.set(provider);
+    Ok(())
+}
+
+/// Exports the spans still queued and stops the exporter, waiting at most 5 s.
+fn flush_traces() {
+    if let Some(provider) = TRACES.get()
+        && let Err(e) = provider.shutdown_with_timeout(Duration::from_secs(5))
+    {
+        eprintln!("exporting the last spans: {e}");
+    }
+}
+
+/// Ends the process with `code` once the queued spans are exported.
+fn exit(code: i32) -> ! {
+    flush_traces();
+    std::process::exit(code)
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is required"));
     let client = redis::Client::open(var("REDIS_URL")?)?;
     let source = match std::env::var("SENTINEL_MASTER") {
@@ -64,7 +115,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return match stopped {
             Some(e @ (TopicWorkerError::UnknownContract(_) | TopicWorkerError::NotATopic { .. })) => {
                 eprintln!("{e}");
-                std::process::exit(4);
+                exit(4);
             }
             Some(other) => Err(other.into()),
             None => Ok(()),
@@ -74,7 +125,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let worker = Worker::connect_to(source, config).await?;
     if let Err(stopped) = worker.run(handler, shutdown).await {
         eprintln!("{stopped}");
-        std::process::exit(4);
+        exit(4);
     }
     Ok(())
 }
@@ -102,7 +153,7 @@ async fn handle(message: Message, consumer: String) -> Result<Outcome, BoxError>
     if outcome == "exit" {
         topic_line(&mut line, started_at);
         println!("{line}");
-        std::process::exit(3);
+        exit(3);
     }
     tokio::time::sleep(Duration::from_millis(ms)).await;
     topic_line(&mut line, now_ms());

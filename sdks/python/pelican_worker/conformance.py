@@ -17,6 +17,11 @@ the epoch; for ``exit`` both the start). A topic the library refuses exits with 
 
 With ``MODE=publish`` it is a producer instead: it publishes ``MESSAGES`` messages idempotently (message ids ``m-0``,
 ``m-1``, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
+
+With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set (and the extra ``conformance`` installed), the library's spans go to it over
+OTLP (HTTP/protobuf, the standard ``OTEL_EXPORTER_OTLP_*`` variables), the service named by ``OTEL_SERVICE_NAME``
+(``pelican-conformance-python`` by default); whichever way the program ends, the spans still queued are exported
+first (for at most 5 s).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
@@ -41,6 +48,49 @@ from pelican_worker.settings import ContractVersionError
 from pelican_worker.topic import NotATopic, TopicContractError
 from pelican_worker.topic_worker import DEFAULT_MEMBERSHIP_TTL, OrderingError, TopicWorker
 from pelican_worker.worker import Handler, Worker, run_until_signal
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+#: The SDK exporting the library's spans, when the program was given an OTLP endpoint.
+_traces: TracerProvider | None = None
+
+
+def export_traces() -> None:
+    """Installs the OpenTelemetry SDK when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set: a tracer provider whose batch
+    processor hands the spans to the OTLP exporter (configured by the standard variables), and the W3C propagator."""
+    global _traces
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return
+    from opentelemetry import propagate, trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    service = os.environ.get("OTEL_SERVICE_NAME") or "pelican-conformance-python"
+    # The program shuts it down itself, with a bound, on every way out (the SDK's own exit hook waits up to 30 s).
+    _traces = TracerProvider(resource=Resource.create({SERVICE_NAME: service}), shutdown_on_exit=False)
+    _traces.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(_traces)
+    propagate.set_global_textmap(TraceContextTextMapPropagator())
+
+
+def flush_traces() -> None:
+    """Exports the spans still queued and stops the exporter, waiting at most 5 s (the SDK's shutdown takes no
+    bound: it waits for an export as long as the exporter's timeout)."""
+    if _traces is None:
+        return
+    stopping = threading.Thread(target=_traces.shutdown, name="otel-shutdown", daemon=True)
+    stopping.start()
+    stopping.join(5.0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process at once, without the interpreter's cleanup, once the queued spans are exported."""
+    flush_traces()
+    os._exit(code)
 
 
 def _now_ms() -> int:
@@ -71,7 +121,7 @@ def handler_for(consumer: str, *, topic: bool = False) -> Handler:
         action = message.text("handle") or "done"
         if action == "exit":
             _report(message, consumer, "exit", ms)
-            os._exit(3)
+            _exit_now(3)
         if action == "fail":
             _report(message, consumer, "fail", ms)
             raise RuntimeError("the message asked the conformance worker to fail")
@@ -156,6 +206,14 @@ async def run_topic(url: RedisSource, topic: str, grace: float) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    export_traces()
+    try:
+        run()
+    finally:
+        flush_traces()
+
+
+def run() -> None:
     url = source(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"))
     if os.environ.get("MODE") == "publish":
         asyncio.run(publish(url, os.environ["STREAM"], int(os.environ["MESSAGES"])))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,47 @@ def test_the_conformance_worker_obeys_each_message_and_exits_0_on_sigterm(redis_
     assert sorted(left) == sorted([failed, retried])
     assert int(left[retried]["time_since_delivered"]) >= 60_000  # given back with an idle of minIdle
     assert r.hget(errors_key(STREAM, GROUP), failed) == "RuntimeError: the message asked the conformance worker to fail"
+
+
+def test_with_an_otlp_endpoint_the_conformance_worker_exports_the_runs_span_before_its_exit(redis_url: str) -> None:
+    exports: list[tuple[str, str | None, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        """An OTLP/HTTP endpoint keeping each request's path, content type and body."""
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            exports.append((self.path, self.headers.get("Content-Type"), body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    collector = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    r = _sync_client(redis_url)
+    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    entry = r.xadd(STREAM, {"handle": "done", "traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    # The batch processor's first export is 5 s away: only the flush at the exit can send the span in time.
+    endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+    env = _conformance_env(redis_url, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_SERVICE_NAME="")
+    process = _start(["-m", "pelican_worker.conformance"], env)
+    try:
+        lines = _lines(process, 1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+        collector.shutdown()
+    assert process.returncode == 0, stderr
+    assert [(line["id"], line["outcome"]) for line in lines] == [(entry, "done")]
+    assert [(path, content_type) for path, content_type, _ in exports] == [("/v1/traces", "application/x-protobuf")]
+    # The protobuf holds the trace id as its 16 bytes, the names as text.
+    body = exports[0][2]
+    for wanted in [bytes.fromhex(trace_id), f"process {STREAM}".encode(), b"pelican-conformance-python"]:
+        assert wanted in body, f"the export ({len(body)} bytes) lacks {wanted!r}"
 
 
 def test_the_conformance_worker_gives_back_on_sigterm_within_its_grace(redis_url: str) -> None:

@@ -16,6 +16,9 @@
  *
  * With `MODE=publish` it is a producer instead: it publishes `MESSAGES` messages idempotently (message ids `m-0`,
  * `m-1`, ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
+ *
+ * With `OTEL_EXPORTER_OTLP_ENDPOINT` set, the library's spans go to it over OTLP (`traces.ts`); whichever way the
+ * program ends, the spans still queued are exported first (for at most 5 s).
  */
 import { writeSync } from "node:fs";
 import { setTimeout as sleep } from "node:timers/promises";
@@ -37,6 +40,20 @@ import {
   type Outcome,
   type RedisTarget,
 } from "../src/index.js";
+
+/** The SDK exporting the library's spans, when the program was given an OTLP endpoint. */
+const traces = process.env["OTEL_EXPORTER_OTLP_ENDPOINT"] ? (await import("./traces.js")).exportTraces() : undefined;
+
+/** Ends the process with `code` once the spans still queued are exported, waiting for them at most 5 s. */
+async function exit(code: number): Promise<never> {
+  if (traces) {
+    const flushed = traces.shutdown().catch((error: unknown) => {
+      console.error(`conformance worker: exporting the last spans: ${String(error)}`);
+    });
+    await Promise.race([flushed, sleep(5_000)]);
+  }
+  process.exit(code);
+}
 
 function required(name: string): string {
   const value = process.env[name];
@@ -93,7 +110,7 @@ async function publish(redis: RedisTarget, stream: string, messages: number): Pr
 
 if (process.env["MODE"] === "publish") {
   await publish(target(required("REDIS_URL")), required("STREAM"), Number(required("MESSAGES")));
-  process.exit(0);
+  await exit(0);
 }
 
 /** One JSON line, written synchronously: it is on stdout before an `exit` ends the process. */
@@ -107,7 +124,7 @@ async function obey(message: Message, report: (outcome: string, ms: number) => v
   const ms = Number(message.field("ms") ?? 0) || 0;
   if (handle === "exit") {
     report("exit", ms);
-    process.exit(3);
+    return exit(3);
   }
   await sleep(ms);
   if (handle.startsWith("terminal:")) {
@@ -141,7 +158,7 @@ async function runTopic(topic: string): Promise<void> {
   } catch (error) {
     if (!(error instanceof TopicError) || error instanceof TopicUnavailable) throw error;
     console.error(`conformance worker: ${error.message}`);
-    process.exit(4);
+    return exit(4);
   }
   worker.installSignalHandlers();
   await worker.run((message, { partition }) => {
@@ -168,9 +185,9 @@ try {
   else await runStream(required("STREAM"));
 } catch (error) {
   // The worker logged the version error itself.
-  if (error instanceof ContractVersionError) process.exit(4);
+  if (error instanceof ContractVersionError) await exit(4);
   console.error(`conformance worker: ${String(error)}`);
-  process.exit(1);
+  await exit(1);
 }
 // Handlers the grace cut off may still hold timers: the shutdown is complete, so the process ends here.
-process.exit(0);
+await exit(0);

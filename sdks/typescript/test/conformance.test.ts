@@ -1,6 +1,8 @@
 /** The conformance worker, run from the repository root as the suite runs it: its lines, its exits, its writes. */
 import assert from "node:assert/strict";
 import { spawn, type ChildProcess } from "node:child_process";
+import { createServer } from "node:http";
+import type { AddressInfo } from "node:net";
 import { fileURLToPath } from "node:url";
 import { after, before, test } from "node:test";
 import { Cluster } from "ioredis";
@@ -95,6 +97,51 @@ test("each outcome as the message asks, one JSON line per run; SIGTERM gives bac
   const given = (await pending(admin, stream, group)).find((e) => e.id === slow);
   assert.deepEqual([given?.consumer, given?.deliveries], ["", 0]);
   assert.ok((given?.idleMs ?? 0) >= 45_000);
+});
+
+test("with an OTLP endpoint, the run's span is exported before the exit after SIGTERM", async () => {
+  const exports: { path: string | undefined; contentType: string | undefined; body: Buffer }[] = [];
+  const collector = createServer((request, response) => {
+    const chunks: Buffer[] = [];
+    request.on("data", (chunk: Buffer) => chunks.push(chunk));
+    request.on("end", () => {
+      exports.push({ path: request.url, contentType: request.headers["content-type"], body: Buffer.concat(chunks) });
+      response.writeHead(200).end();
+    });
+  });
+  await new Promise<void>((resolve) => collector.listen(0, "127.0.0.1", resolve));
+  try {
+    const admin = server.admin;
+    const stream = freshStream();
+    await createGroup(admin, stream, group, { minIdleMs: 60_000, retryAfterMs: 45_000, maxDeliveries: 5 });
+    const traceId = "0af7651916cd43dd8448eb211c80319c";
+    const traceparent = `00-${traceId}-b7ad6b7169203331-01`;
+    const id = await admin.xadd(stream, "*", "handle", "done", "traceparent", traceparent);
+    // The batch processor's first export is 5 s away: only the flush at the exit can send the span in time.
+    const endpoint = `http://127.0.0.1:${(collector.address() as AddressInfo).port}`;
+    const { child, lines, exited } = startWorker(stream, "c1", {
+      STREAM: stream,
+      OTEL_EXPORTER_OTLP_ENDPOINT: endpoint,
+      OTEL_SERVICE_NAME: "",
+    });
+    await waitFor("the run", () => lines.length === 1);
+    assert.deepEqual(lines, [{ id, consumer: "c1", outcome: "done", ms: 0 }]);
+    child.kill("SIGTERM");
+    assert.equal(await exited, 0);
+    assert.equal(exports.length, 1, "the worker exited without exporting its spans");
+    const [sent] = exports;
+    assert.deepEqual([sent?.path, sent?.contentType], ["/v1/traces", "application/x-protobuf"]);
+    // The protobuf holds the trace id as its 16 bytes, the names as text.
+    for (const wanted of [
+      Buffer.from(traceId, "hex"),
+      Buffer.from(`process ${stream}`),
+      Buffer.from("pelican-conformance-typescript"),
+    ]) {
+      assert.ok(sent?.body.includes(wanted), `the export (${sent?.body.length} bytes) lacks ${wanted.toString("hex")}`);
+    }
+  } finally {
+    collector.close();
+  }
 });
 
 test("exit: the line is printed, then the process exits 3 at once, the message left pending", async () => {

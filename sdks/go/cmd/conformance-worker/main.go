@@ -17,6 +17,12 @@
 //
 // With MODE=publish it is a producer instead: it publishes MESSAGES messages idempotently (message ids m-0, m-1,
 // ...), each published again with the same id until it answers an entry id, one JSON line per attempt.
+//
+// With OTEL_EXPORTER_OTLP_ENDPOINT set, the library's spans go to it over OTLP (HTTP/protobuf, otlptracehttp reading
+// the standard OTEL_EXPORTER_OTLP_* variables), the service named by OTEL_SERVICE_NAME (pelican-conformance-go by
+// default); whichever way the program ends, the spans still queued are exported first (for at most 5 s). The program
+// is a module of its own, so that the exporter and what it brings (gRPC, protobuf) are never requirements of the
+// library's users.
 package main
 
 import (
@@ -35,6 +41,12 @@ import (
 
 	pelican "github.com/pelican-io/pelican/sdks/go"
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 )
 
 var stdout sync.Mutex
@@ -95,7 +107,7 @@ func handler(r reporter) pelican.Handler {
 		switch {
 		case action == "exit":
 			r.report(m, "exit", ms, started)
-			os.Exit(3)
+			exit(3)
 		case action == "fail":
 			r.report(m, "fail", ms, started)
 			return pelican.Outcome{}, errors.New("the message asked the conformance worker to fail")
@@ -249,7 +261,52 @@ func publish(url, stream string, messages int) error {
 	return nil
 }
 
+// traces exports the library's spans when the program was given an OTLP endpoint; nil otherwise.
+var traces *sdktrace.TracerProvider
+
+// exportTraces installs the OpenTelemetry SDK when OTEL_EXPORTER_OTLP_ENDPOINT is set: a tracer provider whose batch
+// processor hands the spans to the OTLP exporter, and the W3C trace-context propagator.
+func exportTraces() error {
+	if os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") == "" {
+		return nil
+	}
+	exporter, err := otlptracehttp.New(context.Background())
+	if err != nil {
+		return err
+	}
+	service := os.Getenv("OTEL_SERVICE_NAME")
+	if service == "" {
+		service = "pelican-conformance-go"
+	}
+	traces = sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter),
+		sdktrace.WithResource(resource.NewSchemaless(attribute.String("service.name", service))))
+	otel.SetTracerProvider(traces)
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	return nil
+}
+
+// exit ends the process with code once the spans still queued are exported, waiting for them at most 5 s.
+func exit(code int) {
+	if traces != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := traces.Shutdown(ctx); err != nil {
+			fmt.Fprintln(os.Stderr, "conformance worker: exporting the last spans:", err)
+		}
+		cancel()
+	}
+	os.Exit(code)
+}
+
 func main() {
+	if err := exportTraces(); err != nil {
+		fmt.Fprintln(os.Stderr, "conformance worker: OTLP exporter:", err)
+		os.Exit(1)
+	}
+	exit(status())
+}
+
+// status runs the program as its environment says and answers its exit status.
+func status() int {
 	if os.Getenv("MODE") == "publish" {
 		messages, err := strconv.Atoi(os.Getenv("MESSAGES"))
 		if err == nil {
@@ -257,9 +314,9 @@ func main() {
 		}
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "conformance producer:", err)
-			os.Exit(1)
+			return 1
 		}
-		return
+		return 0
 	}
 	if err := serve(); err != nil {
 		fmt.Fprintln(os.Stderr, "conformance worker:", err)
@@ -269,8 +326,9 @@ func main() {
 		var ordering *pelican.OrderingError
 		if errors.As(err, &version) || errors.As(err, &notATopic) || errors.As(err, &topicContract) ||
 			errors.As(err, &ordering) {
-			os.Exit(4) // after its shutdown, when the operator speaks a contract this library does not know
+			return 4 // after its shutdown, when the operator speaks a contract this library does not know
 		}
-		os.Exit(1)
+		return 1
 	}
+	return 0
 }

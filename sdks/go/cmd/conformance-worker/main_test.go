@@ -2,10 +2,15 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"syscall"
@@ -44,12 +49,14 @@ const stream, group = "go", "workers"
 
 var bg = context.Background()
 
-// worker starts the conformance worker; its lines come on the channel, closed at its exit.
-func worker(t *testing.T, c *redis.Client, graceMs int) (*exec.Cmd, <-chan run) {
+// worker starts the conformance worker, with env added to its environment; its lines come on the channel, closed at
+// its exit.
+func worker(t *testing.T, c *redis.Client, graceMs int, env ...string) (*exec.Cmd, <-chan run) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), "PELICAN_CONFORMANCE_WORKER=1", "REDIS_URL="+server.URL(), "STREAM="+stream,
 		"GROUP="+group, "CONSUMER=w1", fmt.Sprintf("SHUTDOWN_GRACE_MS=%d", graceMs))
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -183,5 +190,54 @@ func TestAnUnknownContractVersionMetWhileRunningExitsWithStatus4(t *testing.T) {
 	c.HSet(bg, pelican.SettingsKey(stream, group), "contractVersion", "2")
 	if code := exitCode(t, cmd); code != 4 {
 		t.Fatalf("exit status %d", code)
+	}
+}
+
+// export is one request an OTLP/HTTP collector received.
+type export struct {
+	path, contentType string
+	body              []byte
+}
+
+func TestWithAnOTLPEndpointTheRunsSpanIsExportedBeforeTheExitAfterSIGTERM(t *testing.T) {
+	exports := make(chan export, 10)
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		exports <- export{r.URL.Path, r.Header.Get("Content-Type"), body}
+	}))
+	defer collector.Close()
+	c := setUp(t)
+	const traceID = "0af7651916cd43dd8448eb211c80319c"
+	id := c.XAdd(bg, &redis.XAddArgs{Stream: stream,
+		Values: []any{"handle", "done", "traceparent", "00-" + traceID + "-b7ad6b7169203331-01"}}).Val()
+	// The batch processor's first export is 5 s away: only the flush at the exit can send the span in time.
+	cmd, runs := worker(t, c, 200, "OTEL_EXPORTER_OTLP_ENDPOINT="+collector.URL, "OTEL_SERVICE_NAME=")
+	select {
+	case r := <-runs:
+		if r.ID != id || r.Outcome != "done" {
+			t.Fatalf("run %+v", r)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no run line")
+	}
+	cmd.Process.Signal(syscall.SIGTERM)
+	if code := exitCode(t, cmd); code != 0 {
+		t.Fatalf("exit status %d", code)
+	}
+	var got export
+	select {
+	case got = <-exports:
+	default:
+		t.Fatal("the worker exited without exporting its spans")
+	}
+	if got.path != "/v1/traces" || got.contentType != "application/x-protobuf" {
+		t.Errorf("POST %s (%s)", got.path, got.contentType)
+	}
+	// The protobuf holds the trace id as its 16 bytes, the names as text.
+	trace, _ := hex.DecodeString(traceID)
+	for _, want := range [][]byte{trace, []byte("process " + stream), []byte("pelican-conformance-go")} {
+		if !bytes.Contains(got.body, want) {
+			t.Errorf("the export (%d bytes) lacks %q", len(got.body), want)
+		}
 	}
 }

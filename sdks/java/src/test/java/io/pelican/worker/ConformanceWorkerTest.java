@@ -10,17 +10,21 @@ import static io.pelican.worker.Support.writeSettings;
 import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
+import com.sun.net.httpserver.HttpServer;
 import io.lettuce.core.api.sync.RedisCommands;
 import io.pelican.worker.Support.Pending;
 import java.io.BufferedReader;
 import java.io.IOException;
 import java.io.InputStreamReader;
+import java.net.InetSocketAddress;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.Path;
 import java.time.Duration;
 import java.util.HashMap;
 import java.util.List;
+import java.util.HexFormat;
 import java.util.Map;
+import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.TimeUnit;
 import java.util.regex.Matcher;
 import java.util.regex.Pattern;
@@ -98,6 +102,49 @@ class ConformanceWorkerTest {
         assertTrue(left.get(retried).idleMs() >= 60_000, "given back with an idle of minIdle");
         assertEquals("IllegalStateException: the message asked the conformance worker to fail",
                 r.hget(Keys.errors(STREAM, GROUP), failed));
+    }
+
+    /** One request an OTLP/HTTP collector received. */
+    private record Export(String path, String contentType, byte[] body) {}
+
+    @Test
+    void withAnOtlpEndpointTheRunsSpanIsExportedBeforeTheExitAfterSigterm() throws Exception {
+        LinkedBlockingQueue<Export> exports = new LinkedBlockingQueue<>();
+        HttpServer collector = HttpServer.create(new InetSocketAddress("127.0.0.1", 0), 0);
+        collector.createContext("/", exchange -> {
+            exports.add(new Export(exchange.getRequestURI().getPath(),
+                    exchange.getRequestHeaders().getFirst("Content-Type"), exchange.getRequestBody().readAllBytes()));
+            exchange.sendResponseHeaders(200, -1);
+            exchange.close();
+        });
+        collector.start();
+        try {
+            RedisCommands<String, String> r = fresh();
+            createGroup(r);
+            String traceId = "0af7651916cd43dd8448eb211c80319c";
+            String entry = add(r, "handle", "done", "traceparent", "00-" + traceId + "-b7ad6b7169203331-01");
+            // The batch processor's first export is 5 s away: only the flush at the exit can send the span in time.
+            Process process = start(Map.of("OTEL_EXPORTER_OTLP_ENDPOINT",
+                    "http://127.0.0.1:" + collector.getAddress().getPort()));
+            try (BufferedReader out = new BufferedReader(new InputStreamReader(process.getInputStream(), StandardCharsets.UTF_8))) {
+                assertEquals(List.of("done", "0"), runs(out, 1).get(entry));
+                assertEquals(0, terminate(process));
+            } finally {
+                process.destroyForcibly();
+            }
+            Export export = exports.poll();
+            assertTrue(export != null, "the worker exited without exporting its spans");
+            assertEquals(List.of("/v1/traces", "application/x-protobuf"), List.of(export.path(), export.contentType()));
+            // The protobuf holds the trace id as its 16 bytes, the names as text.
+            String body = new String(export.body(), StandardCharsets.ISO_8859_1);
+            for (byte[] wanted : List.of(HexFormat.of().parseHex(traceId), ("process " + STREAM).getBytes(StandardCharsets.UTF_8),
+                    "pelican-conformance-java".getBytes(StandardCharsets.UTF_8))) {
+                assertTrue(body.contains(new String(wanted, StandardCharsets.ISO_8859_1)),
+                        "the export (" + export.body().length + " bytes) lacks " + HexFormat.of().formatHex(wanted));
+            }
+        } finally {
+            collector.stop(0);
+        }
     }
 
     @Test

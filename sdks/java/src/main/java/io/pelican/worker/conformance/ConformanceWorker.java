@@ -51,6 +51,9 @@ import java.util.Map;
  * <p>With {@code MODE=publish} it is a producer instead: it publishes {@code MESSAGES} messages idempotently (message
  * ids {@code m-0}, {@code m-1}, ...; the producer id is the Pod's name), each published again with the same id until
  * it answers an entry id, one JSON line per attempt.
+ *
+ * <p>With {@code OTEL_EXPORTER_OTLP_ENDPOINT} set, the library's spans go to it over OTLP ({@link ConformanceTraces});
+ * whichever way the program ends, the spans still queued are exported first (for at most 5 s).
  */
 public final class ConformanceWorker {
     private static final PrintStream OUT = System.out;
@@ -58,6 +61,22 @@ public final class ConformanceWorker {
     private ConformanceWorker() {}
 
     public static void main(String[] args) throws PublishException, InterruptedException {
+        ConformanceTraces.exportIfConfigured();
+        try {
+            serve();
+        } finally {
+            ConformanceTraces.shutdown();
+        }
+    }
+
+    /** Ends the JVM at once with {@code status} (no hook runs), once the queued spans are exported. */
+    private static void halt(int status) {
+        ConformanceTraces.shutdown();
+        OUT.flush();
+        Runtime.getRuntime().halt(status);
+    }
+
+    private static void serve() throws PublishException, InterruptedException {
         RedisURI uri = uri(System.getenv().getOrDefault("REDIS_URL", "redis://127.0.0.1:6379"), env("SENTINEL_MASTER"));
         boolean cluster = "1".equals(env("REDIS_CLUSTER"));
         if ("publish".equals(env("MODE"))) {
@@ -106,24 +125,21 @@ public final class ConformanceWorker {
             if (clusterClient != null) {
                 clusterClient.shutdown();
             }
-            OUT.flush();
-            Runtime.getRuntime().halt(0);
+            halt(0);
         }, "conformance-shutdown"));
         try {
             run.run(); // until the hook's close()
         } catch (NotATopicException | TopicContractException | SettingsException e) {
             // A topic this library refuses: nothing was read.
             System.err.println("conformance worker: " + e.getMessage());
-            OUT.flush();
-            Runtime.getRuntime().halt(4);
+            halt(4);
         } catch (ContractVersionException e) {
             // After its shutdown; not through the hook, which would exit 0.
             System.err.println("conformance worker: " + e.getMessage());
-            OUT.flush();
-            Runtime.getRuntime().halt(4);
+            halt(4);
         } catch (RuntimeException e) {
             e.printStackTrace();
-            Runtime.getRuntime().halt(1); // not through the hook, which would exit 0
+            halt(1); // not through the hook, which would exit 0
         }
     }
 
@@ -178,7 +194,7 @@ public final class ConformanceWorker {
         String action = message.text("handle") != null ? message.text("handle") : "done";
         if (action.equals("exit")) {
             run.report("exit", ms, run.startedAt);
-            Runtime.getRuntime().halt(3);
+            halt(3);
         }
         if (action.equals("fail")) {
             run.report("fail", ms, System.currentTimeMillis());
