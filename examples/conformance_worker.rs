@@ -136,7 +136,9 @@ fn now_ms() -> u64 {
 }
 
 async fn handle(message: Message, consumer: String) -> Result<Outcome, BoxError> {
-    let asked = message.field_str("handle").unwrap_or("done").to_string();
+    // `HANDLE` overrides every message's `handle` (a worker that fails whatever it reads).
+    let asked = std::env::var("HANDLE").ok().or_else(|| message.field_str("handle").map(str::to_string));
+    let asked = asked.unwrap_or_else(|| "done".to_string());
     let ms: u64 = message.field_str("ms").and_then(|ms| ms.parse().ok()).unwrap_or(0);
     let outcome = asked.split(':').next().unwrap_or_default().to_string();
     let mut line = serde_json::json!({"id": message.id, "consumer": consumer, "outcome": outcome, "ms": ms});

@@ -343,6 +343,7 @@ async fn reclaim_call(
         ReclaimStrategy::DeadLetterOnly => "DeadLetterOnly",
     };
     // invoke_async runs EVALSHA and loads the script again on NOSCRIPT (after a restart or failover).
+    let sent = std::time::SystemTime::now();
     let reply: Vec<redis::Value> = RECLAIM
         .key(keys.stream)
         .key(keys.dead_letter)
@@ -385,7 +386,8 @@ async fn reclaim_call(
     };
     let position = Some(text(9)).filter(|id| !id.is_empty());
     if let Some(redis::Value::Array(moves)) = reply.get(13) {
-        traces::record(&Place { stream: keys.stream, group: Some(keys.group), redrive: None }, &parse_moves(moves));
+        let place = Place { stream: keys.stream, group: Some(keys.group), redrive: None };
+        traces::record(&place, &parse_moves(moves), sent);
     }
     // After the fourteen values: (id, earlier deliveries) of each requeued copy read and found not due yet.
     let waiting = reply

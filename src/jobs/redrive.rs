@@ -462,13 +462,14 @@ async fn call(
         .arg(if traces::on() { "1" } else { "0" })
         .arg(&plan.reasons);
     type Moves = Vec<(String, String, String, String, String, String, String)>;
+    let sent = std::time::SystemTime::now();
     let (moved, too_large, left, finished, last_id, need, moves): (u64, u64, u64, u8, String, Vec<u8>, Moves) =
         invocation.invoke_async(conn).await.map_err(|e| Error::from_redis(server, e))?;
     for (id, to, stream, traceparent, tracestate, reason, deliveries) in moves {
         let deliveries = deliveries.parse().unwrap_or(0);
         let one = Move { action: Action::Redriven, id, to, traceparent, tracestate, reason, deliveries };
         let place = Place { stream: &stream, group: None, redrive: Some(&plan.full_name) };
-        traces::record(&place, std::slice::from_ref(&one));
+        traces::record(&place, std::slice::from_ref(&one), sent);
     }
     Ok(Call {
         moved,

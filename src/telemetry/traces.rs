@@ -112,9 +112,11 @@ pub struct Place<'a> {
     pub redrive: Option<&'a str>,
 }
 
-/// Records one span per move of a message that carries a trace, as a child of its context, ended at once (the move
-/// happened in one atomic script call). Moves of messages without a trace are left out: there is no trace to join.
-pub fn record(place: &Place<'_>, moves: &[Move]) {
+/// Records one span per move of a message that carries a trace, as a child of its context, spanning the script call
+/// that moved it (`sent`: when the call was sent; ended now, at its reply): the move happened atomically somewhere
+/// in it, so the span starts before anything a worker does with the copy. Moves of messages without a trace are left
+/// out: there is no trace to join.
+pub fn record(place: &Place<'_>, moves: &[Move], sent: SystemTime) {
     if !on() {
         return;
     }
@@ -154,7 +156,7 @@ pub fn record(place: &Place<'_>, moves: &[Move]) {
         let mut span = tracer
             .span_builder(format!("{} {}", m.action.name(), place.stream))
             .with_kind(SpanKind::Internal)
-            .with_start_time(now)
+            .with_start_time(sent)
             .with_attributes(attributes)
             .start_with_context(&tracer, &parent);
         span.end_with_timestamp(now);

@@ -118,7 +118,8 @@ def handler_for(consumer: str, *, topic: bool = False) -> Handler:
         ms = int(message.text("ms") or 0)
         if ms > 0:
             await asyncio.sleep(ms / 1000)
-        action = message.text("handle") or "done"
+        # `HANDLE` overrides every message's `handle` (a worker that fails whatever it reads).
+        action = os.environ.get("HANDLE") or message.text("handle") or "done"
         if action == "exit":
             _report(message, consumer, "exit", ms)
             _exit_now(3)

@@ -120,7 +120,8 @@ function line(fields: Record<string, unknown>): void {
 
 /** Obeys the message's `handle` after sleeping its `ms`, reporting the outcome before it is returned. */
 async function obey(message: Message, report: (outcome: string, ms: number) => void): Promise<Outcome> {
-  const handle = message.field("handle") ?? "done";
+  // `HANDLE` overrides every message's `handle` (a worker that fails whatever it reads).
+  const handle = process.env["HANDLE"] || message.field("handle") || "done";
   const ms = Number(message.field("ms") ?? 0) || 0;
   if (handle === "exit") {
     report("exit", ms);

@@ -103,7 +103,11 @@ func handler(r reporter) pelican.Handler {
 				return pelican.Outcome{}, ctx.Err()
 			}
 		}
+		// HANDLE overrides every message's handle (a worker that fails whatever it reads).
 		action := m.Get("handle")
+		if override := os.Getenv("HANDLE"); override != "" {
+			action = override
+		}
 		switch {
 		case action == "exit":
 			r.report(m, "exit", ms, started)

@@ -191,7 +191,10 @@ public final class ConformanceWorker {
         if (ms > 0) {
             Thread.sleep(ms); // interrupted when the shutdown grace runs out: the run did not finish, nothing printed
         }
-        String action = message.text("handle") != null ? message.text("handle") : "done";
+        // HANDLE overrides every message's handle (a worker that fails whatever it reads).
+        String override = System.getenv("HANDLE");
+        String asked = override != null && !override.isEmpty() ? override : message.text("handle");
+        String action = asked != null ? asked : "done";
         if (action.equals("exit")) {
             run.report("exit", ms, run.startedAt);
             halt(3);
