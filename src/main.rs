@@ -81,6 +81,12 @@ enum Command {
         /// Passive, naming the install that runs it): the standby of a DR pair or a blue/green switch.
         #[arg(long, env = "PELICAN_PASSIVE")]
         passive: bool,
+        /// Throttle the drain of a backlog (after an outage, on a Redis other applications share): a pass that ended
+        /// before the end of its PEL keeps its server's pass permit this long before the next pass may have it, so
+        /// passes take at most 100 ms / (100 ms + pause) of each of the server's two permits, e.g. `400ms` for a
+        /// fifth. 0 (default): the next pass follows at once.
+        #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, env = "PELICAN_DRAIN_PAUSE")]
+        drain_pause: std::time::Duration,
         /// How many policies are reconciled at once (0: no bound).
         #[arg(long, default_value_t = 32, env = "PELICAN_MAX_CONCURRENT_RECONCILES")]
         max_concurrent_reconciles: u16,
@@ -172,6 +178,7 @@ async fn main() -> anyhow::Result<()> {
             external_scaler_tls_dir,
             install_id,
             passive,
+            drain_pause,
             max_concurrent_reconciles,
         } => {
             init_logging(log_format);
@@ -220,6 +227,7 @@ async fn main() -> anyhow::Result<()> {
                     },
                     passive,
                 },
+                drain_pause,
             };
             let holder = pelican::leader::live_holder(&client, &lease_namespace, &lease_name, &identity).await;
             let holder = holder.map_err(|e| anyhow::anyhow!("could not read the leader Lease {lease}: {e}"))?;

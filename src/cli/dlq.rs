@@ -145,7 +145,13 @@ pub(super) async fn run(session: &Session, args: DlqArgs) -> anyhow::Result<()> 
         .groups
         .iter()
         .map(|g| {
-            vec![g.reason.clone(), g.source.clone(), g.count.to_string(), g.oldest_id.clone(), g.newest_id.clone()]
+            vec![
+                cell(Some(&g.reason)),
+                cell(Some(&g.source)),
+                g.count.to_string(),
+                g.oldest_id.clone(),
+                g.newest_id.clone(),
+            ]
         })
         .collect();
     print_table(&["REASON", "SOURCE", "COUNT", "OLDEST", "NEWEST"], &rows)?;
@@ -228,6 +234,14 @@ fn one_line(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 66: what a worker wrote reaches the terminal escaped, in every column, never as an escape sequence.
+    #[test]
+    fn worker_written_cells_are_escaped() {
+        let written = "Gone\x1b[2J\x1b]0;pwned\x07";
+        assert_eq!(cell(Some(written)), "Gone\\u{1b}[2J\\u{1b}]0;pwned\\u{7}");
+        assert_eq!(one_line(written, LAST_ERROR), "Gone\\u{1b}[2J\\u{1b}]0;pwned\\u{7}");
+    }
 
     #[test]
     fn previews_are_short_and_on_one_line() {

@@ -178,8 +178,10 @@ fn now_millis() -> i64 {
     k8s_openapi::jiff::Timestamp::now().as_millisecond()
 }
 
+/// A table cell: `-` for nothing; control characters escaped, since some cells hold what workers wrote (a dead
+/// letter's reason, its source stream) and a terminal would obey an escape sequence in them.
 fn cell(value: Option<impl ToString>) -> String {
-    value.map_or_else(|| "-".to_string(), |v| v.to_string())
+    value.map_or_else(|| "-".to_string(), |v| escape_controls(&v.to_string()))
 }
 
 fn name_of(policy: &ConsumerGroupPolicy) -> String {

@@ -263,6 +263,8 @@ pub struct Settings {
     pub install: String,
     /// This install as it claims each group on its server, so that two installs on one Redis never both run it.
     pub claimant: Claimant,
+    /// `--drain-pause`: how long a server's pass permit rests after a pass that left a backlog.
+    pub drain_pause: Duration,
 }
 
 /// Up to `max`, at random: spreads out retries that would otherwise come due together.
@@ -301,7 +303,8 @@ pub async fn run(
             Announcer::Events(shared.events.clone()),
             shared.metrics.clone(),
             shared.pools.clone(),
-        ),
+        )
+        .with_drain_pause(settings.drain_pause),
         shared: shared.clone(),
         neighbours: Neighbours::default(),
         failures: Mutex::default(),

@@ -11,6 +11,9 @@
 //!   between the passes of its small neighbours instead of before all of them. A pass ends at `maxPerPass`
 //!   entries or after [`PASS_SLICE`], whichever comes first (the rest of the sweep follows at once, behind
 //!   whoever waits), so no one holds a permit longer than that.
+//! - **Drain pause.** With `--drain-pause` (0 by default), a pass that ended before the end of its PEL (a backlog
+//!   draining, after an outage) keeps its permit that long before letting the next pass of the server have it: the
+//!   passes then take at most `PASS_SLICE / (PASS_SLICE + pause)` of each permit's time, whatever the policies.
 //! - **Leadership.** No pass starts, and a running pass stops between two script calls, once this replica may no
 //!   longer write ([`Leadership`]).
 //! - **Retention.** When the stream's retention is `Acknowledged`, a sweep that reached the end of the PEL is
@@ -255,6 +258,7 @@ pub struct Runner {
     leadership: Leadership,
     announcer: Announcer,
     pools: Arc<Pools>,
+    drain_pause: Duration,
 }
 
 struct Task {
@@ -278,7 +282,14 @@ impl Runner {
             leadership,
             announcer,
             pools,
+            drain_pause: Duration::ZERO,
         }
+    }
+
+    /// With the drain throttled: see the module's "Drain pause".
+    pub fn with_drain_pause(mut self, pause: Duration) -> Runner {
+        self.drain_pause = pause;
+        self
     }
 
     /// Starts the policy's task, or hands it `job` when the work changed. A task keeps its cursor and schedule
@@ -306,6 +317,7 @@ impl Runner {
             states: self.states.clone(),
             metrics: self.metrics.clone(),
             pools: self.pools.clone(),
+            drain_pause: self.drain_pause,
         };
         self.states.lock().expect("runner states lock").entry(policy.to_string()).or_default();
         let handle = tokio::spawn(worker.run());
@@ -357,6 +369,7 @@ struct PolicyTask {
     states: Arc<Mutex<HashMap<String, JobState>>>,
     metrics: Arc<Metrics>,
     pools: Arc<Pools>,
+    drain_pause: Duration,
 }
 
 /// A primary found after a failed pass, used until the controller sends the job again.
@@ -444,6 +457,11 @@ impl PolicyTask {
             {
                 let trimmed = Box::pin(self.trim(&job, min_age)).await;
                 self.outcome(JobKind::Retention, &trimmed);
+            }
+            // A backlog draining: the server's permit rests before the next pass may have it (`--drain-pause`).
+            let draining = result.as_ref().is_ok_and(|report| !cursor.at_start() && !report.interrupted);
+            if draining && !self.drain_pause.is_zero() {
+                tokio::time::sleep(self.drain_pause).await;
             }
             drop(permit);
             match result {
