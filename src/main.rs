@@ -213,6 +213,13 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|| pelican::leader::default_lease_name(watch_label_selector.as_deref()));
             let identity = pelican::leader::identity(instance.as_deref());
             let lease = format!("{lease_namespace}/{lease_name}");
+            let claimant = pelican::controller::Claimant {
+                id: match install_id {
+                    Some(id) => id,
+                    None => format!("{}/{lease_namespace}", pelican::leader::cluster_id(&client).await),
+                },
+                passive,
+            };
             let settings = pelican::controller::Settings {
                 namespace,
                 readiness: readiness.clone(),
@@ -220,13 +227,7 @@ async fn main() -> anyhow::Result<()> {
                 concurrency: max_concurrent_reconciles,
                 secret_namespaces: (!secret_namespaces.is_empty()).then(|| secret_namespaces.into_iter().collect()),
                 install: lease.clone(),
-                claimant: pelican::controller::Claimant {
-                    id: match install_id {
-                        Some(id) => id,
-                        None => format!("{}/{lease_namespace}", pelican::leader::cluster_id(&client).await),
-                    },
-                    passive,
-                },
+                claimant,
                 drain_pause,
             };
             let holder = pelican::leader::live_holder(&client, &lease_namespace, &lease_name, &identity).await;
@@ -307,6 +308,7 @@ async fn run_controllers(
     stop: impl Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
     let (namespace, selector) = (settings.namespace.clone(), settings.label_selector.clone());
+    let claimant = settings.claimant.clone();
     let scaler = async {
         if let Some((addr, tls)) = external_scaler {
             pelican::scaler::serve(addr, tls, shared.clone(), stop.clone()).await;
@@ -314,8 +316,8 @@ async fn run_controllers(
     };
     futures::join!(
         pelican::controller::run(shared.clone(), writers, settings, stop.clone()),
-        pelican::redrive::run(shared.clone(), namespace.clone(), selector.is_some(), stop.clone()),
-        pelican::seek::run(shared.clone(), namespace.clone(), selector.is_some(), stop.clone()),
+        pelican::redrive::run(shared.clone(), namespace.clone(), selector.is_some(), claimant.clone(), stop.clone()),
+        pelican::seek::run(shared.clone(), namespace.clone(), selector.is_some(), claimant, stop.clone()),
         pelican::servers::run(shared.clone(), namespace, selector, stop.clone()),
         scaler,
     );

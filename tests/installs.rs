@@ -51,6 +51,33 @@ fn a_second_install_on_one_redis_stands_by_and_takes_over_when_the_first_stops()
     assert!(applied, "{out}");
     let passive = wait_condition(&south_ns, "orders", "Ready", "False", "Passive");
     assert!(ready_message(&passive).contains("the install east runs its jobs"), "{}", ready_message(&passive));
+    // A redrive of the group, applied where another install runs it, waits and says why (the same manifest in both
+    // clusters of a DR pair runs where the group runs); a seek there fails as for any policy not Ready, saying why.
+    let redrive = "apiVersion: pelican.io/v1alpha1\nkind: DeadLetterRedrive\nmetadata:\n  name: again\nspec:\n  \
+                   policyRef:\n    name: orders\n";
+    let seek = "apiVersion: pelican.io/v1alpha1\nkind: GroupSeek\nmetadata:\n  name: skip\nspec:\n  policyRef: {name: \
+                orders}\n  to: {shift: 1}\n  consumersIdleFor: 0s\n";
+    for (kind, manifest) in [("dlr", redrive), ("groupseek", seek)] {
+        let (applied, out) = kubectl_apply(&west_ns, manifest);
+        assert!(applied, "{out}");
+        let name = if kind == "dlr" { "again" } else { "skip" };
+        wait_for(&format!("the {kind} to wait for the install that runs the group"), Duration::from_secs(60), || {
+            let object: serde_json::Value =
+                serde_json::from_str(&kubectl_ok(&["get", kind, name, "-n", &west_ns, "-o", "json"])).unwrap();
+            let status = &object["status"];
+            let conditions = status["conditions"].as_array().cloned().unwrap_or_default();
+            let said = match kind {
+                "dlr" => status["phase"] == "Pending" && conditions.iter().any(|c| c["reason"] == "AnotherInstallRuns"),
+                _ => {
+                    status["phase"] == "Failed"
+                        && conditions
+                            .iter()
+                            .any(|c| c["message"].as_str().is_some_and(|m| m.contains("AnotherInstallRuns")))
+                }
+            };
+            if said { Ok(()) } else { Err(status.to_string()) }
+        });
+    }
     // Several reconciles of all three later, only the first install's settings are on the server.
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(settings_max_deliveries(&mut conn).as_deref(), Some("3"), "only the claim's owner writes settings");

@@ -64,6 +64,29 @@ pub fn claim_lifetime(schedule: &Schedule) -> Duration {
     (schedule.interval * 3).max(Duration::from_secs(15))
 }
 
+/// Why this install must leave the policy's group to another (two installs on one Redis): another holds its claim,
+/// or this one is passive. Only looks: a redrive or a seek never claims a group; the install that runs it does.
+pub async fn run_elsewhere(
+    conn: &mut Conn,
+    server: &str,
+    policy: &ConsumerGroupPolicy,
+    claimant: &Claimant,
+) -> Result<Option<Error>> {
+    let group = (policy.spec.stream.as_str(), policy.spec.group.as_str());
+    let claim = redis_ops::claim_group(conn, server, group, &claimant.id, Duration::ZERO, true).await?;
+    let (server, me) = (server.to_string(), claimant.id.clone());
+    Ok(match claim {
+        Claim::Theirs { owner, left } if !claimant.passive => {
+            Some(Error::AnotherInstallRuns { server, owner, me, left: left.as_secs() })
+        }
+        Claim::Theirs { owner, .. } => {
+            Some(Error::Passive { server, me, owner: format!("the install {owner} runs its jobs") })
+        }
+        _ if claimant.passive => Some(Error::Passive { server, me, owner: "no install runs its jobs now".into() }),
+        _ => None,
+    })
+}
+
 pub trait Host {
     fn pools(&self) -> &Arc<Pools>;
     fn claimant(&self) -> &Claimant;

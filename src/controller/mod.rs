@@ -49,7 +49,7 @@ use crate::{Error, Result};
 use neighbours::Neighbours;
 use validate::Schedule;
 
-pub use act::{Claimant, Host, Observation};
+pub use act::{Claimant, Host, Observation, run_elsewhere};
 pub use plan::{Announcement, dead_letter_of, streams};
 pub use validate::validate;
 

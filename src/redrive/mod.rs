@@ -31,6 +31,7 @@ use tracing::{Instrument, info, instrument, warn};
 use crate::api::{ConsumerGroupPolicy, DeadLetterRedrive, DeadLetterRedriveStatus, RedrivePhase, SOURCE_TARGET};
 use crate::context::Shared;
 use crate::context::conditions::{JobState, job_conditions};
+use crate::controller::{Claimant, run_elsewhere};
 use crate::jobs::redrive::{Destination, Plan};
 use crate::keys;
 use crate::redis::{Conn, server_identity};
@@ -69,6 +70,8 @@ pub struct Redrives {
     tasks: Mutex<HashMap<String, Running>>,
     /// The dead-letter stream of each redrive resolved so far, by uid, for the one-at-a-time rule.
     streams: Mutex<HashMap<String, StreamKey>>,
+    /// This install: a redrive of a group another install runs waits for it (two installs on one Redis).
+    claimant: Claimant,
 }
 
 /// Runs the redrive controller until `shutdown` resolves; running tasks are told to stop then.
@@ -76,6 +79,7 @@ pub async fn run(
     shared: Arc<Shared>,
     namespace: Option<String>,
     sharded: bool,
+    claimant: Claimant,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let client = shared.client.clone();
@@ -96,6 +100,7 @@ pub async fn run(
         sharded,
         tasks: Mutex::default(),
         streams: Mutex::default(),
+        claimant,
     });
     // A redrive names its policy: wait until the policies are listed, or a restarted operator would report
     // policies missing that are only not seen yet.
@@ -195,7 +200,7 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         return Ok(Action::requeue(WAIT_RECHECK));
     }
     // 4. Act: connect and hand the work to a task.
-    let (conn, target) = match ctx.shared.pools.connect_primary(&resolved.target).await.map(|(t, c)| (c, t)) {
+    let (mut conn, target) = match ctx.shared.pools.connect_primary(&resolved.target).await.map(|(t, c)| (c, t)) {
         Ok(conn) => conn,
         Err(e) if e.is_stalled() => {
             ctx.pending(&redrive, &status, e.reason(), e.to_string()).await?;
@@ -203,6 +208,12 @@ async fn reconcile(redrive: Arc<DeadLetterRedrive>, ctx: Arc<Redrives>) -> Resul
         }
         Err(e) => return Err(e),
     };
+    // The install that runs the group redrives its dead letters (the same manifest applied in both clusters of a DR
+    // pair runs once: where the group runs, and the other finds it finished after a failover).
+    if let Some(elsewhere) = run_elsewhere(&mut conn, &target.server(), &policy, &ctx.claimant).await? {
+        ctx.pending(&redrive, &status, elsewhere.reason(), elsewhere.to_string()).await?;
+        return Ok(Action::requeue(BLOCKED_RECHECK));
+    }
     // A dead letter that names no source goes to the policy's stream; on a topic (which is no stream), to its first
     // partition.
     let fallback = match policy.spec.partitions {
@@ -526,6 +537,7 @@ mod tests {
                 sharded: false,
                 tasks: Mutex::default(),
                 streams: Mutex::default(),
+                claimant: Claimant { id: "test".into(), passive: false },
             };
             (Arc::new(redrives), handle)
         }

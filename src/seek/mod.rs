@@ -34,6 +34,7 @@ use crate::api::{
 use crate::context::Shared;
 use crate::context::conditions::{JobState, job_conditions};
 use crate::controller;
+use crate::controller::{Claimant, run_elsewhere};
 use crate::jobs::redrive as redrive_moves;
 use crate::jobs::seek::{self, Moved, Outcome, Target};
 use crate::keys::redrive_lock_key;
@@ -53,6 +54,8 @@ pub struct Seeks {
     sharded: bool,
     /// Streams a seek of this process is moving now.
     moving: Mutex<HashSet<StreamKey>>,
+    /// This install: a seek of a group another install runs waits for it (two installs on one Redis).
+    claimant: Claimant,
 }
 
 /// Runs the seek controller until `shutdown` resolves.
@@ -60,6 +63,7 @@ pub async fn run(
     shared: Arc<Shared>,
     namespace: Option<String>,
     sharded: bool,
+    claimant: Claimant,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let client = shared.client.clone();
@@ -73,7 +77,7 @@ pub async fn run(
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation, Default::default());
-    let ctx = Arc::new(Seeks { shared, sharded, moving: Mutex::default() });
+    let ctx = Arc::new(Seeks { shared, sharded, moving: Mutex::default(), claimant });
     // A seek names its policy: wait until the policies are listed, or a restarted operator would find policies
     // missing that are only not seen yet.
     let shutdown = shutdown.shared();
@@ -152,6 +156,11 @@ async fn reconcile(object: Arc<GroupSeek>, ctx: Arc<Seeks>) -> Result<Action> {
         Err(e) if e.is_stalled() => return ctx.fail(&object, status, e.reason(), e.to_string()).await,
         Err(e) => return ctx.retry(&object, &status, e).await,
     };
+    // The install that runs the group moves it: a seek here waits while another install runs it.
+    if let Some(elsewhere) = run_elsewhere(&mut conn, &target.server(), &policy, &ctx.claimant).await? {
+        ctx.pending(&object, &status, elsewhere.reason(), elsewhere.to_string()).await?;
+        return Ok(Action::requeue(Duration::from_secs(30)));
+    }
     let started = Timestamp::now().to_string();
     let go_on = || ctx.shared.leadership.may_write();
     if policy.spec.partitions.is_some() {
