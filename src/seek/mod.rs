@@ -597,7 +597,8 @@ mod tests {
             }))
             .unwrap();
             writers.policies.apply_watcher_event(&watcher::Event::Apply(policy));
-            let seeks = Arc::new(Seeks { shared, sharded: false, moving: Mutex::default() });
+            let claimant = Claimant { id: "test".into(), passive: false };
+            let seeks = Arc::new(Seeks { shared, sharded: false, moving: Mutex::default(), claimant });
             let seek: GroupSeek = serde_json::from_value(json!({
                 "apiVersion": "pelican.io/v1alpha1", "kind": "GroupSeek",
                 "metadata": {"name": "back", "namespace": "apps", "uid": "uid-back", "generation": 1},
