@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use opentelemetry::metrics::NoopMeterProvider;
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use pelican::worker::{Outcome, Worker, WorkerConfig};
@@ -80,6 +82,16 @@ async fn main() {
     let count: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(50_000);
     println!("worker throughput, {count} messages, no-op handler; messages per second (microseconds per message)");
     table(count).await;
+    // Again with an OpenTelemetry meter provider installed, as an application that reads the workers' metrics through
+    // OpenTelemetry would (a periodic reader into the in-memory exporter); the API's no-op is put back after it.
+    let meters = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(InMemoryMetricExporter::default()).build())
+        .build();
+    opentelemetry::global::set_meter_provider(meters.clone());
+    println!("the same with metrics on (an OpenTelemetry meter provider recording the workers' metrics)");
+    table(count).await;
+    opentelemetry::global::set_meter_provider(NoopMeterProvider::new());
+    meters.shutdown().unwrap();
     // Again with an OpenTelemetry SDK installed, as an application that traces would: every handler run is a
     // recorded span (a batch processor; the exporter keeps them in memory, emptied after each table).
     let exporter = InMemorySpanExporter::default();

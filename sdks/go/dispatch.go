@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -97,13 +98,16 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 		if !f.abandoned {
 			f.abandoned = true
 			delete(w.inFlight, f.id)
+			w.meter.landed(1)
 			w.refused = append(w.refused, f.id)
 			w.wakeLocked()
 		}
 		w.mu.Unlock()
 		return
 	}
+	began := time.Now()
 	outcome, err := w.handle(hctx, handler, m)
+	ran := time.Since(began)
 	<-w.handlers
 	w.mu.Lock()
 	if f.abandoned || w.aborted.Load() { // given back on shutdown, or lost: no longer in flight
@@ -111,6 +115,7 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 		return
 	}
 	f.settled = true
+	f.ran = ran
 	w.settling++
 	w.wakeLocked() // its slot is free: the next read need not wait for the outcome's write
 	w.mu.Unlock()
@@ -120,11 +125,11 @@ func (w *Worker) dispatch(hctx, wctx context.Context, handler Handler, m Message
 	}
 	switch {
 	case err != nil:
-		w.fail(wctx, m.ID, err)
+		w.fail(wctx, m.ID, err, ran)
 	case outcome.kind == terminalOutcome:
-		w.ackTerminal(wctx, m.ID, outcome.reason)
+		w.ackTerminal(wctx, m.ID, outcome.reason, ran)
 	default:
-		w.retry(wctx, m.ID)
+		w.retry(wctx, m.ID, ran)
 	}
 	w.finish(f)
 }
@@ -169,6 +174,7 @@ func (w *Worker) finish(flights ...*flight) {
 		delete(w.inFlight, f.id)
 		w.settling--
 	}
+	w.meter.landed(len(flights))
 	w.wakeLocked()
 	w.mu.Unlock()
 }
@@ -268,38 +274,40 @@ func (w *Worker) queueAcks(ctx context.Context, pipe redis.Pipeliner, acks []ack
 // acked counts the written ACKs and takes their entries out of the flight.
 func (w *Worker) acked(acks []ackRequest, c ackCommands) {
 	flights := make([]*flight, len(acks))
-	ids := make([]string, len(acks))
+	runs := make([]handlerRun, len(acks))
 	for i, r := range acks {
-		flights[i], ids[i] = r.flight, r.flight.id
+		flights[i], runs[i] = r.flight, handlerRun{id: r.flight.id, ran: r.flight.ran}
 	}
 	switch {
 	case c.ack.Err() != nil:
-		w.writeFailed("XACK", ids, c.ack.Err())
+		w.writeFailed("XACK", runs, c.ack.Err())
 	case c.hdel != nil && c.hdel.Err() != nil:
 		// Acknowledged; only the last errors stay (the operator's passes remove them).
 		w.log.Warn("could not remove the last errors of acknowledged messages", "error", c.hdel.Err())
 		fallthrough
 	default:
-		w.done.Add(uint64(len(acks)))
+		for _, r := range runs {
+			w.count(countedDone, r.ran, nil)
+		}
 	}
 	w.finish(flights...)
 }
 
-func (w *Worker) ackTerminal(ctx context.Context, id, reason string) {
+func (w *Worker) ackTerminal(ctx context.Context, id, reason string, ran time.Duration) {
 	w.log.Warn("message ended as terminal", "entry_id", id, "reason", reason)
 	w.mu.Lock()
 	delete(w.errorsRecorded, id)
 	w.mu.Unlock()
 	keys := []string{w.opt.Stream, w.terminalKey, w.errorsKey}
 	if err := terminalAckScript.Run(ctx, w.client, keys, w.opt.Group, id, reason).Err(); err != nil {
-		w.writeFailed("terminal ACK", []string{id}, err)
+		w.writeFailed("terminal ACK", []handlerRun{{id: id, ran: ran}}, err)
 		return
 	}
-	w.terminal.Add(1)
+	w.count(countedTerminal, ran, nil)
 }
 
 // retry gives the entry back with an idle of minIdle, the delivery counted: the pass retries it under the backoff.
-func (w *Worker) retry(ctx context.Context, id string) {
+func (w *Worker) retry(ctx context.Context, id string, ran time.Duration) {
 	// Not read again here: the give-back makes it look idle, not handed over. It looks untouched since idle ago: a
 	// hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
 	idle := w.minIdle()
@@ -314,11 +322,11 @@ func (w *Worker) retry(ctx context.Context, id string) {
 		w.failedHere[id] = time.Now()
 		w.mu.Unlock()
 	}
-	w.retried.Add(1)
+	w.count(countedRetried, ran, nil)
 }
 
 // fail records the error's text as the entry's last error, without an ACK: the pass retries it.
-func (w *Worker) fail(ctx context.Context, id string, err error) {
+func (w *Worker) fail(ctx context.Context, id string, err error, ran time.Duration) {
 	text := cutUTF8(err.Error(), ErrorTextMax)
 	// One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
 	kind := fmt.Sprintf("%T", err)
@@ -331,7 +339,7 @@ func (w *Worker) fail(ctx context.Context, id string, err error) {
 	w.mu.Lock()
 	w.failedHere[id] = time.Now()
 	w.mu.Unlock()
-	w.failed.Add(1)
+	w.count(countedFailed, ran, err)
 	if err := w.client.HSet(ctx, w.errorsKey, id, text).Err(); err != nil {
 		w.log.Warn("could not record the message's last error", "entry_id", id, "error", err)
 		return
@@ -346,9 +354,13 @@ func (w *Worker) fail(ctx context.Context, id string, err error) {
 
 // writeFailed counts the messages whose outcome could not be written; each is left pending for the pass, and this
 // worker takes it up again only once it is handed back.
-func (w *Worker) writeFailed(what string, ids []string, err error) {
+func (w *Worker) writeFailed(what string, runs []handlerRun, err error) {
 	// A server's error reply means nothing was written (the scripts check everything before their first write);
 	// a broken connection leaves it open.
+	ids := make([]string, len(runs))
+	for i, r := range runs {
+		ids[i] = r.id
+	}
 	listed := strings.Join(ids, ",")
 	var server redis.Error
 	if errors.As(err, &server) {
@@ -363,7 +375,24 @@ func (w *Worker) writeFailed(what string, ids []string, err error) {
 		w.failedHere[id] = now
 	}
 	w.mu.Unlock()
-	w.failed.Add(uint64(len(ids)))
+	for _, r := range runs {
+		w.count(countedFailed, r.ran, nil)
+	}
+}
+
+// handlerRun is an entry whose handler ran for ran.
+type handlerRun struct {
+	id  string
+	ran time.Duration
+}
+
+// count counts a handler run that took ran as e, in the stats and their metrics; handlerErr is what the handler
+// failed with.
+func (w *Worker) count(e counted, ran time.Duration, handlerErr error) {
+	counters := [...]*atomic.Uint64{countedDone: &w.done, countedTerminal: &w.terminal, countedFailed: &w.failed,
+		countedRetried: &w.retried}
+	counters[e].Add(1)
+	w.meter.ended(e, ran, handlerErr)
 }
 
 // cutUTF8 cuts text to at most n bytes, at a character boundary.

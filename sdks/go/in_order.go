@@ -34,6 +34,7 @@ type ran struct {
 	outcome Outcome
 	err     error
 	gone    bool
+	took    time.Duration // how long the handler ran
 }
 
 // next is what a key does after its head's run.
@@ -171,6 +172,7 @@ finish:
 	}
 	given, err := w.giveBack(rctx, left, w.retryAfter(), true)
 	w.abandoned.Add(uint64(given))
+	w.meter.abandonedGiven(given)
 	if err != nil {
 		w.log.Warn("could not give back what was left: it is retried after minIdle", "left", len(left), "error", err)
 	}
@@ -265,8 +267,10 @@ func (o *inOrder) run(hctx, rctx context.Context, handler Handler, key string, h
 	if h.failed && !o.countDelivery(rctx, h.message.ID) {
 		return ran{key: key, gone: true}
 	}
+	o.w.meter.started(1)
+	began := time.Now()
 	outcome, err := o.w.handle(hctx, handler, h.message)
-	return ran{key: key, outcome: outcome, err: err}
+	return ran{key: key, outcome: outcome, err: err, took: time.Since(began)}
 }
 
 // after writes the outcome of a key's head, and lets the key go on, wait or stay at the cap.
@@ -299,6 +303,7 @@ func (o *inOrder) settle(ctx context.Context, r ran) (next, int64) {
 	if r.gone {
 		return goOn, 0
 	}
+	w.meter.landed(1)
 	switch {
 	case r.err == nil && r.outcome.kind == doneOutcome:
 		pipe := w.client.Pipeline()
@@ -309,20 +314,20 @@ func (o *inOrder) settle(ctx context.Context, r ran) (next, int64) {
 		_, _ = pipe.Exec(ctx)
 		if err := ack.Err(); err != nil {
 			// The key goes on: the entry stays pending, and whoever takes the partition over runs it again.
-			w.writeFailed("XACK", []string{id}, err)
+			w.writeFailed("XACK", []handlerRun{{id: id, ran: r.took}}, err)
 		} else {
-			w.done.Add(1)
+			w.count(countedDone, r.took, nil)
 		}
 		return goOn, 0
 	case r.err == nil && r.outcome.kind == terminalOutcome:
-		w.ackTerminal(ctx, id, r.outcome.reason)
+		w.ackTerminal(ctx, id, r.outcome.reason, r.took)
 		return goOn, 0
 	case r.err == nil:
-		w.retried.Add(1)
+		w.count(countedRetried, r.took, nil)
 	default:
 		text := cutUTF8(r.err.Error(), ErrorTextMax)
 		w.log.Warn("handler failed; run again in place after the backoff", "entry_id", id, "error", text)
-		w.failed.Add(1)
+		w.count(countedFailed, r.took, r.err)
 		if err := w.client.HSet(ctx, w.errorsKey, id, text).Err(); err != nil {
 			w.log.Warn("could not record the message's last error", "entry_id", id, "error", err)
 		}

@@ -59,6 +59,7 @@ type Producer struct {
 	client redis.UniversalClient
 	stream string
 	keys   []string
+	meter  *producerMeter
 }
 
 // NewProducer returns a producer of stream on client. The client must not resend a command after a lost reply,
@@ -72,7 +73,12 @@ func NewProducer(client redis.UniversalClient, stream string) (*Producer, error)
 	if err := checkNoResends(client); err != nil {
 		return nil, err
 	}
-	return &Producer{client: client, stream: stream, keys: []string{stream, BoundsKey(stream), RejectedKey(stream)}}, nil
+	return &Producer{
+		client: client,
+		stream: stream,
+		keys:   []string{stream, BoundsKey(stream), RejectedKey(stream)},
+		meter:  newProducerMeter(stream),
+	}, nil
 }
 
 // checkNoResends reads the options after go-redis applied its defaults, where -1 became 0 (no retry) and 0 became 3.
@@ -125,9 +131,11 @@ func (p *Producer) publish(ctx context.Context, args []any, details sendDetails)
 	id, err := boundedPublishScript.Run(ctx, p.client, p.keys, append(args, s.fields...)...).Text()
 	if err != nil {
 		err = classify(err)
+		p.meter.notSent(1, err)
 		s.failed(err)
 		return "", err
 	}
+	p.meter.add(1, p.meter.written)
 	s.sent(id)
 	return id, nil
 }
@@ -148,6 +156,7 @@ func (p *Producer) publishBatch(ctx context.Context, entries [][]any) (Published
 	reply, err := boundedBatchScript.Run(ctx, p.client, p.keys, args...).Slice()
 	if err != nil {
 		err = classify(err)
+		p.meter.notSent(len(entries), err)
 		s.failed(err)
 		return Published{}, err
 	}
@@ -166,6 +175,8 @@ func (p *Producer) publishBatch(ctx context.Context, entries [][]any) (Published
 		limit, _ := refusal[2].(int64)
 		published.Refused = &RefusedError{Group: fmt.Sprint(refusal[0]), Backlog: backlog, Max: limit}
 	}
+	p.meter.add(len(published.IDs), p.meter.written)
+	p.meter.add(len(entries)-len(published.IDs), p.meter.refused)
 	return published, nil
 }
 

@@ -115,7 +115,7 @@ func NewTopicProducer(ctx context.Context, client redis.UniversalClient, topic s
 	for i := range p.producers {
 		stream := PartitionStream(topic, i)
 		p.producers[i] = &Producer{client: client, stream: stream,
-			keys: []string{stream, BoundsKey(stream), RejectedKey(stream)}}
+			keys: []string{stream, BoundsKey(stream), RejectedKey(stream)}, meter: newProducerMeter(stream)}
 	}
 	return p, nil
 }

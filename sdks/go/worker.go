@@ -75,7 +75,9 @@ type Worker struct {
 	settingsProblem string // the last problem with the settings reported, so it is said once; lease goroutine only
 
 	done, terminal, failed, retried, abandoned atomic.Uint64
-	started                                    atomic.Bool
+	// meter records the same counts through OpenTelemetry's API (meter.go).
+	meter   *workerMeter
+	started atomic.Bool
 	// versionMet: a lease tick met a contract version this library does not know; no handler starts after it.
 	versionMet atomic.Bool
 
@@ -123,10 +125,11 @@ type flight struct {
 	id      string
 	started time.Time
 	// Guarded by Worker.mu.
-	settled   bool // the handler returned: its outcome is being written
-	abandoned bool // given back on shutdown: its outcome is not written
-	overdue   bool // past MaxHandling: no longer leased (said once)
-	lost      bool // the pass took it while its handler ran (said once)
+	settled   bool          // the handler returned: its outcome is being written
+	ran       time.Duration // how long the handler ran, once it returned
+	abandoned bool          // given back on shutdown: its outcome is not written
+	overdue   bool          // past MaxHandling: no longer leased (said once)
+	lost      bool          // the pass took it while its handler ran (said once)
 }
 
 // NewWorker checks the options and fills in their defaults. Run connects.
@@ -171,6 +174,7 @@ func NewWorker(client redis.UniversalClient, opt WorkerOptions) (*Worker, error)
 		errorsKey:      ErrorsKey(opt.Stream, opt.Group),
 		consumersKey:   ConsumersKey(opt.Stream, opt.Group),
 		processName:    "process " + opt.Stream,
+		meter:          newWorkerMeter(opt.Stream, opt.Group),
 		handlers:       make(chan struct{}, opt.Concurrency),
 		inFlight:       map[string]*flight{},
 		failedHere:     map[string]time.Time{},
@@ -479,6 +483,7 @@ func (w *Worker) flyLocked(found []Message) []job {
 		jobs[i] = job{message: m, flight: &flight{id: m.ID, started: now}}
 		w.inFlight[m.ID] = jobs[i].flight
 	}
+	w.meter.started(len(found))
 	return jobs
 }
 
@@ -684,6 +689,7 @@ wait:
 			// No longer this worker's, though its handler may still run: neither leased nor counted in flight.
 			f.abandoned = true
 			delete(w.inFlight, id)
+			w.meter.landed(1)
 			left = append(left, id)
 		}
 	}
@@ -697,6 +703,7 @@ wait:
 	given, err := w.giveBack(ctx, left, w.retryAfter(), true)
 	// Only what the give-back released: an entry the pass took meanwhile is not this worker's to count.
 	w.abandoned.Add(uint64(given))
+	w.meter.abandonedGiven(given)
 	if err != nil {
 		w.log.Warn("shutdown: could not give back (and leave the group): what is left is retried after minIdle",
 			"left", len(left), "error", err)
@@ -720,6 +727,7 @@ func (w *Worker) abandonAll(cancelHandlers, stopLeases func()) {
 		if !f.settled {
 			f.abandoned = true
 			delete(w.inFlight, id)
+			w.meter.landed(1)
 		}
 	}
 	w.mu.Unlock()

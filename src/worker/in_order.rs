@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::connection::{Connection, Source, write_again_if_broken};
+use super::meter::Ended;
 use super::partitions::take_over;
 use super::trace::Processing;
 use super::{
@@ -61,7 +62,8 @@ struct Held {
 
 /// How one run ended.
 enum Ran {
-    Handled(Result<Result<Outcome, BoxError>, String>),
+    /// The handler's result (a panic's text as the `Err`), and how long it ran.
+    Handled(Result<Result<Outcome, BoxError>, String>, Duration),
     /// The entry was no longer this worker's when its run was to count a delivery.
     Gone,
     /// Its delivery could not be counted (the server failed or refused the call): not run, tried again later.
@@ -93,7 +95,7 @@ where
             config.stream.clone(),
         )));
     };
-    let counters = Counters { contract: TOPIC_CONTRACT_VERSION, ..Counters::default() };
+    let counters = Counters::new(&config, TOPIC_CONTRACT_VERSION);
     let concurrency = config.concurrency.max(1);
     let room = Arc::new(Semaphore::new(concurrency * HELD_PER_SLOT));
     let (read_tx, mut read_rx) = mpsc::channel::<Vec<Message>>(1);
@@ -116,6 +118,7 @@ where
             let head = queues.get(&key).and_then(VecDeque::front).expect("a ready key has a head");
             let (message, rerun) = (head.message.clone(), head.failed);
             let (conn, config, handler) = (writer.clone(), config.clone(), handler.clone());
+            counters.meter.started();
             running.spawn(async move {
                 if rerun {
                     match count_delivery(conn, &config, &message.id).await {
@@ -126,11 +129,12 @@ where
                 }
                 let processing =
                     Processing { stream: &config.stream, group: &config.group, consumer: &config.consumer };
+                let started = Instant::now();
                 let result = processing.run(handler.as_ref(), message).await.map_err(|panic| {
                     let what = panic.downcast_ref::<String>().map(String::as_str);
                     what.or_else(|| panic.downcast_ref::<&str>().copied()).unwrap_or("a panic").to_string()
                 });
-                (key, Ran::Handled(result))
+                (key, Ran::Handled(result, started.elapsed()))
             });
         }
         let due = waiting.iter().map(|(at, _)| *at).min();
@@ -182,6 +186,7 @@ where
         }
     };
     if tokio::time::timeout(config.shutdown_grace, finish).await.is_err() {
+        counters.meter.landed(running.len());
         running.abort_all();
     }
     drop(reading);
@@ -205,6 +210,7 @@ where
         }
     };
     info!(stream = %config.stream, given = abandoned, "partition stopped: the messages not finished were given back");
+    counters.meter.abandoned(abandoned);
     Ok(WorkerStats {
         done: counters.done.load(Ordering::Relaxed),
         terminal: counters.terminal.load(Ordering::Relaxed),
@@ -238,6 +244,7 @@ async fn settle(
     let queue = queues.get_mut(key).expect("a running key has a queue");
     let head = queue.front_mut().expect("a running key has a head");
     let id = head.message.id.clone();
+    counters.meter.landed(1);
     let failure = match ran {
         Ran::Gone => {
             queue.pop_front();
@@ -249,7 +256,7 @@ async fn settle(
             warn!(stream, group, entry_id = %id, error = %e, "could not count the delivery of a run in place; tried again after the backoff");
             return Next::Wait(1);
         }
-        Ran::Handled(Ok(Ok(Outcome::Done))) => {
+        Ran::Handled(Ok(Ok(Outcome::Done)), ran) => {
             let mut pipe = redis::pipe();
             pipe.cmd("XACK").arg(stream).arg(group).arg(&id);
             if head.failed {
@@ -261,17 +268,17 @@ async fn settle(
             })
             .await;
             match acked {
-                Ok(_) => counters.done.fetch_add(1, Ordering::Relaxed),
+                Ok(_) => counters.count(Ended::Done, ran),
                 Err(e) => {
                     // The key goes on: the entry stays pending, and whoever takes the partition over runs it again.
                     warn!(stream, group, entry_id = %id, error = %e, "XACK failed; the message stays pending");
-                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                    counters.count(Ended::NotWritten, ran)
                 }
-            };
+            }
             queue.pop_front();
             return Next::Go;
         }
-        Ran::Handled(Ok(Ok(Outcome::Terminal(reason)))) => {
+        Ran::Handled(Ok(Ok(Outcome::Terminal(reason))), ran) => {
             warn!(stream, group, entry_id = %id, reason = %reason, will_ack = true, "message ended as terminal");
             let acked = write_again_if_broken(writer, |mut conn| {
                 let (id, reason) = (&id, &reason);
@@ -279,26 +286,26 @@ async fn settle(
             })
             .await;
             match acked {
-                Ok(_) => counters.terminal.fetch_add(1, Ordering::Relaxed),
+                Ok(_) => counters.count(Ended::Terminal, ran),
                 Err(e) => {
                     warn!(stream, group, entry_id = %id, error = %e, "terminal ACK failed; the message stays pending");
-                    counters.failed.fetch_add(1, Ordering::Relaxed)
+                    counters.count(Ended::NotWritten, ran)
                 }
-            };
+            }
             queue.pop_front();
             return Next::Go;
         }
-        Ran::Handled(Ok(Ok(Outcome::Retry))) => {
-            counters.retried.fetch_add(1, Ordering::Relaxed);
+        Ran::Handled(Ok(Ok(Outcome::Retry)), ran) => {
+            counters.count(Ended::Retried, ran);
             None
         }
-        Ran::Handled(Ok(Err(e))) => Some(e.to_string()),
-        Ran::Handled(Err(panic)) => Some(format!("the handler panicked: {panic}")),
+        Ran::Handled(Ok(Err(e)), ran) => Some((e.to_string(), Ended::Errored, ran)),
+        Ran::Handled(Err(panic), ran) => Some((format!("the handler panicked: {panic}"), Ended::Panicked, ran)),
     };
     head.failed = true;
-    if let Some(text) = &failure {
+    if let Some((text, ended, ran)) = &failure {
         warn!(stream, group, entry_id = %id, error = %text, "handler failed; run again in place after the backoff");
-        counters.failed.fetch_add(1, Ordering::Relaxed);
+        counters.count(*ended, *ran);
         record_error(writer, stream, group, &id, text, counters).await;
     }
     let deliveries = match deliveries_of(writer, config, &id).await {

@@ -39,6 +39,7 @@
 
 mod connection;
 mod in_order;
+mod meter;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 mod partitions;
@@ -49,6 +50,7 @@ mod trace;
 
 use connection::write_again_if_broken;
 pub use connection::{Connection, Source};
+use meter::{Ended, WorkerMeter};
 pub use partitions::{DEFAULT_TTL, TopicWorker, TopicWorkerConfig, TopicWorkerError};
 pub use producer::{
     BOUNDED_PUBLISH, BOUNDED_PUBLISH_BATCH, BOUNDED_PUBLISH_BATCH_LUA, BOUNDED_PUBLISH_LUA, IdempotenceError,
@@ -221,7 +223,6 @@ struct Flight {
 
 type InFlight = Arc<Mutex<HashMap<String, Flight>>>;
 
-#[derive(Default)]
 struct Counters {
     done: AtomicU64,
     terminal: AtomicU64,
@@ -239,14 +240,51 @@ struct Counters {
     acks: Mutex<AckQueue>,
     /// The worker contract this worker speaks: [`CONTRACT_VERSION`], or a topic's for a partition's worker.
     contract: u32,
+    /// The same counts through OpenTelemetry's API, recorded with them.
+    meter: WorkerMeter,
 }
 
 impl Counters {
+    fn new(config: &WorkerConfig, contract: u32) -> Counters {
+        Counters {
+            done: AtomicU64::default(),
+            terminal: AtomicU64::default(),
+            failed: AtomicU64::default(),
+            retried: AtomicU64::default(),
+            abandoned: AtomicU64::default(),
+            settings: Mutex::default(),
+            errors_recorded: Mutex::default(),
+            failed_here: Mutex::default(),
+            acks: Mutex::default(),
+            contract,
+            meter: WorkerMeter::new(&config.stream, &config.group),
+        }
+    }
+
+    /// Counts a handler run that took `ran` as `ended`, in the stats and their metrics.
+    fn count(&self, ended: Ended, ran: Duration) {
+        let counter = match ended {
+            Ended::Done => &self.done,
+            Ended::Terminal => &self.terminal,
+            Ended::Retried => &self.retried,
+            Ended::Errored | Ended::Panicked | Ended::NotWritten => &self.failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.meter.ended(ended, ran);
+    }
+
     /// `id` failed here (its handler, or writing its outcome) and stays pending for the operator's pass: this worker
     /// takes it up again only once it is handed back.
-    fn left_pending(&self, id: &str) -> u64 {
+    fn left_pending(&self, id: &str, ran: Duration) {
         self.failed_here.lock().expect("failed lock").insert(id.to_string(), Instant::now());
-        self.failed.fetch_add(1, Ordering::Relaxed)
+        self.count(Ended::NotWritten, ran);
+    }
+
+    /// Takes `id` out of flight.
+    fn landed(&self, in_flight: &InFlight, id: &str) {
+        if in_flight.lock().expect("in-flight lock").remove(id).is_some() {
+            self.meter.landed(1);
+        }
     }
 }
 
@@ -314,7 +352,7 @@ impl Worker {
         if let Ok(Err(unknown)) = read_settings(&mut writer, &config, contract).await {
             return Err(RedisError::from((redis::ErrorKind::Client, "unknown worker contract", unknown.to_string())));
         }
-        let counters = Counters { contract, ..Counters::default() };
+        let counters = Counters::new(&config, contract);
         Ok(Worker {
             source,
             reader,
@@ -476,6 +514,7 @@ impl Worker {
                 let (in_flight, acks) = (in_flight.clone(), acks.clone());
                 let flight = Flight { started: Instant::now(), settled: false };
                 in_flight.lock().expect("in-flight lock").insert(message.id.clone(), flight);
+                counters.meter.started();
                 tasks.spawn(async move {
                     let runtime =
                         Dispatch { config: &config, writers, acks: &acks, counters: &counters, in_flight: &in_flight };
@@ -501,9 +540,11 @@ impl Worker {
         // nothing), also when nothing was cut off: a consumer that just read looks live, and Reassign would hand
         // work to it.
         let mut left: Vec<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
+        counters.meter.landed(left.len());
         left.append(&mut unread);
         let abandoned = self.give_back_and_leave(&left, &counters).await;
         counters.abandoned.store(abandoned, Ordering::Relaxed);
+        counters.meter.abandoned(abandoned);
         let stats = self.live_stats().snapshot();
         let unknown = stopped_by.borrow().clone();
         match unknown {
@@ -968,7 +1009,9 @@ where
     // A requeued copy carries the message's earlier deliveries, and its last error under the copy's id.
     let retried = message.field(DELIVERIES_FIELD).is_some();
     let processing = trace::Processing { stream, group, consumer: &config.consumer };
+    let started = Instant::now();
     let result = processing.run(handler, message).await;
+    let ran = started.elapsed();
     // Its outcome is being written from here on: no longer leased.
     if let Some(flight) = in_flight.lock().expect("in-flight lock").get_mut(&id) {
         flight.settled = true;
@@ -982,7 +1025,7 @@ where
             // Settled (counted, out of flight) once its XACK is answered.
             let carried = {
                 let mut queue = counters.acks.lock().expect("acks lock");
-                queue.waiting.push(AckRequest { id, clear_error: recorded });
+                queue.waiting.push(AckRequest { id, clear_error: recorded, ran });
                 queue.carried
             };
             if !carried {
@@ -998,16 +1041,16 @@ where
                 async move { ack_terminal(&mut conn, stream, group, id, reason).await }
             });
             match acked.await {
-                Ok(_) => counters.terminal.fetch_add(1, Ordering::Relaxed),
+                Ok(_) => counters.count(Ended::Terminal, ran),
                 Err(e) if certainly_not_written(&e) => {
                     warn!(stream, group, entry_id = %id, error = %e, "terminal ACK refused before any write; the message stays pending");
-                    counters.left_pending(&id)
+                    counters.left_pending(&id, ran)
                 }
                 Err(e) => {
                     warn!(stream, group, entry_id = %id, error = %e, "terminal ACK outcome unknown (the connection failed): the message may have been acknowledged and counted, or stays pending");
-                    counters.left_pending(&id)
+                    counters.left_pending(&id, ran)
                 }
-            };
+            }
         }
         Ok(Ok(Outcome::Retry)) => {
             // Not re-read here: the pass retries it (the give-back makes it look idle, not handed over). It looks
@@ -1026,13 +1069,13 @@ where
                 // Not given back: untouched since it failed here, never since `idle` ago.
                 counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             }
-            counters.retried.fetch_add(1, Ordering::Relaxed);
+            counters.count(Ended::Retried, ran);
         }
         Ok(Err(e)) => {
             warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for the operator's retry");
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&conn, stream, group, &id, &e.to_string(), counters).await;
-            counters.failed.fetch_add(1, Ordering::Relaxed);
+            counters.count(Ended::Errored, ran);
         }
         Err(panic) => {
             let what = panic
@@ -1043,10 +1086,10 @@ where
             error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
-            counters.failed.fetch_add(1, Ordering::Relaxed);
+            counters.count(Ended::Panicked, ran);
         }
     }
-    in_flight.lock().expect("in-flight lock").remove(&id);
+    counters.landed(in_flight, &id);
 }
 
 /// What one handler's dispatch works with.
@@ -1059,10 +1102,11 @@ struct Dispatch<'a> {
     in_flight: &'a InFlight,
 }
 
-/// A `Done` acknowledgement, with whether the entry's last error goes with it.
+/// A `Done` acknowledgement, with whether the entry's last error goes with it, and how long its handler ran.
 struct AckRequest {
     id: String,
     clear_error: bool,
+    ran: Duration,
 }
 
 /// `Done` outcomes waiting for their XACK. The read loop's next read carries them (one round trip for the
@@ -1127,19 +1171,19 @@ fn settle_acks(
     in_flight: &InFlight,
 ) {
     let (stream, group) = (&config.stream, &config.group);
-    for AckRequest { id, .. } in acks {
+    for AckRequest { id, ran, .. } in acks {
         match &acked {
-            Ok(()) => counters.done.fetch_add(1, Ordering::Relaxed),
+            Ok(()) => counters.count(Ended::Done, ran),
             Err(AckFailure::Refused(e)) => {
                 warn!(stream, group, entry_id = %id, error = %e, "XACK refused; the message stays pending");
-                counters.left_pending(&id)
+                counters.left_pending(&id, ran)
             }
             Err(AckFailure::Unknown(e)) => {
                 warn!(stream, group, entry_id = %id, error = %e, "XACK outcome unknown (the connection failed): the message may have been acknowledged, or stays pending");
-                counters.left_pending(&id)
+                counters.left_pending(&id, ran)
             }
-        };
-        in_flight.lock().expect("in-flight lock").remove(&id);
+        }
+        counters.landed(in_flight, &id);
     }
 }
 

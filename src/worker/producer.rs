@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::connection::{Connection, Source, Timeouts};
 use redis::{Client, RedisError, RedisResult, Script, ToRedisArgs};
 
+use super::meter::ProducerMeter;
 use super::trace::{Carried, Sending};
 use crate::keys::{KEY_FIELD, bounds_key, rejected_key};
 use opentelemetry::KeyValue;
@@ -123,6 +124,7 @@ pub struct Producer {
     stream: String,
     bounds: String,
     rejected: String,
+    meter: Arc<ProducerMeter>,
 }
 
 impl Producer {
@@ -150,6 +152,7 @@ impl Producer {
         Ok(Producer {
             bounds: bounds_key(&stream),
             rejected: rejected_key(&stream),
+            meter: Arc::new(ProducerMeter::new(&stream)),
             stream,
             conn,
             source: source.clone(),
@@ -241,8 +244,14 @@ impl Producer {
             carried.keep(message_id, sending.fields.clone());
         }
         match &result {
-            Ok(id) => sending.sent(Some(id)),
-            Err(e) => sending.failed(e),
+            Ok(id) => {
+                self.meter.sent(1);
+                sending.sent(Some(id));
+            }
+            Err(e) => {
+                self.meter.not_sent(1, e);
+                sending.failed(e);
+            }
         }
         result
     }
@@ -269,12 +278,13 @@ impl Producer {
         K: ToRedisArgs + 'a,
         V: ToRedisArgs + 'a,
     {
-        if entries.len() == 0 {
+        let count = entries.len();
+        if count == 0 {
             return Ok(Published { ids: Vec::new(), refused: None });
         }
         // One `send` span for the batch: its context is every entry's.
-        let count = KeyValue::new("messaging.batch.message_count", entries.len() as i64);
-        let sending = Sending::start(&self.stream, vec![count], None);
+        let batch = KeyValue::new("messaging.batch.message_count", count as i64);
+        let sending = Sending::start(&self.stream, vec![batch], None);
         let traced = sending.fields.len() * 2;
         let mut invocation = BOUNDED_PUBLISH_BATCH.key(&self.stream);
         invocation.key(&self.bounds).key(&self.rejected).arg(entries.len());
@@ -302,10 +312,13 @@ impl Producer {
             }
             Err(e) => {
                 let e = self.failed(e).await;
+                self.meter.not_sent(count, &e);
                 sending.failed(&e);
                 return Err(e);
             }
         };
+        self.meter.sent(ids.len());
+        self.meter.refused(count - ids.len());
         let refused = match refusal.as_slice() {
             [group, backlog, max] => Some(Refusal {
                 group: group.clone(),
@@ -329,6 +342,7 @@ impl Producer {
             timeouts: self.timeouts,
             bounds: bounds_key(&stream),
             rejected: rejected_key(&stream),
+            meter: Arc::new(ProducerMeter::new(&stream)),
             stream,
         }
     }

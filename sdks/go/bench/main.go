@@ -2,7 +2,7 @@
 // in one run: go run ./bench [-n 20000] [-rounds 5]. REDIS_URL names the server; without it a redis-server
 // (REDIS_SERVER, else the one on PATH) is started on a free loopback port. Each round runs every pair in turn; the
 // medians are printed side by side with their ratio; and the worker again with an OpenTelemetry SDK installed,
-// recording a span per handler run, beside the worker without one.
+// recording a span per handler run, and with a meter provider recording its metrics, beside the worker without one.
 package main
 
 import (
@@ -21,7 +21,9 @@ import (
 	"github.com/pelican-io/pelican/sdks/go/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel"
+	metricnoop "go.opentelemetry.io/otel/metric/noop"
 	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -98,6 +100,16 @@ func traced(c *redis.Client, n, concurrency int) (time.Duration, error) {
 	return took, errors.Join(err, provider.Shutdown(ctx))
 }
 
+// metered is library with an OpenTelemetry meter provider installed (a manual reader, read at the end); the API's
+// no-op is put back after the run.
+func metered(c *redis.Client, n, concurrency int) (time.Duration, error) {
+	provider := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+	otel.SetMeterProvider(provider)
+	defer otel.SetMeterProvider(metricnoop.NewMeterProvider())
+	took, err := library(c, n, concurrency)
+	return took, errors.Join(err, provider.Shutdown(ctx))
+}
+
 // loop is the hand-written consumer: XREADGROUP COUNT count, then one XACK of what it read.
 func loop(c *redis.Client, n, count int) (time.Duration, error) {
 	began := time.Now()
@@ -154,7 +166,7 @@ func main() {
 	rates := map[string][]float64{}
 	for round := range *rounds {
 		for _, p := range pairs {
-			for _, side := range []string{"library", "loop", "traced"} {
+			for _, side := range []string{"library", "loop", "traced", "metered"} {
 				if err := fill(c, *n); err != nil {
 					log.Fatal(err)
 				}
@@ -164,8 +176,10 @@ func main() {
 					took, err = library(c, *n, p.concurrency)
 				case "loop":
 					took, err = loop(c, *n, p.concurrency)
-				default:
+				case "traced":
 					took, err = traced(c, *n, p.concurrency)
+				default:
+					took, err = metered(c, *n, p.concurrency)
 				}
 				if err != nil {
 					log.Fatal(err)
@@ -187,6 +201,12 @@ func main() {
 	fmt.Printf("%-28s %12s %12s %7s\n", "", "no SDK", "SDK", "ratio")
 	for _, p := range pairs {
 		lib, sdk := median(rates[p.name+" library"]), median(rates[p.name+" traced"])
+		fmt.Printf("%-28s %10.0f/s %10.0f/s %7.2f\n", p.name, lib, sdk, sdk/lib)
+	}
+	fmt.Printf("\nmetrics: the worker without an SDK and with a meter provider recording its metrics\n")
+	fmt.Printf("%-28s %12s %12s %7s\n", "", "no SDK", "SDK", "ratio")
+	for _, p := range pairs {
+		lib, sdk := median(rates[p.name+" library"]), median(rates[p.name+" metered"])
 		fmt.Printf("%-28s %10.0f/s %10.0f/s %7.2f\n", p.name, lib, sdk, sdk/lib)
 	}
 }

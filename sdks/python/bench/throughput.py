@@ -2,13 +2,15 @@
 in one run.
 
     python bench/throughput.py [N]      (default 20000; REDIS_URL, else a redis-server started on a free port;
-                                         ROUNDS, default 3: each run that many times, the best counts)
+                                         ROUNDS, default 3: each run that many times, the best counts;
+                                         SDK=metrics: the last runs with a meter provider instead)
 
 Each run gets a fresh stream of N entries already published (each with the ``traceparent`` a traced producer writes),
 a handler that does nothing, and is timed from the start until every entry is acknowledged. The ratio compares the
 library with the hand loop of the same batch size: concurrency 1 with COUNT 1, concurrency 16 with COUNT 16, each with
 one XACK a batch. Then the library runs again with an OpenTelemetry SDK installed, recording a span per handler run
-(kept in memory): OpenTelemetry takes one tracer provider per process, so these runs come last.
+(kept in memory), or with ``SDK=metrics`` a meter provider recording the worker's metrics (read by an in-memory
+reader): OpenTelemetry takes one provider of each per process, so these runs come last, and one of them per process.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
-from opentelemetry import propagate, trace
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -93,15 +97,18 @@ async def measure(url: str, n: int) -> None:
         ("hand loop, COUNT 16, one XACK a batch", lambda s: hand_loop(url, s, n, 16)),
         ("pelican_worker, concurrency 16", lambda s: library(url, s, n, 16)),
     ]
+    sdk = "metered" if os.environ.get("SDK") == "metrics" else "traced"
     traced: list[tuple[str, Callable[[str], Awaitable[float]]]] = [
-        ("pelican_worker traced, concurrency 1", lambda s: library(url, s, n, 1)),
-        ("pelican_worker traced, concurrency 16", lambda s: library(url, s, n, 16)),
+        (f"pelican_worker {sdk}, concurrency 1", lambda s: library(url, s, n, 1)),
+        (f"pelican_worker {sdk}, concurrency 16", lambda s: library(url, s, n, 16)),
     ]
     rounds = int(os.environ.get("ROUNDS", "3"))
     rates: dict[str, float] = {}
     exporter = InMemorySpanExporter()
     for phase in (runs, traced):
-        if phase is traced:
+        if phase is traced and sdk == "metered":
+            metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
+        elif phase is traced:
             # As an application that traces does: the SDK, the W3C propagator.
             provider = TracerProvider()
             provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -122,7 +129,8 @@ async def measure(url: str, n: int) -> None:
         print(f"ratio {library_run} / {hand_run}: {rates[library_run] / rates[hand_run]:.2f}")
     for traced_run, library_run in [(traced[0][0], runs[1][0]), (traced[1][0], runs[3][0])]:
         print(f"ratio {traced_run} / {library_run}: {rates[traced_run] / rates[library_run]:.2f}")
-    print(f"{len(exporter.get_finished_spans())} spans recorded")
+    if sdk == "traced":
+        print(f"{len(exporter.get_finished_spans())} spans recorded")
 
 
 def start_server() -> tuple[subprocess.Popen[bytes], str]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from pelican_worker._meter import Ended, worker_meter
 from pelican_worker._redis import Client, RedisSource, make_client, raw_command, read_entries
 from pelican_worker._trace import processing
 from pelican_worker.keys import settings_key
@@ -115,6 +116,8 @@ class InOrderPartition:
         self._concurrency, self._block, self._grace = concurrency, block, shutdown_grace
         self._spacing, self._fresh = spacing, fresh
         self._counts = {"done": 0, "terminal": 0, "failed": 0, "retried": 0, "abandoned": 0}
+        # The same counts through OpenTelemetry's API, recorded with them.
+        self._meter = worker_meter(stream, group)
         self._settings: WorkerSettings | None = None
         self._queues: dict[_Key, deque[_Held]] = {}
         self._ready: deque[_Key] = deque()
@@ -242,6 +245,7 @@ class InOrderPartition:
                 key = self._ready.popleft()
                 task = asyncio.create_task(self._run_head(handler, calls, key))
                 self._running[key] = task
+                self._meter.started()
             if now >= next_lease:
                 await self._hold(calls)
                 next_lease = loop.time() + lease_interval(self._settings)
@@ -260,6 +264,7 @@ class InOrderPartition:
                 return
             outcome: Outcome | None = None
             failure: BaseException | None = None
+            started = asyncio.get_running_loop().time()
             try:
                 with processing(self, held.message) as run:
                     outcome = await handler(held.message)
@@ -272,7 +277,8 @@ class InOrderPartition:
                 failure = error
             if self._lost:
                 return  # another's now: nothing is written
-            then, deliveries = await self._settle(calls, held, outcome, failure)
+            ran = asyncio.get_running_loop().time() - started
+            then, deliveries = await self._settle(calls, held, outcome, failure, ran)
             if then is _Next.GO_ON:
                 self._pop(key)
             elif then is _Next.WAIT:
@@ -282,7 +288,8 @@ class InOrderPartition:
             if isinstance(failure, (KeyboardInterrupt, SystemExit)):
                 raise failure
         finally:
-            self._running.pop(key, None)
+            if self._running.pop(key, None) is not None:
+                self._meter.landed()
             self._wake.set()
 
     def _pop(self, key: _Key) -> None:
@@ -298,33 +305,40 @@ class InOrderPartition:
     def _min_idle_ms(self) -> int:
         return self._settings.min_idle_ms if self._settings is not None else 0
 
+    def _count(self, ended: Ended, seconds: float, error: BaseException | None = None) -> None:
+        """Counts a run that took ``seconds`` as ``ended``, in the stats and their metrics (``error``: what the
+        handler raised)."""
+        self._counts[ended] += 1
+        self._meter.ended(ended, seconds, error)
+
     async def _settle(
-        self, calls: _Writer, held: _Held, outcome: Outcome | None, failure: BaseException | None
+        self, calls: _Writer, held: _Held, outcome: Outcome | None, failure: BaseException | None, ran: float
     ) -> tuple[_Next, int]:
-        """Writes the outcome of a key's head; a failure or a retry answers the entry's deliveries so far."""
+        """Writes the outcome of a key's head (which ran for ``ran`` seconds); a failure or a retry answers the
+        entry's deliveries so far."""
         entry_id = held.message.id
         if outcome is not None and outcome.kind == "done":
             try:
                 await calls.ack(entry_id, clear_error=held.failed)
-                self._counts["done"] += 1
+                self._count("done", ran)
             except RedisError as error:
                 # The key goes on: the entry stays pending, and whoever takes the partition over runs it again.
                 log.warning("XACK of %s failed; it stays pending: %s", entry_id, error, extra=self._where())
-                self._counts["failed"] += 1
+                self._count("failed", ran)
             return _Next.GO_ON, 0
         if outcome is not None and outcome.kind == "terminal":
             log.warning("message ended as terminal: %s reason=%s", entry_id, outcome.reason, extra=self._where())
             try:
                 await calls.terminal_ack(entry_id, str(outcome.reason))
-                self._counts["terminal"] += 1
+                self._count("terminal", ran)
             except RedisError as error:
                 log.warning("terminal ACK of %s failed; it stays pending: %s", entry_id, error, extra=self._where())
-                self._counts["failed"] += 1
+                self._count("failed", ran)
             return _Next.GO_ON, 0
         if failure is None:
-            self._counts["retried"] += 1
+            self._count("retried", ran)
         else:
-            self._counts["failed"] += 1
+            self._count("failed", ran, failure)
             text_ = error_text(failure)
             log.warning(
                 "handler failed on %s (%s); run again in place after the backoff", entry_id, text_, extra=self._where()
@@ -429,6 +443,7 @@ class InOrderPartition:
             log.warning("shutdown: could not give back %d messages: %s", len(left), error, extra=self._where())
             return
         self._counts["abandoned"] += given
+        self._meter.abandoned(given)
 
     def _where(self) -> dict[str, Any]:
         return {"stream": self.stream, "group": self.group, "consumer": self.consumer, "partition": self.partition}

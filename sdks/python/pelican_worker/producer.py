@@ -14,6 +14,7 @@ from typing import Any
 from redis.commands.core import AsyncScript
 from redis.exceptions import BusyLoadingError, ConnectionError, ReadOnlyError, RedisError, ResponseError, TimeoutError
 
+from pelican_worker._meter import Sent, producer_meter
 from pelican_worker._redis import Client, RedisSource, command_docs, make_client, text
 from pelican_worker._scripts import script_source
 from pelican_worker._trace import Carried, TraceFields, start_sending
@@ -109,6 +110,17 @@ def _code(error: RedisError) -> str:
     return str(error).split(" ", 1)[0]
 
 
+def _not_sent(failure: PublishError) -> Sent:
+    """A failed publish's ``error.type`` in ``messaging.client.sent.messages``."""
+    if isinstance(failure, PublishRefused):
+        return "refused"
+    if isinstance(failure, PublishUnavailable):
+        return "unavailable"
+    if isinstance(failure, PublishOutcomeUnknown):
+        return "unknown"
+    return "failed"
+
+
 def _classify(error: RedisError) -> PublishError:
     code = _code(error)
     if code == "PELICAN_BACKLOG_FULL":
@@ -179,6 +191,7 @@ class Producer:
         self.stream = stream
         self._client = client
         self._keys = [stream, bounds_key(stream), rejected_key(stream)]
+        self._meter = producer_meter(stream)
         self._publish: AsyncScript = self._client.register_script(script_source("bounded_publish"))
         self._publish_batch: AsyncScript = self._client.register_script(script_source("bounded_publish_batch"))
 
@@ -239,11 +252,13 @@ class Producer:
             failure = _classify(error)
             if idempotence and isinstance(failure, (PublishOutcomeUnknown, PublishUnavailable)):
                 idempotence.carried.keep(idempotence.message_id, sending.fields)
+            self._meter(_not_sent(failure), 1)
             sending.failed(failure)
             raise failure from error
         except BaseException as error:  # a cancellation: the span ends all the same
             sending.failed(error)
             raise
+        self._meter("sent", 1)
         sending.sent(entry_id)
         return entry_id
 
@@ -260,12 +275,15 @@ class Producer:
             ids, refusal = await self._publish_batch(keys=self._keys, args=args)
         except RedisError as error:
             failure = _classify(error)
+            self._meter(_not_sent(failure), len(entries))
             sending.failed(failure)
             raise failure from error
         except BaseException as error:  # a cancellation: the span ends all the same
             sending.failed(error)
             raise
         sending.sent()
+        self._meter("sent", len(ids))
+        self._meter("refused", len(entries) - len(ids))
         refused = Refusal(text(refusal[0]), int(refusal[1]), int(refusal[2])) if refusal else None
         return Published([text(i) for i in ids], refused)
 

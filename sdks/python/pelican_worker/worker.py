@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
+from pelican_worker._meter import Ended, worker_meter
 from pelican_worker._redis import (
     Client,
     RedisSource,
@@ -131,6 +132,8 @@ class Worker:
         self.max_handling = max_handling
         self._redis = redis
         self._counts = {"done": 0, "terminal": 0, "failed": 0, "retried": 0, "abandoned": 0}
+        # The same counts through OpenTelemetry's API, recorded with them.
+        self._meter = worker_meter(stream, group)
         self._settings: WorkerSettings | None = None
         # The problem with the settings last reported, so a warning is given once, not at every tick.
         self._settings_problem: str | None = None
@@ -452,6 +455,7 @@ class Worker:
         if self._aborted:
             return
         self._in_flight[message.id] = asyncio.get_running_loop().time()
+        self._meter.started()
         task = asyncio.create_task(self._dispatch(handler, calls, message))
         self._tasks.add(task)
         task.add_done_callback(self._forget)
@@ -464,6 +468,7 @@ class Worker:
             task.exception()
 
     async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
+        started = asyncio.get_running_loop().time()
         try:
             try:
                 with processing(self, message) as run:
@@ -482,7 +487,7 @@ class Worker:
                 # included. KeyboardInterrupt and SystemExit are recorded as the message's failure, then go on
                 # stopping the process.
                 self._settle(message.id)
-                await self._fail(calls, message.id, error)
+                await self._fail(calls, message.id, error, self._since(started))
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
                     raise
                 return
@@ -491,33 +496,46 @@ class Worker:
                 # outcome is not written.
                 return
             self._settle(message.id)
+            ran = self._since(started)
             if outcome.kind == "done":
-                await self._ack(calls, message)
+                await self._ack(calls, message, ran)
             elif outcome.kind == "terminal":
-                await self._ack_terminal(calls, message.id, str(outcome.reason))
+                await self._ack_terminal(calls, message.id, str(outcome.reason), ran)
             else:
-                await self._give_back_for_retry(calls, message.id)
+                await self._give_back_for_retry(calls, message.id, ran)
         finally:
             self._in_flight.pop(message.id, None)
             self._settling.discard(message.id)
+            self._meter.landed()
+
+    @staticmethod
+    def _since(started: float) -> float:
+        """The seconds since ``started`` (loop time): how long a handler ran."""
+        return asyncio.get_running_loop().time() - started
+
+    def _count(self, ended: Ended, seconds: float, error: BaseException | None = None) -> None:
+        """Counts a handler run that took ``seconds`` as ``ended``, in the stats and their metrics (``error``: what
+        the handler raised)."""
+        self._counts[ended] += 1
+        self._meter.ended(ended, seconds, error)
 
     def _settle(self, entry_id: str) -> None:
         """The handler has ended: the entry's outcome is being written."""
         self._in_flight.pop(entry_id, None)
         self._settling.add(entry_id)
 
-    async def _ack(self, calls: _Writer, message: Message) -> None:
+    async def _ack(self, calls: _Writer, message: Message, ran: float) -> None:
         # A message that failed before (here, or elsewhere before it was requeued) may have a last error to remove.
         recorded = message.id in self._errors_recorded or message.field(DELIVERIES_FIELD) is not None
         self._errors_recorded.discard(message.id)
         try:
             await calls.ack(message.id, clear_error=recorded)
         except RedisError as error:
-            self._ack_failed("XACK", message.id, error)
+            self._ack_failed("XACK", message.id, error, ran)
             return
-        self._counts["done"] += 1
+        self._count("done", ran)
 
-    async def _ack_terminal(self, calls: _Writer, entry_id: str, reason: str) -> None:
+    async def _ack_terminal(self, calls: _Writer, entry_id: str, reason: str, ran: float) -> None:
         log.warning(
             "message ended as terminal: stream=%s group=%s entry_id=%s reason=%s",
             self.stream,
@@ -530,11 +548,11 @@ class Worker:
         try:
             await calls.terminal_ack(entry_id, reason)
         except RedisError as error:
-            self._ack_failed("terminal ACK", entry_id, error)
+            self._ack_failed("terminal ACK", entry_id, error, ran)
             return
-        self._counts["terminal"] += 1
+        self._count("terminal", ran)
 
-    def _ack_failed(self, what: str, entry_id: str, error: RedisError) -> None:
+    def _ack_failed(self, what: str, entry_id: str, error: RedisError, ran: float) -> None:
         if isinstance(error, ResponseError):
             log.warning("%s of %s refused; the message stays pending: %s", what, entry_id, error, extra=self._where())
         else:
@@ -548,9 +566,9 @@ class Worker:
             )
         # Left pending for the pass: this worker takes it up again only once it is handed back.
         self._failed_here[entry_id] = asyncio.get_running_loop().time()
-        self._counts["failed"] += 1
+        self._count("failed", ran)
 
-    async def _give_back_for_retry(self, calls: _Writer, entry_id: str) -> None:
+    async def _give_back_for_retry(self, calls: _Writer, entry_id: str, ran: float) -> None:
         # Not read again here: the give-back makes it look idle, not handed over, and the pass retries it.
         # It looks untouched since `idle` ago: a hand-over back to this worker (the only live one) may come within a
         # second, and is told by its idle all the same.
@@ -565,9 +583,9 @@ class Worker:
             )  # fmt: skip
             # Not given back: untouched since it failed here, never since `idle` ago.
             self._failed_here[entry_id] = asyncio.get_running_loop().time()
-        self._counts["retried"] += 1
+        self._count("retried", ran)
 
-    async def _fail(self, calls: _Writer, entry_id: str, error: BaseException) -> None:
+    async def _fail(self, calls: _Writer, entry_id: str, error: BaseException, ran: float) -> None:
         # One line per failure, never a stack trace: a store outage fails every message.
         log.warning(
             "handler failed on %s (%s: %s); the message stays pending for the operator's retry",
@@ -577,7 +595,7 @@ class Worker:
             extra={**self._where(), "entry_id": entry_id},
         )
         self._failed_here[entry_id] = asyncio.get_running_loop().time()
-        self._counts["failed"] += 1
+        self._count("failed", ran, error)
         try:
             await calls.record_error(entry_id, error_text(error))
         except RedisError as failure:
@@ -695,6 +713,7 @@ class Worker:
         )
         # Only what the give-back released: an entry acknowledged (or taken by the pass) meanwhile was not.
         self._counts["abandoned"] += given
+        self._meter.abandoned(given)
 
     # Helpers
 

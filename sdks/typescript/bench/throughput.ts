@@ -1,14 +1,20 @@
 /**
  * The library's worker beside a hand-written ioredis XREADGROUP / XACK loop (one XACK for each read's batch), on the same server in one run:
  * N messages each, every handler an async no-op; and the worker again with an OpenTelemetry SDK installed, recording
- * a span per handler run. `npm run bench` (REDIS_URL to use a running server, else one is started on a free loopback
+ * a span per handler run, and with an OpenTelemetry meter provider recording its metrics. `npm run bench` (REDIS_URL to use a running server, else one is started on a free loopback
  * port; N to change the count).
  */
 import { createRequire } from "node:module";
 import { setTimeout as sleep } from "node:timers/promises";
-import { context, propagation, trace } from "@opentelemetry/api";
+import { context, metrics, propagation, trace } from "@opentelemetry/api";
 import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
 import { W3CTraceContextPropagator } from "@opentelemetry/core";
+import {
+  AggregationTemporality,
+  InMemoryMetricExporter,
+  MeterProvider,
+  PeriodicExportingMetricReader,
+} from "@opentelemetry/sdk-metrics";
 import { BasicTracerProvider, InMemorySpanExporter, SimpleSpanProcessor } from "@opentelemetry/sdk-trace-base";
 import { Redis } from "ioredis";
 
@@ -74,6 +80,20 @@ async function traced(url: string, admin: Redis, concurrency: number): Promise<n
   }
 }
 
+/** `library` with an OpenTelemetry meter provider installed (its metrics read at the end); removed after the run. */
+async function metered(url: string, admin: Redis, concurrency: number): Promise<number> {
+  const exporter = new InMemoryMetricExporter(AggregationTemporality.CUMULATIVE);
+  const reader = new PeriodicExportingMetricReader({ exporter, exportIntervalMillis: 60_000 });
+  const provider = new MeterProvider({ readers: [reader] });
+  metrics.setGlobalMeterProvider(provider);
+  try {
+    return await library(url, admin, concurrency);
+  } finally {
+    await provider.shutdown();
+    metrics.disable();
+  }
+}
+
 async function handWritten(url: string, admin: Redis, count: number): Promise<number> {
   const stream = await fill(admin);
   const conn = new Redis(url);
@@ -114,15 +134,17 @@ const ROUNDS = Number(process.env["ROUNDS"] ?? 3);
 console.log(`best of ${ROUNDS} interleaved rounds`);
 const rows: string[] = [];
 const tracing: string[] = [];
+const metering: string[] = [];
 for (const [concurrency, count] of [
   [1, 1],
   [16, 16],
 ] as const) {
-  let [hand, lib, withSdk] = [0, 0, 0];
+  let [hand, lib, withSdk, withMeter] = [0, 0, 0, 0];
   for (let round = 0; round < ROUNDS; round++) {
     hand = Math.max(hand, await handWritten(url, admin, count));
     lib = Math.max(lib, await library(url, admin, concurrency));
     withSdk = Math.max(withSdk, await traced(url, admin, concurrency));
+    withMeter = Math.max(withMeter, await metered(url, admin, concurrency));
   }
   const loop = `COUNT ${count}${count > 1 ? ", one XACK a batch" : ""}`;
   rows.push(
@@ -130,6 +152,9 @@ for (const [concurrency, count] of [
   );
   tracing.push(
     `| concurrency ${concurrency} | ${Math.round(lib)} | ${Math.round(withSdk)} | ${(withSdk / lib).toFixed(2)} |`,
+  );
+  metering.push(
+    `| concurrency ${concurrency} | ${Math.round(lib)} | ${Math.round(withMeter)} | ${(withMeter / lib).toFixed(2)} |`,
   );
 }
 console.log("| hand-written loop | library worker | hand-written msgs/s | library msgs/s | library / hand-written |");
@@ -140,5 +165,9 @@ console.log("| library worker | no SDK msgs/s | SDK msgs/s | SDK / no SDK |");
 console.log("| --- | --- | --- | --- |");
 for (const row of tracing) console.log(row);
 console.log(`${recorded} spans recorded`);
+console.log("\nmetrics: the library worker without an SDK and with a meter provider recording its metrics");
+console.log("| library worker | no SDK msgs/s | SDK msgs/s | SDK / no SDK |");
+console.log("| --- | --- | --- | --- |");
+for (const row of metering) console.log(row);
 if (server) await server.stop();
 else admin.disconnect();

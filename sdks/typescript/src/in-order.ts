@@ -19,6 +19,7 @@ import {
   terminalKey,
 } from "./keys.js";
 import { Message } from "./message.js";
+import { workerMeter, type Ended, type WorkerMeter } from "./meter.js";
 import { checkOutcome, type Outcome } from "./outcome.js";
 import { takeOver, type PartitionRunner } from "./partition.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
@@ -88,6 +89,8 @@ export class InOrderPartition implements PartitionRunner {
   private readonly running = new Map<string, Run>();
   private readonly retryTimers = new Set<NodeJS.Timeout>();
   private readonly counters = { done: 0, terminal: 0, failed: 0, retried: 0, abandoned: 0 };
+  /** The same counts through OpenTelemetry's API, recorded with them. */
+  private readonly measure: WorkerMeter;
   private readonly stopping = new AbortController();
   private held = 0;
   private lost = false;
@@ -100,7 +103,9 @@ export class InOrderPartition implements PartitionRunner {
   /** Wakes the read loop when room is made or the worker stops. */
   private wakeReader: (() => void) | undefined;
 
-  constructor(private readonly options: InOrderOptions) {}
+  constructor(private readonly options: InOrderOptions) {
+    this.measure = workerMeter(options.stream, options.group);
+  }
 
   /** Takes the partition's pending list over, then runs it in order per key until `stop()` or `lose()`. */
   async run(handler: Handler): Promise<WorkerStats> {
@@ -237,12 +242,13 @@ export class InOrderPartition implements PartitionRunner {
       if (!head) continue;
       const run: Run = { abort: new AbortController(), abandoned: false, finished: Promise.resolve() };
       this.running.set(key, run);
+      this.measure.started();
       run.finished = this.runHead(key, head, run)
         .catch((error: unknown) =>
           this.log("error", "a message's outcome was not written", { error: errorText(error) }),
         )
         .finally(() => {
-          this.running.delete(key);
+          if (this.running.delete(key)) this.measure.landed(1);
           this.pump();
         });
     }
@@ -268,6 +274,7 @@ export class InOrderPartition implements PartitionRunner {
     }
     let outcome: Outcome | undefined;
     let failure: unknown;
+    const startedAt = performance.now();
     try {
       const handler = this.handlerNow();
       const context = { signal: run.abort.signal };
@@ -277,15 +284,16 @@ export class InOrderPartition implements PartitionRunner {
     } catch (error) {
       failure = error;
     }
+    const seconds = (performance.now() - startedAt) / 1000;
     if (run.abandoned) return;
-    if (outcome?.kind === "done") return this.ack(key, head);
-    if (outcome?.kind === "terminal") return this.ackTerminal(key, head, outcome.reason);
-    if (outcome?.kind === "retry") this.counters.retried++;
-    else await this.recordFailure(id, failure);
+    if (outcome?.kind === "done") return this.ack(key, head, seconds);
+    if (outcome?.kind === "terminal") return this.ackTerminal(key, head, outcome.reason, seconds);
+    if (outcome?.kind === "retry") this.count("retried", seconds);
+    else await this.recordFailure(id, failure, seconds);
     await this.again(key, head);
   }
 
-  private async ack(key: string, head: Held): Promise<void> {
+  private async ack(key: string, head: Held, seconds: number): Promise<void> {
     const { stream, group } = this.options;
     const id = head.message.id;
     try {
@@ -294,16 +302,16 @@ export class InOrderPartition implements PartitionRunner {
       const replies = (await pipeline.exec()) ?? [];
       const error = replies.find(([failed]) => failed)?.[0];
       if (error) throw error;
-      this.counters.done++;
+      this.count("done", seconds);
     } catch (error) {
       // The key goes on: the entry stays pending, and whoever takes the partition over runs it again.
       this.log("warn", "XACK failed; the message stays pending", { entryId: id, error: errorText(error) });
-      this.counters.failed++;
+      this.count("failed", seconds);
     }
     this.next(key);
   }
 
-  private async ackTerminal(key: string, head: Held, reason: string): Promise<void> {
+  private async ackTerminal(key: string, head: Held, reason: string, seconds: number): Promise<void> {
     const { stream, group } = this.options;
     const id = head.message.id;
     this.log("warn", "message ended as terminal", { entryId: id, reason });
@@ -316,20 +324,21 @@ export class InOrderPartition implements PartitionRunner {
         id,
         reason,
       );
-      this.counters.terminal++;
+      this.count("terminal", seconds);
     } catch (error) {
       this.log("warn", "terminal ACK failed; the message stays pending", { entryId: id, error: errorText(error) });
-      this.counters.failed++;
+      this.count("failed", seconds);
     }
     this.next(key);
   }
 
   /** A failure: its text recorded as the entry's last error. */
-  private async recordFailure(id: string, failure: unknown): Promise<void> {
+  private async recordFailure(id: string, failure: unknown, seconds: number): Promise<void> {
     const { stream, group } = this.options;
     const text = cutUtf8(errorText(failure), ERROR_TEXT_MAX);
     this.log("warn", "handler failed; run again in place after the backoff", { entryId: id, error: text });
-    this.counters.failed++;
+    // A thrown `undefined` is a handler's error too (its `error.type` is `_OTHER`).
+    this.count("failed", seconds, failure ?? null);
     try {
       await this.writerNow().hset(errorsKey(stream, group), id, text);
     } catch (error) {
@@ -442,6 +451,7 @@ export class InOrderPartition implements PartitionRunner {
         const idle = this.settingsNow().retryAfterMs;
         const given = await this.writerNow().pelicanGiveBack(stream, group, consumer, idle, 1, ...chunk);
         this.counters.abandoned += Number(given);
+        this.measure.abandoned(Number(given));
       }
     } catch (error) {
       this.log("warn", "could not give back what was left", { left: left.length, error: errorText(error) });
@@ -449,6 +459,12 @@ export class InOrderPartition implements PartitionRunner {
     this.log("info", "partition stopped: the messages not finished were given back", {
       given: this.counters.abandoned,
     });
+  }
+
+  /** Counts a run that took `seconds` as `ended`, in the stats and their metrics (`handlerError`: thrown). */
+  private count(ended: Ended, seconds: number, handlerError?: unknown): void {
+    this.counters[ended]++;
+    this.measure.ended(ended, seconds, handlerError);
   }
 
   /** The entry's delivery count while it is this consumer's; undefined once it is not. */

@@ -5,6 +5,7 @@
 
 import { connect, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
 import { KEY_FIELD, boundsKey, rejectedKey } from "./keys.js";
+import { producerMeter, type ProducerMeter, type Sent } from "./meter.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
 import { Carried, startSending } from "./trace.js";
 
@@ -108,6 +109,7 @@ export class Producer {
   readonly stream: string;
   private readonly conn: Connection & ScriptCommands;
   private readonly keys: [string, string, string];
+  private readonly measure: ProducerMeter;
   private ready: Promise<void> | undefined;
 
   constructor(options: ProducerOptions);
@@ -116,6 +118,7 @@ export class Producer {
   constructor(options: ProducerOptions | Pick<ProducerOptions, "stream">, shared?: Connection & ScriptCommands) {
     this.stream = options.stream;
     this.keys = [options.stream, boundsKey(options.stream), rejectedKey(options.stream)];
+    this.measure = producerMeter(options.stream);
     // Only the internal overload passes `shared`, and only the public one leaves it out.
     this.conn = shared ?? publishConnection(options as ProducerOptions);
   }
@@ -179,12 +182,15 @@ export class Producer {
     try {
       reply = await this.call(() => this.conn.pelicanBoundedPublishBatch(...this.keys, ...args));
     } catch (error) {
+      this.measure(notSent(error), entries.length);
       sending.failed(error);
       throw error;
     }
     sending.sent();
     const [ids, refusal] = Array.isArray(reply) ? (reply as [unknown, unknown]) : [[], []];
     const published: Published = { ids: Array.isArray(ids) ? ids.map(String) : [] };
+    this.measure("sent", published.ids.length);
+    this.measure("refused", entries.length - published.ids.length);
     if (Array.isArray(refusal) && refusal.length === 3) {
       published.refused = { group: String(refusal[0]), backlog: Number(refusal[1]), max: Number(refusal[2]) };
     }
@@ -210,9 +216,11 @@ export class Producer {
           this.conn.pelicanBoundedPublish(...this.keys, ...idmp, ...args, ...sending.fields.flat()),
         ),
       );
+      this.measure("sent", 1);
       sending.sent(id);
       return id;
     } catch (error) {
+      this.measure(notSent(error), 1);
       if (idempotent && (error instanceof PublishOutcomeUnknown || error instanceof PublishUnavailable)) {
         idempotent.carried.keep(idempotent.messageId, sending.fields);
       }
@@ -314,6 +322,14 @@ export class IdempotentProducer {
 }
 
 /** An error of a publish as its class: refused, unavailable, failed, or outcome unknown. */
+/** A failed publish's `error.type` in `messaging.client.sent.messages`. */
+function notSent(error: unknown): Sent {
+  if (error instanceof PublishRefused) return "refused";
+  if (error instanceof PublishUnavailable) return "unavailable";
+  if (error instanceof PublishOutcomeUnknown) return "unknown";
+  return "failed";
+}
+
 export function classify(error: unknown): PublishError {
   if (isReplyError(error)) {
     const message = error.message;

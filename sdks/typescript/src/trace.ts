@@ -5,32 +5,16 @@
  * propagator and context manager), an optional peer dependency: without it nothing is traced, and with it nothing is
  * recorded nor added to an entry until the application installs an SDK and a propagator.
  */
-import { createRequire } from "node:module";
 import type * as OpenTelemetry from "@opentelemetry/api";
 
 import { errorText } from "./connection.js";
 import { KEY_FIELD } from "./keys.js";
+import { api, INSTRUMENTATION as TRACER } from "./otel.js";
 import type { Message } from "./message.js";
 import type { Outcome } from "./outcome.js";
 
-/** The name of the library's tracer. */
-const TRACER = "pelican";
-
 /** The fields a message's trace context is carried in, in order. */
 export type TraceFields = ReadonlyArray<readonly [string, string]>;
-
-/** The OpenTelemetry API when the application has it: loaded, not imported, so that the library runs without it. */
-const api = loadApi();
-
-function loadApi(): typeof OpenTelemetry | undefined {
-  try {
-    // The CommonJS build: it shares the global provider, propagator and context manager with the ES one (the API
-    // keeps them on `globalThis`), and a synchronous load keeps this module free of top-level await (`require()`).
-    return createRequire(import.meta.url)("@opentelemetry/api") as typeof OpenTelemetry;
-  } catch {
-    return undefined;
-  }
-}
 
 /** A publish being sent: the fields that carry its span's context into the entry, and the span's end. */
 export interface Sending {

@@ -9,6 +9,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 import { connect, errorText, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
 import { DELIVERIES_FIELD, ERROR_TEXT_MAX, consumersKey, errorsKey, settingsKey, terminalKey } from "./keys.js";
 import { Message } from "./message.js";
+import { workerMeter, type Ended, type WorkerMeter } from "./meter.js";
 import { checkOutcome, type Outcome } from "./outcome.js";
 import { withScripts, type ScriptCommands } from "./scripts.js";
 import { processing } from "./trace.js";
@@ -164,6 +165,8 @@ export class Worker {
   private readonly log: Logger;
 
   private readonly counters = { done: 0, terminal: 0, failed: 0, retried: 0, abandoned: 0 };
+  /** The same counts through OpenTelemetry's API, recorded with them. */
+  private readonly measure: WorkerMeter;
   private readonly inFlight = new Map<string, InFlight>();
   /**
    * Entries delivered to this consumer that wait for a free slot (a read and a hand-over came back together):
@@ -218,6 +221,7 @@ export class Worker {
     this.shutdownGraceMs = options.shutdownGraceMs ?? 20_000;
     this.maxHandlingMs = options.maxHandlingMs ?? 30 * 60 * 1000;
     this.log = options.logger ?? stderrLogger;
+    this.measure = workerMeter(this.stream, this.group);
   }
 
   /**
@@ -344,6 +348,7 @@ export class Worker {
       ...this.where(),
       dropped: this.inFlight.size + this.queued.size,
     });
+    this.measure.landed(this.inFlight.size);
     this.inFlight.clear();
     this.queued.clear();
   }
@@ -596,6 +601,7 @@ export class Worker {
       overdue: false,
     };
     this.inFlight.set(message.id, entry);
+    this.measure.started();
     entry.finished = this.dispatch(message, handler, entry);
   }
 
@@ -604,30 +610,32 @@ export class Worker {
     try {
       await this.handle(message, handler, entry);
     } finally {
-      this.inFlight.delete(message.id);
+      if (this.inFlight.delete(message.id)) this.measure.landed(1);
       this.wake?.();
     }
   }
 
   private async handle(message: Message, handler: Handler, entry: InFlight): Promise<void> {
     let outcome: Outcome;
+    const startedAt = performance.now();
+    const ran = (): number => (performance.now() - startedAt) / 1000;
     try {
       const context = new EntryContext(entry);
       outcome = await processing(this, message, async () => checkOutcome(await handler(message, context)));
     } catch (error) {
       entry.settled = true;
-      if (!entry.abandoned) await this.fail(message.id, error);
+      if (!entry.abandoned) await this.fail(message.id, error, ran());
       return;
     }
     entry.settled = true;
     if (entry.abandoned) return;
     switch (outcome.kind) {
       case "done":
-        return this.ack(message);
+        return this.ack(message, ran());
       case "terminal":
-        return this.ackTerminal(message.id, outcome.reason);
+        return this.ackTerminal(message.id, outcome.reason, ran());
       case "retry":
-        return this.retry(message.id);
+        return this.retry(message.id, ran());
     }
   }
 
@@ -635,7 +643,7 @@ export class Worker {
    * Acknowledges with the handlers that finished together: one `XACK` for them all (after a turn of the event
    * loop, which lets them join), with `HDEL errors` for those that may have a last error in the same round trip.
    */
-  private async ack(message: Message): Promise<void> {
+  private async ack(message: Message, seconds: number): Promise<void> {
     const id = message.id;
     // A message that failed before (here, or elsewhere before it was requeued as a copy) may have a last error.
     const clearError = this.errorsRecorded.delete(id) || message.fields.has(DELIVERIES_FIELD);
@@ -643,8 +651,8 @@ export class Worker {
       if (this.pendingAcks.length === 0) setImmediate(() => void this.writeAcks());
       this.pendingAcks.push({ id, clearError, written });
     });
-    if (error === undefined) this.counters.done++;
-    else this.writeFailed("XACK", id, error);
+    if (error === undefined) this.count("done", seconds);
+    else this.writeFailed("XACK", id, error, seconds);
   }
 
   /** Sends the pending acknowledgements in one round trip and answers each with the error, if any. */
@@ -671,7 +679,7 @@ export class Worker {
     for (const pending of batch) pending.written(error);
   }
 
-  private async ackTerminal(id: string, reason: string): Promise<void> {
+  private async ackTerminal(id: string, reason: string, seconds: number): Promise<void> {
     this.log.warn("message ended as terminal", { ...this.where(), entryId: id, reason });
     this.errorsRecorded.delete(id);
     try {
@@ -683,14 +691,14 @@ export class Worker {
         id,
         reason,
       );
-      this.counters.terminal++;
+      this.count("terminal", seconds);
     } catch (error) {
-      this.writeFailed("terminal ACK", id, error);
+      this.writeFailed("terminal ACK", id, error, seconds);
     }
   }
 
   /** `give_back.lua` with the group's `minIdleMs`, the delivery counted: the pass retries it under the backoff. */
-  private async retry(id: string): Promise<void> {
+  private async retry(id: string, seconds: number): Promise<void> {
     // Not re-read here: the give-back makes it look idle, not handed over. It looks untouched since `idleMs` ago: a
     // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
     const idleMs = this.settings?.minIdleMs ?? UNPUBLISHED_IDLE_MS;
@@ -706,11 +714,11 @@ export class Worker {
       // Not given back: untouched since it failed here, never since `idleMs` ago.
       this.failedHere.set(id, Date.now());
     }
-    this.counters.retried++;
+    this.count("retried", seconds);
   }
 
   /** A failure: no ACK, the error's text recorded as the entry's last error, the entry left to the pass. */
-  private async fail(id: string, error: unknown): Promise<void> {
+  private async fail(id: string, error: unknown, seconds: number): Promise<void> {
     const text = cutUtf8(errorText(error), ERROR_TEXT_MAX);
     this.log.warn("handler failed; the message stays pending for the operator's retry", {
       ...this.where(),
@@ -731,10 +739,11 @@ export class Worker {
         error: errorText(recordError),
       });
     }
-    this.counters.failed++;
+    // A thrown `undefined` is a handler's error too (its `error.type` is `_OTHER`).
+    this.count("failed", seconds, error ?? null);
   }
 
-  private writeFailed(what: string, id: string, error: unknown): void {
+  private writeFailed(what: string, id: string, error: unknown, seconds: number): void {
     // A server's error reply means nothing was written (the scripts check everything before their first write);
     // a broken connection leaves it open.
     const message = isReplyError(error)
@@ -743,7 +752,13 @@ export class Worker {
     this.log.warn(message, { ...this.where(), entryId: id, error: errorText(error) });
     // Left pending for the pass: this worker takes it up again only once it is handed back.
     this.failedHere.set(id, Date.now());
-    this.counters.failed++;
+    this.count("failed", seconds);
+  }
+
+  /** Counts a handler run that took `seconds` as `ended`, in the stats and their metrics (`handlerError`: thrown). */
+  private count(ended: Ended, seconds: number, handlerError?: unknown): void {
+    this.counters[ended]++;
+    this.measure.ended(ended, seconds, handlerError);
   }
 
   private scheduleLease(): void {
@@ -852,6 +867,7 @@ export class Worker {
       entry.abort?.abort(new Error(GIVEN_BACK));
       // No longer this worker's, though its handler may still run: neither leased nor counted in flight.
       this.inFlight.delete(id);
+      this.measure.landed(1);
       left.push(id);
     }
     // Outcomes already being written finish first (each bounded by the writer's command timeout), so that the
@@ -879,6 +895,7 @@ export class Worker {
         );
         // Only what the give-back released: an entry acknowledged (or taken by the pass) meanwhile was not.
         this.counters.abandoned += Number(given);
+        this.measure.abandoned(Number(given));
       }
     } catch (error) {
       this.log.warn("shutdown: could not give back (and leave the group): what is left is retried after minIdle", {

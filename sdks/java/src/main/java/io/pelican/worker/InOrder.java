@@ -80,6 +80,8 @@ final class InOrder implements PartitionRun {
     private final LongAdder failed = new LongAdder();
     private final LongAdder retried = new LongAdder();
     private final LongAdder abandoned = new LongAdder();
+    /** The same counts through OpenTelemetry's metrics API, recorded with them. */
+    private final Metering.WorkerMeter meter;
     private final CompletableFuture<Void> closed = new CompletableFuture<>();
     private final LinkedBlockingQueue<Runnable> events = new LinkedBlockingQueue<>();
     /** A permit per entry that may still be held: the reader reads no more than there is room for. */
@@ -135,6 +137,7 @@ final class InOrder implements PartitionRun {
         this.room = new Semaphore(concurrency * HELD_PER_SLOT);
         this.where = "[" + stream + " " + group + " " + consumer + " PerKey] ";
         this.tracedAs = new Tracing.Where(stream, group, consumer);
+        this.meter = Metering.CURRENT.worker(stream, group);
         this.maxHandling = new MaxHandling(maxHandling, where);
     }
 
@@ -154,7 +157,8 @@ final class InOrder implements PartitionRun {
     }
 
     /** How one run of a key's head ended; {@code gone}: the entry was no longer this consumer's before it ran. */
-    private record Ran(String key, Outcome outcome, Throwable failure, boolean gone) {}
+    /** A key's head's run: its outcome or failure, and how long its handler ran (nanoseconds; 0 when it did not). */
+    private record Ran(String key, Outcome outcome, Throwable failure, boolean gone, long nanos) {}
 
     @Override
     public void start() {
@@ -288,6 +292,7 @@ final class InOrder implements PartitionRun {
             head.runningSince = System.nanoTime();
             running++;
             runningNow = running;
+            meter.started();
             try {
                 executor.execute(() -> {
                     Ran ran = run(key, head);
@@ -318,26 +323,28 @@ final class InOrder implements PartitionRun {
     private Ran run(String key, Held head) {
         try {
             if (head.failed && !countDelivery(head.message.id())) {
-                return new Ran(key, null, null, true);
+                return new Ran(key, null, null, true, 0);
             }
         } catch (RuntimeException e) {
-            return new Ran(key, null, e, false);
+            return new Ran(key, null, e, false, 0);
         }
         Thread thread = Thread.currentThread();
         synchronized (handling) {
             if (aborted) {
-                return new Ran(key, null, null, true);
+                return new Ran(key, null, null, true, 0);
             }
             handling.add(thread);
         }
         Tracing.Processing processing = Tracing.CURRENT.processing(tracedAs, head.message);
         Ran ran;
+        long began = System.nanoTime();
         try {
             Outcome outcome = handler.handle(head.message);
             ran = new Ran(key, outcome,
-                    outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null, false);
+                    outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null, false,
+                    System.nanoTime() - began);
         } catch (Throwable e) {
-            ran = new Ran(key, null, e, false);
+            ran = new Ran(key, null, e, false, System.nanoTime() - began);
         } finally {
             synchronized (handling) {
                 handling.remove(thread);
@@ -349,10 +356,23 @@ final class InOrder implements PartitionRun {
         return ran;
     }
 
+    /** Counts a run that took {@code nanos} as {@code ended}, in the stats and their metrics. */
+    private void count(Metering.Ended ended, long nanos, Throwable handlerError) {
+        LongAdder counter = switch (ended) {
+            case DONE -> done;
+            case TERMINAL -> terminal;
+            case FAILED -> failed;
+            case RETRIED -> retried;
+        };
+        counter.increment();
+        meter.ended(ended, nanos, handlerError);
+    }
+
     /** Writes the outcome of a key's head, and lets the key go on, wait or stay at the cap. */
     private void after(Ran ran) {
         running--;
         runningNow = running;
+        meter.landed();
         if (aborted || finished) {
             return; // another's now, or given back at the end of the grace
         }
@@ -366,7 +386,7 @@ final class InOrder implements PartitionRun {
         if (ran.failure == null && ran.outcome.kind() == Outcome.Kind.DONE) {
             try {
                 await(writes.xack(streamKey, groupName, id));
-                done.increment();
+                count(Metering.Ended.DONE, ran.nanos, null);
                 if (head.failed) {
                     await(writes.hdel(errorsKey, Worker.bytes(id)));
                 }
@@ -382,7 +402,7 @@ final class InOrder implements PartitionRun {
                 await(Script.TERMINAL_ACK.<Long>run(writes, ScriptOutputType.INTEGER,
                         new byte[][] {streamKey, terminalKey, errorsKey}, groupName, Worker.bytes(id),
                         Worker.bytes(ran.outcome.reason())));
-                terminal.increment();
+                count(Metering.Ended.TERMINAL, ran.nanos, null);
             } catch (RuntimeException e) {
                 LOG.log(Level.WARNING, where + "terminal ACK of " + id + " failed; the message stays pending: " + e);
             }
@@ -390,12 +410,12 @@ final class InOrder implements PartitionRun {
             return;
         }
         if (ran.failure == null) {
-            retried.increment();
+            count(Metering.Ended.RETRIED, ran.nanos, null);
         } else {
             String text = Worker.errorText(ran.failure);
             LOG.log(Level.WARNING, where + "handler failed on " + id + " (" + text + "); run again in place after the "
                     + "backoff, its key waits");
-            failed.increment();
+            count(Metering.Ended.FAILED, ran.nanos, ran.failure);
             try {
                 await(writes.hset(errorsKey, Worker.bytes(id), Worker.bytes(text)));
             } catch (RuntimeException e) {
@@ -598,6 +618,7 @@ final class InOrder implements PartitionRun {
                                 Worker.bytes("1")), batch)));
             }
             abandoned.add(given);
+            meter.abandoned(given);
             LOG.log(Level.INFO, where + "shutdown: " + given + " messages given back, their delivery not counted");
         } catch (RuntimeException e) {
             LOG.log(Level.WARNING, where + "could not give back " + left.size() + " messages on shutdown: " + e);

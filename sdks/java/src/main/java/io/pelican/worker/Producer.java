@@ -59,6 +59,8 @@ public final class Producer implements AutoCloseable {
     private static final String NOT_SENT = "Currently not connected";
 
     private final String stream;
+    /** This producer's publishes through OpenTelemetry's metrics API. */
+    private final Metering.ProducerMeter meter;
     private final Duration timeout;
     private final AbstractRedisClient client;
     private final byte[][] keys;
@@ -68,6 +70,7 @@ public final class Producer implements AutoCloseable {
 
     private Producer(Builder b) {
         this.stream = b.stream;
+        this.meter = Metering.CURRENT.producer(b.stream);
         this.timeout = b.timeout;
         if (b.cluster) {
             RedisClusterClient cluster = b.resources != null ? RedisClusterClient.create(b.resources, b.uri)
@@ -92,6 +95,7 @@ public final class Producer implements AutoCloseable {
     /** A producer of {@code stream} on {@code root}'s client and connection (a topic's partition); closes nothing. */
     Producer(Producer root, String stream) {
         this.stream = stream;
+        this.meter = Metering.CURRENT.producer(stream);
         this.timeout = root.timeout;
         this.client = root.client;
         this.keys = keys(stream);
@@ -188,9 +192,11 @@ public final class Producer implements AutoCloseable {
             if (carried != null && (e instanceof PublishOutcomeUnknownException || e instanceof PublishUnavailableException)) {
                 carried.keep(send.messageId(), sending.fields);
             }
+            meter.add(Metering.Sent.of(e), 1);
             sending.failed(e);
             throw e;
         }
+        meter.add(Metering.Sent.SENT, 1);
         sending.sent(id);
         return id;
     }
@@ -212,6 +218,7 @@ public final class Producer implements AutoCloseable {
         try {
             reply = call(Script.BOUNDED_PUBLISH_BATCH, ScriptOutputType.MULTI, args.toArray(new byte[0][]));
         } catch (PublishException e) {
+            meter.add(Metering.Sent.of(e), entries.size());
             sending.failed(e);
             throw e;
         }
@@ -224,6 +231,8 @@ public final class Producer implements AutoCloseable {
         Optional<Published.Refusal> refused = refusal.isEmpty() ? Optional.empty()
                 : Optional.of(new Published.Refusal(new String((byte[]) refusal.get(0), StandardCharsets.UTF_8),
                         (Long) refusal.get(1), (Long) refusal.get(2)));
+        meter.add(Metering.Sent.SENT, ids.size());
+        meter.add(Metering.Sent.REFUSED, entries.size() - ids.size());
         return new Published(ids, refused);
     }
 

@@ -126,6 +126,8 @@ public final class Worker implements AutoCloseable {
     private final LongAdder failed = new LongAdder();
     private final LongAdder retried = new LongAdder();
     private final LongAdder abandoned = new LongAdder();
+    /** The same counts through OpenTelemetry's metrics API, recorded with them. */
+    private final Metering.WorkerMeter meter;
     private final Map<String, InFlight> inFlight = new ConcurrentHashMap<>();
     /** Entry id -> when (nanoTime) its handler failed or asked for a retry here: the pass retries it, never this worker. */
     private final Map<String, Long> failedHere = new ConcurrentHashMap<>();
@@ -194,6 +196,7 @@ public final class Worker implements AutoCloseable {
         this.where = "[" + stream + " " + group + " " + consumer + "] ";
         this.maxHandling = new MaxHandling(b.maxHandling, where);
         this.tracedAs = new Tracing.Where(stream, group, consumer);
+        this.meter = Metering.CURRENT.worker(stream, group);
         this.contracts = b.partition.isPresent() ? Set.of(Partitions.TOPIC_CONTRACT_VERSION) : Settings.KNOWN_CONTRACT_VERSIONS;
         this.partition = b.partition;
         this.fresh = b.fresh;
@@ -576,6 +579,7 @@ public final class Worker implements AutoCloseable {
     private void start(Message message) {
         InFlight entry = new InFlight(message.id());
         inFlight.put(message.id(), entry);
+        meter.started();
         synchronized (slots) {
             running++;
         }
@@ -592,7 +596,7 @@ public final class Worker implements AutoCloseable {
                 // An executor of the application's that was shut down: the entries stay pending, retried by the pass.
                 LOG.log(Level.WARNING, where + "the handler executor refused to run handlers: " + e);
                 for (Queued refused = queued.poll(); refused != null; refused = queued.poll()) {
-                    inFlight.remove(refused.message.id());
+                    land(refused.message.id());
                     freeSlot();
                 }
                 return;
@@ -648,6 +652,7 @@ public final class Worker implements AutoCloseable {
             entry.thread = Thread.currentThread();
         }
         Tracing.Processing run = Tracing.CURRENT.processing(tracedAs, message);
+        long began = System.nanoTime();
         Outcome outcome;
         try {
             outcome = handler.handle(message);
@@ -655,16 +660,20 @@ public final class Worker implements AutoCloseable {
             // An Error as well (StackOverflowError, NoClassDefFoundError, AssertionError): a failure of the message,
             // never of the worker, whose thread goes on with the next one.
             run.end(null, e);
-            settle(message, entry, null, e);
+            settle(message, entry, null, e, System.nanoTime() - began);
             return;
         }
+        long ran = System.nanoTime() - began;
         Throwable failure = outcome == null ? new IllegalStateException("the handler returned null, not an Outcome") : null;
         run.end(outcome, failure);
-        settle(message, entry, outcome, failure);
+        settle(message, entry, outcome, failure, ran);
     }
 
-    /** The handler ended: frees its slot and writes its outcome, unless the grace's end gave the entry back. */
-    private void settle(Message message, InFlight entry, Outcome outcome, Throwable failure) {
+    /**
+     * The handler ended (after {@code ran} nanoseconds): frees its slot and writes its outcome, unless the grace's end
+     * gave the entry back.
+     */
+    private void settle(Message message, InFlight entry, Outcome outcome, Throwable failure, long ran) {
         synchronized (entry) {
             entry.thread = null;
         }
@@ -674,12 +683,13 @@ public final class Worker implements AutoCloseable {
         }
         freeSlot();
         if (mine && aborted) {
-            inFlight.remove(message.id()); // lost: another's now, no outcome written
+            land(message.id()); // lost: another's now, no outcome written
             entry.written.complete(null);
         } else if (mine) {
-            CompletableFuture<Void> write = failure != null ? fail(message.id(), failure) : write(message, outcome);
+            CompletableFuture<Void> write =
+                    failure != null ? fail(message.id(), failure, ran) : write(message, outcome, ran);
             write.whenComplete((ignored, error) -> {
-                inFlight.remove(message.id());
+                land(message.id());
                 entry.written.complete(null);
             });
         }
@@ -695,29 +705,48 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    private CompletableFuture<Void> write(Message message, Outcome outcome) {
+    private CompletableFuture<Void> write(Message message, Outcome outcome, long ran) {
         return switch (outcome.kind()) {
-            case DONE -> ack(message);
-            case TERMINAL -> ackTerminal(message.id(), outcome.reason());
-            case RETRY -> giveBackForRetry(message.id());
+            case DONE -> ack(message, ran);
+            case TERMINAL -> ackTerminal(message.id(), outcome.reason(), ran);
+            case RETRY -> giveBackForRetry(message.id(), ran);
         };
     }
 
-    private CompletableFuture<Void> ack(Message message) {
+    /** Takes {@code id} out of flight. */
+    private void land(String id) {
+        if (inFlight.remove(id) != null) {
+            meter.landed();
+        }
+    }
+
+    /** Counts a handler run that took {@code ran} nanoseconds as {@code ended}, in the stats and their metrics. */
+    private void count(Metering.Ended ended, long ran, Throwable handlerError) {
+        LongAdder counter = switch (ended) {
+            case DONE -> done;
+            case TERMINAL -> terminal;
+            case FAILED -> failed;
+            case RETRIED -> retried;
+        };
+        counter.increment();
+        meter.ended(ended, ran, handlerError);
+    }
+
+    private CompletableFuture<Void> ack(Message message, long ran) {
         String id = message.id();
         // A message that failed before (here, or elsewhere before it was requeued) may have a last error to remove.
         boolean clearError = errorsRecorded.remove(id) | message.bytes(Keys.DELIVERIES_FIELD) != null;
         return acks.add(id, clearError).handle((ignored, error) -> {
             if (error == null) {
-                done.increment();
+                count(Metering.Ended.DONE, ran, null);
             } else {
-                writeFailed("XACK", id, error);
+                writeFailed("XACK", id, error, ran);
             }
             return null;
         });
     }
 
-    private CompletableFuture<Void> ackTerminal(String id, String reason) {
+    private CompletableFuture<Void> ackTerminal(String id, String reason, long ran) {
         LOG.log(Level.WARNING, where + "message ended as terminal, will ACK: stream=" + stream + " group=" + group
                 + " entry_id=" + id + " reason=" + reason);
         errorsRecorded.remove(id);
@@ -725,16 +754,16 @@ public final class Worker implements AutoCloseable {
         return Script.TERMINAL_ACK.<Long>run(writes, ScriptOutputType.INTEGER, keys, groupName, bytes(id), bytes(reason))
                 .handle((ignored, error) -> {
                     if (error == null) {
-                        terminal.increment();
+                        count(Metering.Ended.TERMINAL, ran, null);
                     } else {
-                        writeFailed("terminal ACK", id, error);
+                        writeFailed("terminal ACK", id, error, ran);
                     }
                     return null;
                 });
     }
 
     /** {@code give_back.lua} with {@code minIdleMs}, the delivery counted: the pass retries it under the backoff. */
-    private CompletableFuture<Void> giveBackForRetry(String id) {
+    private CompletableFuture<Void> giveBackForRetry(String id, long ran) {
         // Not read again here: the give-back makes it look idle, not handed over. It looks untouched since idle ago: a
         // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
         Settings current = settings;
@@ -747,18 +776,18 @@ public final class Worker implements AutoCloseable {
                 // Not given back: untouched since it failed here, never since idle ago.
                 failedHere.put(id, System.nanoTime());
             }
-            retried.increment();
+            count(Metering.Ended.RETRIED, ran, null);
             return null;
         });
     }
 
-    private CompletableFuture<Void> fail(String id, Throwable error) {
+    private CompletableFuture<Void> fail(String id, Throwable error, long ran) {
         String text = errorText(error);
         // One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
         LOG.log(Level.WARNING, where + "handler failed on " + id + " (" + text + "); the message stays pending for the "
                 + "operator's retry");
         failedHere.put(id, System.nanoTime());
-        failed.increment();
+        count(Metering.Ended.FAILED, ran, error);
         return writes.hset(errorsKey, bytes(id), bytes(text)).toCompletableFuture().handle((ignored, failure) -> {
             if (failure != null) {
                 LOG.log(Level.WARNING, where + "could not record the last error of " + id + ": " + Script.cause(failure));
@@ -773,7 +802,7 @@ public final class Worker implements AutoCloseable {
         });
     }
 
-    private void writeFailed(String what, String id, Throwable error) {
+    private void writeFailed(String what, String id, Throwable error, long ran) {
         Throwable cause = Script.cause(error);
         // A server's error reply means nothing was written (the scripts check everything before their first write);
         // a broken connection leaves it open.
@@ -784,7 +813,7 @@ public final class Worker implements AutoCloseable {
         LOG.log(Level.WARNING, where + message + cause);
         // Left pending for the pass: this worker takes it up again only once it is handed back.
         failedHere.put(id, System.nanoTime());
-        failed.increment();
+        count(Metering.Ended.FAILED, ran, null);
     }
 
     // Leases
@@ -950,7 +979,7 @@ public final class Worker implements AutoCloseable {
         for (InFlight entry : inFlight.values()) {
             if (entry.state.compareAndSet(InFlight.RUNNING, InFlight.ABANDONED)) {
                 // No longer this worker's, though its handler may still run: neither leased nor counted in flight.
-                inFlight.remove(entry.id);
+                land(entry.id);
                 left.add(entry.id);
                 synchronized (entry) {
                     if (entry.thread != null) {
@@ -984,6 +1013,7 @@ public final class Worker implements AutoCloseable {
             long given = await(giveBack(left, idle, true));
             // Only what the give-back released: an entry the pass took meanwhile is not this worker's to count.
             abandoned.add(given);
+            meter.abandoned(given);
             LOG.log(Level.INFO, where + "shutdown: " + given + " messages given back for the next pass (not finished "
                     + "within the grace, or read unhandled), their delivery not counted");
         } catch (RuntimeException e) {
@@ -1000,7 +1030,7 @@ public final class Worker implements AutoCloseable {
         leaser.shutdownNow();
         for (InFlight entry : inFlight.values()) {
             if (entry.state.compareAndSet(InFlight.RUNNING, InFlight.ABANDONED)) {
-                inFlight.remove(entry.id);
+                land(entry.id);
                 synchronized (entry) {
                     if (entry.thread != null) {
                         entry.thread.interrupt();

@@ -20,6 +20,8 @@ import io.opentelemetry.api.GlobalOpenTelemetry;
 import io.opentelemetry.api.trace.propagation.W3CTraceContextPropagator;
 import io.opentelemetry.context.propagation.ContextPropagators;
 import io.opentelemetry.sdk.OpenTelemetrySdk;
+import io.opentelemetry.sdk.metrics.SdkMeterProvider;
+import io.opentelemetry.sdk.testing.exporter.InMemoryMetricReader;
 import io.opentelemetry.sdk.testing.exporter.InMemorySpanExporter;
 import io.opentelemetry.sdk.trace.SdkTracerProvider;
 import io.opentelemetry.sdk.trace.export.SimpleSpanProcessor;
@@ -41,7 +43,8 @@ import java.util.concurrent.TimeUnit;
  * server, else one is started on a free loopback port; N and ROUNDS to change the count and the rounds). Beside the
  * rates, for the best round of each: this JVM's CPU time and context switches (all its threads, from /proc) per
  * message, which tell where the time goes on a shared machine. Then the worker again with an OpenTelemetry SDK
- * installed, recording a span per handler run, beside the worker without one.
+ * installed, recording a span per handler run, and with a meter provider recording its metrics, beside the worker
+ * without one.
  */
 public final class Throughput {
     private static final int N = Integer.parseInt(System.getenv().getOrDefault("N", "20000"));
@@ -114,22 +117,27 @@ public final class Throughput {
                     + "| library / hand-written | hand-written CPU, switches per msg | library CPU, switches per msg |");
             System.out.println("| --- | --- | --- | --- | --- | --- | --- |");
             List<String> tracing = new ArrayList<>();
+            List<String> metrics = new ArrayList<>();
             for (int[] pair : new int[][] {{1, 1}, {16, 16}}) {
                 int concurrency = pair[0];
                 int count = pair[1];
                 Run hand = new Run(0, 0, 0);
                 Run library = new Run(0, 0, 0);
                 Run traced = new Run(0, 0, 0);
+                Run metered = new Run(0, 0, 0);
                 for (int round = 0; round < ROUNDS; round++) {
                     hand = hand.better(handWritten(client, admin.sync(), count));
                     library = library.better(library(client, admin.sync(), concurrency));
                     traced = traced.better(traced(client, admin.sync(), concurrency));
+                    metered = metered.better(metered(client, admin.sync(), concurrency));
                 }
                 System.out.printf(Locale.ROOT, "| COUNT %d%s | concurrency %d | %.0f | %.0f | %.2f | %s | %s |%n", count,
                         count > 1 ? ", one XACK of the batch" : "", concurrency, hand.rate, library.rate,
                         library.rate / hand.rate, hand.costs(), library.costs());
                 tracing.add(String.format(Locale.ROOT, "| concurrency %d | %.0f | %.0f | %.2f | %s | %s |", concurrency,
                         library.rate, traced.rate, traced.rate / library.rate, library.costs(), traced.costs()));
+                metrics.add(String.format(Locale.ROOT, "| concurrency %d | %.0f | %.0f | %.2f | %s | %s |", concurrency,
+                        library.rate, metered.rate, metered.rate / library.rate, library.costs(), metered.costs()));
             }
             System.out.printf("%ntracing: the library worker without an SDK and with one recording a span per handler "
                     + "run (%d spans)%n", recorded);
@@ -137,6 +145,12 @@ public final class Throughput {
                     + "| SDK CPU, switches per msg |");
             System.out.println("| --- | --- | --- | --- | --- | --- |");
             tracing.forEach(System.out::println);
+            System.out.printf("%nmetrics: the library worker without an SDK and with a meter provider recording its "
+                    + "metrics%n");
+            System.out.println("| library worker | no SDK msgs/s | SDK msgs/s | SDK / no SDK | no SDK CPU, switches per msg "
+                    + "| SDK CPU, switches per msg |");
+            System.out.println("| --- | --- | --- | --- | --- | --- |");
+            metrics.forEach(System.out::println);
             admin.sync().flushall();
         } finally {
             client.shutdown();
@@ -194,6 +208,20 @@ public final class Throughput {
             Run run = library(client, admin, concurrency);
             recorded += exporter.getFinishedSpanItems().size();
             return run;
+        } finally {
+            GlobalOpenTelemetry.resetForTest();
+            sdk.close();
+        }
+    }
+
+    /** {@link #library} with an OpenTelemetry meter provider installed (an in-memory reader); removed after the run. */
+    private static Run metered(RedisClient client, RedisCommands<byte[], byte[]> admin, int concurrency)
+            throws InterruptedException {
+        OpenTelemetrySdk sdk = OpenTelemetrySdk.builder()
+                .setMeterProvider(SdkMeterProvider.builder().registerMetricReader(InMemoryMetricReader.create()).build())
+                .buildAndRegisterGlobal();
+        try {
+            return library(client, admin, concurrency);
         } finally {
             GlobalOpenTelemetry.resetForTest();
             sdk.close();
