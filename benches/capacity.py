@@ -28,7 +28,9 @@ count. Nobody else should write to the server meanwhile: start a private one.
     PYTHONPATH=<redis-py> python3 benches/capacity.py --url redis://127.0.0.1:18123 [--url ...] [-n 100000]
 
 With several --url it measures each server in turn and prints one table with a column per server: for each message
-size, bytes per item, `used_memory` first, then `MEMORY USAGE` in brackets where a key's own estimate applies.
+size, bytes per item, `used_memory` first, then `MEMORY USAGE` in brackets where a key's own estimate applies. Each
+column names the server's allocator (`mem_allocator`): jemalloc rounds allocations up to its size classes, libc
+malloc less, so the same server version differs by build.
 Loops are bounded by -n (entries), -c (consumers) and -p (groups); writes go in pipelines of 1,000 commands.
 """
 
@@ -241,8 +243,9 @@ def main():
         if r.keys("{cap*"):
             sys.exit("%s holds {cap...} keys already: use a server of its own" % url)
         info = r.info("server")
-        name = "%s %s" % ("Valkey" if "valkey_version" in info else "Redis",
-                          info.get("valkey_version", info["redis_version"]))
+        name = "%s %s (%s)" % ("Valkey" if "valkey_version" in info else "Redis",
+                               info.get("valkey_version", info["redis_version"]),
+                               r.info("memory").get("mem_allocator", "?"))
         columns.append(name)
         for size in (200, 2048):
             print("%s: %d-byte body..." % (name, size), file=sys.stderr)
