@@ -240,7 +240,7 @@ def main():
     table = {}
     for url in args.url:
         r = redis.Redis.from_url(url)
-        if r.keys("{cap*"):
+        if next(r.scan_iter(match="{cap*", count=1000), None) is not None:
             sys.exit("%s holds {cap...} keys already: use a server of its own" % url)
         info = r.info("server")
         name = "%s %s (%s)" % ("Valkey" if "valkey_version" in info else "Redis",
