@@ -38,6 +38,14 @@ enum Command {
         /// the series the chart's alerts and dashboard read; the rest per namespace), for many policies.
         #[arg(long, value_enum, default_value_t = MetricsDetail::Full, env = "PELICAN_METRICS_DETAIL")]
         metrics_detail: MetricsDetail,
+        /// Serve `/metrics` over TLS with the certificate of this directory (`tls.crt`, `tls.key`: a
+        /// `kubernetes.io/tls` Secret mounted), read again when its files change (a renewal).
+        #[arg(long, env = "PELICAN_METRICS_TLS_DIR")]
+        metrics_tls_dir: Option<std::path::PathBuf>,
+        /// Serve `/metrics` only to callers whose bearer token the API server authenticates (TokenReview) and allows
+        /// `get` on the non-resource URL `/metrics` (SubjectAccessReview): 401 and 403 otherwise.
+        #[arg(long, env = "PELICAN_METRICS_AUTH")]
+        metrics_auth: bool,
         /// Where `/healthz` and `/readyz` are served.
         #[arg(long, default_value = "0.0.0.0:8081", env = "PELICAN_HEALTH_ADDR")]
         health_addr: SocketAddr,
@@ -168,6 +176,8 @@ async fn main() -> anyhow::Result<()> {
             log_format,
             metrics_addr,
             metrics_detail,
+            metrics_tls_dir,
+            metrics_auth,
             health_addr,
             leader_elect,
             leader_election_namespace,
@@ -200,7 +210,15 @@ async fn main() -> anyhow::Result<()> {
             let health = readiness.clone();
             // One shutdown signal for the controller, the HTTP endpoints and the election.
             let shutdown = shutdown_signal().shared();
-            let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), shutdown.clone()).await?;
+            let secure = pelican::telemetry::Secure {
+                tls: metrics_tls_dir
+                    .map(|dir| pelican::telemetry::secure::CertificateDir::load(&dir))
+                    .transpose()
+                    .map_err(|e| anyhow::anyhow!("--metrics-tls-dir: {e}"))?,
+                auth: metrics_auth.then(|| pelican::telemetry::secure::Authorizer::new(client.clone())),
+            };
+            let http = serve(metrics_addr, health_addr, metrics.clone(), readiness.clone(), secure, shutdown.clone());
+            let http = http.await?;
             let http = tokio::spawn(http);
             tracing::info!(version = env!("CARGO_PKG_VERSION"), %metrics_addr, %health_addr, leader_elect, "starting pelican");
             if external_scaler.is_some() {

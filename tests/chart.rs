@@ -180,6 +180,50 @@ fn on_openshift_the_pod_leaves_its_user_and_group_to_the_scc() {
     assert!(!unset.contains("runAsUser") && !unset.contains("runAsGroup"), "null leaves them to the image: {unset}");
 }
 
+/// Issue 66: `metrics.secure` serves /metrics over TLS to authorized callers only: the flags and the mounted Secret,
+/// the cluster-wide right to review tokens, a reader role to bind Prometheus to, and a ServiceMonitor that scrapes over
+/// https with its token; without a Secret named it is refused, naming the value.
+#[test]
+fn secure_metrics_mount_their_certificate_review_tokens_and_scrape_over_https() {
+    let secure = render(
+        "sec",
+        "pelican-system",
+        &[
+            "metrics.secure.enabled=true",
+            "metrics.secure.tlsSecretName=metrics-cert",
+            "metrics.serviceMonitor.enabled=true",
+        ],
+    );
+    let docs = documents(&secure);
+    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let pod = &deployment["spec"]["template"]["spec"];
+    let args: Vec<&str> = pod["containers"][0]["args"].as_array().unwrap().iter().filter_map(|a| a.as_str()).collect();
+    assert!(
+        args.contains(&"--metrics-tls-dir=/etc/pelican/metrics-tls") && args.contains(&"--metrics-auth"),
+        "{args:?}"
+    );
+    assert_eq!(pod["volumes"][0]["secret"]["secretName"], "metrics-cert");
+    assert_eq!(pod["containers"][0]["volumeMounts"][0]["mountPath"], "/etc/pelican/metrics-tls");
+    let cluster =
+        docs.iter().find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "sec-pelican-cluster").unwrap();
+    let rules = cluster["rules"].to_string();
+    assert!(
+        rules.contains("tokenreviews") && rules.contains("subjectaccessreviews") && rules.contains("kube-system"),
+        "{rules}"
+    );
+    let reader = docs.iter().find(|d| d["metadata"]["name"] == "sec-pelican-metrics-reader").expect("the reader role");
+    assert_eq!(reader["rules"][0]["nonResourceURLs"][0], "/metrics");
+    let monitor = docs.iter().find(|d| d["kind"] == "ServiceMonitor").unwrap();
+    assert_eq!(monitor["spec"]["endpoints"][0]["scheme"], "https");
+    assert_eq!(monitor["spec"]["endpoints"][0]["tlsConfig"]["ca"]["secret"]["name"], "metrics-cert");
+
+    let plain = render("sec", "pelican-system", &[]);
+    assert!(!plain.contains("metrics-auth") && !plain.contains("tokenreviews"), "off by default");
+    let (ok, out) =
+        helm(&["template", "sec", CHART, "--namespace", "pelican-system", "--set", "metrics.secure.enabled=true"]);
+    assert!(!ok && out.contains("metrics.secure.tlsSecretName"), "{out}");
+}
+
 /// Installs the chart's RBAC for a release that watches `watched`, and returns a kubeconfig holding a token of the
 /// chart's ServiceAccount.
 fn install_rbac(release: &str, watched: &str, edit: impl Fn(String) -> String) -> (String, tempfile::TempDir) {

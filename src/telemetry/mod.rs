@@ -3,10 +3,11 @@
 mod events;
 mod http;
 mod metrics;
+pub mod secure;
 pub mod traces;
 
 pub use events::Events;
-pub use http::{Readiness, serve};
+pub use http::{Readiness, Secure, serve};
 pub use metrics::{Metrics, MetricsDetail, PolicyKey, PolicySnapshot, ServerSnapshot};
 
 use std::io::IsTerminal;
