@@ -463,15 +463,29 @@ fn the_trim_asks_the_server_to_keep_unacknowledged_entries_where_it_can(flavor: 
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("redis-cli MONITOR");
-    std::thread::sleep(Duration::from_millis(300));
+    let (sender, lines) = std::sync::mpsc::channel::<String>();
+    let out = monitor.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(out)).map_while(Result::ok) {
+            let _ = sender.send(line);
+        }
+    });
+    // MONITOR answers OK once it is on: only then does the trim run (a busy machine starts redis-cli late).
+    let first = lines.recv_timeout(Duration::from_secs(10)).expect("MONITOR's OK");
+    assert_eq!(first, "OK");
     let trimmed = trim(&server, Duration::ZERO);
-    std::thread::sleep(Duration::from_millis(300));
-    let _ = monitor.kill();
-    let out = monitor.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
     // The exact trim of what whole nodes left (`~ ... LIMIT` comes first, without ACKED).
-    let exact = |l: &&str| l.contains("\"XTRIM\"") && !l.contains("\"~\"");
-    let xtrim = text.lines().find(exact).unwrap_or_else(|| panic!("no exact XTRIM in:\n{text}"));
+    let exact = |l: &str| l.contains("\"XTRIM\"") && !l.contains("\"~\"");
+    let mut seen = Vec::new();
+    let xtrim = loop {
+        match lines.recv_timeout(Duration::from_secs(10)) {
+            Ok(line) if exact(&line) => break line,
+            Ok(line) => seen.push(line),
+            Err(_) => panic!("no exact XTRIM in:\n{}", seen.join("\n")),
+        }
+    };
+    let _ = monitor.kill();
+    let _ = monitor.wait();
     println!("{flavor:?}: {xtrim}");
     assert_eq!(trimmed.trimmed, 8, "the same safe point either way");
     assert_eq!(xtrim.contains("\"ACKED\""), matches!(flavor, Flavor::Redis82 | Flavor::Redis86), "{xtrim}");

@@ -168,7 +168,9 @@ pub async fn converge(
     let group = (policy.spec.stream.as_str(), policy.spec.group.as_str());
     let claim =
         redis_ops::claim_group(&mut conn, &server, group, &claimant.id, claim_lifetime(schedule), claimant.passive);
-    match claim.await? {
+    // The first command on the group's keys: a standalone connection redirected is talking to a cluster node.
+    let claim = claim.await.map_err(|e| if target.cluster { e } else { e.for_standalone() });
+    match claim? {
         Claim::Ours => {}
         Claim::Theirs { owner, left } if !claimant.passive => {
             host.runner().stop(&id);
