@@ -101,16 +101,6 @@ exporters:
         format!("http://127.0.0.1:{}", self.otlp_port)
     }
 
-    /// The services that sent spans, as the UI's service list shows them.
-    pub fn services(&self) -> Vec<String> {
-        let (_, body) = Operator::http_get(self.query_port, "/api/services");
-        let value: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
-        let mut names: Vec<String> =
-            value["data"].as_array().into_iter().flatten().filter_map(|s| s.as_str().map(String::from)).collect();
-        names.sort();
-        names
-    }
-
     /// The traces in which `service` has a span (the last hour, at most 100).
     pub fn traces_of(&self, service: &str) -> Vec<Trace> {
         let (code, body) =
