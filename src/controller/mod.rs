@@ -23,7 +23,7 @@ mod status;
 mod topic;
 mod validate;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -89,8 +89,9 @@ pub struct Context {
     install: String,
     /// [`Settings::claimant`].
     claimant: act::Claimant,
-    /// The policies whose status this process wrote: one that names another install since was written by it.
-    wrote: Mutex<HashSet<ObjectRef<ConsumerGroupPolicy>>>,
+    /// The policies whose status this process wrote, each with the version its last look read: a status naming
+    /// another install in any other version was written by it since (see [`report`]).
+    wrote: Mutex<HashMap<ObjectRef<ConsumerGroupPolicy>, Option<String>>>,
     /// The watched namespace (`--namespace`), for the Pod watch.
     watch_namespace: Option<String>,
     /// Pod metadata of the watched namespaces, watched from the first policy with `spec.consumers.pods` on (an

@@ -104,18 +104,17 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
     if status::worth_writing(policy.status.as_ref(), &status) {
         ctx.shared.apply_status(policy, &status).await?;
     }
-    ctx.wrote.lock().expect("wrote lock").insert(ObjectRef::from_obj(policy));
+    ctx.wrote.lock().expect("wrote lock").insert(ObjectRef::from_obj(policy), policy.resource_version());
     Ok(())
 }
 
 /// Warning `AnotherPelican` (and a log line) when the status this install wrote was written since by another one:
-/// two installs (each with its own Lease, in another namespace or under another name) serve the policy. The first
-/// look after a start, or at a status an install removed since left, is a hand-over and says nothing.
+/// two installs (each with its own Lease, in another namespace or under another name) serve the policy.
 async fn announce_another_install(policy: &ConsumerGroupPolicy, ctx: &Context, previous: &ConsumerGroupPolicyStatus) {
-    let Some(other) = previous.operator.as_deref().filter(|other| *other != ctx.install) else { return };
-    if !ctx.wrote.lock().expect("wrote lock").contains(&ObjectRef::from_obj(policy)) {
+    let last_read = ctx.wrote.lock().expect("wrote lock").get(&ObjectRef::from_obj(policy)).cloned();
+    let Some(other) = written_since(previous, &ctx.install, &policy.resource_version(), last_read.as_ref()) else {
         return;
-    }
+    };
     let note = format!(
         "another Pelican install (leader Lease {other}) wrote this policy's status after this one ({}) did: both \
          serve it, each running its passes and writing its status. Uninstall one, or split the policies between them \
@@ -124,6 +123,22 @@ async fn announce_another_install(policy: &ConsumerGroupPolicy, ctx: &Context, p
     );
     warn!(namespace = policy.namespace().unwrap_or_default(), name = policy.name_any(), other, "{note}");
     publish(ctx, policy, EventType::Warning, "AnotherPelican", note).await;
+}
+
+/// The other install that wrote the status `previous` (of the policy's version `version`) after this one (`install`)
+/// wrote it, whose last look read version `last_read` (`None`: it never wrote this policy's status).
+///
+/// Nothing at the first look after a start or at a status an install removed since left: a hand-over. Nothing
+/// either when the version is the one this install's last look read: the watch has not brought this install's own
+/// write yet (a look can start before the write's event arrives), so the status is the one that write replaced.
+fn written_since<'a>(
+    previous: &'a ConsumerGroupPolicyStatus,
+    install: &str,
+    version: &Option<String>,
+    last_read: Option<&Option<String>>,
+) -> Option<&'a str> {
+    let other = previous.operator.as_deref().filter(|other| *other != install)?;
+    (last_read? != version).then_some(other)
 }
 
 /// Whether reporting `error` would change nothing: the Ready condition already says it, for this generation.
@@ -239,4 +254,36 @@ async fn announce_requeue_copies(
     );
     warn!("{note}");
     publish(ctx, policy, EventType::Warning, "RequeueCopies", note).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn written_by(install: &str) -> ConsumerGroupPolicyStatus {
+        ConsumerGroupPolicyStatus { operator: Some(install.into()), ..Default::default() }
+    }
+
+    /// The CI failure of stop 77: a shard's second look began before the watch brought its own first write, so it
+    /// read the status it had just replaced (the unsharded install's) and said `AnotherPelican`.
+    #[test]
+    fn the_status_this_install_replaced_read_again_is_not_another_writer() {
+        let theirs = written_by("system/pelican-leader");
+        let v = |rv: &str| Some(rv.to_string());
+        // The first look after a start: a hand-over.
+        assert_eq!(written_since(&theirs, "system/pelican-leader-a", &v("10"), None), None);
+        // The look read version 10 and wrote over it; the next one reads 10 again, before the watch caught up.
+        assert_eq!(written_since(&theirs, "system/pelican-leader-a", &v("10"), Some(&v("10"))), None);
+        // Its own write arrived: its own name.
+        let ours = written_by("system/pelican-leader-a");
+        assert_eq!(written_since(&ours, "system/pelican-leader-a", &v("11"), Some(&v("10"))), None);
+        // Another version naming the other install: written since.
+        assert_eq!(
+            written_since(&theirs, "system/pelican-leader-a", &v("12"), Some(&v("11"))),
+            Some("system/pelican-leader")
+        );
+        // A status an install removed since: nothing to say.
+        let removed = ConsumerGroupPolicyStatus::default();
+        assert_eq!(written_since(&removed, "system/pelican-leader-a", &v("13"), Some(&v("11"))), None);
+    }
 }
