@@ -17,6 +17,8 @@
 //! With `OTEL_EXPORTER_OTLP_ENDPOINT` set, the SDK's spans go to it over OTLP (HTTP/protobuf, the standard
 //! `OTEL_EXPORTER_OTLP_*` variables), the service named by `OTEL_SERVICE_NAME` (`pelican-conformance-rust` by
 //! default); whatever way the program ends, the spans still queued are exported first (for at most 5 s).
+//! With `METRICS_PORT` set (a worker of a stream), the worker's Prometheus metrics (`pelican::worker::metrics`) are
+//! served at `http://127.0.0.1:<port>/metrics`.
 
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -123,10 +125,32 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     let config = WorkerConfig { shutdown_grace: grace, ..WorkerConfig::new(var("STREAM")?, var("GROUP")?, &member) };
     let worker = Worker::connect_to(source, config).await?;
+    if let Ok(port) = std::env::var("METRICS_PORT") {
+        serve_metrics(&worker, port.parse()?).await?;
+    }
     if let Err(stopped) = worker.run(handler, shutdown).await {
         eprintln!("{stopped}");
         exit(4);
     }
+    Ok(())
+}
+
+/// Serves `worker`'s metrics, as an application would: its collector in a registry, encoded at each scrape.
+async fn serve_metrics(worker: &Worker, port: u16) -> std::io::Result<()> {
+    let mut registry = prometheus_client::registry::Registry::default();
+    pelican::worker::metrics::register(&mut registry, worker);
+    let registry = std::sync::Arc::new(registry);
+    let scrape = move || {
+        let registry = registry.clone();
+        async move {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &registry).expect("encoding to a String");
+            ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+        }
+    };
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let app = axum::Router::new().route("/metrics", axum::routing::get(scrape));
+    tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(())
 }
 

@@ -33,6 +33,7 @@ on_both_servers!(
     a_retry_handed_back_to_its_only_worker_is_run_again,
     a_failure_whose_lease_reply_came_late_is_not_run_again,
     outcomes_the_server_refused_are_left_to_the_pass,
+    the_stats_are_one_metrics_schema_in_every_library,
 );
 
 /// The fault scenarios on Redis 7.0, the server whose AOF load made dead consumers look live (issue 65.12). They found
@@ -261,6 +262,66 @@ fn retry_outcomes_are_retried_at_once_and_counted(flavor: Flavor) {
         let retries = worker.runs().iter().filter(|r| r.outcome == "retry").count();
         assert_eq!(retries, 2);
     });
+}
+
+/// Contract "Stats": every library's Prometheus metrics, as its adapter exports them in its ecosystem's client, under
+/// one schema: `pelican_worker_messages_total{stream, group, outcome}` for the five outcomes and
+/// `pelican_worker_in_flight{stream, group}`, no other labels, the values the handler runs say. `minIdle: 1h`: the
+/// failed message stays pending; the retried one comes back by its give-back and is dead-lettered at its second run.
+fn the_stats_are_one_metrics_schema_in_every_library(flavor: Flavor) {
+    for_every_library(flavor, "conf-metrics", spec("1h", 2, "Requeue"), |lane| {
+        let mut conn = lane.conn();
+        for handle in ["done", "done", "terminal:Gone", "fail", "retry"] {
+            lane.publish(&mut conn, handle, 0);
+        }
+        lane.publish(&mut conn, "done", 120_000);
+        let port = free_port();
+        let port_text = port.to_string();
+        let worker =
+            Running::start_with(&lane.library, &lane.url, &lane.stream, "w1", 20_000, &[("METRICS_PORT", &port_text)]);
+        wait_for("the retried message dead-lettered", Duration::from_secs(40), || {
+            match lane.dead_letters(&mut conn).len() {
+                1 => Ok(()),
+                n => Err(format!("{n} dead letters, runs {:?}", worker.runs())),
+            }
+        });
+        let labels = |outcome: Option<&str>| {
+            let mut labels =
+                BTreeMap::from([("group".to_string(), GROUP.to_string()), ("stream".to_string(), lane.stream.clone())]);
+            if let Some(outcome) = outcome {
+                labels.insert("outcome".to_string(), outcome.to_string());
+            }
+            labels
+        };
+        let mut expected: BTreeMap<(String, BTreeMap<String, String>), f64> =
+            [("done", 2.0), ("terminal", 1.0), ("failed", 1.0), ("retried", 2.0), ("abandoned", 0.0)]
+                .into_iter()
+                .map(|(outcome, n)| (("pelican_worker_messages_total".to_string(), labels(Some(outcome))), n))
+                .collect();
+        expected.insert(("pelican_worker_in_flight".to_string(), labels(None)), 1.0);
+        // The outcomes are counted when they are written, a moment after the run lines.
+        wait_for("the metrics to say what the runs did", Duration::from_secs(10), || {
+            let (status, text) = Operator::http_get(port, "/metrics");
+            let seen: BTreeMap<_, _> =
+                samples(&text).into_iter().filter(|((name, _), _)| name.starts_with("pelican_worker_")).collect();
+            if status == 200 && seen == expected { Ok(()) } else { Err(format!("HTTP {status}: {seen:?}\n{text}")) }
+        });
+    });
+}
+
+/// The samples of a Prometheus (or OpenMetrics) text exposition: (name, labels) -> value; comments left out.
+fn samples(text: &str) -> BTreeMap<(String, BTreeMap<String, String>), f64> {
+    let sample = regex::Regex::new(r#"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)"#).unwrap();
+    let label = regex::Regex::new(r#"([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)""#).unwrap();
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| sample.captures(line))
+        .map(|c| {
+            let labels = c.get(2).map_or("", |m| m.as_str());
+            let labels = label.captures_iter(labels).map(|l| (l[1].to_string(), l[2].to_string())).collect();
+            ((c[1].to_string(), labels), c[3].parse().unwrap_or(f64::NAN))
+        })
+        .collect()
 }
 
 /// `minIdle: 1h`: only the give-back can hand the messages on within the test. The first worker's grace (0.5 s) cuts

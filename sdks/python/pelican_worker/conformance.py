@@ -22,6 +22,10 @@ With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set (and the extra ``conformance`` installe
 OTLP (HTTP/protobuf, the standard ``OTEL_EXPORTER_OTLP_*`` variables), the service named by ``OTEL_SERVICE_NAME``
 (``pelican-conformance-python`` by default); whichever way the program ends, the spans still queued are exported
 first (for at most 5 s).
+
+With ``METRICS_PORT`` set (a worker of a stream; the extra ``conformance`` installed), the worker's metrics
+(:mod:`pelican_worker.prometheus`, in a ``prometheus_client`` registry of its own) are served at
+``http://127.0.0.1:<port>/metrics``.
 """
 
 from __future__ import annotations
@@ -205,6 +209,18 @@ async def run_topic(url: RedisSource, topic: str, grace: float) -> None:
     await run_until_signal(worker, handler_for(worker.member, topic=True))
 
 
+def serve_metrics(worker: Worker, port: int) -> None:
+    """Serves ``worker``'s metrics as an application would: its collector in a registry, read at each scrape (a
+    daemon thread of ``prometheus_client``)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from pelican_worker.prometheus import register
+
+    registry = CollectorRegistry()
+    register(worker, registry)
+    start_http_server(port, addr="127.0.0.1", registry=registry)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     export_traces()
@@ -236,6 +252,9 @@ def run() -> None:
         os.environ.get("CONSUMER") or None,
         shutdown_grace=grace,
     )
+    metrics_port = os.environ.get("METRICS_PORT")
+    if metrics_port:
+        serve_metrics(worker, int(metrics_port))
     try:
         asyncio.run(run_until_signal(worker, handler_for(worker.consumer)))
     except ContractVersionError:

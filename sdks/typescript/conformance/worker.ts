@@ -19,8 +19,12 @@
  *
  * With `OTEL_EXPORTER_OTLP_ENDPOINT` set, the library's spans go to it over OTLP (`traces.ts`); whichever way the
  * program ends, the spans still queued are exported first (for at most 5 s).
+ *
+ * With `METRICS_PORT` set (a worker of a stream), the worker's metrics (`@pelican-io/worker/prom-client`, in a
+ * prom-client registry of its own) are served at `http://127.0.0.1:<port>/metrics`.
  */
 import { writeSync } from "node:fs";
+import { createServer } from "node:http";
 import { setTimeout as sleep } from "node:timers/promises";
 
 import {
@@ -172,9 +176,32 @@ async function runTopic(topic: string): Promise<void> {
   });
 }
 
+/** Serves `worker`'s metrics as an application would: the adapter in a registry, read at each scrape. */
+async function serveMetrics(worker: Worker, port: number): Promise<void> {
+  const client = await import("prom-client");
+  const { registerWorkerMetrics } = await import("../src/metrics.js");
+  const registry = new client.Registry();
+  registerWorkerMetrics(client, [worker], { registry });
+  const server = createServer((request, response) => {
+    if (request.url !== "/metrics") {
+      response.writeHead(404).end();
+      return;
+    }
+    registry.metrics().then(
+      (text) => response.writeHead(200, { "content-type": registry.contentType }).end(text),
+      (error: unknown) => response.writeHead(500).end(String(error)),
+    );
+  });
+  await new Promise<void>((listening) => server.listen(port, "127.0.0.1", listening));
+  // The server never keeps the process alive: the worker's shutdown ends it.
+  server.unref();
+}
+
 async function runStream(stream: string): Promise<void> {
   const worker = new Worker({ ...common, stream });
   worker.installSignalHandlers();
+  const metricsPort = process.env["METRICS_PORT"];
+  if (metricsPort) await serveMetrics(worker, Number(metricsPort));
   await worker.run((message) =>
     obey(message, (outcome, ms) => line({ id: message.id, consumer: worker.consumer, outcome, ms })),
   );

@@ -23,6 +23,9 @@
 // default); whichever way the program ends, the spans still queued are exported first (for at most 5 s). The program
 // is a module of its own, so that the exporter and what it brings (gRPC, protobuf) are never requirements of the
 // library's users.
+//
+// With METRICS_PORT set (a worker of a stream), the worker's metrics (package metrics, in a Prometheus registry of
+// its own) are served at http://127.0.0.1:<port>/metrics.
 package main
 
 import (
@@ -31,6 +34,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"strconv"
@@ -40,6 +45,9 @@ import (
 	"time"
 
 	pelican "github.com/pelican-io/pelican/sdks/go"
+	"github.com/pelican-io/pelican/sdks/go/metrics"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -200,8 +208,29 @@ func serve() error {
 	if err != nil {
 		return err
 	}
+	if port := os.Getenv("METRICS_PORT"); port != "" {
+		if err := serveMetrics(worker, port); err != nil {
+			return err
+		}
+	}
 	_, err = worker.Run(ctx, handler(reporter{consumer: worker.Consumer()}))
 	return err
+}
+
+// serveMetrics serves worker's metrics as an application would: its collector in a registry, read at each scrape.
+func serveMetrics(worker *pelican.Worker, port string) error {
+	registry := prometheus.NewRegistry()
+	if err := registry.Register(metrics.NewCollector(worker)); err != nil {
+		return err
+	}
+	listener, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", port))
+	if err != nil {
+		return err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{}))
+	go func() { _ = http.Serve(listener, mux) }()
+	return nil
 }
 
 // serveTopic runs the library's TopicWorker as a member of topic's group.

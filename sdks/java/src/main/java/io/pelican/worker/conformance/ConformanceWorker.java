@@ -19,7 +19,9 @@ import io.pelican.worker.SettingsException;
 import io.pelican.worker.TopicContractException;
 import io.pelican.worker.TopicWorker;
 import io.pelican.worker.Worker;
+import java.io.IOException;
 import java.io.PrintStream;
+import java.io.UncheckedIOException;
 import java.time.Duration;
 import java.util.Map;
 
@@ -54,6 +56,9 @@ import java.util.Map;
  *
  * <p>With {@code OTEL_EXPORTER_OTLP_ENDPOINT} set, the library's spans go to it over OTLP ({@link ConformanceTraces});
  * whichever way the program ends, the spans still queued are exported first (for at most 5 s).
+ *
+ * <p>With {@code METRICS_PORT} set (a worker of a stream), the worker's metrics are served at
+ * {@code http://127.0.0.1:<port>/metrics} ({@link ConformanceMetrics}).
  */
 public final class ConformanceWorker {
     private static final PrintStream OUT = System.out;
@@ -113,6 +118,14 @@ public final class ConformanceWorker {
                     .build();
             worker = plain;
             run = plain::run;
+            String metricsPort = System.getenv("METRICS_PORT");
+            if (metricsPort != null && !metricsPort.isEmpty()) {
+                try {
+                    ConformanceMetrics.serve(plain, Integer.parseInt(metricsPort));
+                } catch (IOException e) {
+                    throw new UncheckedIOException(e);
+                }
+            }
         }
         // Registered before start(): a SIGTERM while starting still ends in a complete shutdown. halt(0), because a
         // JVM ended by a signal exits 143 once its hooks have run.
