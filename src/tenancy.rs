@@ -216,6 +216,7 @@ mod tests {
                 password_secret_ref: None,
                 tls: None,
                 tenants,
+                drain_pause: None,
             },
         );
         server.metadata.namespace = Some("platform".into());

@@ -68,6 +68,15 @@ pub struct RedisServerSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 256))]
     pub tenants: Vec<Tenant>,
+    /// The drain's pace on this server (a Redis other applications share): after a pass that ended before the end of
+    /// its PEL (a backlog draining, after an outage), the server's pass permit rests this long before the next pass
+    /// may have it, so passes take at most 100 ms / (100 ms + pause) of each of its two permits (`400ms`: a fifth).
+    /// For every policy using this server, in place of the install's `--drain-pause` (chart `drainPause`); `0s`: the
+    /// next pass follows at once. At most `1m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('1m')").message("spec.drainPause must be at most 1m: a pass waits that long for its turn"))]
+    pub drain_pause: Option<String>,
 }
 
 /// Namespaces (by name, by label, or both) and the keys their policies may touch.
@@ -179,5 +188,10 @@ impl RedisServerSpec {
             password_secret_ref: self.password_secret_ref.clone(),
             tls: self.tls.clone(),
         }
+    }
+
+    /// `drainPause`, when set (the schema admits only durations; one unreadable counts as unset).
+    pub fn drain_pause(&self) -> Option<std::time::Duration> {
+        self.drain_pause.as_deref().and_then(|text| super::duration::parse_duration(text).ok())
     }
 }

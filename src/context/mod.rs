@@ -111,6 +111,8 @@ pub struct Resolved {
     pub server: Option<String>,
     /// The keys the server admits for the policy's namespace (none for an inline connection: every key).
     pub keys: Option<KeyRules>,
+    /// The server's `drainPause` (none: the install's `--drain-pause`).
+    pub drain_pause: Option<Duration>,
 }
 
 impl Shared {
@@ -172,10 +174,11 @@ impl Shared {
         let Some((server, keys)) = self.admit(policy).await? else {
             let namespace = policy.namespace().unwrap_or_default();
             let target = resolve::target(&policy.spec.redis, &namespace, &self.client, &self.secrets).await?;
-            return Ok(Resolved { target, server: None, keys: None });
+            return Ok(Resolved { target, server: None, keys: None, drain_pause: None });
         };
         let target = self.server_target(&server).await?;
-        Ok(Resolved { target, server: Some(tenancy::server_name(&server)), keys: Some(keys) })
+        let drain_pause = server.spec.drain_pause();
+        Ok(Resolved { target, server: Some(tenancy::server_name(&server)), keys: Some(keys), drain_pause })
     }
 
     /// The tenancy checks of [`Shared::resolve`], which read no Secret: `None` for an inline policy that may connect

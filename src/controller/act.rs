@@ -143,6 +143,7 @@ pub async fn converge(
     policy: &ConsumerGroupPolicy,
     host: &impl Host,
     target: &Target,
+    drain_pause: Option<Duration>,
     schedule: &Schedule,
     others: &[Arc<ConsumerGroupPolicy>],
 ) -> Result<Observation> {
@@ -217,6 +218,7 @@ pub async fn converge(
         work: jobs.work.clone(),
         acked_trim: features.has("XTRIM ACKED"),
         pods: pods_of(policy, host)?,
+        drain_pause,
     };
     // Each partition's facts, for what is decided per partition (the bound, the idempotence window).
     let mut each_partition = Vec::new();
@@ -373,6 +375,7 @@ struct Converging<'a, H> {
     work: Option<plan::Work>,
     acked_trim: bool,
     pods: Option<PodsOf>,
+    drain_pause: Option<Duration>,
 }
 
 /// What converging one stream found there.
@@ -421,6 +424,7 @@ impl<H: Host> Converging<'_, H> {
                 object: policy.object_ref(&()),
                 sentinel_source: self.original.sentinel.is_some().then(|| self.original.clone()),
                 pods: self.pods.clone(),
+                drain_pause: self.drain_pause,
             };
             host.runner().run(&task, job);
         }

@@ -569,8 +569,8 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
     let others = ctx.shared.admitted(ctx.neighbours.of(policy, &ctx.shared.policies)).await;
     let schedule = Schedule::from_spec(&policy.spec);
     let result = async {
-        let target = ctx.shared.target(policy).await?;
-        validate_and_converge(policy, ctx, &target, &others).await
+        let resolved = ctx.shared.resolve(policy).await?;
+        validate_and_converge(policy, ctx, &resolved.target, resolved.drain_pause, &others).await
     }
     .await;
     if let Err(Error::Deferred(_)) = result {
@@ -611,15 +611,17 @@ async fn apply(policy: &ConsumerGroupPolicy, ctx: &Context) -> Result<Action> {
 
 /// Phases 2 and 3 once the policy's server is resolved: validate the policy against the `others` it shares servers
 /// with, then converge Redis on it (the group, the worker settings, the jobs handed to the runner, the probe). The
-/// reconcile runs them, and so does `pelican local`, which has no cluster.
+/// reconcile runs them, and so does `pelican local`, which has no cluster. `drain_pause`: the server's own (its
+/// `RedisServer`'s `drainPause`), in place of the install's.
 pub async fn validate_and_converge(
     policy: &ConsumerGroupPolicy,
     host: &impl Host,
     target: &Target,
+    drain_pause: Option<Duration>,
     others: &[Arc<ConsumerGroupPolicy>],
 ) -> Result<Observation> {
     let schedule = validate::validate(policy, others, target.cluster)?;
-    let seen = act::converge(policy, host, target, &schedule, others).await;
+    let seen = act::converge(policy, host, target, drain_pause, &schedule, others).await;
     if let Err(e) = &seen {
         // A command that found the server gone: its other policies wait for one probe.
         host.pools().saw(target, e);

@@ -91,7 +91,7 @@ pub async fn run(options: Options, stop: impl Future<Output = ()>) -> anyhow::Re
             if *converge_at > now {
                 continue;
             }
-            match validate_and_converge(policy, &host, &targets[i], &policies).await {
+            match validate_and_converge(policy, &host, &targets[i], None, &policies).await {
                 Ok(seen) => {
                     if !std::mem::replace(converged, true) {
                         line(&policy_id(policy), &format!("running on {}", targets[i].server()));

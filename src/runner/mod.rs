@@ -11,7 +11,7 @@
 //!   between the passes of its small neighbours instead of before all of them. A pass ends at `maxPerPass`
 //!   entries or after [`PASS_SLICE`], whichever comes first (the rest of the sweep follows at once, behind
 //!   whoever waits), so no one holds a permit longer than that.
-//! - **Drain pause.** With `--drain-pause` (0 by default), a pass that ended before the end of its PEL (a backlog
+//! - **Drain pause.** With `--drain-pause` (0 by default; a `RedisServer`'s `drainPause` for its policies), a pass that ended before the end of its PEL (a backlog
 //!   draining, after an outage) keeps its permit that long before letting the next pass of the server have it: the
 //!   passes then take at most `PASS_SLICE / (PASS_SLICE + pause)` of each permit's time, whatever the policies.
 //! - **Leadership.** No pass starts, and a running pass stops between two script calls, once this replica may no
@@ -100,6 +100,8 @@ pub struct Job {
     pub sentinel_source: Option<Target>,
     /// `spec.consumers.pods`.
     pub pods: Option<PodsOf>,
+    /// The server's `drainPause`; `None`: the install's `--drain-pause`.
+    pub drain_pause: Option<Duration>,
 }
 
 /// Where a policy's consumers run (`spec.consumers.pods`): the Pods of `namespace` that `selector` matches, as the
@@ -458,10 +460,12 @@ impl PolicyTask {
                 let trimmed = Box::pin(self.trim(&job, min_age)).await;
                 self.outcome(JobKind::Retention, &trimmed);
             }
-            // A backlog draining: the server's permit rests before the next pass may have it (`--drain-pause`).
+            // A backlog draining: the server's permit rests before the next pass may have it (its `drainPause`, or
+            // the install's `--drain-pause`).
             let draining = result.as_ref().is_ok_and(|report| !cursor.at_start() && !report.interrupted);
-            if draining && !self.drain_pause.is_zero() {
-                tokio::time::sleep(self.drain_pause).await;
+            let pause = job.drain_pause.unwrap_or(self.drain_pause);
+            if draining && !pause.is_zero() {
+                tokio::time::sleep(pause).await;
             }
             drop(permit);
             match result {
