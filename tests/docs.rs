@@ -79,6 +79,28 @@ fn every_reason_in_the_code_is_documented_and_every_documented_one_is_in_the_cod
     assert!(gone.is_empty(), "{} documents what the code does not have: {gone:?}", page_path.display());
 }
 
+/// Every instruction to build the book for serving runs `hack/book-files` after `mdbook build docs`: without it the
+/// pages' links to repository files (`../../examples/...`) lead out of the site wherever it is served on its own
+/// (installing.md told teams to host the runbooks built by `mdbook build docs` alone).
+#[test]
+fn every_book_build_copies_the_repository_files_it_links() {
+    let root = Path::new(ROOT);
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(["README.md", "charts/pelican/README.md", "charts/pelican/values.yaml"].map(|p| root.join(p)));
+    let mut alone = vec![];
+    for page in &pages {
+        let text = read(page).replace("\n  # ", " ").replace('\n', " ");
+        for (at, _) in text.match_indices("mdbook build docs") {
+            let after = text[at + "mdbook build docs".len()..].trim_start_matches(['`', ' ']);
+            if !after.starts_with("&& hack/book-files") && !after.starts_with("alone") {
+                let context: String = text[at..].chars().take(60).collect();
+                alone.push(format!("{}: {context}", page.strip_prefix(root).unwrap().display()));
+            }
+        }
+    }
+    assert!(alone.is_empty(), "`mdbook build docs` without `&& hack/book-files target/book`:\n{}", alone.join("\n"));
+}
+
 /// Compares a generated page with what it should hold now; rewrites it under `PELICAN_WRITE_DOCS=1`.
 fn generated(page: &str, expected: String) {
     let path = Path::new(ROOT).join(page);
