@@ -101,6 +101,34 @@ fn every_book_build_copies_the_repository_files_it_links() {
     assert!(alone.is_empty(), "`mdbook build docs` without `&& hack/book-files target/book`:\n{}", alone.join("\n"));
 }
 
+/// A list given to `helm --set` (`key={a,b}`) is quoted: unquoted, the shell's brace expansion turns
+/// `--set rbac.secretNamespaces={a,b}` into `--set rbac.secretNamespaces=a rbac.secretNamespaces=b`, and Helm takes
+/// the second word for a chart (troubleshooting.md and installing.md gave it so).
+#[test]
+fn helm_set_lists_are_quoted() {
+    let root = Path::new(ROOT);
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(["README.md", "charts/pelican/README.md", "charts/pelican/values.yaml"].map(|p| root.join(p)));
+    let unquoted = Regex::new(r"--set(?:-string)? [\w.\[\]-]+=\{").unwrap();
+    let found: Vec<String> = pages
+        .iter()
+        .flat_map(|page| {
+            let name = page.strip_prefix(root).unwrap().display().to_string();
+            read(page)
+                .lines()
+                .enumerate()
+                .filter(|(_, line)| unquoted.is_match(line))
+                .map(|(n, line)| format!("{name}:{}: {}", n + 1, line.trim()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "`--set key={{...}}` without quotes (write `--set 'key={{a,b}}'`):\n{}",
+        found.join("\n")
+    );
+}
+
 /// Compares a generated page with what it should hold now; rewrites it under `PELICAN_WRITE_DOCS=1`.
 fn generated(page: &str, expected: String) {
     let path = Path::new(ROOT).join(page);
