@@ -129,6 +129,57 @@ fn helm_set_lists_are_quoted() {
     );
 }
 
+/// Every `$ kubectl get <resource>` sample of the README and the book prints the columns the CRD declares, in its
+/// order (`-o wide`: all, else those of priority 0; `-A`: NAMESPACE first): the README's `kubectl get cgp -o wide`
+/// had no PARTITIONS column after topics added one.
+#[test]
+fn kubectl_get_samples_show_the_crds_printer_columns() {
+    let root = Path::new(ROOT);
+    let mut columns = std::collections::HashMap::new();
+    for file in files_below(&root.join("crds"), ".yaml") {
+        let crd: serde_json::Value = serde_yaml::from_str(&read(&file)).unwrap();
+        let names = &crd["spec"]["names"];
+        let printed: Vec<(String, i64)> = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| (c["name"].as_str().unwrap().to_uppercase(), c["priority"].as_i64().unwrap_or(0)))
+            .collect();
+        let mut known = vec![names["plural"].as_str().unwrap(), names["singular"].as_str().unwrap()];
+        known.extend(names["shortNames"].as_array().into_iter().flatten().filter_map(|n| n.as_str()));
+        for name in known {
+            columns.insert(name.to_string(), printed.clone());
+        }
+    }
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.push(root.join("README.md"));
+    let mut checked = 0;
+    let mut wrong = vec![];
+    for page in &pages {
+        let text = read(page);
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, pair) in lines.windows(2).enumerate() {
+            let Some(command) = pair[0].trim_start().strip_prefix("$ kubectl get ") else { continue };
+            let words: Vec<&str> = command.split_whitespace().collect();
+            let Some(printed) = columns.get(words[0]) else { continue };
+            let wide = command.contains("-o wide");
+            let mut expected: Vec<String> = vec!["NAME".into()];
+            if words.contains(&"-A") || words.contains(&"--all-namespaces") {
+                expected.insert(0, "NAMESPACE".into());
+            }
+            expected.extend(printed.iter().filter(|(_, p)| wide || *p == 0).map(|(c, _)| c.clone()));
+            let header: Vec<String> = pair[1].split_whitespace().map(str::to_string).collect();
+            checked += 1;
+            if header != expected {
+                let page = page.strip_prefix(root).unwrap().display();
+                wrong.push(format!("{page}:{}: `{}` prints {expected:?}, the page shows {header:?}", n + 2, pair[0]));
+            }
+        }
+    }
+    assert!(checked >= 4, "only {checked} `$ kubectl get` samples found: did the pages' shape change?");
+    assert!(wrong.is_empty(), "samples whose columns are not the CRD's:\n{}", wrong.join("\n"));
+}
+
 /// Compares a generated page with what it should hold now; rewrites it under `PELICAN_WRITE_DOCS=1`.
 fn generated(page: &str, expected: String) {
     let path = Path::new(ROOT).join(page);
