@@ -180,6 +180,51 @@ fn kubectl_get_samples_show_the_crds_printer_columns() {
     assert!(wrong.is_empty(), "samples whose columns are not the CRD's:\n{}", wrong.join("\n"));
 }
 
+/// Names Kubernetes itself writes, which the book quotes but no file of the repository has.
+const KUBERNETES_NAMES: [&str; 4] = ["ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "ExternalName"];
+
+/// Every name the book writes as a reason would be (`CamelCase` in backquotes: a condition or Event reason, a dead
+/// letter's `pelican-reason`, a metric's `result`, a type) is in the repository's code, scripts, chart or tests: a
+/// page that names a reason nothing writes sends a reader to wait for it (monitoring.md named a redrive failing
+/// with `NamespaceNotAllowed`, telemetry.md a dead letter's `MaxHandlingExceeded`; neither was ever written).
+#[test]
+fn every_reason_like_name_in_the_book_is_in_the_repository() {
+    let root = Path::new(ROOT);
+    let mut files = vec![];
+    for (dir, suffixes) in [
+        ("src", &[".rs", ".lua"][..]),
+        ("contract", &[".lua", ".json"]),
+        ("tests", &[".rs", ".py", ".ts"]),
+        ("charts/pelican", &[".yaml", ".json", ".tpl", ".txt"]),
+        ("gitops", &[".lua", ".yaml"]),
+        ("examples", &[".yaml", ".rs", ".acl"]),
+        ("sdks", &[".ts", ".py", ".go", ".java", ".lua"]),
+    ] {
+        for suffix in suffixes {
+            files.extend(files_below(&root.join(dir), suffix).into_iter().filter(|f| {
+                let name = f.to_string_lossy();
+                // This file names the wrong reasons it was written against.
+                !name.contains("/node_modules/") && !name.contains("/target/") && !name.ends_with("tests/docs.rs")
+            }));
+        }
+    }
+    let code: String = files.iter().map(|f| read(f)).collect::<Vec<_>>().join("\n");
+    let words: BTreeSet<&str> = Regex::new(r"\w+").unwrap().find_iter(&code).map(|m| m.as_str()).collect();
+    assert!(words.contains("MaxDeliveriesExceeded") && words.contains("ReconcileTimeout"), "the code was not read");
+    let name = Regex::new(r"`([A-Z][a-z]+(?:[A-Z][a-z0-9]+)+)`").unwrap();
+    let mut unknown = vec![];
+    for page in files_below(&root.join("docs/src"), ".md") {
+        for (n, line) in read(&page).lines().enumerate() {
+            for c in name.captures_iter(line) {
+                if !words.contains(&c[1]) && !KUBERNETES_NAMES.contains(&&c[1]) {
+                    unknown.push(format!("{}:{}: {}", page.strip_prefix(root).unwrap().display(), n + 1, &c[1]));
+                }
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "names the book gives that nothing in the repository has:\n{}", unknown.join("\n"));
+}
+
 /// Compares a generated page with what it should hold now; rewrites it under `PELICAN_WRITE_DOCS=1`.
 fn generated(page: &str, expected: String) {
     let path = Path::new(ROOT).join(page);
