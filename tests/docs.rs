@@ -277,6 +277,10 @@ fn the_command_reference_is_what_clap_prints() {
             page += &format!("\n## `{name} {command}`\n\n```text\n{}```\n", help(binary, &[&command]));
         }
     }
+    // clap prints a doc comment as it is: a rustdoc link (`[`ESSENTIAL`]`) names nothing a user can look up.
+    let rustdoc_links: Vec<&str> =
+        Regex::new(r"\[`[^`\]]+`\]").unwrap().find_iter(&page).map(|m| m.as_str()).collect();
+    assert!(rustdoc_links.is_empty(), "rustdoc links in the commands' --help: {rustdoc_links:?}");
     generated("docs/src/reference/commands.md", page);
 }
 
