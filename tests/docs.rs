@@ -130,8 +130,9 @@ fn helm_set_lists_are_quoted() {
 }
 
 /// Every `$ kubectl get <resource>` sample of the README and the book prints the columns the CRD declares, in its
-/// order (`-o wide`: all, else those of priority 0; `-A`: NAMESPACE first): the README's `kubectl get cgp -o wide`
-/// had no PARTITIONS column after topics added one.
+/// order (`-o wide`: all, else those of priority 0; `-A`: NAMESPACE first), and a `kubectl get` whose comment names
+/// columns shows them: the README's `kubectl get cgp -o wide` had no PARTITIONS column after topics added one, and a
+/// runbook read REASON off `kubectl get redisservers -A`, which prints it only with `-o wide`.
 #[test]
 fn kubectl_get_samples_show_the_crds_printer_columns() {
     let root = Path::new(ROOT);
@@ -153,31 +154,50 @@ fn kubectl_get_samples_show_the_crds_printer_columns() {
     }
     let mut pages = files_below(&root.join("docs/src"), ".md");
     pages.push(root.join("README.md"));
-    let mut checked = 0;
+    let column_word = Regex::new(r"\b[A-Z][A-Z-]*[A-Z]\b").unwrap();
+    let (mut samples, mut comments) = (0, 0);
     let mut wrong = vec![];
     for page in &pages {
         let text = read(page);
         let lines: Vec<&str> = text.lines().collect();
-        for (n, pair) in lines.windows(2).enumerate() {
-            let Some(command) = pair[0].trim_start().strip_prefix("$ kubectl get ") else { continue };
+        for (n, line) in lines.iter().enumerate() {
+            let Some(at) = line.find("kubectl get ") else { continue };
+            let rest = &line[at + "kubectl get ".len()..];
+            let (command, comment) = rest.split_once('#').unwrap_or((rest, ""));
             let words: Vec<&str> = command.split_whitespace().collect();
-            let Some(printed) = columns.get(words[0]) else { continue };
+            let Some(printed) = words.first().and_then(|kind| columns.get(*kind)) else { continue };
             let wide = command.contains("-o wide");
-            let mut expected: Vec<String> = vec!["NAME".into()];
+            let mut shown: Vec<String> = vec!["NAME".into()];
             if words.contains(&"-A") || words.contains(&"--all-namespaces") {
-                expected.insert(0, "NAMESPACE".into());
+                shown.insert(0, "NAMESPACE".into());
             }
-            expected.extend(printed.iter().filter(|(_, p)| wide || *p == 0).map(|(c, _)| c.clone()));
-            let header: Vec<String> = pair[1].split_whitespace().map(str::to_string).collect();
-            checked += 1;
-            if header != expected {
-                let page = page.strip_prefix(root).unwrap().display();
-                wrong.push(format!("{page}:{}: `{}` prints {expected:?}, the page shows {header:?}", n + 2, pair[0]));
+            shown.extend(printed.iter().filter(|(_, p)| wide || *p == 0).map(|(c, _)| c.clone()));
+            let place = format!("{}:{}", page.strip_prefix(root).unwrap().display(), n + 1);
+            if line.trim_start().starts_with("$ kubectl get ") {
+                samples += 1;
+                let header: Vec<String> =
+                    lines.get(n + 1).unwrap_or(&"").split_whitespace().map(str::to_string).collect();
+                if header != shown {
+                    wrong.push(format!("{place}: `{}` prints {shown:?}, the page shows {header:?}", line.trim()));
+                }
+            }
+            for word in column_word.find_iter(comment).map(|m| m.as_str()) {
+                comments += 1;
+                if printed.iter().any(|(c, _)| c == word) && !shown.iter().any(|c| c == word) {
+                    wrong.push(format!("{place}: `{}` does not print {word} (only {shown:?})", line.trim()));
+                }
             }
         }
     }
-    assert!(checked >= 4, "only {checked} `$ kubectl get` samples found: did the pages' shape change?");
-    assert!(wrong.is_empty(), "samples whose columns are not the CRD's:\n{}", wrong.join("\n"));
+    assert!(
+        samples >= 4 && comments >= 5,
+        "only {samples} samples and {comments} column names found: did the pages' shape change?"
+    );
+    assert!(
+        wrong.is_empty(),
+        "`kubectl get` samples and comments whose columns are not what it prints:\n{}",
+        wrong.join("\n")
+    );
 }
 
 /// Names Kubernetes itself writes, which the book quotes but no file of the repository has.
@@ -278,8 +298,7 @@ fn the_command_reference_is_what_clap_prints() {
         }
     }
     // clap prints a doc comment as it is: a rustdoc link (`[`ESSENTIAL`]`) names nothing a user can look up.
-    let rustdoc_links: Vec<&str> =
-        Regex::new(r"\[`[^`\]]+`\]").unwrap().find_iter(&page).map(|m| m.as_str()).collect();
+    let rustdoc_links: Vec<&str> = Regex::new(r"\[`[^`\]]+`\]").unwrap().find_iter(&page).map(|m| m.as_str()).collect();
     assert!(rustdoc_links.is_empty(), "rustdoc links in the commands' --help: {rustdoc_links:?}");
     generated("docs/src/reference/commands.md", page);
 }
