@@ -674,6 +674,37 @@ fn labels_in_queries_are_labels_the_code_writes() {
     assert!(unknown.is_empty(), "queries on labels no Pelican metric has:\n{}", unknown.join("\n"));
 }
 
+/// Every Pelican metric the book, the chart's alerts and its dashboard name is one the code (the operator's or the
+/// Rust worker's) registers, as Prometheus shows it (`_total` on counters, `_bucket`, `_sum`, `_count` on
+/// histograms): a renamed metric leaves an alert or a runbook query that finds nothing.
+#[test]
+fn metrics_the_docs_name_are_metrics_the_code_registers() {
+    let root = Path::new(ROOT);
+    let code: String = files_below(&root.join("src"), ".rs").iter().map(|f| read(f)).collect();
+    let registered: BTreeSet<String> =
+        Regex::new(r#""(pelican_[a-z_]+)""#).unwrap().captures_iter(&code).map(|c| c[1].to_string()).collect();
+    assert!(registered.contains("pelican_group_lag") && registered.contains("pelican_passes"), "{registered:?}");
+    let mut files = files_below(&root.join("docs/src"), ".md");
+    for suffix in [".yaml", ".json", ".tpl", ".txt"] {
+        files.extend(files_below(&root.join("charts/pelican"), suffix));
+    }
+    // `pelican_worker` is the Python library's package, not a metric.
+    let metric = Regex::new(r"\bpelican_[a-z_]*[a-z]\b").unwrap();
+    let mut unknown = BTreeSet::new();
+    for file in &files {
+        for found in metric.find_iter(&read(file)).map(|m| m.as_str()).filter(|m| *m != "pelican_worker") {
+            let base = ["_total", "_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| found.strip_suffix(suffix))
+                .unwrap_or(found);
+            if !registered.contains(found) && !registered.contains(base) {
+                unknown.insert(format!("{}: {found}", file.strip_prefix(root).unwrap().display()));
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "metrics no code registers:\n{}", unknown.into_iter().collect::<Vec<_>>().join("\n"));
+}
+
 /// Every release in the changelog (`## <version>` and `## Unreleased`) says how to upgrade to it: a `### Upgrading`
 /// section (`### Upgrading from <version>`), which the installing page's upgrade how-to sends the reader to.
 #[test]
