@@ -101,6 +101,42 @@ fn every_book_build_copies_the_repository_files_it_links() {
     assert!(alone.is_empty(), "`mdbook build docs` without `&& hack/book-files target/book`:\n{}", alone.join("\n"));
 }
 
+/// Every instruction to wait for the operator works for a sharded release and before its Pods exist: a rollout is
+/// awaited by the release's label (`kubectl rollout status deploy -l app.kubernetes.io/instance=<release>`), never by
+/// the name `deploy/pelican`, which names none of a sharded release's Deployments (`<release>-<shard>`,
+/// `<release>-unlabelled`); and a `kubectl wait` on Pods by label waits only for their deletion: for a condition it
+/// fails at once with `no matching resources found` while the Deployment has not created them.
+#[test]
+fn waiting_for_the_operator_works_for_every_release_shape() {
+    let root = Path::new(ROOT);
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(
+        ["README.md", "charts/pelican/README.md", "charts/pelican/templates/NOTES.txt", "charts/pelican/values.yaml"]
+            .map(|p| root.join(p)),
+    );
+    let by_name = Regex::new(r"rollout status (?:deploy|deployment|deployments)/").unwrap();
+    let wait_on_pods = Regex::new(r"kubectl wait\b[^`\n]*\bpods?\b[^`\n]*").unwrap();
+    let mut wrong = vec![];
+    let mut waits = 0;
+    for page in &pages {
+        let name = page.strip_prefix(root).unwrap().display().to_string();
+        for (n, line) in read(page).lines().enumerate() {
+            if by_name.is_match(line) {
+                wrong.push(format!("{name}:{}: {}", n + 1, line.trim()));
+            }
+            for wait in wait_on_pods.find_iter(line).map(|m| m.as_str()) {
+                waits += 1;
+                // A line that says why such a wait fails is no instruction.
+                if !wait.contains("--for=delete") && !line.contains("fails") {
+                    wrong.push(format!("{name}:{}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(waits >= 1, "no kubectl wait on Pods found: did the pages' shape change?");
+    assert!(wrong.is_empty(), "waits that fail for a sharded release or before the Pods exist:\n{}", wrong.join("\n"));
+}
+
 /// A list given to `helm --set` (`key={a,b}`) is quoted: unquoted, the shell's brace expansion turns
 /// `--set rbac.secretNamespaces={a,b}` into `--set rbac.secretNamespaces=a rbac.secretNamespaces=b`, and Helm takes
 /// the second word for a chart (troubleshooting.md and installing.md gave it so).
