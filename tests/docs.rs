@@ -137,6 +137,33 @@ fn waiting_for_the_operator_works_for_every_release_shape() {
     assert!(wrong.is_empty(), "waits that fail for a sharded release or before the Pods exist:\n{}", wrong.join("\n"));
 }
 
+/// The pages count the CRDs `crds/` holds and the controllers `src/main.rs` starts as they are ("three CRDs" and
+/// "two controllers" outlived `GroupSeek`).
+#[test]
+fn counts_of_crds_and_controllers_are_the_codes() {
+    let root = Path::new(ROOT);
+    let crds = files_below(&root.join("crds"), ".yaml").len();
+    let controllers =
+        Regex::new(r"pelican::\w+::run\(shared").unwrap().find_iter(&read(&root.join("src/main.rs"))).count();
+    assert!(crds >= 4 && controllers >= 4, "{crds} CRDs, {controllers} controllers: did main.rs's shape change?");
+    let words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
+    let count = Regex::new(r"(?i)\b(one|two|three|four|five|six|seven|eight|nine)\s+(CRDs|controllers|resources of)\b")
+        .unwrap();
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(["README.md", "charts/pelican/README.md"].map(|p| root.join(p)));
+    let mut wrong = vec![];
+    for page in &pages {
+        for c in count.captures_iter(&read(page)) {
+            let said = words.iter().position(|w| w.eq_ignore_ascii_case(&c[1])).unwrap();
+            let is = if c[2].eq_ignore_ascii_case("controllers") { controllers } else { crds };
+            if said != is {
+                wrong.push(format!("{}: \"{}\" (there are {is})", page.strip_prefix(root).unwrap().display(), &c[0]));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "counts that are not the code's:\n{}", wrong.join("\n"));
+}
+
 /// A list given to `helm --set` (`key={a,b}`) is quoted: unquoted, the shell's brace expansion turns
 /// `--set rbac.secretNamespaces={a,b}` into `--set rbac.secretNamespaces=a rbac.secretNamespaces=b`, and Helm takes
 /// the second word for a chart (troubleshooting.md and installing.md gave it so).
