@@ -1,7 +1,9 @@
 //! `docs/` against the code: every condition and Event reason the code writes is documented (and nothing
 //! documented is gone from the code), the generated reference pages (`pelican` commands from clap, the chart's
 //! `values.yaml`) are current, every environment variable the code reads is documented, and every relative link of
-//! the README, the chart's README and the book resolves. No bed needed.
+//! the README, the chart's README and the book resolves. What the pages tell a user to run or read is checked too:
+//! metric names, reason-like names, counts of CRDs and controllers, `kubectl get` columns, waits that work for a
+//! sharded release, quoted `--set` lists, the book built with its repository files. No bed needed.
 //!
 //! A stale generated page is rewritten by `PELICAN_WRITE_DOCS=1 cargo test --test docs` (then review the diff).
 
