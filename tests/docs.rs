@@ -1,7 +1,9 @@
 //! `docs/` against the code: every condition and Event reason the code writes is documented (and nothing
 //! documented is gone from the code), the generated reference pages (`pelican` commands from clap, the chart's
 //! `values.yaml`) are current, every environment variable the code reads is documented, and every relative link of
-//! the README, the chart's README and the book resolves. No bed needed.
+//! the README, the chart's README and the book resolves. What the pages tell a user to run or read is checked too:
+//! metric names, reason-like names, counts of CRDs and controllers, `kubectl get` columns, waits that work for a
+//! sharded release, quoted `--set` lists, the book built with its repository files. No bed needed.
 //!
 //! A stale generated page is rewritten by `PELICAN_WRITE_DOCS=1 cargo test --test docs` (then review the diff).
 
@@ -79,6 +81,235 @@ fn every_reason_in_the_code_is_documented_and_every_documented_one_is_in_the_cod
     assert!(gone.is_empty(), "{} documents what the code does not have: {gone:?}", page_path.display());
 }
 
+/// Every instruction to build the book for serving runs `hack/book-files` after `mdbook build docs`: without it the
+/// pages' links to repository files (`../../examples/...`) lead out of the site wherever it is served on its own
+/// (installing.md told teams to host the runbooks built by `mdbook build docs` alone).
+#[test]
+fn every_book_build_copies_the_repository_files_it_links() {
+    let root = Path::new(ROOT);
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(["README.md", "charts/pelican/README.md", "charts/pelican/values.yaml"].map(|p| root.join(p)));
+    let mut alone = vec![];
+    for page in &pages {
+        let text = read(page).replace("\n  # ", " ").replace('\n', " ");
+        for (at, _) in text.match_indices("mdbook build docs") {
+            let after = text[at + "mdbook build docs".len()..].trim_start_matches(['`', ' ']);
+            if !after.starts_with("&& hack/book-files") && !after.starts_with("alone") {
+                let context: String = text[at..].chars().take(60).collect();
+                alone.push(format!("{}: {context}", page.strip_prefix(root).unwrap().display()));
+            }
+        }
+    }
+    assert!(alone.is_empty(), "`mdbook build docs` without `&& hack/book-files target/book`:\n{}", alone.join("\n"));
+}
+
+/// Every instruction to wait for the operator works for a sharded release and before its Pods exist: a rollout is
+/// awaited by the release's label (`kubectl rollout status deploy -l app.kubernetes.io/instance=<release>`), never by
+/// the name `deploy/pelican`, which names none of a sharded release's Deployments (`<release>-<shard>`,
+/// `<release>-unlabelled`); and a `kubectl wait` on Pods by label waits only for their deletion: for a condition it
+/// fails at once with `no matching resources found` while the Deployment has not created them.
+#[test]
+fn waiting_for_the_operator_works_for_every_release_shape() {
+    let root = Path::new(ROOT);
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(
+        ["README.md", "charts/pelican/README.md", "charts/pelican/templates/NOTES.txt", "charts/pelican/values.yaml"]
+            .map(|p| root.join(p)),
+    );
+    let by_name = Regex::new(r"rollout status (?:deploy|deployment|deployments)/").unwrap();
+    let wait_on_pods = Regex::new(r"kubectl wait\b[^`\n]*\bpods?\b[^`\n]*").unwrap();
+    let mut wrong = vec![];
+    let mut waits = 0;
+    for page in &pages {
+        let name = page.strip_prefix(root).unwrap().display().to_string();
+        for (n, line) in read(page).lines().enumerate() {
+            if by_name.is_match(line) {
+                wrong.push(format!("{name}:{}: {}", n + 1, line.trim()));
+            }
+            for wait in wait_on_pods.find_iter(line).map(|m| m.as_str()) {
+                waits += 1;
+                // A line that says why such a wait fails is no instruction.
+                if !wait.contains("--for=delete") && !line.contains("fails") {
+                    wrong.push(format!("{name}:{}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(waits >= 1, "no kubectl wait on Pods found: did the pages' shape change?");
+    assert!(wrong.is_empty(), "waits that fail for a sharded release or before the Pods exist:\n{}", wrong.join("\n"));
+}
+
+/// The pages count the CRDs `crds/` holds and the controllers `src/main.rs` starts as they are ("three CRDs" and
+/// "two controllers" outlived `GroupSeek`).
+#[test]
+fn counts_of_crds_and_controllers_are_the_codes() {
+    let root = Path::new(ROOT);
+    let crds = files_below(&root.join("crds"), ".yaml").len();
+    let controllers =
+        Regex::new(r"pelican::\w+::run\(shared").unwrap().find_iter(&read(&root.join("src/main.rs"))).count();
+    assert!(crds >= 4 && controllers >= 4, "{crds} CRDs, {controllers} controllers: did main.rs's shape change?");
+    let words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
+    let count = Regex::new(r"(?i)\b(one|two|three|four|five|six|seven|eight|nine)\s+(CRDs|controllers|resources of)\b")
+        .unwrap();
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(["README.md", "charts/pelican/README.md"].map(|p| root.join(p)));
+    let mut wrong = vec![];
+    for page in &pages {
+        for c in count.captures_iter(&read(page)) {
+            let said = words.iter().position(|w| w.eq_ignore_ascii_case(&c[1])).unwrap();
+            let is = if c[2].eq_ignore_ascii_case("controllers") { controllers } else { crds };
+            if said != is {
+                wrong.push(format!("{}: \"{}\" (there are {is})", page.strip_prefix(root).unwrap().display(), &c[0]));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "counts that are not the code's:\n{}", wrong.join("\n"));
+}
+
+/// A list given to `helm --set` (`key={a,b}`) is quoted: unquoted, the shell's brace expansion turns
+/// `--set rbac.secretNamespaces={a,b}` into `--set rbac.secretNamespaces=a rbac.secretNamespaces=b`, and Helm takes
+/// the second word for a chart (troubleshooting.md and installing.md gave it so).
+#[test]
+fn helm_set_lists_are_quoted() {
+    let root = Path::new(ROOT);
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.extend(["README.md", "charts/pelican/README.md", "charts/pelican/values.yaml"].map(|p| root.join(p)));
+    let unquoted = Regex::new(r"--set(?:-string)? [\w.\[\]-]+=\{").unwrap();
+    let found: Vec<String> = pages
+        .iter()
+        .flat_map(|page| {
+            let name = page.strip_prefix(root).unwrap().display().to_string();
+            read(page)
+                .lines()
+                .enumerate()
+                .filter(|(_, line)| unquoted.is_match(line))
+                .map(|(n, line)| format!("{name}:{}: {}", n + 1, line.trim()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "`--set key={{...}}` without quotes (write `--set 'key={{a,b}}'`):\n{}",
+        found.join("\n")
+    );
+}
+
+/// Every `$ kubectl get <resource>` sample of the README and the book prints the columns the CRD declares, in its
+/// order (`-o wide`: all, else those of priority 0; `-A`: NAMESPACE first), and a `kubectl get` whose comment names
+/// columns shows them: the README's `kubectl get cgp -o wide` had no PARTITIONS column after topics added one, and a
+/// runbook read REASON off `kubectl get redisservers -A`, which prints it only with `-o wide`.
+#[test]
+fn kubectl_get_samples_show_the_crds_printer_columns() {
+    let root = Path::new(ROOT);
+    let mut columns = std::collections::HashMap::new();
+    for file in files_below(&root.join("crds"), ".yaml") {
+        let crd: serde_json::Value = serde_yaml::from_str(&read(&file)).unwrap();
+        let names = &crd["spec"]["names"];
+        let printed: Vec<(String, i64)> = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| (c["name"].as_str().unwrap().to_uppercase(), c["priority"].as_i64().unwrap_or(0)))
+            .collect();
+        let mut known = vec![names["plural"].as_str().unwrap(), names["singular"].as_str().unwrap()];
+        known.extend(names["shortNames"].as_array().into_iter().flatten().filter_map(|n| n.as_str()));
+        for name in known {
+            columns.insert(name.to_string(), printed.clone());
+        }
+    }
+    let mut pages = files_below(&root.join("docs/src"), ".md");
+    pages.push(root.join("README.md"));
+    let column_word = Regex::new(r"\b[A-Z][A-Z-]*[A-Z]\b").unwrap();
+    let (mut samples, mut comments) = (0, 0);
+    let mut wrong = vec![];
+    for page in &pages {
+        let text = read(page);
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in lines.iter().enumerate() {
+            let Some(at) = line.find("kubectl get ") else { continue };
+            let rest = &line[at + "kubectl get ".len()..];
+            let (command, comment) = rest.split_once('#').unwrap_or((rest, ""));
+            let words: Vec<&str> = command.split_whitespace().collect();
+            let Some(printed) = words.first().and_then(|kind| columns.get(*kind)) else { continue };
+            let wide = command.contains("-o wide");
+            let mut shown: Vec<String> = vec!["NAME".into()];
+            if words.contains(&"-A") || words.contains(&"--all-namespaces") {
+                shown.insert(0, "NAMESPACE".into());
+            }
+            shown.extend(printed.iter().filter(|(_, p)| wide || *p == 0).map(|(c, _)| c.clone()));
+            let place = format!("{}:{}", page.strip_prefix(root).unwrap().display(), n + 1);
+            if line.trim_start().starts_with("$ kubectl get ") {
+                samples += 1;
+                let header: Vec<String> =
+                    lines.get(n + 1).unwrap_or(&"").split_whitespace().map(str::to_string).collect();
+                if header != shown {
+                    wrong.push(format!("{place}: `{}` prints {shown:?}, the page shows {header:?}", line.trim()));
+                }
+            }
+            for word in column_word.find_iter(comment).map(|m| m.as_str()) {
+                comments += 1;
+                if printed.iter().any(|(c, _)| c == word) && !shown.iter().any(|c| c == word) {
+                    wrong.push(format!("{place}: `{}` does not print {word} (only {shown:?})", line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        samples >= 4 && comments >= 5,
+        "only {samples} samples and {comments} column names found: did the pages' shape change?"
+    );
+    assert!(
+        wrong.is_empty(),
+        "`kubectl get` samples and comments whose columns are not what it prints:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// Names Kubernetes itself writes, which the book quotes but no file of the repository has.
+const KUBERNETES_NAMES: [&str; 4] = ["ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "ExternalName"];
+
+/// Every name the book writes as a reason would be (`CamelCase` in backquotes: a condition or Event reason, a dead
+/// letter's `pelican-reason`, a metric's `result`, a type) is in the repository's code, scripts, chart or tests: a
+/// page that names a reason nothing writes sends a reader to wait for it (monitoring.md named a redrive failing
+/// with `NamespaceNotAllowed`, telemetry.md a dead letter's `MaxHandlingExceeded`; neither was ever written).
+#[test]
+fn every_reason_like_name_in_the_book_is_in_the_repository() {
+    let root = Path::new(ROOT);
+    let mut files = vec![];
+    for (dir, suffixes) in [
+        ("src", &[".rs", ".lua"][..]),
+        ("contract", &[".lua", ".json"]),
+        ("tests", &[".rs", ".py", ".ts"]),
+        ("charts/pelican", &[".yaml", ".json", ".tpl", ".txt"]),
+        ("gitops", &[".lua", ".yaml"]),
+        ("examples", &[".yaml", ".rs", ".acl"]),
+        ("sdks", &[".ts", ".py", ".go", ".java", ".lua"]),
+    ] {
+        for suffix in suffixes {
+            files.extend(files_below(&root.join(dir), suffix).into_iter().filter(|f| {
+                let name = f.to_string_lossy();
+                // This file names the wrong reasons it was written against.
+                !name.contains("/node_modules/") && !name.contains("/target/") && !name.ends_with("tests/docs.rs")
+            }));
+        }
+    }
+    let code: String = files.iter().map(|f| read(f)).collect::<Vec<_>>().join("\n");
+    let words: BTreeSet<&str> = Regex::new(r"\w+").unwrap().find_iter(&code).map(|m| m.as_str()).collect();
+    assert!(words.contains("MaxDeliveriesExceeded") && words.contains("ReconcileTimeout"), "the code was not read");
+    let name = Regex::new(r"`([A-Z][a-z]+(?:[A-Z][a-z0-9]+)+)`").unwrap();
+    let mut unknown = vec![];
+    for page in files_below(&root.join("docs/src"), ".md") {
+        for (n, line) in read(&page).lines().enumerate() {
+            for c in name.captures_iter(line) {
+                if !words.contains(&c[1]) && !KUBERNETES_NAMES.contains(&&c[1]) {
+                    unknown.push(format!("{}:{}: {}", page.strip_prefix(root).unwrap().display(), n + 1, &c[1]));
+                }
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "names the book gives that nothing in the repository has:\n{}", unknown.join("\n"));
+}
+
 /// Compares a generated page with what it should hold now; rewrites it under `PELICAN_WRITE_DOCS=1`.
 fn generated(page: &str, expected: String) {
     let path = Path::new(ROOT).join(page);
@@ -131,6 +362,9 @@ fn the_command_reference_is_what_clap_prints() {
             page += &format!("\n## `{name} {command}`\n\n```text\n{}```\n", help(binary, &[&command]));
         }
     }
+    // clap prints a doc comment as it is: a rustdoc link (`[`ESSENTIAL`]`) names nothing a user can look up.
+    let rustdoc_links: Vec<&str> = Regex::new(r"\[`[^`\]]+`\]").unwrap().find_iter(&page).map(|m| m.as_str()).collect();
+    assert!(rustdoc_links.is_empty(), "rustdoc links in the commands' --help: {rustdoc_links:?}");
     generated("docs/src/reference/commands.md", page);
 }
 
@@ -281,6 +515,16 @@ fn validation(field: &serde_json::Value) -> Vec<String> {
     said
 }
 
+/// A CRD's text as Markdown shows it: `<` outside code spans escaped, or `{<topic>:<i>}` would be read as HTML
+/// tags (the book showed the rule on a topic's streams as `{:}` and set the rest of the page in italics).
+fn plain(text: &str) -> String {
+    text.split('`')
+        .enumerate()
+        .map(|(i, part)| if i % 2 == 1 { part.to_string() } else { part.replace('<', "&lt;") })
+        .collect::<Vec<_>>()
+        .join("`")
+}
+
 /// One table row per field of an OpenAPI schema, depth first: `path | type | default | validation | description`.
 fn fields(schema: &serde_json::Value, path: &str, rows: &mut Vec<String>) {
     let Some(properties) = schema["properties"].as_object() else { return };
@@ -304,8 +548,9 @@ fn fields(schema: &serde_json::Value, path: &str, rows: &mut Vec<String>) {
             serde_json::Value::Null => String::new(),
             value => format!("`{value}`"),
         };
-        let description = field["description"].as_str().unwrap_or_default().replace('\n', " ").replace('|', "\\|");
-        let validation = validation(field).join("; ").replace('|', "\\|");
+        let description =
+            plain(field["description"].as_str().unwrap_or_default()).replace('\n', " ").replace('|', "\\|");
+        let validation = plain(&validation(field).join("; ")).replace('|', "\\|");
         rows.push(format!("| `{here}` | {type_} | {default} | {validation} | {description} |"));
         fields(field, &here, rows);
         if items.is_object() {
@@ -331,7 +576,7 @@ fn the_api_reference_is_generated_from_the_crds() {
     ] {
         let crd: serde_json::Value = serde_yaml::from_str(&read(&Path::new(ROOT).join("crds").join(file))).unwrap();
         let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
-        page += &format!("\n## {kind}\n\n{}\n", schema["description"].as_str().unwrap_or_default());
+        page += &format!("\n## {kind}\n\n{}\n", plain(schema["description"].as_str().unwrap_or_default()));
         for part in ["spec", "status"] {
             let mut rows = vec![];
             fields(&schema["properties"][part], "", &mut rows);
@@ -344,7 +589,7 @@ fn the_api_reference_is_generated_from_the_crds() {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .filter_map(|r| r["message"].as_str().map(|m| format!("- {m}")))
+                .filter_map(|r| r["message"].as_str().map(|m| format!("- {}", plain(m))))
                 .collect();
             if !rules.is_empty() {
                 page += &format!("\nRules of `{part}` as a whole:\n\n{}\n", rules.join("\n"));
@@ -370,7 +615,9 @@ fn the_scripts_reference_is_their_headers() {
     let mut page = String::from(
         "# The scripts: keys, arguments and invariants\n\n<!-- Generated by `PELICAN_WRITE_DOCS=1 cargo test --test \
          docs` from the scripts' headers; tests/docs.rs fails when it is stale. -->\n\nEvery change Pelican makes to \
-         a stream is one of these Lua scripts, run atomically by the server. Each header says what the script \
+         a stream but the group's creation (`XGROUP CREATE ... MKSTREAM`) is one of these Lua scripts, run \
+         atomically by the server: those of the operator's jobs (`src/jobs/scripts/`), of its own writes to a group \
+         and its settings (`src/redis/scripts/`), and of the contract. Each header says what the script \
          takes (`KEYS`, `ARGV`), what it answers and the invariant it keeps; the tests check the invariants under \
          `kill -9`, failovers and concurrent callers. The scripts under `contract/scripts/` are the contract for \
          producers and workers in any language (`contract/README.md`): load them as they are.\n",
@@ -490,6 +737,37 @@ fn labels_in_queries_are_labels_the_code_writes() {
         }
     }
     assert!(unknown.is_empty(), "queries on labels no Pelican metric has:\n{}", unknown.join("\n"));
+}
+
+/// Every Pelican metric the book, the chart's alerts and its dashboard name is one the code (the operator's or the
+/// Rust worker's) registers, as Prometheus shows it (`_total` on counters, `_bucket`, `_sum`, `_count` on
+/// histograms): a renamed metric leaves an alert or a runbook query that finds nothing.
+#[test]
+fn metrics_the_docs_name_are_metrics_the_code_registers() {
+    let root = Path::new(ROOT);
+    let code: String = files_below(&root.join("src"), ".rs").iter().map(|f| read(f)).collect();
+    let registered: BTreeSet<String> =
+        Regex::new(r#""(pelican_[a-z_]+)""#).unwrap().captures_iter(&code).map(|c| c[1].to_string()).collect();
+    assert!(registered.contains("pelican_group_lag") && registered.contains("pelican_passes"), "{registered:?}");
+    let mut files = files_below(&root.join("docs/src"), ".md");
+    for suffix in [".yaml", ".json", ".tpl", ".txt"] {
+        files.extend(files_below(&root.join("charts/pelican"), suffix));
+    }
+    // `pelican_worker` is the Python library's package, not a metric.
+    let metric = Regex::new(r"\bpelican_[a-z_]*[a-z]\b").unwrap();
+    let mut unknown = BTreeSet::new();
+    for file in &files {
+        for found in metric.find_iter(&read(file)).map(|m| m.as_str()).filter(|m| *m != "pelican_worker") {
+            let base = ["_total", "_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| found.strip_suffix(suffix))
+                .unwrap_or(found);
+            if !registered.contains(found) && !registered.contains(base) {
+                unknown.insert(format!("{}: {found}", file.strip_prefix(root).unwrap().display()));
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "metrics no code registers:\n{}", unknown.into_iter().collect::<Vec<_>>().join("\n"));
 }
 
 /// Every release in the changelog (`## <version>` and `## Unreleased`) says how to upgrade to it: a `### Upgrading`

@@ -1,9 +1,9 @@
 //! `kubectl pelican ...`: kubectl runs any `kubectl-<name>` on the PATH as `kubectl <name>`. The commands are
-//! those of `pelican status | dlq | redrive`.
+//! those of `pelican status | dlq | redrive | seek`.
 
 use clap::Parser;
 
-/// Pelican for people: the health of consumer groups, their dead letters, and redrives.
+/// Pelican for people: the health of consumer groups, their dead letters, redrives and seeks.
 #[derive(Parser)]
 #[command(name = "kubectl pelican")]
 struct Plugin {

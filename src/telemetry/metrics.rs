@@ -354,8 +354,8 @@ pub enum MetricsDetail {
     /// Every series per policy (labels namespace, policy, stream, group).
     #[default]
     Full,
-    /// Per policy only the series the chart's alerts and dashboard read ([`ESSENTIAL`]); the rest summed (ages:
-    /// their maximum) per namespace, with the `namespace` label only.
+    /// Per policy only the series the chart's alerts and dashboard read (at most 14); the rest summed
+    /// (ages: their maximum) per namespace, with the `namespace` label only.
     Essential,
 }
 
