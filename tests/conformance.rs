@@ -242,7 +242,7 @@ fn failures_are_retried_and_dead_lettered_at_the_cap_with_their_last_error(flavo
         assert_eq!(text("pelican-reason").as_deref(), Some("MaxDeliveriesExceeded"));
         assert!(text("pelican-last-error").is_some_and(|e| !e.is_empty()), "the last error travels with it");
         let failures = worker.runs().iter().filter(|r| r.outcome == "fail").count();
-        assert_eq!(failures, 3, "three deliveries, three handler runs");
+        assert_eq!(failures, 3, "three deliveries, three handler runs: {:?}", worker.runs());
         assert!(pel(&mut conn, &lane.stream, GROUP).is_empty());
     });
 }

@@ -35,11 +35,17 @@ pub use servers::*;
 #[allow(unused_imports)]
 pub use streams::*;
 
-/// The files below `dir` (every level) whose name ends with `suffix` (`""`: all), sorted.
+/// The files below `dir` (every level) whose name ends with `suffix` (`""`: all), sorted; what builds and package
+/// managers write there (`target`, `dist`, `node_modules`, `.venv`, `__pycache__`) left out, so a check reads the
+/// repository's own files, the same on every machine, whatever was built or installed beside them.
 pub fn files_below(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+    const BUILT: [&str; 5] = ["target", "dist", "node_modules", ".venv", "__pycache__"];
     let mut found = vec![];
     for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let path = entry.path();
+        if path.is_dir() && BUILT.contains(&entry.file_name().to_string_lossy().as_ref()) {
+            continue;
+        }
         if path.is_dir() {
             found.extend(files_below(&path, suffix));
         } else if path.to_string_lossy().ends_with(suffix) {
