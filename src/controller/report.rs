@@ -68,7 +68,7 @@ pub async fn report(policy: &ConsumerGroupPolicy, ctx: &Context, result: &Result
             };
             (status, outcome, status::oldest_pending_age_seconds(&seen.facts))
         }
-        Err(error) => (previous.clone(), Outcome::Failed(error), None),
+        Err(error) => (previous.clone(), Outcome::Failed(error, status::failure_message(policy, error)), None),
     };
     let mut conditions = status::conditions(&previous.conditions, &outcome, generation, now);
     let max_length = policy.spec.backlog.as_ref().map(|b| b.max_length);
@@ -146,7 +146,10 @@ pub fn unchanged_failure(policy: &ConsumerGroupPolicy, error: &crate::Error) -> 
     let Some(status) = &policy.status else { return false };
     status.observed_generation == policy.metadata.generation
         && status.conditions.iter().any(|c| {
-            c.type_ == READY && c.status == "False" && c.reason == error.reason() && c.message == error.to_string()
+            c.type_ == READY
+                && c.status == "False"
+                && c.reason == error.reason()
+                && c.message == status::failure_message(policy, error)
         })
 }
 

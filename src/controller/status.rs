@@ -6,7 +6,9 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::plan::Idempotence;
 use crate::Error;
-use crate::api::{ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals};
+use crate::api::{
+    ConsumerGroupPolicy, ConsumerGroupPolicySpec, ConsumerGroupPolicyStatus, ReclaimStrategy, TerminalAckCount, Totals,
+};
 use crate::context::conditions::{Said, Verdict, condition, verdict_conditions};
 use crate::redis::{Backlog, GroupFacts, ServerInfo};
 use crate::runner::{JobFailure, JobKind};
@@ -18,7 +20,8 @@ pub enum Outcome<'a> {
     Ready {
         message: String,
     },
-    Failed(&'a Error),
+    /// The error, and its message as the policy's conditions say it ([`failure_message`]).
+    Failed(&'a Error, String),
     /// The group is set up, but a job of the runner fails: its reason and message, and the runner goes on.
     JobFailed(JobKind, &'a JobFailure),
 }
@@ -222,6 +225,22 @@ fn format_millis(millis: i64) -> Option<String> {
     Timestamp::from_second(millis.div_euclid(1000)).ok().map(|t| t.to_string())
 }
 
+/// A failure's message as the policy's conditions say it. The connection errors name the inline fields
+/// (`spec.redis.tls`, `spec.redis.url`, ...); a policy that names a `RedisServer` has none: there they are that
+/// server's fields (`RedisServer platform/shared: spec.tls`), where whoever fixes them must look.
+pub fn failure_message(policy: &ConsumerGroupPolicy, error: &Error) -> String {
+    let message = error.to_string();
+    let Some((namespace, name)) = policy.server_ref() else { return message };
+    let theirs = format!("RedisServer {namespace}/{name}: spec.");
+    let mut parts = message.split("spec.redis.");
+    let mut said = parts.next().unwrap_or_default().to_string();
+    for part in parts {
+        said += if part.starts_with("serverRef") { "spec.redis." } else { &theirs };
+        said += part;
+    }
+    said
+}
+
 /// Ready / Reconciling / Stalled in the shape kstatus (Flux, kpt) and Argo CD read:
 /// success -> Ready=True; terminal error -> Stalled=True; transient error -> Reconciling=True (retrying).
 pub fn conditions(
@@ -232,8 +251,8 @@ pub fn conditions(
 ) -> Vec<Condition> {
     let verdict = match outcome {
         Outcome::Ready { message } => Verdict::Ready(message.clone()),
-        Outcome::Failed(error) => {
-            Verdict::Failed { reason: error.reason(), message: error.to_string(), stalled: error.is_stalled() }
+        Outcome::Failed(error, message) => {
+            Verdict::Failed { reason: error.reason(), message: message.clone(), stalled: error.is_stalled() }
         }
         Outcome::JobFailed(job, failure) => Verdict::Failed {
             reason: failure.reason,
@@ -435,10 +454,30 @@ mod tests {
         assert_eq!(observed(&ConsumerGroupPolicyStatus::default(), &valkey(), &known).backlog, Some(10));
     }
 
+    /// Issue 66's audit: a policy naming a RedisServer was told to check `spec.redis.tls`, which it does not have.
+    #[test]
+    fn a_policy_on_a_redis_server_is_sent_to_the_servers_fields() {
+        let policy = |redis: &str| {
+            let yaml = format!("{{stream: s, group: g, deadLetter: {{stream: d}}, redis: {redis}}}");
+            ConsumerGroupPolicy::new("p", serde_yaml::from_str(&yaml).unwrap())
+        };
+        let on_server = policy("{serverRef: {name: shared, namespace: platform}}");
+        let tls = Error::TlsFailed { server: "rediss://r:6379".into(), detail: "unknown CA".into() };
+        let said = failure_message(&on_server, &tls);
+        assert!(said.contains("check RedisServer platform/shared: spec.tls and its Secrets"), "{said}");
+        assert!(!said.contains("spec.redis"), "{said}");
+        // Its own field stays its own.
+        let missing = Error::ServerNotFound { namespace: "platform".into(), name: "shared".into() };
+        assert!(failure_message(&on_server, &missing).contains("fix spec.redis.serverRef"));
+        // An inline policy's fields are its own.
+        let inline = policy("{url: \"rediss://r:6379/0\"}");
+        assert_eq!(failure_message(&inline, &tls), tls.to_string());
+    }
+
     #[test]
     fn terminal_error_is_stalled_not_reconciling() {
         let error = Error::SecretNotFound { namespace: "apps".into(), name: "auth".into(), key: "password".into() };
-        let conds = conditions(&[], &Outcome::Failed(&error), Some(2), Timestamp::UNIX_EPOCH);
+        let conds = conditions(&[], &Outcome::Failed(&error, error.to_string()), Some(2), Timestamp::UNIX_EPOCH);
         let get = |t: &str| conds.iter().find(|c| c.type_ == t).unwrap();
         assert_eq!((get(READY).status.as_str(), get(READY).reason.as_str()), ("False", "SecretNotFound"));
         assert_eq!(get(STALLED).status, "True");
@@ -453,7 +492,7 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
         let error = Error::from_redis("127.0.0.1:1", redis::RedisError::from(io));
         assert_eq!(error.reason(), "RedisUnavailable");
-        let conds = conditions(&[], &Outcome::Failed(&error), Some(1), Timestamp::UNIX_EPOCH);
+        let conds = conditions(&[], &Outcome::Failed(&error, error.to_string()), Some(1), Timestamp::UNIX_EPOCH);
         assert_eq!(conds.iter().find(|c| c.type_ == RECONCILING).unwrap().status, "True");
         assert_eq!(conds.iter().find(|c| c.type_ == STALLED).unwrap().status, "False");
     }
@@ -466,7 +505,7 @@ mod tests {
         let same = conditions(&first, &ready, Some(2), later);
         assert_eq!(same[0].last_transition_time, Time(Timestamp::UNIX_EPOCH));
         let error = Error::InvalidSpec("x".into());
-        let flipped = conditions(&same, &Outcome::Failed(&error), Some(2), later);
+        let flipped = conditions(&same, &Outcome::Failed(&error, error.to_string()), Some(2), later);
         assert_eq!(flipped[0].last_transition_time, Time(later));
     }
 }
