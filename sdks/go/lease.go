@@ -37,7 +37,10 @@ func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.Canc
 
 // leaseTick runs lease.lua, also with no ids: its heartbeat says the worker is alive. False when it failed.
 func (w *Worker) leaseTick(ctx context.Context) bool {
+	// Before the ids are gathered: a handler that fails after its id was taken for this lease fails after sent, and
+	// the lease, which may reach the server after the failure, is then accounted for below.
 	now := time.Now()
+	sent := now
 	var ids []string
 	w.mu.Lock()
 	for id, f := range w.inFlight {
@@ -52,7 +55,6 @@ func (w *Worker) leaseTick(ctx context.Context) bool {
 		}
 	}
 	w.mu.Unlock()
-	sent := time.Now()
 	kept, err := w.lease(ctx, ids)
 	answered := time.Now()
 	w.mu.Lock()

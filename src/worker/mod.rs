@@ -832,9 +832,11 @@ async fn hold_leases(
             }
             ids
         };
+        // Taken before the ids were gathered: a handler that fails (on another thread, or while an earlier chunk is on
+        // its way) after its id was taken for this lease fails after it, and each chunk's lease is accounted for below.
+        let sent = now;
         // At least one call: the heartbeat.
         for chunk in ids.chunks(LEASE_BATCH).chain(ids.is_empty().then_some(&[][..])) {
-            let sent = Instant::now();
             if let Err(e) = lease(&mut conn, &config, chunk).await {
                 warn!(%stream, %group, error = %e, "could not extend the leases of the messages being handled; retrying");
             }

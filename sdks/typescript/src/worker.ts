@@ -786,6 +786,8 @@ export class Worker {
         this.requestStop();
       }
     }
+    // Also when this lease was sent, for every chunk: a handler that fails after its id was taken for this lease
+    // (while an earlier chunk is on its way) fails after it, and the chunk's lease is accounted for below.
     const now = Date.now();
     const ids: string[] = [...this.queued.keys()];
     for (const [id, entry] of this.inFlight) {
@@ -802,7 +804,7 @@ export class Worker {
       }
     }
     for (const chunk of ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]) {
-      const sent = Date.now();
+      const sent = now;
       try {
         const kept = new Set(parseIds(await this.lease(chunk)));
         for (const id of chunk) {

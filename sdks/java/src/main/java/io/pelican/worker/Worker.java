@@ -841,6 +841,9 @@ public final class Worker implements AutoCloseable {
                     LOG.log(Level.WARNING, where + "could not re-read the group's settings; the last ones stay: " + e);
                 }
             }
+            // Before the ids are gathered: a handler that fails (on its own thread) after its id was taken for this
+            // lease fails after sent, and the lease, which may reach the server after the failure, is accounted for.
+            long sent = System.nanoTime();
             Map<String, Long> running = new HashMap<>();
             for (InFlight entry : inFlight.values()) {
                 // A settled entry's outcome is being written: a lease after its give-back would undo the idle it set.
@@ -850,7 +853,6 @@ public final class Worker implements AutoCloseable {
             }
             List<String> ids = maxHandling.leased(running, System.nanoTime());
             List<String> kept;
-            long sent = System.nanoTime();
             try {
                 kept = lease(ids);
             } catch (RuntimeException e) {
