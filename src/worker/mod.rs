@@ -135,7 +135,8 @@ pub struct WorkerConfig {
     pub stream: String,
     pub group: String,
     pub consumer: String,
-    /// Messages handled at once.
+    /// Messages handled at once. Their handlers run in the task of [`Worker::run`] (no task spawned per message):
+    /// a handler with much work for the CPU hands it to `tokio::task::spawn_blocking` or a task of its own.
     pub concurrency: usize,
     /// How long one read waits for new entries (`XREADGROUP ... BLOCK`): at least a millisecond, since `BLOCK 0`
     /// waits for ever on the server ([`Worker::connect_to`] refuses zero).
