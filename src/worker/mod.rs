@@ -65,10 +65,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use redis::aio::ConnectionLike;
 use redis::{Client, RedisError, RedisResult, Script, Value};
 use tokio::sync::{Semaphore, mpsc, watch};
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{error, info, warn};
 
@@ -134,7 +135,8 @@ pub struct WorkerConfig {
     pub stream: String,
     pub group: String,
     pub consumer: String,
-    /// Messages handled at once.
+    /// Messages handled at once. Their handlers run in the task of [`Worker::run`] (no task spawned per message):
+    /// a handler with much work for the CPU hands it to `tokio::task::spawn_blocking` or a task of its own.
     pub concurrency: usize,
     /// How long one read waits for new entries (`XREADGROUP ... BLOCK`): at least a millisecond, since `BLOCK 0`
     /// waits for ever on the server ([`Worker::connect_to`] refuses zero).
@@ -415,7 +417,10 @@ impl Worker {
             in_flight.clone(),
             wakes,
         )));
-        let mut tasks = JoinSet::new();
+        let (config, writers) = (self.config.clone(), self.writer.subscribe());
+        // The handlers run in this task, polled beside the reads (see `driving`): a spawned task per message cost
+        // more than a no-op handler's whole run (a wake of the other thread for each).
+        let mut running = FuturesUnordered::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
         // Hand-overs are looked for at every lease tick.
@@ -433,26 +438,36 @@ impl Worker {
         loop {
             // The acknowledgements of the handlers that free slots wait for the next read.
             counters.acks.lock().expect("acks lock").carried = true;
-            let first = tokio::select! {
-                _ = &mut shutdown => break,
-                permit = permits.clone().acquire_owned() => permit.expect("semaphore is never closed"),
-            };
+            let first = driving(&mut running, async {
+                tokio::select! {
+                    _ = &mut shutdown => None,
+                    permit = permits.clone().acquire_owned() => Some(permit.expect("semaphore is never closed")),
+                }
+            });
+            let Some(first) = first.await else { break };
             // Handlers that finished with this one free their slots about now: wait a little (up to GATHER_WAIT) for
             // half the slots, so that one read fetches for them all rather than a read (a round trip) for each few.
             let mut batch_permits = vec![first];
             let wanted = self.config.concurrency.div_ceil(2);
             let gathered_by = Instant::now() + GATHER_WAIT;
             loop {
+                run_ready(&mut running);
                 while let Ok(p) = permits.clone().try_acquire_owned() {
                     batch_permits.push(p);
                 }
                 if batch_permits.len() >= wanted {
                     break;
                 }
-                tokio::select! {
-                    biased;
-                    permit = permits.clone().acquire_owned() => batch_permits.push(permit.expect("semaphore is never closed")),
-                    _ = tokio::time::sleep_until(gathered_by) => break,
+                let freed = driving(&mut running, async {
+                    tokio::select! {
+                        biased;
+                        permit = permits.clone().acquire_owned() => Some(permit.expect("semaphore is never closed")),
+                        _ = tokio::time::sleep_until(gathered_by) => None,
+                    }
+                });
+                match freed.await {
+                    Some(permit) => batch_permits.push(permit),
+                    None => break,
                 }
             }
             let pel_check_due = own_pel_cursor.is_none() && Instant::now() >= next_pel_check;
@@ -460,11 +475,11 @@ impl Worker {
                 let settings = *counters.settings.lock().expect("settings lock");
                 next_pel_check = Instant::now() + lease_interval(settings);
             }
-            let skip: HashSet<String> = in_flight.lock().expect("in-flight lock").keys().cloned().collect();
+            let skip: Option<HashSet<String>> =
+                pel_check_due.then(|| in_flight.lock().expect("in-flight lock").keys().cloned().collect());
             let carried = std::mem::take(&mut counters.acks.lock().expect("acks lock").waiting);
-            let outcome = {
-                let pel_check = pel_check_due.then_some(&skip);
-                let read = self.read(batch_permits.len(), &mut own_pel_cursor, pel_check, carried, &acks);
+            let read = self.read(batch_permits.len(), &mut own_pel_cursor, skip.as_ref(), carried, &acks);
+            let outcome = driving(&mut running, async {
                 tokio::pin!(read);
                 tokio::select! {
                     // A blocking read already sent delivers to this consumer whatever becomes of the future: its
@@ -472,7 +487,8 @@ impl Worker {
                     _ = &mut shutdown => Err(read.await.unwrap_or_default()),
                     result = &mut read => Ok(result),
                 }
-            };
+            })
+            .await;
             let messages = match outcome {
                 Err(late) => {
                     unread.extend(late.into_iter().map(|m| m.id));
@@ -486,18 +502,24 @@ impl Worker {
                     release_acks(&counters, &acks);
                     // The group is the operator's to create: wait for it, saying so once.
                     let wait = missing_group.missing(&self.config);
-                    tokio::select! {
-                        _ = &mut shutdown => break,
-                        _ = tokio::time::sleep(wait) => continue,
+                    let waited = driving(&mut running, async {
+                        tokio::select! {
+                            _ = &mut shutdown => false,
+                            _ = tokio::time::sleep(wait) => true,
+                        }
+                    });
+                    if waited.await {
+                        continue;
                     }
+                    break;
                 }
                 Ok(Err(e)) => {
                     release_acks(&counters, &acks);
                     warn!(stream = %self.config.stream, group = %self.config.group, error = %e, "read failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    driving(&mut running, tokio::time::sleep(Duration::from_millis(500))).await;
                     if self.source.follows_failovers() {
                         // The primary may have moved (or be a replica now): ask the sentinel again.
-                        match connections(&self.source, &self.config).await {
+                        match driving(&mut running, connections(&self.source, &self.config)).await {
                             Ok((reader, writer)) => {
                                 self.reader = reader;
                                 self.writer.send_replace(writer);
@@ -509,31 +531,32 @@ impl Worker {
                 }
             };
             for (message, permit) in messages.into_iter().zip(batch_permits) {
-                let (handler, counters, writers, config) =
-                    (handler.clone(), counters.clone(), self.writer.subscribe(), self.config.clone());
-                let (in_flight, acks) = (in_flight.clone(), acks.clone());
                 let flight = Flight { started: Instant::now(), settled: false };
                 in_flight.lock().expect("in-flight lock").insert(message.id.clone(), flight);
                 counters.meter.started();
-                tasks.spawn(async move {
-                    let runtime =
-                        Dispatch { config: &config, writers, acks: &acks, counters: &counters, in_flight: &in_flight };
-                    dispatch(runtime, message, handler.as_ref()).await;
+                let runtime = Dispatch {
+                    config: &config,
+                    writers: &writers,
+                    acks: &acks,
+                    counters: &counters,
+                    in_flight: &in_flight,
+                };
+                let handler = handler.as_ref();
+                running.push(async move {
+                    dispatch(runtime, message, handler).await;
                     drop(permit);
                 });
             }
-            while tasks.try_join_next().is_some() {}
         }
         // No read comes to carry what waits: the acknowledger writes it, and whatever the handlers still finish.
         release_acks(&counters, &acks);
         // The leases go on while in-flight handlers finish: a slow one is not taken from under them.
-        let finished = tokio::time::timeout(self.config.shutdown_grace, drain(&mut tasks)).await;
+        let drained = async { while running.next().await.is_some() {} };
+        // Past the grace the handlers still running are dropped, unfinished: given back below.
+        let _ = tokio::time::timeout(self.config.shutdown_grace, drained).await;
         drop(leases);
-        if finished.is_err() {
-            tasks.abort_all();
-            drain(&mut tasks).await;
-        }
-        // Every handler's task is gone, and with it its sender: the acknowledger ends once it answered them all.
+        drop(running);
+        // Every handler is gone: the acknowledger ends once it answered them all.
         drop(acks);
         let _ = (&mut acknowledger.0).await;
         // What the grace cut off is given back, and the worker leaves the group (its consumer deleted once it owns
@@ -994,8 +1017,24 @@ async fn record_error(conn: &Connection, stream: &str, group: &str, id: &str, te
     }
 }
 
-async fn drain(tasks: &mut JoinSet<()>) {
-    while tasks.join_next().await.is_some() {}
+/// Runs the handlers in flight that can go on now, until each waits: those that finish free their slots before the
+/// read counts them (else a read would fetch for the slots left from the last one, and never for the ones its
+/// handlers are about to free).
+fn run_ready(running: &mut FuturesUnordered<impl Future<Output = ()>>) {
+    while let Some(Some(())) = running.next().now_or_never() {}
+}
+
+/// Awaits `until` while polling the handlers in flight, which run in the read loop's task: every wait of that loop
+/// goes through here, so that no handler waits for the loop.
+async fn driving<T>(running: &mut FuturesUnordered<impl Future<Output = ()>>, until: impl Future<Output = T>) -> T {
+    let mut until = std::pin::pin!(until);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut until => return out,
+            Some(()) = running.next() => {}
+        }
+    }
 }
 
 /// Runs the handler for one message and performs its outcome, the only place that acknowledges: a `Done` by
@@ -1097,7 +1136,7 @@ where
 /// What one handler's dispatch works with.
 struct Dispatch<'a> {
     config: &'a WorkerConfig,
-    writers: watch::Receiver<Connection>,
+    writers: &'a watch::Receiver<Connection>,
     /// Wakes the acknowledger: a `Done` queued while no read is about to carry it.
     acks: &'a mpsc::UnboundedSender<()>,
     counters: &'a Counters,

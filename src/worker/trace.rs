@@ -150,10 +150,9 @@ impl Processing<'_> {
             span.set_attributes(attributes());
         }
         let cx = parent.with_span(span);
-        let running = {
-            let _attached = cx.clone().attach();
-            handler(message)
-        };
+        // Called at the first poll, inside the span's context and the catch: a handler that panics before it
+        // returns its future fails its message like any other panic (it runs in the read loop's task).
+        let running = async move { handler(message).await };
         let result = AssertUnwindSafe(running.with_context(cx.clone())).catch_unwind().await;
         let span = cx.span();
         let outcome = match &result {
