@@ -38,6 +38,7 @@ on_both_servers!(
     live_stats_show_what_a_running_worker_does,
     outcomes_met_by_killed_connections_are_written_once_and_never_run_again,
     a_failure_whose_lease_reply_came_late_is_not_run_again,
+    handlers_that_wait_run_in_parallel_on_the_runtimes_threads,
 );
 
 const STREAM: &str = "files";
@@ -660,6 +661,36 @@ fn live_stats_show_what_a_running_worker_does(flavor: Flavor) {
     }
     let line = format!("{} 0", series("pelican_worker_in_flight", ""));
     assert!(scrape.lines().any(|l| l == line), "missing {line}\n{scrape}");
+}
+
+/// A handler that waits goes on in a task of its own: handlers that compute after their first `.await` (here they
+/// block their thread for a while) run at once on the runtime's threads, not one after the other in the read loop's
+/// task. The most seen computing at the same time is what a user sees (four messages take one handler's time).
+fn handlers_that_wait_run_in_parallel_on_the_runtimes_threads(flavor: Flavor) {
+    let server = Server::start(flavor);
+    setup(&server, &["job-1", "job-2", "job-3", "job-4"]);
+    let computing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let stats = runtime.block_on(async {
+        let client = redis::Client::open(server.url()).unwrap();
+        let config = WorkerConfig { concurrency: 4, ..config() };
+        let worker = Worker::connect(&client, config).await.unwrap();
+        let (computing, most) = (computing.clone(), most.clone());
+        let handler = move |_: Message| {
+            let (computing, most) = (computing.clone(), most.clone());
+            async move {
+                tokio::task::yield_now().await;
+                most.fetch_max(computing.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(500));
+                computing.fetch_sub(1, Ordering::SeqCst);
+                Ok(Outcome::Done)
+            }
+        };
+        worker.run(handler, tokio::time::sleep(Duration::from_secs(3))).await.unwrap()
+    });
+    assert_eq!(stats.done, 4);
+    assert!(most.load(Ordering::SeqCst) >= 2, "the handlers computed one after the other: {stats:?}");
 }
 
 /// Defect (issue 65, found by the conformance fault ledger): a fault that broke the writer's connection made the

@@ -67,11 +67,12 @@ use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
+use opentelemetry::context::FutureExt as _;
 use redis::aio::ConnectionLike;
 use redis::{Client, RedisError, RedisResult, Script, Value};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::time::Instant;
-use tracing::{error, info, warn};
+use tracing::{Instrument, error, info, warn};
 
 use crate::keys::{
     CONTRACT_VERSION, DELIVERIES_FIELD, ERROR_TEXT_MAX, UnknownContract, WorkerSettings, consumers_key, errors_key,
@@ -135,8 +136,10 @@ pub struct WorkerConfig {
     pub stream: String,
     pub group: String,
     pub consumer: String,
-    /// Messages handled at once. Their handlers run in the task of [`Worker::run`] (no task spawned per message):
-    /// a handler with much work for the CPU hands it to `tokio::task::spawn_blocking` or a task of its own.
+    /// Messages handled at once. A handler is first polled in the task of [`Worker::run`]: one that finishes
+    /// without waiting costs no task of its own; one that waits goes on in a task of its own (the handlers that wait
+    /// run in parallel on the runtime's threads). So a handler with much work for the CPU before its first `.await`
+    /// hands it to `tokio::task::spawn_blocking`, as in any task.
     pub concurrency: usize,
     /// How long one read waits for new entries (`XREADGROUP ... BLOCK`): at least a millisecond, since `BLOCK 0`
     /// waits for ever on the server ([`Worker::connect_to`] refuses zero).
@@ -418,8 +421,9 @@ impl Worker {
             wakes,
         )));
         let (config, writers) = (self.config.clone(), self.writer.subscribe());
-        // The handlers run in this task, polled beside the reads (see `driving`): a spawned task per message cost
-        // more than a no-op handler's whole run (a wake of the other thread for each).
+        // The handlers start in this task, polled beside the reads (see `driving`), and only those that wait get a
+        // task of their own (`in_place_or_spawned`): a spawned task per message cost more than a no-op handler's
+        // whole run (a wake of the other thread for each).
         let mut running = FuturesUnordered::new();
         // Our own PEL first (entries delivered to us before a crash or restart), then new entries.
         let mut own_pel_cursor = Some("0".to_string());
@@ -1037,12 +1041,34 @@ async fn driving<T>(running: &mut FuturesUnordered<impl Future<Output = ()>>, un
     }
 }
 
+/// A handler's future, polled once where it is (a handler that finishes without waiting, as most do between their
+/// awaits, costs no task and no wake of another thread); one that has to wait goes on in a task of its own, so that
+/// the handlers that wait run on all the runtime's threads, in parallel with each other and with the reads. Its
+/// panic is raised again here (for the caller's catch); the task is aborted when this future is dropped (a handler
+/// cut off by the shutdown grace stops with it).
+async fn in_place_or_spawned<F>(handler: F) -> Result<Outcome, BoxError>
+where
+    F: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
+{
+    let mut handler = Box::pin(handler);
+    if let Some(result) = handler.as_mut().now_or_never() {
+        return result;
+    }
+    // The trace context and the log span the handler runs in go with it.
+    let mut task = AbortOnDrop(tokio::spawn(handler.with_current_context().in_current_span()));
+    match (&mut task.0).await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err("the handler's task was cancelled (the runtime is shutting down)".into()),
+    }
+}
+
 /// Runs the handler for one message and performs its outcome, the only place that acknowledges: a `Done` by
 /// queueing its XACK, the others by writing theirs.
 async fn dispatch<H, Fut>(runtime: Dispatch<'_>, message: Message, handler: &H)
 where
     H: Fn(Message) -> Fut,
-    Fut: Future<Output = Result<Outcome, BoxError>>,
+    Fut: Future<Output = Result<Outcome, BoxError>> + Send + 'static,
 {
     let Dispatch { config, writers, acks, counters, in_flight } = runtime;
     let id = message.id.clone();
@@ -1051,7 +1077,7 @@ where
     let retried = message.field(DELIVERIES_FIELD).is_some();
     let processing = trace::Processing { stream, group, consumer: &config.consumer };
     let started = Instant::now();
-    let result = processing.run(handler, message).await;
+    let result = processing.run(&|message| in_place_or_spawned(handler(message)), message).await;
     let ran = started.elapsed();
     // Its outcome is being written from here on: no longer leased.
     if let Some(flight) = in_flight.lock().expect("in-flight lock").get_mut(&id) {

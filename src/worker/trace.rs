@@ -151,7 +151,7 @@ impl Processing<'_> {
         }
         let cx = parent.with_span(span);
         // Called at the first poll, inside the span's context and the catch: a handler that panics before it
-        // returns its future fails its message like any other panic (it runs in the read loop's task).
+        // returns its future fails its message like any other panic.
         let running = async move { handler(message).await };
         let result = AssertUnwindSafe(running.with_context(cx.clone())).catch_unwind().await;
         let span = cx.span();
