@@ -95,6 +95,9 @@ const READ_TIMEOUT_OVER_BLOCK_MS = 10_000;
 /** The longest a read waits for the slots of handlers whose outcomes are being written. */
 const SETTLE_WAIT_MS = 5;
 
+/** A requeued copy's field: the entry may have a last error. */
+const DELIVERIES = Buffer.from(DELIVERIES_FIELD);
+
 /** Why a handler's signal is aborted. */
 const GIVEN_BACK = "the shutdown grace ran out: the message was given back";
 const LOST = "the partition was lost: another member handles the message";
@@ -524,8 +527,7 @@ export class Worker {
    * A read (see `readEntries`) that carries the XACK of the `done` outcomes waiting, in one round trip: sent before
    * a read that does not block (an XACK never waits behind a blocking read), the blocking read following when that
    * one brought nothing. Without acknowledgements to carry, a read of new entries blocks at once, and the writer
-   * sends what the handlers finish meanwhile. An XACK whose connection failed is sent again by the writer (unless
-   * the worker lost its partition: then it is answered with the failure).
+   * sends what the handlers finish meanwhile. An XACK whose connection failed is sent again by the writer.
    */
   private async read(count: number, from: string): Promise<{ messages: Message[]; last: string | undefined }> {
     const carried = this.pendingAcks;
@@ -561,7 +563,7 @@ export class Worker {
 
   /** The carried XACK failed: refused (nothing written), or its connection failed (the writer sends it again). */
   private carriedFailed(carried: PendingAck[], error: unknown): void {
-    if (isReplyError(error) || this.lost) {
+    if (isReplyError(error)) {
       for (const pending of carried) pending.written(error);
       return;
     }
@@ -655,7 +657,7 @@ export class Worker {
     // An entry deleted from the stream while pending has no payload to handle: the pass drops it.
     return ranges.flatMap(([error, reply]) => {
       if (error) throw error;
-      return parseEntries(reply).flatMap(([id, pairs]) => (pairs ? [new Message(id, pairs)] : []));
+      return messagesOf(parseEntries(reply)).messages;
     });
   }
 
@@ -720,7 +722,7 @@ export class Worker {
   private async ack(message: Message, entry: InFlight, seconds: number): Promise<void> {
     const id = message.id;
     // A message that failed before (here, or elsewhere before it was requeued as a copy) may have a last error.
-    const clearError = this.errorsRecorded.delete(id) || message.fields.has(DELIVERIES_FIELD);
+    const clearError = this.errorsRecorded.delete(id) || message.pairs.some(([name]) => name.equals(DELIVERIES));
     const error = await new Promise<unknown>((written) => {
       this.pendingAcks.push({ id, clearError, written });
       if (!this.acksCarried) this.writeAcksSoon();
@@ -1043,28 +1045,35 @@ type Entry = [id: string, pairs: Array<[Buffer, Buffer]> | null];
 
 /** A read's entries as messages (an entry without fields has no payload: skipped), and the last entry's id. */
 function messagesOf(entries: Entry[]): { messages: Message[]; last: string | undefined } {
-  const messages = entries.flatMap(([id, pairs]) => (pairs ? [new Message(id, pairs)] : []));
+  const messages: Message[] = [];
+  for (const [id, pairs] of entries) if (pairs) messages.push(new Message(id, pairs));
   return { messages, last: entries.at(-1)?.[0] };
 }
 
 /** `XREADGROUP`'s `[[stream, entries]]`, or nil, as entries. */
 export function parseStreams(reply: unknown): Entry[] {
   if (!Array.isArray(reply)) return [];
-  return reply.flatMap((stream: unknown) => (Array.isArray(stream) ? parseEntries(stream[1]) : []));
+  const entries: Entry[] = [];
+  for (const stream of reply as unknown[]) if (Array.isArray(stream)) parseEntries(stream[1], entries);
+  return entries;
 }
 
-/** `[[id, [field, value, ...] | nil], ...]` as entries; nil fields for a deleted payload. */
-function parseEntries(reply: unknown): Entry[] {
-  if (!Array.isArray(reply)) return [];
-  return reply.flatMap((item: unknown): Entry[] => {
-    if (!Array.isArray(item)) return [];
+/** `[[id, [field, value, ...] | nil], ...]` as entries (added to `into`); nil fields for a deleted payload. */
+function parseEntries(reply: unknown, into: Entry[] = []): Entry[] {
+  if (!Array.isArray(reply)) return into;
+  for (const item of reply as unknown[]) {
+    if (!Array.isArray(item)) continue;
     const [id, flat] = item as [unknown, unknown];
-    if (!Buffer.isBuffer(id)) return [];
-    if (!Array.isArray(flat)) return [[id.toString(), null]];
+    if (!Buffer.isBuffer(id)) continue;
+    if (!Array.isArray(flat)) {
+      into.push([id.toString(), null]);
+      continue;
+    }
     const pairs: Array<[Buffer, Buffer]> = [];
     for (let i = 0; i + 1 < flat.length; i += 2) pairs.push([toBuffer(flat[i]), toBuffer(flat[i + 1])]);
-    return [[id.toString(), pairs]];
-  });
+    into.push([id.toString(), pairs]);
+  }
+  return into;
 }
 
 function toBuffer(value: unknown): Buffer {
