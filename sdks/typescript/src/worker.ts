@@ -431,7 +431,11 @@ export class Worker {
         this.start(message, handler);
       }
       const free = this.concurrency - this.busy() - this.queued.size;
-      if (free <= 0) continue;
+      if (free <= 0) {
+        // Queued entries took the slots: no read comes until one frees, and the acknowledgements do not wait for it.
+        this.releaseAcks();
+        continue;
+      }
       let messages: Message[];
       this.readSentAt = Date.now();
       try {
