@@ -421,8 +421,9 @@ export class Worker {
       this.acksCarried = true;
       await this.freeSlot();
       // The handlers that can go on now run first (those a read just started mostly end at once), so that their
-      // slots are counted: else a read would fetch only for the slots the last one left free.
-      await new Promise<void>((resolve) => setImmediate(resolve));
+      // slots are counted: else a read would fetch only for the slots the last one left free. With every slot free
+      // the read goes at once: the sooner it follows the last reply, the less the server has gone to sleep.
+      if (this.busy() > 0) await new Promise<void>((resolve) => setImmediate(resolve));
       await this.settle();
       if (this.stopRequested) break;
       for (const [id, message] of this.queued) {
