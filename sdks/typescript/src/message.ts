@@ -3,20 +3,26 @@
  * `pelican-origin-id` and `pelican-deliveries` (on a requeued copy) come last, as the operator wrote them.
  */
 export class Message {
-  /** Field name (decoded as UTF-8) -> value; the first value when a name repeats. */
-  readonly fields: ReadonlyMap<string, Buffer>;
+  /** `fields`, made when first asked for (a handler that never looks costs no map). */
+  private byName: ReadonlyMap<string, Buffer> | undefined;
 
   constructor(
     readonly id: string,
     /** The raw field/value pairs, in order. */
     readonly pairs: ReadonlyArray<readonly [Buffer, Buffer]>,
-  ) {
-    const fields = new Map<string, Buffer>();
-    for (const [name, value] of pairs) {
-      const key = name.toString("utf8");
-      if (!fields.has(key)) fields.set(key, value);
+  ) {}
+
+  /** Field name (decoded as UTF-8) -> value; the first value when a name repeats. */
+  get fields(): ReadonlyMap<string, Buffer> {
+    if (!this.byName) {
+      const fields = new Map<string, Buffer>();
+      for (const [name, value] of this.pairs) {
+        const key = name.toString("utf8");
+        if (!fields.has(key)) fields.set(key, value);
+      }
+      this.byName = fields;
     }
-    this.fields = fields;
+    return this.byName;
   }
 
   /** A field's value as UTF-8 text. */

@@ -5,6 +5,7 @@
  * the only place that acknowledges.
  */
 import { setTimeout as sleep } from "node:timers/promises";
+import type { ChainableCommander } from "ioredis";
 
 import { connect, errorText, isReplyError, podName, type Connection, type RedisTarget } from "./connection.js";
 import { DELIVERIES_FIELD, ERROR_TEXT_MAX, consumersKey, errorsKey, settingsKey, terminalKey } from "./keys.js";
@@ -94,6 +95,9 @@ const READ_TIMEOUT_OVER_BLOCK_MS = 10_000;
 /** The longest a read waits for the slots of handlers whose outcomes are being written. */
 const SETTLE_WAIT_MS = 5;
 
+/** A requeued copy's field: the entry may have a last error. */
+const DELIVERIES = Buffer.from(DELIVERIES_FIELD);
+
 /** Why a handler's signal is aborted. */
 const GIVEN_BACK = "the shutdown grace ran out: the message was given back";
 const LOST = "the partition was lost: another member handles the message";
@@ -115,6 +119,8 @@ interface InFlight {
   finished: Promise<void>;
   /** The handler has returned: its outcome is being written. */
   settled: boolean;
+  /** Its `done` outcome waits for its XACK: its slot is free. */
+  acking: boolean;
   /** Given back on shutdown: its outcome is not written. */
   abandoned: boolean;
   /** Past `maxHandlingMs`: no longer leased (said once). */
@@ -196,6 +202,15 @@ export class Worker {
   private leaseTimer: NodeJS.Timeout | undefined;
   /** `done` outcomes of handlers that finished together: acknowledged in one XACK (see `ack`). */
   private pendingAcks: PendingAck[] = [];
+  /**
+   * The read loop reads again soon, without blocking: that read carries the XACK of what waits in `pendingAcks`
+   * (one round trip for the acknowledgements and the read, as in a hand-written loop). Else the writer writes them.
+   */
+  private acksCarried = false;
+  /** A write of `pendingAcks` on the writer is due at the next turn of the event loop. */
+  private ackWriteDue = false;
+  /** Entries in flight whose slots are free: their `done` outcomes wait for the XACK. */
+  private acking = 0;
   /** Wakes the read loop when a handler finishes or the worker stops. */
   private wake: (() => void) | undefined;
   /** Said once each: a settings read refused, a settings read failed. */
@@ -350,6 +365,7 @@ export class Worker {
     });
     this.measure.landed(this.inFlight.size);
     this.inFlight.clear();
+    this.acking = 0;
     this.queued.clear();
   }
 
@@ -401,29 +417,40 @@ export class Worker {
     let waitingForGroup = false;
     let groupWait = 1000;
     while (!this.stopRequested) {
+      // The acknowledgements of the handlers that free slots wait for the next read, which comes soon.
+      this.acksCarried = true;
       await this.freeSlot();
+      // The handlers that can go on now run first (those a read just started mostly end at once), so that their
+      // slots are counted: else a read would fetch only for the slots the last one left free. With every slot free
+      // the read goes at once: the sooner it follows the last reply, the less the server has gone to sleep.
+      if (this.busy() > 0) await new Promise<void>((resolve) => setImmediate(resolve));
       await this.settle();
       if (this.stopRequested) break;
       for (const [id, message] of this.queued) {
-        if (this.inFlight.size >= this.concurrency) break;
+        if (this.busy() >= this.concurrency) break;
         this.queued.delete(id);
         this.start(message, handler);
       }
-      const free = this.concurrency - this.inFlight.size - this.queued.size;
-      if (free <= 0) continue;
+      const free = this.concurrency - this.busy() - this.queued.size;
+      if (free <= 0) {
+        // Queued entries took the slots: no read comes until one frees, and the acknowledgements do not wait for it.
+        this.releaseAcks();
+        continue;
+      }
       let messages: Message[];
       this.readSentAt = Date.now();
       try {
         if (cursor !== undefined) {
-          const read = await this.readEntries(free, cursor);
+          const read = await this.read(free, cursor);
           cursor = read.last;
           messages = read.messages;
           this.ownPelRead = cursor === undefined;
         } else {
-          messages = (await this.readEntries(free, ">")).messages;
+          messages = (await this.read(free, ">")).messages;
         }
       } catch (error) {
         this.readSentAt = undefined;
+        this.releaseAcks();
         if (this.lost) break;
         if (isReplyError(error) && error.message.startsWith("NOGROUP")) {
           // The group is the operator's to create: wait for it, never create it.
@@ -450,6 +477,12 @@ export class Worker {
       this.handOut(messages, handler);
       this.readSentAt = undefined;
     }
+    this.releaseAcks();
+  }
+
+  /** Slots taken: handlers running, and outcomes other than `done` being written. */
+  private busy(): number {
+    return this.inFlight.size - this.acking;
   }
 
   /** Starts a handler for each message while slots are free (and the worker runs), and queues the rest. */
@@ -457,25 +490,24 @@ export class Worker {
     for (const message of messages) {
       // A hand-over and a read that brought the same entry: handled once.
       if (this.inFlight.has(message.id) || this.queued.has(message.id)) continue;
-      if (this.inFlight.size < this.concurrency && !this.stopRequested) this.start(message, handler);
+      if (this.busy() < this.concurrency && !this.stopRequested) this.start(message, handler);
       else this.queued.set(message.id, message);
     }
   }
 
   private async freeSlot(): Promise<void> {
-    while (this.inFlight.size >= this.concurrency && !this.stopRequested) {
+    while (this.busy() >= this.concurrency && !this.stopRequested) {
       await new Promise<void>((resolve) => (this.wake = resolve));
     }
   }
 
   /**
-   * Handlers whose outcomes are being written free their slots once the writes are answered (one XACK for all
-   * that finished together): wait a little for them, so that one read fetches for them all rather than a read
-   * for each few.
+   * Handlers whose outcomes other than `done` are being written free their slots once the writes are answered:
+   * wait a little for them, so that one read fetches for them all rather than a read for each few.
    */
   private async settle(): Promise<void> {
     const settledBy = Date.now() + SETTLE_WAIT_MS;
-    while (!this.stopRequested && this.inFlight.size > 0 && Date.now() < settledBy) {
+    while (!this.stopRequested && this.busy() > 0 && Date.now() < settledBy) {
       if (!this.anySettling()) return;
       let timer: NodeJS.Timeout | undefined;
       await new Promise<void>((resolve) => {
@@ -487,7 +519,7 @@ export class Worker {
   }
 
   private anySettling(): boolean {
-    for (const entry of this.inFlight.values()) if (entry.settled) return true;
+    for (const entry of this.inFlight.values()) if (entry.settled && !entry.acking) return true;
     return false;
   }
 
@@ -497,27 +529,70 @@ export class Worker {
   }
 
   /**
+   * A read (see `readEntries`) that carries the XACK of the `done` outcomes waiting, in one round trip: sent before
+   * a read that does not block (an XACK never waits behind a blocking read), the blocking read following when that
+   * one brought nothing. Without acknowledgements to carry, a read of new entries blocks at once, and the writer
+   * sends what the handlers finish meanwhile. An XACK whose connection failed is sent again by the writer.
+   */
+  private async read(count: number, from: string): Promise<{ messages: Message[]; last: string | undefined }> {
+    const carried = this.pendingAcks;
+    if (carried.length === 0) {
+      if (from === ">") this.releaseAcks();
+      return this.readEntries(count, from, from === ">");
+    }
+    this.pendingAcks = [];
+    const pipeline = this.ackCommands(this.readerConn().pipeline(), carried);
+    let replies: Array<[error: Error | null, result: unknown]>;
+    try {
+      replies = (await pipeline.callBuffer(...this.readArgs(count, from, false)).exec()) ?? [];
+    } catch (error) {
+      this.carriedFailed(carried, error);
+      throw error;
+    }
+    const [acked, read] = [replies[0], replies.at(-1)];
+    if (!acked || !read) {
+      const error = new Error("a pipeline of an XACK and a read answered otherwise");
+      this.carriedFailed(carried, error);
+      throw error;
+    }
+    if (acked[0]) this.carriedFailed(carried, acked[0]);
+    else for (const pending of carried) pending.written(undefined);
+    if (read[0]) throw read[0];
+    const entries = parseStreams(read[1]);
+    if (entries.length === 0 && from === ">") {
+      this.releaseAcks();
+      return this.readEntries(count, from, true);
+    }
+    return messagesOf(entries);
+  }
+
+  /** The carried XACK failed: refused (nothing written), or its connection failed (the writer sends it again). */
+  private carriedFailed(carried: PendingAck[], error: unknown): void {
+    if (isReplyError(error)) {
+      for (const pending of carried) pending.written(error);
+      return;
+    }
+    this.pendingAcks.push(...carried);
+    this.writeAcksSoon();
+  }
+
+  /**
    * `XREADGROUP` of up to `count` entries after `from`: `0` and on reads the own PEL (`last`: where to go on, none
-   * once it is empty), `>` new entries, blocking up to `blockMs`. An own entry without fields (its payload was
+   * once it is empty), `>` new entries, `blocking` up to `blockMs`. An own entry without fields (its payload was
    * deleted) is no message: skipped, the pass drops it.
    */
-  private async readEntries(count: number, from: string): Promise<{ messages: Message[]; last: string | undefined }> {
-    const block = from === ">" ? ["BLOCK", this.blockMs] : [];
-    const reply = await this.readerConn().callBuffer(
-      "XREADGROUP",
-      "GROUP",
-      this.group,
-      this.consumer,
-      "COUNT",
-      count,
-      ...block,
-      "STREAMS",
-      this.stream,
-      from,
-    );
-    const entries = parseStreams(reply);
-    const messages = entries.flatMap(([id, pairs]) => (pairs ? [new Message(id, pairs)] : []));
-    return { messages, last: entries.at(-1)?.[0] };
+  private async readEntries(
+    count: number,
+    from: string,
+    blocking: boolean,
+  ): Promise<{ messages: Message[]; last: string | undefined }> {
+    return messagesOf(parseStreams(await this.readerConn().callBuffer(...this.readArgs(count, from, blocking))));
+  }
+
+  /** `readEntries`' command and its arguments. */
+  private readArgs(count: number, from: string, blocking: boolean): [string, ...Array<string | number>] {
+    const block = blocking ? ["BLOCK", this.blockMs] : [];
+    return ["XREADGROUP", "GROUP", this.group, this.consumer, "COUNT", count, ...block, "STREAMS", this.stream, from];
   }
 
   /**
@@ -525,7 +600,7 @@ export class Worker {
    * the own PEL was read to its end (that read brings them) nor after the stop.
    */
   private async takeUp(): Promise<void> {
-    const free = this.concurrency - this.inFlight.size - this.queued.size;
+    const free = this.concurrency - this.busy() - this.queued.size;
     if (free <= 0 || !this.ownPelRead || this.stopRequested || !this.handler) return;
     try {
       this.handOut(await this.takeHandedOver(free), this.handler);
@@ -587,7 +662,7 @@ export class Worker {
     // An entry deleted from the stream while pending has no payload to handle: the pass drops it.
     return ranges.flatMap(([error, reply]) => {
       if (error) throw error;
-      return parseEntries(reply).flatMap(([id, pairs]) => (pairs ? [new Message(id, pairs)] : []));
+      return messagesOf(parseEntries(reply)).messages;
     });
   }
 
@@ -597,6 +672,7 @@ export class Worker {
       abort: undefined,
       finished: Promise.resolve(),
       settled: false,
+      acking: false,
       abandoned: false,
       overdue: false,
     };
@@ -610,7 +686,10 @@ export class Worker {
     try {
       await this.handle(message, handler, entry);
     } finally {
-      if (this.inFlight.delete(message.id)) this.measure.landed(1);
+      if (this.inFlight.delete(message.id)) {
+        if (entry.acking) this.acking--;
+        this.measure.landed(1);
+      }
       this.wake?.();
     }
   }
@@ -631,7 +710,7 @@ export class Worker {
     if (entry.abandoned) return;
     switch (outcome.kind) {
       case "done":
-        return this.ack(message, ran());
+        return this.ack(message, entry, ran());
       case "terminal":
         return this.ackTerminal(message.id, outcome.reason, ran());
       case "retry":
@@ -640,43 +719,63 @@ export class Worker {
   }
 
   /**
-   * Acknowledges with the handlers that finished together: one `XACK` for them all (after a turn of the event
-   * loop, which lets them join), with `HDEL errors` for those that may have a last error in the same round trip.
+   * Acknowledges with the handlers that finished together: one `XACK` for them all, with `HDEL errors` for those
+   * that may have a last error in the same round trip. The slot is free at once: the read loop's next read carries
+   * the XACK when it comes soon, else the writer sends it after a turn of the event loop (which lets the others
+   * join). Counted `done` once the XACK is answered.
    */
-  private async ack(message: Message, seconds: number): Promise<void> {
+  private async ack(message: Message, entry: InFlight, seconds: number): Promise<void> {
     const id = message.id;
     // A message that failed before (here, or elsewhere before it was requeued as a copy) may have a last error.
-    const clearError = this.errorsRecorded.delete(id) || message.fields.has(DELIVERIES_FIELD);
+    const clearError = this.errorsRecorded.delete(id) || message.pairs.some(([name]) => name.equals(DELIVERIES));
     const error = await new Promise<unknown>((written) => {
-      if (this.pendingAcks.length === 0) setImmediate(() => void this.writeAcks());
       this.pendingAcks.push({ id, clearError, written });
+      if (!this.acksCarried) this.writeAcksSoon();
+      entry.acking = true;
+      this.acking++;
+      this.wake?.();
     });
     if (error === undefined) this.count("done", seconds);
     else this.writeFailed("XACK", id, error, seconds);
   }
 
+  /** No read comes soon (a blocking one is sent, the read loop waits or ends): the writer sends what waits. */
+  private releaseAcks(): void {
+    this.acksCarried = false;
+    if (this.pendingAcks.length > 0) this.writeAcksSoon();
+  }
+
+  private writeAcksSoon(): void {
+    if (this.ackWriteDue) return;
+    this.ackWriteDue = true;
+    setImmediate(() => {
+      this.ackWriteDue = false;
+      void this.writeAcks();
+    });
+  }
+
   /** Sends the pending acknowledgements in one round trip and answers each with the error, if any. */
   private async writeAcks(): Promise<void> {
     const batch = this.pendingAcks;
+    if (batch.length === 0) return;
     this.pendingAcks = [];
-    const ids = batch.map((pending) => pending.id);
-    const cleared = batch.filter((pending) => pending.clearError).map((pending) => pending.id);
     const writer = this.writerConn();
     let error: unknown;
     try {
-      if (cleared.length === 0) await writer.xack(this.stream, this.group, ...ids);
-      else {
-        const replies = await writer
-          .pipeline()
-          .xack(this.stream, this.group, ...ids)
-          .hdel(this.errorsKey(), ...cleared)
-          .exec();
-        error = replies?.[0]?.[0] ?? undefined;
-      }
+      const replies = await this.ackCommands(writer.pipeline(), batch).exec();
+      error = replies?.[0]?.[0] ?? undefined;
     } catch (failure) {
       error = failure;
     }
     for (const pending of batch) pending.written(error);
+  }
+
+  /** Adds the XACK of `batch` to `pipeline`, and the HDEL of the last errors of those that may have one. */
+  private ackCommands(pipeline: ChainableCommander, batch: readonly PendingAck[]): ChainableCommander {
+    pipeline.xack(this.stream, this.group, ...batch.map((pending) => pending.id));
+    const cleared = batch.filter((pending) => pending.clearError).map((pending) => pending.id);
+    if (cleared.length > 0) pipeline.hdel(this.errorsKey(), ...cleared);
+    return pipeline;
   }
 
   private async ackTerminal(id: string, reason: string, seconds: number): Promise<void> {
@@ -949,24 +1048,37 @@ export function chunks<T>(items: readonly T[], size: number): T[][] {
 
 type Entry = [id: string, pairs: Array<[Buffer, Buffer]> | null];
 
+/** A read's entries as messages (an entry without fields has no payload: skipped), and the last entry's id. */
+function messagesOf(entries: Entry[]): { messages: Message[]; last: string | undefined } {
+  const messages: Message[] = [];
+  for (const [id, pairs] of entries) if (pairs) messages.push(new Message(id, pairs));
+  return { messages, last: entries.at(-1)?.[0] };
+}
+
 /** `XREADGROUP`'s `[[stream, entries]]`, or nil, as entries. */
 export function parseStreams(reply: unknown): Entry[] {
   if (!Array.isArray(reply)) return [];
-  return reply.flatMap((stream: unknown) => (Array.isArray(stream) ? parseEntries(stream[1]) : []));
+  const entries: Entry[] = [];
+  for (const stream of reply as unknown[]) if (Array.isArray(stream)) parseEntries(stream[1], entries);
+  return entries;
 }
 
-/** `[[id, [field, value, ...] | nil], ...]` as entries; nil fields for a deleted payload. */
-function parseEntries(reply: unknown): Entry[] {
-  if (!Array.isArray(reply)) return [];
-  return reply.flatMap((item: unknown): Entry[] => {
-    if (!Array.isArray(item)) return [];
+/** `[[id, [field, value, ...] | nil], ...]` as entries (added to `into`); nil fields for a deleted payload. */
+function parseEntries(reply: unknown, into: Entry[] = []): Entry[] {
+  if (!Array.isArray(reply)) return into;
+  for (const item of reply as unknown[]) {
+    if (!Array.isArray(item)) continue;
     const [id, flat] = item as [unknown, unknown];
-    if (!Buffer.isBuffer(id)) return [];
-    if (!Array.isArray(flat)) return [[id.toString(), null]];
+    if (!Buffer.isBuffer(id)) continue;
+    if (!Array.isArray(flat)) {
+      into.push([id.toString(), null]);
+      continue;
+    }
     const pairs: Array<[Buffer, Buffer]> = [];
     for (let i = 0; i + 1 < flat.length; i += 2) pairs.push([toBuffer(flat[i]), toBuffer(flat[i + 1])]);
-    return [[id.toString(), pairs]];
-  });
+    into.push([id.toString(), pairs]);
+  }
+  return into;
 }
 
 function toBuffer(value: unknown): Buffer {

@@ -196,6 +196,38 @@ test("concurrency bounds the handlers running at once", async () => {
   assert.equal(most, 4);
 });
 
+test("the acknowledgements ride on the next read, and a read fetches for every slot its handlers freed", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, SETTINGS);
+  for (let i = 0; i < 64; i++) await admin.xadd(stream, "*", "n", String(i));
+  const seen: Array<{ source: string; args: string[] }> = [];
+  const monitor = await admin.monitor();
+  monitor.on("monitor", (_time: string, args: string[], source: string) => {
+    if (args[1] === stream || args.includes(stream)) seen.push({ source, args });
+  });
+  try {
+    const worker = workerFor(stream, { concurrency: 16 });
+    start(worker, async (message) => {
+      // Handlers that end a few turns apart, without waiting for anything outside the process.
+      for (let i = Number(message.field("n")) % 8; i > 0; i--) await Promise.resolve();
+      return done();
+    });
+    await waitFor("64 handled", () => worker.stats().done === 64);
+    await worker.stop();
+  } finally {
+    monitor.disconnect();
+  }
+  const reads = seen.filter(({ args }) => args[0]?.toUpperCase() === "XREADGROUP" && args.at(-1) === ">");
+  const acks = seen.filter(({ args }) => args[0]?.toUpperCase() === "XACK");
+  assert.ok(reads.length > 0);
+  // Every read of new entries asks for all 16 slots: the handlers a read started have ended before the next counts.
+  assert.deepEqual(new Set(reads.map(({ args }) => args[args.indexOf("COUNT") + 1])), new Set(["16"]));
+  // One XACK a read's batch, sent by the reading connection with the next read: one round trip for both.
+  assert.equal(acks.length, 4);
+  assert.ok(acks.every(({ source }) => source === reads[0]?.source));
+  assert.deepEqual(await pending(admin, stream, group), []);
+});
+
 /** The entry's idle time every 100 ms from `from` until `until` (ms since the epoch). */
 async function idleSamples(stream: string, id: string, from: number, until: number): Promise<number[]> {
   const samples: number[] = [];
