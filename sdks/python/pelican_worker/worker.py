@@ -153,7 +153,11 @@ class Worker:
         # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
         self._failed_here: dict[str, float] = {}
         self._errors_recorded: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Entry id -> its handler's task, until the task ends (it takes itself out).
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Set once the worker cancels handlers (the grace's end, a lost partition, run's end): until then a handler
+        # that returns was not cancelled by the worker, and the check is skipped.
+        self._cancelling = False
         # The writer's calls while running: a lost partition drops the ACKs waiting there.
         self._calls: _Writer | None = None
         self._stop = asyncio.Event()
@@ -183,8 +187,7 @@ class Worker:
             log.warning("partition lost: stopped at once, its messages left to the new owner", extra=self._where())
         self._aborted = True
         self._request_stop()
-        for task in self._tasks:
-            task.cancel()
+        self._cancel(self._tasks.values())
         if self._calls is not None:
             for ack in self._calls.take_acks():
                 self._land(ack.entry_id)
@@ -216,7 +219,7 @@ class Worker:
                 f"block ({self.block} s) must be below the socket_timeout of the factory's clients ({read_timeout} s): "
                 "the client would give up on every blocking read"
             )
-        self._running, self._fatal, self._own_pel_read = True, None, False
+        self._running, self._fatal, self._own_pel_read, self._cancelling = True, None, False, False
         self._stop, self._done = asyncio.Event(), asyncio.Event()
         writer = make_client(self._redis, socket_timeout=10.0, resend=True)
         self._calls = calls = _Writer(writer, self.stream, self.group, self.consumer)
@@ -231,7 +234,8 @@ class Worker:
         finally:
             self._done.set()
             background = [t for t in (bridge, leases, calls.flusher) if t is not None]
-            for task in (*background, *self._tasks):
+            self._cancel(self._tasks.values())
+            for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await reader.aclose()
@@ -482,21 +486,17 @@ class Worker:
             self._abort()
         if self._aborted:
             return
-        self._in_flight[message.id] = asyncio.get_running_loop().time()
-        self._meter.started()
-        task = asyncio.create_task(self._dispatch(handler, calls, message))
-        self._tasks.add(task)
-        task.add_done_callback(self._forget)
-
-    def _forget(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self._wake.set()
-        if not task.cancelled():
-            # Retrieved: a KeyboardInterrupt or SystemExit of a handler has stopped the loop already.
-            task.exception()
-
-    async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
         started = asyncio.get_running_loop().time()
+        self._in_flight[message.id] = started
+        self._meter.started()
+        self._tasks[message.id] = asyncio.create_task(self._dispatch(handler, calls, message, started))
+
+    def _cancel(self, tasks: Iterable[asyncio.Task[None]]) -> None:
+        self._cancelling = True
+        for task in tasks:
+            task.cancel()
+
+    async def _dispatch(self, handler: Handler, calls: _Writer, message: Message, started: float) -> None:
         # A done message lands once its XACK is answered, after its task ended (its slot freed for the next read).
         acking = False
         try:
@@ -519,9 +519,13 @@ class Worker:
                 self._settle(message.id)
                 await self._fail(calls, message.id, error, self._since(started))
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    # Retrieved once it ends: it has stopped the loop already.
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.add_done_callback(lambda ended: ended.exception())
                     raise
                 return
-            if _cancelled_by_the_worker() or self._aborted:
+            if self._aborted or (self._cancelling and _cancelled_by_the_worker()):
                 # The handler swallowed the cancellation at the end of the grace, or the partition was lost: its
                 # outcome is not written.
                 return
@@ -538,6 +542,8 @@ class Worker:
             self._in_flight.pop(message.id, None)
             if not acking:
                 self._land(message.id)
+            self._tasks.pop(message.id, None)
+            self._wake.set()
 
     @staticmethod
     def _since(started: float) -> float:
@@ -724,14 +730,13 @@ class Worker:
         self._queued.clear()
         if self._aborted:
             if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=CANCEL_WAIT)
+                await asyncio.wait(set(self._tasks.values()), timeout=CANCEL_WAIT)
             return
         if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
+            _, pending = await asyncio.wait(set(self._tasks.values()), timeout=self.shutdown_grace)
             if pending:
                 left += list(self._in_flight)
-                for task in pending:
-                    task.cancel()
+                self._cancel(pending)
                 # A handler that swallows its cancellation is not waited for: the give-back leaves it nothing to ACK.
                 await asyncio.wait(pending, timeout=CANCEL_WAIT)
         # What finished is acknowledged before the give-back, which deletes the consumer only once it owns nothing.
