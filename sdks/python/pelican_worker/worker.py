@@ -380,7 +380,7 @@ class Worker:
             found = _messages(read_entries(await self._read_carrying(reader, calls, count, ">")), self._partition)
             if found:
                 return found
-            calls.release()
+        calls.release()
         block_ms = max(1, round(self.block * 1000))
         reply = await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
