@@ -294,7 +294,7 @@ class Worker:
             # The ACKs of handlers that end from here on ride on the next read.
             calls.carried = True
             while self._queued and self._free_slots() > 0:
-                self._start(handler, calls, self._queued.pop(next(iter(self._queued))))
+                self._start(handler, calls, self._queued.pop(next(iter(self._queued))), self._now())
             free = self._free_slots() - len(self._queued)
             if free <= 0:
                 if calls.waiting:  # messages queued for a slot go first: no read comes to carry these
@@ -357,11 +357,13 @@ class Worker:
 
     def _hand_out(self, handler: Handler, calls: _Writer, messages: Iterable[Message]) -> None:
         """Starts a handler for each message while slots are free, and queues the rest."""
+        # One clock read for the batch: the handlers start in this same turn of the loop.
+        now = self._now()
         for message in messages:
             if message.id in self._in_flight or message.id in self._settling or message.id in self._queued:
                 continue  # a hand-over and a read that brought the same entry: handled once
             if self._free_slots() > 0 and not self._stop.is_set():
-                self._start(handler, calls, message)
+                self._start(handler, calls, message, now)
             else:
                 self._queued[message.id] = message
 
@@ -478,7 +480,7 @@ class Worker:
 
     # Dispatch: the only place that acknowledges
 
-    def _start(self, handler: Handler, calls: _Writer, message: Message) -> None:
+    def _start(self, handler: Handler, calls: _Writer, message: Message, started: float) -> None:
         if self._fresh is not None and not self._fresh():
             log.warning(
                 "no membership heartbeat answered within the ttl: the partition may be another's", extra=self._where()
@@ -486,7 +488,6 @@ class Worker:
             self._abort()
         if self._aborted:
             return
-        started = asyncio.get_running_loop().time()
         self._in_flight[message.id] = started
         self._meter.started()
         self._tasks[message.id] = asyncio.create_task(self._dispatch(handler, calls, message, started))
@@ -544,6 +545,10 @@ class Worker:
                 self._land(message.id)
             self._tasks.pop(message.id, None)
             self._wake.set()
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
 
     @staticmethod
     def _since(started: float) -> float:
