@@ -16,8 +16,10 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
@@ -67,8 +69,6 @@ LEASE_BATCH = 100
 HAND_OVER_MARGIN = 1.0
 #: How many ids whose last error this worker recorded it remembers, to remove the error with their ACK.
 ERRORS_REMEMBERED = 10_000
-#: The longest a read waits for the slots of handlers whose outcomes are being written.
-SETTLE_WAIT = 0.005
 #: How long handlers cancelled at the end of the grace are waited for before their entries are given back.
 CANCEL_WAIT = 1.0
 #: The shortest ``block``: 1 ms (``BLOCK 0`` waits for ever on the server while the client gives up).
@@ -153,7 +153,13 @@ class Worker:
         # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
         self._failed_here: dict[str, float] = {}
         self._errors_recorded: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Entry id -> its handler's task, until the task ends (it takes itself out).
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Set once the worker cancels handlers (the grace's end, a lost partition, run's end): until then a handler
+        # that returns was not cancelled by the worker, and the check is skipped.
+        self._cancelling = False
+        # The writer's calls while running: a lost partition drops the ACKs waiting there.
+        self._calls: _Writer | None = None
         self._stop = asyncio.Event()
         # Set when a handler's task ends or the worker stops: wakes the read loop waiting for slots.
         self._wake = asyncio.Event()
@@ -181,8 +187,10 @@ class Worker:
             log.warning("partition lost: stopped at once, its messages left to the new owner", extra=self._where())
         self._aborted = True
         self._request_stop()
-        for task in self._tasks:
-            task.cancel()
+        self._cancel(self._tasks.values())
+        if self._calls is not None:
+            for ack in self._calls.take_acks():
+                self._land(ack.entry_id)
 
     @property
     def stats(self) -> WorkerStats:
@@ -211,10 +219,10 @@ class Worker:
                 f"block ({self.block} s) must be below the socket_timeout of the factory's clients ({read_timeout} s): "
                 "the client would give up on every blocking read"
             )
-        self._running, self._fatal, self._own_pel_read = True, None, False
+        self._running, self._fatal, self._own_pel_read, self._cancelling = True, None, False, False
         self._stop, self._done = asyncio.Event(), asyncio.Event()
         writer = make_client(self._redis, socket_timeout=10.0, resend=True)
-        calls = _Writer(writer, self.stream, self.group, self.consumer)
+        self._calls = calls = _Writer(writer, self.stream, self.group, self.consumer)
         bridge = asyncio.create_task(self._follow(stop)) if stop is not None else None
         leases: asyncio.Task[None] | None = None
         try:
@@ -226,12 +234,13 @@ class Worker:
         finally:
             self._done.set()
             background = [t for t in (bridge, leases, calls.flusher) if t is not None]
-            for task in (*background, *self._tasks):
+            self._cancel(self._tasks.values())
+            for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await reader.aclose()
             await writer.aclose()
-            self._running = False
+            self._running, self._calls = False, None
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -282,22 +291,26 @@ class Worker:
         cursor: str | None = "0"  # own PEL first: entries delivered to this name before a restart
         nogroup_wait: float | None = None
         while not self._stop.is_set():
+            # The ACKs of handlers that end from here on ride on the next read.
+            calls.carried = True
             while self._queued and self._free_slots() > 0:
-                self._start(handler, calls, self._queued.pop(next(iter(self._queued))))
+                self._start(handler, calls, self._queued.pop(next(iter(self._queued))), self._now())
             free = self._free_slots() - len(self._queued)
             if free <= 0:
+                if calls.waiting:  # messages queued for a slot go first: no read comes to carry these
+                    calls.release()
                 await self._slot_freed()
-                await self._settled()
                 continue
             self._read_sent_at = asyncio.get_running_loop().time()
             try:
                 if cursor is not None:
-                    found, cursor = await self._read_own(reader, free, cursor)
+                    found, cursor = await self._read_own(reader, calls, free, cursor)
                     self._own_pel_read = cursor is None
                 else:
-                    found = await self._read_new(reader, free)
+                    found = await self._read_new(reader, calls, free)
             except ResponseError as error:
                 self._read_sent_at = None
+                calls.release()
                 if not str(error).startswith("NOGROUP"):
                     log.warning("read refused; retrying: %s", error, extra=self._where())
                     await self._sleep(0.5)
@@ -316,6 +329,7 @@ class Worker:
                 continue
             except (RedisError, OSError) as error:
                 self._read_sent_at = None
+                calls.release()
                 log.warning("read failed; retrying: %s", error, extra=self._where())
                 await self._sleep(0.5)
                 continue
@@ -324,9 +338,11 @@ class Worker:
                 nogroup_wait = None
             if self._stop.is_set():
                 # The read was sent before the stop, and the server delivered to this consumer all the same.
+                calls.release()
                 return [message.id for message in found]
             self._hand_out(handler, calls, found)
             self._read_sent_at = None
+        calls.release()
         return []
 
     async def _slot_freed(self) -> None:
@@ -335,47 +351,65 @@ class Worker:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _settled(self) -> None:
-        """Handlers whose outcomes are being written free their slots once the writes are answered (one XACK for
-        all that finished together): waits a little for them, so that one read fetches for them all rather than a
-        read for each few."""
-        settled_by = asyncio.get_running_loop().time() + SETTLE_WAIT
-        while self._settling and not self._stop.is_set():
-            self._wake.clear()
-            remaining = settled_by - asyncio.get_running_loop().time()
-            if remaining <= 0 or not await self._wait(self._wake, remaining):
-                return
-
     def _free_slots(self) -> int:
         """Handlers that may start now."""
         return self.concurrency - len(self._tasks)
 
     def _hand_out(self, handler: Handler, calls: _Writer, messages: Iterable[Message]) -> None:
         """Starts a handler for each message while slots are free, and queues the rest."""
+        # One clock read for the batch: the handlers start in this same turn of the loop.
+        now = self._now()
         for message in messages:
             if message.id in self._in_flight or message.id in self._settling or message.id in self._queued:
                 continue  # a hand-over and a read that brought the same entry: handled once
             if self._free_slots() > 0 and not self._stop.is_set():
-                self._start(handler, calls, message)
+                self._start(handler, calls, message, now)
             else:
                 self._queued[message.id] = message
 
-    async def _read_own(self, reader: Client, count: int, cursor: str) -> tuple[list[Message], str | None]:
-        reply = await raw_command(
-            reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.stream, cursor
-        )
-        found = read_entries(reply)
+    async def _read_own(
+        self, reader: Client, calls: _Writer, count: int, cursor: str
+    ) -> tuple[list[Message], str | None]:
+        found = read_entries(await self._read_carrying(reader, calls, count, cursor))
         if not found:
             return [], None
         return _messages(found, self._partition), found[-1][0]
 
-    async def _read_new(self, reader: Client, count: int) -> list[Message]:
+    async def _read_new(self, reader: Client, calls: _Writer, count: int) -> list[Message]:
+        """New entries: a read that does not block carries the ACKs waiting, and when it brings nothing (or none
+        wait) the blocking read follows, the ACKs from then on left to the flusher (they never wait behind it)."""
+        if calls.waiting:
+            found = _messages(read_entries(await self._read_carrying(reader, calls, count, ">")), self._partition)
+            if found:
+                return found
+        calls.release()
         block_ms = max(1, round(self.block * 1000))
         reply = await raw_command(
             reader, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
             "STREAMS", self.stream, ">",
         )  # fmt: skip
         return _messages(read_entries(reply), self._partition)
+
+    async def _read_carrying(self, reader: Client, calls: _Writer, count: int, cursor: str) -> Any:
+        """``XREADGROUP`` from ``cursor`` without blocking, after the ``XACK`` of the ACKs waiting in the same round
+        trip (a hand-written loop's two commands in one); answers the read's reply."""
+        acks = calls.take_acks()
+        read = ("XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count, "STREAMS", self.stream, cursor)
+        if not acks:
+            return await raw_command(reader, *read)
+        pipe = reader.pipeline(transaction=False)
+        calls.queue_acks(pipe, acks)
+        queue_raw(pipe, *read)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except BaseException as error:
+            calls.settle(acks, error)
+            raise
+        acked, reply = replies[0], replies[-1]
+        calls.settle(acks, acked if isinstance(acked, Exception) else None)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     async def _take_up(self, handler: Handler, calls: _Writer) -> None:
         """Takes up as many hand-overs as slots are free and starts their handlers; the rest at the next tick. Not
@@ -446,7 +480,7 @@ class Worker:
 
     # Dispatch: the only place that acknowledges
 
-    def _start(self, handler: Handler, calls: _Writer, message: Message) -> None:
+    def _start(self, handler: Handler, calls: _Writer, message: Message, started: float) -> None:
         if self._fresh is not None and not self._fresh():
             log.warning(
                 "no membership heartbeat answered within the ttl: the partition may be another's", extra=self._where()
@@ -454,21 +488,18 @@ class Worker:
             self._abort()
         if self._aborted:
             return
-        self._in_flight[message.id] = asyncio.get_running_loop().time()
+        self._in_flight[message.id] = started
         self._meter.started()
-        task = asyncio.create_task(self._dispatch(handler, calls, message))
-        self._tasks.add(task)
-        task.add_done_callback(self._forget)
+        self._tasks[message.id] = asyncio.create_task(self._dispatch(handler, calls, message, started))
 
-    def _forget(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self._wake.set()
-        if not task.cancelled():
-            # Retrieved: a KeyboardInterrupt or SystemExit of a handler has stopped the loop already.
-            task.exception()
+    def _cancel(self, tasks: Iterable[asyncio.Task[None]]) -> None:
+        self._cancelling = True
+        for task in tasks:
+            task.cancel()
 
-    async def _dispatch(self, handler: Handler, calls: _Writer, message: Message) -> None:
-        started = asyncio.get_running_loop().time()
+    async def _dispatch(self, handler: Handler, calls: _Writer, message: Message, started: float) -> None:
+        # A done message lands once its XACK is answered, after its task ended (its slot freed for the next read).
+        acking = False
         try:
             try:
                 with processing(self, message) as run:
@@ -489,24 +520,35 @@ class Worker:
                 self._settle(message.id)
                 await self._fail(calls, message.id, error, self._since(started))
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    # Retrieved once it ends: it has stopped the loop already.
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.add_done_callback(lambda ended: ended.exception())
                     raise
                 return
-            if _cancelled_by_the_worker() or self._aborted:
+            if self._aborted or (self._cancelling and _cancelled_by_the_worker()):
                 # The handler swallowed the cancellation at the end of the grace, or the partition was lost: its
                 # outcome is not written.
                 return
             self._settle(message.id)
             ran = self._since(started)
             if outcome.kind == "done":
-                await self._ack(calls, message, ran)
+                self._ack(calls, message, ran)
+                acking = True
             elif outcome.kind == "terminal":
                 await self._ack_terminal(calls, message.id, str(outcome.reason), ran)
             else:
                 await self._give_back_for_retry(calls, message.id, ran)
         finally:
             self._in_flight.pop(message.id, None)
-            self._settling.discard(message.id)
-            self._meter.landed()
+            if not acking:
+                self._land(message.id)
+            self._tasks.pop(message.id, None)
+            self._wake.set()
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
 
     @staticmethod
     def _since(started: float) -> float:
@@ -524,16 +566,25 @@ class Worker:
         self._in_flight.pop(entry_id, None)
         self._settling.add(entry_id)
 
-    async def _ack(self, calls: _Writer, message: Message, ran: float) -> None:
+    def _land(self, entry_id: str) -> None:
+        """The entry's outcome is written (or left to the pass): out of flight."""
+        self._settling.discard(entry_id)
+        self._meter.landed()
+
+    def _ack(self, calls: _Writer, message: Message, ran: float) -> None:
+        """Queues the entry's XACK; it is counted, and lands, once the XACK is answered."""
         # A message that failed before (here, or elsewhere before it was requeued) may have a last error to remove.
         recorded = message.id in self._errors_recorded or message.field(DELIVERIES_FIELD) is not None
         self._errors_recorded.discard(message.id)
-        try:
-            await calls.ack(message.id, clear_error=recorded)
-        except RedisError as error:
-            self._ack_failed("XACK", message.id, error, ran)
-            return
-        self._count("done", ran)
+
+        def written(failure: BaseException | None) -> None:
+            if failure is None:
+                self._count("done", ran)
+            else:
+                self._ack_failed("XACK", message.id, failure, ran)
+            self._land(message.id)
+
+        calls.queue_ack(message.id, recorded, written)
 
     async def _ack_terminal(self, calls: _Writer, entry_id: str, reason: str, ran: float) -> None:
         log.warning(
@@ -552,7 +603,7 @@ class Worker:
             return
         self._count("terminal", ran)
 
-    def _ack_failed(self, what: str, entry_id: str, error: RedisError, ran: float) -> None:
+    def _ack_failed(self, what: str, entry_id: str, error: BaseException, ran: float) -> None:
         if isinstance(error, ResponseError):
             log.warning("%s of %s refused; the message stays pending: %s", what, entry_id, error, extra=self._where())
         else:
@@ -684,16 +735,17 @@ class Worker:
         self._queued.clear()
         if self._aborted:
             if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=CANCEL_WAIT)
+                await asyncio.wait(set(self._tasks.values()), timeout=CANCEL_WAIT)
             return
         if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_grace)
+            _, pending = await asyncio.wait(set(self._tasks.values()), timeout=self.shutdown_grace)
             if pending:
                 left += list(self._in_flight)
-                for task in pending:
-                    task.cancel()
+                self._cancel(pending)
                 # A handler that swallows its cancellation is not waited for: the give-back leaves it nothing to ACK.
                 await asyncio.wait(pending, timeout=CANCEL_WAIT)
+        # What finished is acknowledged before the give-back, which deletes the consumer only once it owns nothing.
+        await calls.flushed()
         idle = self._settings.retry_after_ms if self._settings else UNPUBLISHED_IDLE_MS
         try:
             given = await calls.give_back(left, idle, uncount=True)
@@ -749,41 +801,89 @@ class _Writer:
         self._lease: AsyncScript = conn.register_script(script_source("lease"))
         self._give_back: AsyncScript = conn.register_script(script_source("give_back"))
         self._terminal_ack: AsyncScript = conn.register_script(script_source("terminal_ack"))
-        self._acks: list[tuple[str, bool, asyncio.Future[None]]] = []
+        self._acks: list[_Ack] = []
+        #: The read loop reads again soon without blocking: that read carries the acknowledgements queued meanwhile
+        #: (one round trip for both, as a hand-written loop's). Otherwise the flusher writes them.
+        self.carried = False
         self.flusher: asyncio.Task[None] | None = None
 
     async def ack(self, entry_id: str, clear_error: bool) -> None:
-        """``XACK`` (with ``HDEL`` of the last error when ``clear_error``, in the same round trip). The ACKs of
-        messages that finish together, or while a batch is on its way, go in one ``XACK``: a round trip for many."""
+        """``XACK`` (with ``HDEL`` of the last error when ``clear_error``, in the same round trip), answered once
+        written; see :meth:`queue_ack`."""
         done = asyncio.get_running_loop().create_future()
-        self._acks.append((entry_id, clear_error, done))
+
+        def written(failure: BaseException | None) -> None:
+            if done.done():  # its handler's task was cancelled by a shutdown
+                return
+            if failure is None:
+                done.set_result(None)
+            else:
+                done.set_exception(failure)
+
+        self.queue_ack(entry_id, clear_error, written)
+        await done
+
+    def queue_ack(self, entry_id: str, clear_error: bool, written: Callable[[BaseException | None], None]) -> None:
+        """Queues an ``XACK`` and calls ``written`` with its failure (``None``: written) once it is answered. The
+        ACKs of messages that finish together, or while a batch is on its way, go in one ``XACK``: a round trip for
+        many; while :attr:`carried`, the read loop's next read takes them along."""
+        self._acks.append(_Ack(entry_id, clear_error, written))
+        if not self.carried:
+            self._flush_soon()
+
+    def release(self) -> None:
+        """No read comes soon (a blocking one is sent, or the loop stops): the flusher writes what waits, and from
+        here on what is queued."""
+        self.carried = False
+        if self._acks:
+            self._flush_soon()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether ACKs wait to be written."""
+        return bool(self._acks)
+
+    def take_acks(self) -> list[_Ack]:
+        """The ACKs waiting, for a read to carry (the caller answers them with :meth:`settle`)."""
+        acks, self._acks = self._acks, []
+        return acks
+
+    def queue_acks(self, pipe: Pipeline | ClusterPipeline, acks: Sequence[_Ack]) -> None:
+        """Queues the ``XACK`` of ``acks`` (its reply first), and the ``HDEL`` of the last errors to clear."""
+        pipe.xack(self._stream, self._group, *(ack.entry_id for ack in acks))
+        cleared = [ack.entry_id for ack in acks if ack.clear_error]
+        if cleared:
+            pipe.hdel(self._errors, *cleared)
+
+    @staticmethod
+    def settle(acks: Iterable[_Ack], failure: BaseException | None) -> None:
+        for ack in acks:
+            ack.written(failure)
+
+    async def flushed(self) -> None:
+        """Waits until every ACK queued so far is answered."""
+        self.release()
+        while self.flusher is not None and not self.flusher.done():
+            await asyncio.wait([self.flusher])
+
+    def _flush_soon(self) -> None:
         if self.flusher is None or self.flusher.done():
             self.flusher = asyncio.create_task(self._flush())
-        await done
 
     async def _flush(self) -> None:
         while self._acks:
-            batch, self._acks = self._acks, []
+            batch = self.take_acks()
+            failure: BaseException | None = None
             try:
-                ids = [entry_id for entry_id, _, _ in batch]
-                cleared = [entry_id for entry_id, clear_error, _ in batch if clear_error]
-                if not cleared:
-                    await self.conn.xack(self._stream, self._group, *ids)  # cheaper than a pipeline of one
+                if not any(ack.clear_error for ack in batch):
+                    await self.conn.xack(self._stream, self._group, *(ack.entry_id for ack in batch))  # no pipeline
                 else:
                     pipe = self.conn.pipeline(transaction=False)
-                    pipe.xack(self._stream, self._group, *ids)
-                    pipe.hdel(self._errors, *cleared)
+                    self.queue_acks(pipe, batch)
                     await pipe.execute()
-                failure: RedisError | None = None
             except RedisError as error:
                 failure = error
-            for _, _, done in batch:
-                if done.done():  # its handler's task was cancelled by a shutdown
-                    continue
-                if failure is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(failure)
+            self.settle(batch, failure)
 
     async def lease(self, ids: Sequence[str]) -> list[str]:
         """Extends (or takes up) ``ids``; answers those still this consumer's. Called also without ids: it writes
@@ -812,6 +912,14 @@ class _Writer:
 
     async def record_error(self, entry_id: str, text: str) -> None:
         await self.conn.hset(self._errors, entry_id, text)
+
+
+class _Ack(NamedTuple):
+    """An ``XACK`` queued: the entry, whether its last error is cleared with it, and who is told once answered."""
+
+    entry_id: str
+    clear_error: bool
+    written: Callable[[BaseException | None], None]
 
 
 def _cancelled_by_the_worker() -> bool:

@@ -431,6 +431,47 @@ def test_shutdown_lets_handlers_finish_within_the_grace(redis_url: str) -> None:
     asyncio.run(main())
 
 
+def test_messages_done_as_the_stop_comes_are_acknowledged_before_the_worker_leaves(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        for i in range(16):
+            await r.xadd(STREAM, {"n": str(i)})
+        stop = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            stop.set()  # the ACKs wait for a read that does not come
+            return Outcome.done()
+
+        stats = await asyncio.wait_for(worker(redis_url, concurrency=16).run(handle, stop), 10)
+        assert (stats.done, stats.failed, stats.abandoned, stats.in_flight) == (16, 0, 0, 0)
+        assert await pending(r) == []
+        assert await consumers(r) == []  # it owned nothing when it gave back: deleted
+
+    asyncio.run(main())
+
+
+def test_an_ack_never_waits_behind_a_blocking_read(redis_url: str) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await r.xadd(STREAM, {"n": "1"})
+        started = asyncio.Event()
+
+        async def handle(message: Message) -> Outcome:
+            started.set()
+            await asyncio.sleep(0.3)  # the worker's next read, for the free slot, blocks meanwhile
+            return Outcome.done()
+
+        w = worker(redis_url, concurrency=2, block=3.0)
+        async with running(w, handle):
+            await asyncio.wait_for(started.wait(), 5)
+            await eventually(lambda: _empty(r), within=2.0, what="the ACK, long before the read's 3 s")
+            assert w.stats.done == 1
+
+    asyncio.run(main())
+
+
 def test_a_hand_over_is_taken_up_at_the_next_lease_ticks_with_its_count_unchanged(redis_url: str) -> None:
     async def main() -> None:
         r = client(redis_url)
