@@ -311,10 +311,13 @@ func (w *Worker) retry(ctx context.Context, id string, ran time.Duration) {
 	// Not read again here: the give-back makes it look idle, not handed over. It looks untouched since idle ago: a
 	// hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
 	idle := w.minIdle()
+	w.leasing.Lock()
 	w.mu.Lock()
 	w.failedHere[id] = time.Now().Add(-idle)
 	w.mu.Unlock()
-	if _, err := w.giveBack(ctx, []string{id}, idle, false); err != nil {
+	_, err := w.giveBack(ctx, []string{id}, idle, false)
+	w.leasing.Unlock()
+	if err != nil {
 		w.log.Warn("could not give the message back for a retry: it is retried after minIdle",
 			"entry_id", id, "error", err)
 		// Not given back: untouched since it failed here, never since idle ago.

@@ -39,6 +39,7 @@ func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.Canc
 func (w *Worker) leaseTick(ctx context.Context) bool {
 	// Before the ids are gathered: a handler that fails after its id was taken for this lease fails after sent, and
 	// the lease, which may reach the server after the failure, is then accounted for below.
+	w.leasing.Lock()
 	now := time.Now()
 	sent := now
 	var ids []string
@@ -56,13 +57,14 @@ func (w *Worker) leaseTick(ctx context.Context) bool {
 	}
 	w.mu.Unlock()
 	kept, err := w.lease(ctx, ids)
+	w.leasing.Unlock()
 	answered := time.Now()
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	// A handler that failed while this lease was on its way (a paused server answers late): the lease may have reset
 	// the entry's idle time after the failure, so the entry looks untouched since now, not since it failed; else the
-	// own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by minIdle,
-	// before any lease: its give-back went after this lease.)
+	// own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by minIdle: its
+	// give-back waited for this lease to be answered, see leasing.)
 	for _, id := range ids {
 		if at, ok := w.failedHere[id]; ok && !at.Before(sent) {
 			w.failedHere[id] = answered

@@ -113,6 +113,10 @@ type Worker struct {
 	// handOverMu is held while a lease tick takes up hand-overs; the shutdown takes it once the read loop ended, so
 	// that every hand-over taken is in flight before it looks.
 	handOverMu sync.Mutex
+	// leasing is held while a lease tick gathers the ids in flight and leases them, and while a retry marks its entry
+	// and gives it back: a retry's give-back (which sets the entry's idle time) never reaches the server before a
+	// lease that gathered its id (which would undo that idle time, and the entry would look handed back).
+	leasing sync.Mutex
 
 	ackMu         sync.Mutex
 	acks          []ackRequest // waiting for the next read, or for the flush in progress to end

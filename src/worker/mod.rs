@@ -240,7 +240,7 @@ struct Counters {
     errors_recorded: Mutex<HashSet<String>>,
     /// Entries whose handler failed here, or whose outcome could not be written, and that stay pending, with when:
     /// the operator's pass retries them, never this worker.
-    failed_here: Mutex<HashMap<String, Instant>>,
+    failed_here: Mutex<HashMap<String, FailedHere>>,
     /// `Done` outcomes waiting for their XACK.
     acks: Mutex<AckQueue>,
     /// The worker contract this worker speaks: [`CONTRACT_VERSION`], or a topic's for a partition's worker.
@@ -281,7 +281,7 @@ impl Counters {
     /// `id` failed here (its handler, or writing its outcome) and stays pending for the operator's pass: this worker
     /// takes it up again only once it is handed back.
     fn left_pending(&self, id: &str, ran: Duration) {
-        self.failed_here.lock().expect("failed lock").insert(id.to_string(), Instant::now());
+        self.failed_here.lock().expect("failed lock").insert(id.to_string(), FailedHere::now());
         self.count(Ended::NotWritten, ran);
     }
 
@@ -690,7 +690,7 @@ impl Worker {
         // delivery; one still idle since it failed here waits for the operator.
         let handed_back = |id: &str, idle_ms: i64| {
             failed_here.get(id).is_none_or(|failed| {
-                let since = asked_at.saturating_duration_since(*failed);
+                let since = asked_at.saturating_duration_since(failed.untouched);
                 Duration::from_millis(idle_ms.max(0) as u64) + HAND_OVER_MARGIN <= since
             })
         };
@@ -864,21 +864,46 @@ async fn hold_leases(
         let sent = now;
         // At least one call: the heartbeat.
         for chunk in ids.chunks(LEASE_BATCH).chain(ids.is_empty().then_some(&[][..])) {
+            // Just before the chunk goes on the writer's connection, where the give-backs go too, served in order.
+            let leasing = Instant::now();
             if let Err(e) = lease(&mut conn, &config, chunk).await {
                 warn!(%stream, %group, error = %e, "could not extend the leases of the messages being handled; retrying");
             }
             // A handler that failed while this lease was on its way (a paused server answers late): the lease may
             // have reset the entry's idle time after the failure, so the entry looks untouched since now, not since
-            // it failed; else the own-PEL check would take it for a hand-over and run it again here. (A retry's
-            // time is set back by `minIdle`, before any lease: its give-back went after this lease.)
+            // it failed; else the own-PEL check would take it for a hand-over and run it again here. A retry's
+            // give-back, which sets the idle time itself, goes on this connection after its mark: marked before
+            // `leasing`, it went before this lease, which undid its idle time; marked after, it went after the lease.
             let now = Instant::now();
             let mut failed = counters.failed_here.lock().expect("failed lock");
             for id in chunk {
-                if let Some(at) = failed.get_mut(id).filter(|at| **at >= sent) {
-                    *at = now;
+                if let Some(failure) =
+                    failed.get_mut(id).filter(|f| f.at >= sent && (!f.given_back() || f.at < leasing))
+                {
+                    *failure = FailedHere { untouched: now, at: now };
                 }
             }
         }
+    }
+}
+
+/// An entry that failed here: since when it is untouched on the server as this worker last left it (set back by the
+/// idle time a retry's give-back writes), and when it was marked.
+#[derive(Clone, Copy, Debug)]
+struct FailedHere {
+    untouched: Instant,
+    at: Instant,
+}
+
+impl FailedHere {
+    fn now() -> FailedHere {
+        let now = Instant::now();
+        FailedHere { untouched: now, at: now }
+    }
+
+    /// Whether a give-back set its idle time (a retry).
+    fn given_back(&self) -> bool {
+        self.untouched != self.at
     }
 }
 
@@ -1125,8 +1150,9 @@ where
             // second, and is told by its idle all the same.
             let idle = counters.settings.lock().expect("settings lock").map(|s| s.min_idle_ms);
             let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
-            let untouched = Instant::now().checked_sub(Duration::from_millis(idle)).unwrap_or_else(Instant::now);
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), untouched);
+            let at = Instant::now();
+            let untouched = at.checked_sub(Duration::from_millis(idle)).unwrap_or(at);
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere { untouched, at });
             let given = write_again_if_broken(&conn, |mut conn| {
                 let ids = std::slice::from_ref(&id);
                 async move { give_back(&mut conn, config, ids, idle, true).await }
@@ -1134,13 +1160,13 @@ where
             if let Err(e) = given.await {
                 warn!(stream, group, entry_id = %id, error = %e, "could not give the message back for a retry: it is retried after minIdle");
                 // Not given back: untouched since it failed here, never since `idle` ago.
-                counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
+                counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
             }
             counters.count(Ended::Retried, ran);
         }
         Ok(Err(e)) => {
             warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for the operator's retry");
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
             record_error(&conn, stream, group, &id, &e.to_string(), counters).await;
             counters.count(Ended::Errored, ran);
         }
@@ -1151,7 +1177,7 @@ where
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("a panic");
             error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
             record_error(&conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
             counters.count(Ended::Panicked, ran);
         }

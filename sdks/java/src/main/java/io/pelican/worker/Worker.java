@@ -129,8 +129,8 @@ public final class Worker implements AutoCloseable {
     /** The same counts through OpenTelemetry's metrics API, recorded with them. */
     private final Metering.WorkerMeter meter;
     private final Map<String, InFlight> inFlight = new ConcurrentHashMap<>();
-    /** Entry id -> when (nanoTime) its handler failed or asked for a retry here: the pass retries it, never this worker. */
-    private final Map<String, Long> failedHere = new ConcurrentHashMap<>();
+    /** Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker. */
+    private final Map<String, FailedHere> failedHere = new ConcurrentHashMap<>();
     /** Entries whose last error this worker recorded: the field goes with their ACK. */
     private final Set<String> errorsRecorded = ConcurrentHashMap.newKeySet();
     private final Acks acks = new Acks();
@@ -549,9 +549,9 @@ public final class Worker implements AutoCloseable {
         for (PendingMessage p : pending) {
             // Read now, not before the call: one that failed while the XPENDING was out (its outcome written, so no
             // longer in flight) failed after askedAt, and is not handed back.
-            Long failedAt = failedHere.get(p.getId());
-            boolean handedBack = failedAt == null
-                    || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failedAt) / 1_000_000;
+            FailedHere failure = failedHere.get(p.getId());
+            boolean handedBack = failure == null
+                    || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failure.untouchedSince()) / 1_000_000;
             boolean perhapsRead = p.getRedeliveryCount() == 1
                     && p.getMsSinceLastDelivery() * 1_000_000 <= sinceReadNanos;
             if (!inFlight.containsKey(p.getId()) && handedBack && !perhapsRead && candidates.size() < count) {
@@ -713,6 +713,23 @@ public final class Worker implements AutoCloseable {
         };
     }
 
+    /**
+     * An entry that failed here: since when it is untouched on the server as this worker last left it
+     * ({@code untouchedSince}, set back by the idle time a retry's give-back writes), and when it was marked
+     * ({@code at}); both {@code System.nanoTime()}.
+     */
+    private record FailedHere(long untouchedSince, long at) {
+        static FailedHere now() {
+            long now = System.nanoTime();
+            return new FailedHere(now, now);
+        }
+
+        /** Whether a give-back set its idle time (a retry). */
+        boolean givenBack() {
+            return untouchedSince != at;
+        }
+    }
+
     /** Takes {@code id} out of flight. */
     private void land(String id) {
         if (inFlight.remove(id) != null) {
@@ -768,13 +785,14 @@ public final class Worker implements AutoCloseable {
         // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
         Settings current = settings;
         long idle = current != null ? current.minIdleMs() : Settings.UNPUBLISHED_IDLE_MS;
-        failedHere.put(id, System.nanoTime() - idle * 1_000_000);
+        long now = System.nanoTime();
+        failedHere.put(id, new FailedHere(now - idle * 1_000_000, now));
         return giveBack(List.of(id), idle, false).handle((ignored, error) -> {
             if (error != null) {
                 LOG.log(Level.WARNING, where + "could not give " + id + " back for a retry: it is retried after minIdle: "
                         + Script.cause(error));
                 // Not given back: untouched since it failed here, never since idle ago.
-                failedHere.put(id, System.nanoTime());
+                failedHere.put(id, FailedHere.now());
             }
             count(Metering.Ended.RETRIED, ran, null);
             return null;
@@ -786,7 +804,7 @@ public final class Worker implements AutoCloseable {
         // One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
         LOG.log(Level.WARNING, where + "handler failed on " + id + " (" + text + "); the message stays pending for the "
                 + "operator's retry");
-        failedHere.put(id, System.nanoTime());
+        failedHere.put(id, FailedHere.now());
         count(Metering.Ended.FAILED, ran, error);
         return writes.hset(errorsKey, bytes(id), bytes(text)).toCompletableFuture().handle((ignored, failure) -> {
             if (failure != null) {
@@ -812,7 +830,7 @@ public final class Worker implements AutoCloseable {
                         + "stays pending: ";
         LOG.log(Level.WARNING, where + message + cause);
         // Left pending for the pass: this worker takes it up again only once it is handed back.
-        failedHere.put(id, System.nanoTime());
+        failedHere.put(id, FailedHere.now());
         count(Metering.Ended.FAILED, ran, null);
     }
 
@@ -853,6 +871,8 @@ public final class Worker implements AutoCloseable {
             }
             List<String> ids = maxHandling.leased(running, System.nanoTime());
             List<String> kept;
+            // Just before the lease goes on the connection its give-backs go on, in order (see failedAtReply).
+            long leasing = System.nanoTime();
             try {
                 kept = lease(ids);
             } catch (RuntimeException e) {
@@ -861,7 +881,7 @@ public final class Worker implements AutoCloseable {
                 }
                 return;
             } finally {
-                failedAtReply(ids, sent, System.nanoTime());
+                failedAtReply(ids, sent, leasing, System.nanoTime());
             }
             warnLost(ids, kept);
             try {
@@ -879,12 +899,15 @@ public final class Worker implements AutoCloseable {
     /**
      * A handler that failed while the lease of {@code ids} was on its way (a paused server answers late): the lease may
      * have reset the entry's idle time after the failure, so the entry looks untouched since {@code answered}, not
-     * since it failed; else the own-PEL check would take it for a hand-over and run it again here. (A retry's time is
-     * set back by {@code minIdle}, before any lease: its give-back went after this lease.)
+     * since it failed; else the own-PEL check would take it for a hand-over and run it again here. Every id here was
+     * running when the lease gathered it (after {@code sent}). A retry's give-back, which sets the idle time itself,
+     * goes on the lease's connection after its mark: marked before {@code leasing}, its give-back went before the
+     * lease, which then undid its idle time; marked after, the lease went first and the give-back's idle stands.
      */
-    private void failedAtReply(List<String> ids, long sent, long answered) {
+    private void failedAtReply(List<String> ids, long sent, long leasing, long answered) {
         for (String id : ids) {
-            failedHere.computeIfPresent(id, (key, at) -> at - sent >= 0 ? answered : at);
+            failedHere.computeIfPresent(id, (key, failure) -> failure.at() - sent >= 0
+                    && (!failure.givenBack() || failure.at() - leasing < 0) ? new FailedHere(answered, answered) : failure);
         }
     }
 
