@@ -152,6 +152,10 @@ class Worker:
         self._read_sent_at: float | None = None
         # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
         self._failed_here: dict[str, float] = {}
+        # Held by a lease tick from gathering its ids to the lease's reply, and by a retry's give-back: the writer's
+        # pool keeps no order between two calls, so a give-back sent while a lease that gathered its entry is on its
+        # way could reach the server first, and the lease would then undo the idle time it set.
+        self._leasing = asyncio.Lock()
         self._errors_recorded: set[str] = set()
         # Entry id -> its handler's task, until the task ends (it takes itself out).
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -608,10 +612,10 @@ class Worker:
             log.warning("%s of %s refused; the message stays pending: %s", what, entry_id, error, extra=self._where())
         else:
             log.warning(
-                "%s of %s: outcome unknown (the connection failed), it may have been written or the message stays "
-                "pending: %s",
+                "%s of %s: outcome unknown (%s), it may have been written or the message stays pending: %s",
                 what,
                 entry_id,
+                type(error).__name__,
                 error,
                 extra=self._where(),
             )
@@ -623,17 +627,19 @@ class Worker:
         # Not read again here: the give-back makes it look idle, not handed over, and the pass retries it.
         # It looks untouched since `idle` ago: a hand-over back to this worker (the only live one) may come within a
         # second, and is told by its idle all the same.
-        idle = self._settings.min_idle_ms if self._settings else UNPUBLISHED_IDLE_MS
-        self._failed_here[entry_id] = asyncio.get_running_loop().time() - idle / 1000
-        try:
-            await calls.give_back([entry_id], idle, uncount=False)
-        except RedisError as error:
-            log.warning(
-                "could not give %s back for a retry: it is retried after minIdle: %s", entry_id, error,
-                extra=self._where(),
-            )  # fmt: skip
-            # Not given back: untouched since it failed here, never since `idle` ago.
-            self._failed_here[entry_id] = asyncio.get_running_loop().time()
+        # After any lease that gathered the entry while its handler ran (see _leasing).
+        async with self._leasing:
+            idle = self._settings.min_idle_ms if self._settings else UNPUBLISHED_IDLE_MS
+            self._failed_here[entry_id] = asyncio.get_running_loop().time() - idle / 1000
+            try:
+                await calls.give_back([entry_id], idle, uncount=False)
+            except RedisError as error:
+                log.warning(
+                    "could not give %s back for a retry: it is retried after minIdle: %s", entry_id, error,
+                    extra=self._where(),
+                )  # fmt: skip
+                # Not given back: untouched since it failed here, never since `idle` ago.
+                self._failed_here[entry_id] = asyncio.get_running_loop().time()
         self._count("retried", ran)
 
     async def _fail(self, calls: _Writer, entry_id: str, error: BaseException, ran: float) -> None:
@@ -663,7 +669,8 @@ class Worker:
         """A handler that failed while the lease of ``ids`` was on its way (a paused server answers late): the lease
         may have reset the entry's idle time after the failure, so the entry looks untouched since ``answered``, not
         since it failed; else the own-PEL check would take it for a hand-over and run it again here. (A retry's time
-        is set back by ``min_idle``, before any lease: its give-back went after this lease.)"""
+        is set back by ``min_idle``: its give-back waits for the reply of a lease that gathered it, see
+        ``_leasing``.)"""
         for entry_id in ids:
             failed = self._failed_here.get(entry_id)
             if failed is not None and failed >= sent:
@@ -689,31 +696,33 @@ class Worker:
                     self._request_stop()
             except (RedisError, OSError) as error:
                 log.warning("could not re-read the group's settings: %s", error, extra=self._where())
-            now = loop.time()
-            held = dict(self._in_flight)
-            overdue &= held.keys()
-            lost &= held.keys()
-            ids = list(self._queued)
-            for entry_id, since in held.items():
-                if now - since < self.max_handling:
-                    ids.append(entry_id)
-                elif entry_id not in overdue:
-                    overdue.add(entry_id)
-                    log.warning(
-                        "handler of %s still running after max_handling (%.0f s): its lease is no longer extended, "
-                        "and the operator's pass may retry the message",
-                        entry_id,
-                        self.max_handling,
-                        extra=self._where(),
-                    )
-            sent = loop.time()
-            try:
-                extended = set(await calls.lease(ids))
-            except (RedisError, OSError) as error:
-                log.warning("could not extend the leases; retrying: %s", error, extra=self._where())
-                continue
-            finally:
-                self._failed_at_reply(ids, sent, loop.time())
+            # Gathered and sent before a retry gives back an entry it gathered (see _leasing).
+            async with self._leasing:
+                now = loop.time()
+                held = dict(self._in_flight)
+                overdue &= held.keys()
+                lost &= held.keys()
+                ids = list(self._queued)
+                for entry_id, since in held.items():
+                    if now - since < self.max_handling:
+                        ids.append(entry_id)
+                    elif entry_id not in overdue:
+                        overdue.add(entry_id)
+                        log.warning(
+                            "handler of %s still running after max_handling (%.0f s): its lease is no longer extended, "
+                            "and the operator's pass may retry the message",
+                            entry_id,
+                            self.max_handling,
+                            extra=self._where(),
+                        )
+                sent = loop.time()
+                try:
+                    extended = set(await calls.lease(ids))
+                except (RedisError, OSError) as error:
+                    log.warning("could not extend the leases; retrying: %s", error, extra=self._where())
+                    continue
+                finally:
+                    self._failed_at_reply(ids, sent, loop.time())
             now_missed = {i for i in ids if i not in extended and i in self._in_flight}
             for entry_id in now_missed & missed - lost:
                 lost.add(entry_id)
@@ -881,7 +890,7 @@ class _Writer:
                     pipe = self.conn.pipeline(transaction=False)
                     self.queue_acks(pipe, batch)
                     await pipe.execute()
-            except RedisError as error:
+            except Exception as error:  # whatever the client raised: every ACK of the batch is answered
                 failure = error
             self.settle(batch, failure)
 

@@ -75,19 +75,12 @@ def worker(url: str, **options: Any) -> Worker:
     return Worker(url, STREAM, GROUP, CONSUMER, **options)
 
 
-class HeldReadReply:
-    """A loopback proxy to the server that holds back the reply of a read: on a connection whose client sent
-    ``XREADGROUP``, the first reply holding ``marker`` and all after it wait until ``release()``. The server delivered
-    what the read asked for; the client does not see it. ``reads`` counts the ``XREADGROUP`` requests."""
+class _Proxy:
+    """A loopback proxy to the server on a port of its own; the subclasses' hooks see what passes, a chunk at a time
+    (redis-py writes each command whole: on loopback a command comes in one chunk), and may hold it back."""
 
-    def __init__(self, port: int, marker: bytes) -> None:
+    def __init__(self, port: int) -> None:
         self.port = port
-        self.marker = marker
-        self.reads = 0
-        self.released = asyncio.Event()
-
-    def release(self) -> None:
-        self.released.set()
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[int]:
@@ -95,31 +88,36 @@ class HeldReadReply:
         try:
             yield server.sockets[0].getsockname()[1]
         finally:
-            self.released.set()
+            self._closing()
             server.close()
+
+    def _closing(self) -> None:
+        """Called as the proxy stops: nothing may stay held."""
+
+    async def _to_server(self, connection: _Connection, data: bytes) -> None:
+        """Called with each chunk a client sends, before it goes on."""
+
+    async def _to_client(self, connection: _Connection, data: bytes) -> None:
+        """Called with each chunk the server replies, before it goes on."""
 
     async def _serve(self, from_client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
         from_server, to_server = await asyncio.open_connection("127.0.0.1", self.port)
-        reader = False
+        connection = _Connection()
 
-        async def upstream() -> None:
-            nonlocal reader
-            while data := await from_client.read(65536):
-                # redis-py writes each command whole: on loopback a command's name comes in one chunk.
-                sent = data.upper().count(b"XREADGROUP")
-                self.reads += sent
-                reader = reader or sent > 0
-                to_server.write(data)
-                await to_server.drain()
+        async def pump(
+            source: asyncio.StreamReader,
+            sink: asyncio.StreamWriter,
+            hook: Callable[[_Connection, bytes], Awaitable[None]],
+        ) -> None:
+            while data := await source.read(65536):
+                await hook(connection, data)  # what comes after waits in the socket meanwhile
+                sink.write(data)
+                await sink.drain()
 
-        async def downstream() -> None:
-            while data := await from_server.read(65536):
-                if reader and self.marker in data and not self.released.is_set():
-                    await self.released.wait()  # what comes after waits in the socket meanwhile
-                to_client.write(data)
-                await to_client.drain()
-
-        tasks = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
+        tasks = [
+            asyncio.create_task(pump(from_client, to_server, self._to_server)),
+            asyncio.create_task(pump(from_server, to_client, self._to_client)),
+        ]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -127,3 +125,53 @@ class HeldReadReply:
                 task.cancel()
             to_client.close()
             to_server.close()
+
+
+@dataclass
+class _Connection:
+    """What a proxy knows of one client connection: whether its client sent ``XREADGROUP``."""
+
+    reader: bool = False
+
+
+class HeldReadReply(_Proxy):
+    """Holds back the reply of a read: on a connection whose client sent ``XREADGROUP``, the first reply holding
+    ``marker`` and all after it wait until ``release()``. The server delivered what the read asked for; the client
+    does not see it. ``reads`` counts the ``XREADGROUP`` requests."""
+
+    def __init__(self, port: int, marker: bytes) -> None:
+        super().__init__(port)
+        self.marker = marker
+        self.reads = 0
+        self.released = asyncio.Event()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def _closing(self) -> None:
+        self.released.set()
+
+    async def _to_server(self, connection: _Connection, data: bytes) -> None:
+        sent = data.upper().count(b"XREADGROUP")
+        self.reads += sent
+        connection.reader = connection.reader or sent > 0
+
+    async def _to_client(self, connection: _Connection, data: bytes) -> None:
+        if connection.reader and self.marker in data and not self.released.is_set():
+            await self.released.wait()
+
+
+class SlowCommand(_Proxy):
+    """A network slow on some connections: each command holding ``marker`` (and what its connection sends after it)
+    waits ``delay`` seconds on its way to the server; ``held`` is set as the first starts to wait."""
+
+    def __init__(self, port: int, marker: bytes, delay: float) -> None:
+        super().__init__(port)
+        self.marker = marker
+        self.delay = delay
+        self.held = asyncio.Event()
+
+    async def _to_server(self, connection: _Connection, data: bytes) -> None:
+        if self.marker in data:
+            self.held.set()
+            await asyncio.sleep(self.delay)

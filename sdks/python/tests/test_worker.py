@@ -13,6 +13,7 @@ from helpers import (
     GROUP,
     STREAM,
     HeldReadReply,
+    SlowCommand,
     client,
     eventually,
     pending,
@@ -261,6 +262,39 @@ def test_retry_gives_back_counted_with_an_idle_of_min_idle(redis_url: str) -> No
     asyncio.run(main())
 
 
+def test_a_retry_given_back_while_a_lease_is_on_its_way_is_not_run_again(redis_url: str, redis_port: int) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        await write_settings(r, min_idle_ms=900)  # a lease tick every 300 ms
+        entry = await r.xadd(STREAM, {"n": "1"})
+        lease_sha = hashlib.sha1(script_source("lease").encode()).hexdigest().encode()
+        # Each lease waits 400 ms on its way to the server; the other calls go on the pool's other connections.
+        proxy = SlowCommand(redis_port, lease_sha, 0.4)
+        runs: list[str] = []
+
+        async def handle(message: Message) -> Outcome:
+            runs.append(message.id)
+            if len(runs) == 1:
+                proxy.held.clear()
+                await proxy.held.wait()  # the next lease, which gathered this entry, is on its way
+            return Outcome.retry()
+
+        async with proxy.serving() as proxy_port:
+            w = worker(f"redis://127.0.0.1:{proxy_port}")
+            async with running(w, handle):
+                await eventually(lambda: _equal(w.stats.retried, 1), what="the retry")
+                # Were the give-back first, that lease would reset the idle time it set, and the own-PEL checks of
+                # the next ticks would take the entry as handed back.
+                await asyncio.sleep(2.0)
+        [p] = await pending(r)
+        assert runs == [entry]
+        assert (p.id, p.consumer, p.deliveries) == (entry, CONSUMER, 1)
+        assert p.idle_ms >= 900
+
+    asyncio.run(main())
+
+
 async def _max_idle_while(r: Redis, seconds: float) -> int:
     """The highest idle time of the PEL's entries, sampled every 50 ms for ``seconds``."""
     highest = 0
@@ -468,6 +502,37 @@ def test_an_ack_never_waits_behind_a_blocking_read(redis_url: str) -> None:
             await asyncio.wait_for(started.wait(), 5)
             await eventually(lambda: _empty(r), within=2.0, what="the ACK, long before the read's 3 s")
             assert w.stats.done == 1
+
+    asyncio.run(main())
+
+
+class _AckRaises(Redis):
+    """A client whose ``XACK`` raises what no Redis client raises of its own (a wrapper's defect, say)."""
+
+    async def xack(self, name: Any, groupname: Any, *ids: Any) -> Any:
+        raise RuntimeError("the wrapper around XACK broke")
+
+
+def test_an_ack_the_client_fails_in_an_unexpected_way_is_counted_failed(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        r = client(redis_url)
+        await _group(r)
+        entry = await r.xadd(STREAM, {"n": "1"})
+
+        async def handle(message: Message) -> Outcome:
+            await asyncio.sleep(0.3)  # the worker's next read, for the free slot, blocks: the writer sends the XACK
+            return Outcome.done()
+
+        w = Worker(lambda: _AckRaises.from_url(redis_url), STREAM, GROUP, CONSUMER, concurrency=2, block=3.0)
+        async with running(w, handle):
+            await eventually(lambda: _equal(w.stats.failed, 1), what="the failed XACK counted")
+            assert w.stats.in_flight == 0
+        assert (w.stats.done, w.stats.failed) == (0, 1)
+        # Not acknowledged: still pending, for the operator's pass.
+        assert [p.id for p in await pending(r)] == [entry]
+        assert ": outcome unknown (RuntimeError)" in caplog.text
 
     asyncio.run(main())
 
