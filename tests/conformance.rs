@@ -13,6 +13,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,6 +32,7 @@ on_both_servers!(
     a_lowered_min_idle_still_handles_slow_messages_once,
     an_unknown_contract_version_met_while_running_stops_the_worker,
     a_retry_handed_back_to_its_only_worker_is_run_again,
+    a_retry_given_back_while_a_lease_is_on_its_way_is_run_once_a_delivery,
     a_failure_whose_lease_reply_came_late_is_not_run_again,
     outcomes_the_server_refused_are_left_to_the_pass,
     the_stats_are_one_metrics_schema_in_every_library,
@@ -425,51 +427,83 @@ fn runs_a_script(request: &[u8]) -> bool {
     head.contains("\r\nEVALSHA\r\n") || head.contains("\r\nEVAL\r\n")
 }
 
-/// A loopback proxy to the server at `upstream` that loses one reply: the first successful answer to a script call
-/// (a publish the server wrote) never reaches the client, whose connection is closed instead, so it cannot tell
-/// whether the message was written. Error answers (`NOSCRIPT`, say) pass. Its port.
-fn losing_proxy(upstream: u16) -> u16 {
+/// A loopback proxy to the server at `upstream`: `connect` is given each client's connection and one to the server,
+/// and forwards between them (with `pump`). Its port.
+fn proxy(upstream: u16, connect: impl Fn(TcpStream, TcpStream) + Send + 'static) -> u16 {
     let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
     let port = listener.local_addr().unwrap().port();
-    let lost = Arc::new(AtomicBool::new(false));
     std::thread::spawn(move || {
         for client in listener.incoming().map_while(Result::ok) {
-            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else { continue };
-            let armed = Arc::new(AtomicBool::new(false));
-            let (mut to_server, mut from_client) = (server.try_clone().unwrap(), client.try_clone().unwrap());
-            let (seen, done) = (armed.clone(), lost.clone());
-            std::thread::spawn(move || {
-                let mut buffer = [0u8; 65536];
-                while let Ok(n @ 1..) = from_client.read(&mut buffer) {
-                    let chunk = &buffer[..n];
-                    // Armed while the request in flight is a script call: the reply that follows is its answer.
-                    seen.store(!done.load(Ordering::SeqCst) && runs_a_script(chunk), Ordering::SeqCst);
-                    if to_server.write_all(chunk).is_err() {
-                        break;
-                    }
-                }
-                let _ = to_server.shutdown(Shutdown::Both);
-            });
-            let (mut from_server, mut to_client) = (server, client);
-            let lost = lost.clone();
-            std::thread::spawn(move || {
-                let mut buffer = [0u8; 65536];
-                while let Ok(n @ 1..) = from_server.read(&mut buffer) {
-                    let chunk = &buffer[..n];
-                    if armed.load(Ordering::SeqCst) && chunk[0] != b'-' && !lost.swap(true, Ordering::SeqCst) {
-                        // The publish was written; its reply goes nowhere, and the connection breaks.
-                        break;
-                    }
-                    if to_client.write_all(chunk).is_err() {
-                        break;
-                    }
-                }
-                let _ = to_client.shutdown(Shutdown::Both);
-                let _ = from_server.shutdown(Shutdown::Both);
-            });
+            if let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) {
+                connect(client, server);
+            }
         }
     });
     port
+}
+
+/// Copies `from` to `to` a chunk at a time (a client writes each request whole: on loopback it comes in one chunk),
+/// each shown first to `pass`, which may hold it back or end the copy (`false`); then closes both ways.
+fn pump(mut from: TcpStream, mut to: TcpStream, mut pass: impl FnMut(&[u8]) -> bool + Send + 'static) {
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 65536];
+        while let Ok(n @ 1..) = from.read(&mut buffer) {
+            if !pass(&buffer[..n]) || to.write_all(&buffer[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Both);
+        let _ = from.shutdown(Shutdown::Both);
+    });
+}
+
+/// A proxy that loses one reply: the first successful answer to a script call (a publish the server wrote) never
+/// reaches the client, whose connection is closed instead, so it cannot tell whether the message was written. Error
+/// answers (`NOSCRIPT`, say) pass. Its port.
+fn losing_proxy(upstream: u16) -> u16 {
+    let lost = Arc::new(AtomicBool::new(false));
+    proxy(upstream, move |client, server| {
+        let armed = Arc::new(AtomicBool::new(false));
+        let (seen, done) = (armed.clone(), lost.clone());
+        pump(client.try_clone().unwrap(), server.try_clone().unwrap(), move |request| {
+            // Armed while the request in flight is a script call: the reply that follows is its answer.
+            seen.store(!done.load(Ordering::SeqCst) && runs_a_script(request), Ordering::SeqCst);
+            true
+        });
+        let lost = lost.clone();
+        // The publish was written; its reply goes nowhere, and the connection breaks.
+        pump(server, client, move |reply| {
+            !(armed.load(Ordering::SeqCst) && reply[0] != b'-' && !lost.swap(true, Ordering::SeqCst))
+        });
+    })
+}
+
+/// A network slow on the way to the server for `lease.lua`: each request that runs or loads it (by its SHA1 or its
+/// text), and whatever its connection sends after it, waits `delay`. Its port.
+fn slow_lease_proxy(upstream: u16, delay: Duration) -> u16 {
+    let source =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("contract/scripts/lease.lua")).unwrap();
+    let sha = redis::Script::new(&source).get_hash().to_string();
+    let text = source.lines().next().unwrap().to_string();
+    proxy(upstream, move |client, server| {
+        let (sha, text) = (sha.clone(), text.clone());
+        pump(client.try_clone().unwrap(), server.try_clone().unwrap(), move |request| {
+            if contains(request, sha.as_bytes()) || contains(request, text.as_bytes()) {
+                std::thread::sleep(delay);
+            }
+            true
+        });
+        pump(server, client, |_| true);
+    })
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|window| window == needle)
+}
+
+/// The port of a lane's `redis://127.0.0.1:<port>/0`.
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':').next().unwrap().trim_end_matches("/0").parse().unwrap()
 }
 
 /// Redis 8.6: three idempotent publishes through a proxy that loses the reply of the first one written. The library's
@@ -477,12 +511,11 @@ fn losing_proxy(upstream: u16) -> u16 {
 /// the first entry's id: three entries, not four.
 fn a_publish_whose_reply_was_lost_is_written_once(flavor: Flavor) {
     for_every_library(flavor, "conf-lost-reply", spec("5s", 3, "Requeue"), |lane| {
-        let upstream: u16 = lane.url.rsplit(':').next().unwrap().trim_end_matches("/0").parse().unwrap();
-        let through = format!("redis://127.0.0.1:{}", losing_proxy(upstream));
+        let through = format!("redis://127.0.0.1:{}", losing_proxy(port_of(&lane.url)));
         // The scripts loaded beforehand, so that the first script call is the publish itself (not an EVALSHA
         // answered NOSCRIPT, then a SCRIPT LOAD whose answer the proxy would lose instead).
         let mut admin = lane.conn();
-        for script in files_below(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("contract/scripts"), ".lua") {
+        for script in files_below(&Path::new(env!("CARGO_MANIFEST_DIR")).join("contract/scripts"), ".lua") {
             let _: String = redis::cmd("SCRIPT")
                 .arg("LOAD")
                 .arg(std::fs::read_to_string(script).unwrap())
@@ -563,6 +596,34 @@ fn a_retry_handed_back_to_its_only_worker_is_run_again(flavor: Flavor) {
         assert_eq!(field(&dead, "pelican-deliveries"), Some(&b"3"[..]));
         let runs: Vec<String> = worker.runs().into_iter().map(|r| r.outcome).collect();
         assert_eq!(runs, ["retry", "retry", "retry"], "three deliveries, each seen by the handler");
+    });
+}
+
+/// Issue 65: a retry's give-back that reaches the server before a lease that gathered its entry (sent on another of a
+/// pool's connections, or put on the one connection after it) is undone by that lease: the entry looks touched since
+/// its give-back, and the worker's own-PEL check takes it for a hand-over back and runs it again, no delivery counted
+/// (CI saw Java do it). Here every lease waits 800 ms on its way to the server, a lease tick comes every second
+/// (`minIdle` 3 s), and three handlers, run at a tick's hand-over, retry 1.1 to 1.7 s later: while the next tick's
+/// lease, which gathered them, is on its way. Every run is a delivery: three each, then the dead letter. (Python and Go
+/// also met a second window: a give-back answered while the own-PEL check's XPENDING was out, whose idle times are
+/// from before it.)
+fn a_retry_given_back_while_a_lease_is_on_its_way_is_run_once_a_delivery(flavor: Flavor) {
+    for_every_library(flavor, "conf-slow-lease", spec("3s", 3, "Reassign"), |lane| {
+        let through = format!("redis://127.0.0.1:{}", slow_lease_proxy(port_of(&lane.url), Duration::from_millis(800)));
+        let mut conn = lane.conn();
+        let worker = lane.worker_at(&through, "w1", 20_000);
+        let ids: Vec<String> = [1_100, 1_400, 1_700].iter().map(|ms| lane.publish(&mut conn, "retry", *ms)).collect();
+        let dead = wait_for("three dead letters", Duration::from_secs(90), || match lane.dead_letters(&mut conn) {
+            dead if dead.len() == ids.len() => Ok(dead),
+            dead => Err(format!("{} dead, runs {:?}, totals {:?}", dead.len(), worker.runs(), lane.totals(&mut conn))),
+        });
+        for id in &ids {
+            let letter = dead.iter().find(|d| field(d, "pelican-origin-id") == Some(id.as_bytes())).unwrap();
+            assert_eq!(field(letter, "pelican-deliveries"), Some(&b"3"[..]), "{id}");
+        }
+        // By the runs' count: the pass may requeue a message (a copy, another id) rather than hand it back.
+        let runs = worker.runs();
+        assert_eq!(runs.len(), 3 * ids.len(), "three deliveries each, each seen by the handler once; runs {runs:?}");
     });
 }
 
