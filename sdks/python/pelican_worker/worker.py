@@ -152,9 +152,11 @@ class Worker:
         self._read_sent_at: float | None = None
         # Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker.
         self._failed_here: dict[str, float] = {}
-        # Held by a lease tick from gathering its ids to the lease's reply, and by a retry's give-back: the writer's
-        # pool keeps no order between two calls, so a give-back sent while a lease that gathered its entry is on its
-        # way could reach the server first, and the lease would then undo the idle time it set.
+        # Held by a lease tick from gathering its ids to the end of its look at the own PEL, and by a retry's
+        # give-back: the writer's pool keeps no order between two calls. A give-back sent while a lease that gathered
+        # its entry is on its way could reach the server first (the lease would then undo the idle time it set); one
+        # sent while the own PEL's XPENDING is out could be answered first (the entry no longer busy, its idle in that
+        # reply from before the give-back: it would look handed back).
         self._leasing = asyncio.Lock()
         self._errors_recorded: set[str] = set()
         # Entry id -> its handler's task, until the task ends (it takes itself out).
@@ -696,7 +698,7 @@ class Worker:
                     self._request_stop()
             except (RedisError, OSError) as error:
                 log.warning("could not re-read the group's settings: %s", error, extra=self._where())
-            # Gathered and sent before a retry gives back an entry it gathered (see _leasing).
+            # Gathered, leased and the own PEL looked at before a retry gives back an entry (see _leasing).
             async with self._leasing:
                 now = loop.time()
                 held = dict(self._in_flight)
@@ -723,16 +725,16 @@ class Worker:
                     continue
                 finally:
                     self._failed_at_reply(ids, sent, loop.time())
-            now_missed = {i for i in ids if i not in extended and i in self._in_flight}
-            for entry_id in now_missed & missed - lost:
-                lost.add(entry_id)
-                log.warning(
-                    "%s is no longer this consumer's (the operator's pass took it) while its handler runs",
-                    entry_id,
-                    extra=self._where(),
-                )
-            missed = now_missed
-            await self._take_up(handler, calls)
+                now_missed = {i for i in ids if i not in extended and i in self._in_flight}
+                for entry_id in now_missed & missed - lost:
+                    lost.add(entry_id)
+                    log.warning(
+                        "%s is no longer this consumer's (the operator's pass took it) while its handler runs",
+                        entry_id,
+                        extra=self._where(),
+                    )
+                missed = now_missed
+                await self._take_up(handler, calls)
 
     # Shutdown
 
