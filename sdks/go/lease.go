@@ -28,9 +28,12 @@ func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.Canc
 				stop(err)
 			}
 		}
+		// Leased and the own PEL looked at before a retry gives an entry back (see leasing).
+		w.leasing.Lock()
 		if w.leaseTick(rctx) {
 			w.takeUpHandOvers(runCtx, rctx, q)
 		}
+		w.leasing.Unlock()
 		timer.Reset(LeaseInterval(w.settings.Load()))
 	}
 }
@@ -38,8 +41,7 @@ func (w *Worker) holdLeases(ctx, runCtx, rctx context.Context, stop context.Canc
 // leaseTick runs lease.lua, also with no ids: its heartbeat says the worker is alive. False when it failed.
 func (w *Worker) leaseTick(ctx context.Context) bool {
 	// Before the ids are gathered: a handler that fails after its id was taken for this lease fails after sent, and
-	// the lease, which may reach the server after the failure, is then accounted for below.
-	w.leasing.Lock()
+	// the lease, which may reach the server after the failure, is then accounted for below. Called with leasing held.
 	now := time.Now()
 	sent := now
 	var ids []string
@@ -57,7 +59,6 @@ func (w *Worker) leaseTick(ctx context.Context) bool {
 	}
 	w.mu.Unlock()
 	kept, err := w.lease(ctx, ids)
-	w.leasing.Unlock()
 	answered := time.Now()
 	w.mu.Lock()
 	defer w.mu.Unlock()

@@ -113,9 +113,11 @@ type Worker struct {
 	// handOverMu is held while a lease tick takes up hand-overs; the shutdown takes it once the read loop ended, so
 	// that every hand-over taken is in flight before it looks.
 	handOverMu sync.Mutex
-	// leasing is held while a lease tick gathers the ids in flight and leases them, and while a retry marks its entry
-	// and gives it back: a retry's give-back (which sets the entry's idle time) never reaches the server before a
-	// lease that gathered its id (which would undo that idle time, and the entry would look handed back).
+	// leasing is held while a lease tick gathers the ids in flight, leases them and takes up hand-overs, and while a
+	// retry marks its entry and gives it back. The pool keeps no order between two calls: a retry's give-back (which
+	// sets the entry's idle time) must never reach the server before a lease that gathered its id (which would undo
+	// that idle time), nor be answered while the own PEL's XPENDING is out (whose idle times are from before it): in
+	// both cases the entry would look handed back and be run again, no delivery counted.
 	leasing sync.Mutex
 
 	ackMu         sync.Mutex
