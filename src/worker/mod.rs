@@ -70,7 +70,7 @@ use futures::{FutureExt, StreamExt};
 use opentelemetry::context::FutureExt as _;
 use redis::aio::ConnectionLike;
 use redis::{Client, RedisError, RedisResult, Script, Value};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Mutex as AsyncMutex, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tracing::{Instrument, error, info, warn};
 
@@ -241,6 +241,13 @@ struct Counters {
     /// Entries whose handler failed here, or whose outcome could not be written, and that stay pending, with when:
     /// the operator's pass retries them, never this worker.
     failed_here: Mutex<HashMap<String, FailedHere>>,
+    /// Held by a lease tick from gathering its ids to its last correction, by the own-PEL check from its XPENDING to
+    /// its take-up, and by a retry from its mark to its give-back's reply. A retry's give-back (which sets the
+    /// entry's idle time) must reach the server after a lease that gathered its id (which would undo that idle time),
+    /// and not be answered while the own PEL's XPENDING is out (its idle times from before it): either way the entry
+    /// would look handed back and be run again here, no delivery counted. The writer's one connection serves calls in
+    /// the order they are put on it, but that order is not the order of the clocks read before them on two threads.
+    leasing: AsyncMutex<()>,
     /// `Done` outcomes waiting for their XACK.
     acks: Mutex<AckQueue>,
     /// The worker contract this worker speaks: [`CONTRACT_VERSION`], or a topic's for a partition's worker.
@@ -260,6 +267,7 @@ impl Counters {
             settings: Mutex::default(),
             errors_recorded: Mutex::default(),
             failed_here: Mutex::default(),
+            leasing: AsyncMutex::new(()),
             acks: Mutex::default(),
             contract,
             meter: WorkerMeter::new(&config.stream, &config.group),
@@ -666,6 +674,7 @@ impl Worker {
     ) -> RedisResult<Vec<Message>> {
         let mut writer = self.writer();
         let config = &self.config;
+        let _leasing = counters.leasing.lock().await;
         let failed_here = counters.failed_here.lock().expect("failed lock").clone();
         let asked = count + in_flight.len() + failed_here.len();
         // Measured before the server measures idle times: an entry nobody touched since it failed here has been
@@ -845,6 +854,7 @@ async fn hold_leases(
             error!(%stream, %group, "{unknown}; shutting down");
             stop.send_replace(Some(unknown));
         }
+        let _leasing = counters.leasing.lock().await;
         let now = Instant::now();
         let ids: Vec<String> = {
             let held = in_flight.lock().expect("in-flight lock");
@@ -864,22 +874,17 @@ async fn hold_leases(
         let sent = now;
         // At least one call: the heartbeat.
         for chunk in ids.chunks(LEASE_BATCH).chain(ids.is_empty().then_some(&[][..])) {
-            // Just before the chunk goes on the writer's connection, where the give-backs go too, served in order.
-            let leasing = Instant::now();
             if let Err(e) = lease(&mut conn, &config, chunk).await {
                 warn!(%stream, %group, error = %e, "could not extend the leases of the messages being handled; retrying");
             }
             // A handler that failed while this lease was on its way (a paused server answers late): the lease may
             // have reset the entry's idle time after the failure, so the entry looks untouched since now, not since
-            // it failed; else the own-PEL check would take it for a hand-over and run it again here. A retry's
-            // give-back, which sets the idle time itself, goes on this connection after its mark: marked before
-            // `leasing`, it went before this lease, which undid its idle time; marked after, it went after the lease.
+            // it failed; else the own-PEL check would take it for a hand-over and run it again here. (No retry is
+            // marked meanwhile: it waits for `leasing`.)
             let now = Instant::now();
             let mut failed = counters.failed_here.lock().expect("failed lock");
             for id in chunk {
-                if let Some(failure) =
-                    failed.get_mut(id).filter(|f| f.at >= sent && (!f.given_back() || f.at < leasing))
-                {
+                if let Some(failure) = failed.get_mut(id).filter(|f| f.at >= sent) {
                     *failure = FailedHere { untouched: now, at: now };
                 }
             }
@@ -899,11 +904,6 @@ impl FailedHere {
     fn now() -> FailedHere {
         let now = Instant::now();
         FailedHere { untouched: now, at: now }
-    }
-
-    /// Whether a give-back set its idle time (a retry).
-    fn given_back(&self) -> bool {
-        self.untouched != self.at
     }
 }
 
@@ -1150,6 +1150,7 @@ where
             // second, and is told by its idle all the same.
             let idle = counters.settings.lock().expect("settings lock").map(|s| s.min_idle_ms);
             let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
+            let leasing = counters.leasing.lock().await;
             let at = Instant::now();
             let untouched = at.checked_sub(Duration::from_millis(idle)).unwrap_or(at);
             counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere { untouched, at });
@@ -1162,6 +1163,7 @@ where
                 // Not given back: untouched since it failed here, never since `idle` ago.
                 counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
             }
+            drop(leasing);
             counters.count(Ended::Retried, ran);
         }
         Ok(Err(e)) => {
