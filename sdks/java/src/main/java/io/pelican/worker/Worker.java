@@ -37,6 +37,7 @@ import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
 import java.util.concurrent.RejectedExecutionException;
 import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.Semaphore;
 import java.util.concurrent.ThreadFactory;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicBoolean;
@@ -131,6 +132,15 @@ public final class Worker implements AutoCloseable {
     private final Map<String, InFlight> inFlight = new ConcurrentHashMap<>();
     /** Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker. */
     private final Map<String, FailedHere> failedHere = new ConcurrentHashMap<>();
+    /**
+     * Held by a lease tick from gathering its ids to the end of its take-up of hand-overs, and by a retry from its mark
+     * to its give-back's reply (released on the client's thread, hence a semaphore). A retry's give-back (which sets
+     * the entry's idle time) must reach the server after a lease that gathered its id (which would undo that idle
+     * time), and not be answered while the own PEL's XPENDING is out (its idle times from before it): either way the
+     * entry would look handed back and be run again here, no delivery counted. The connection serves calls in the
+     * order they are put on it, but that is not the order of clocks read before them on two threads.
+     */
+    private final Semaphore leasing = new Semaphore(1);
     /** Entries whose last error this worker recorded: the field goes with their ACK. */
     private final Set<String> errorsRecorded = ConcurrentHashMap.newKeySet();
     private final Acks acks = new Acks();
@@ -723,11 +733,6 @@ public final class Worker implements AutoCloseable {
             long now = System.nanoTime();
             return new FailedHere(now, now);
         }
-
-        /** Whether a give-back set its idle time (a retry). */
-        boolean givenBack() {
-            return untouchedSince != at;
-        }
     }
 
     /** Takes {@code id} out of flight. */
@@ -785,9 +790,16 @@ public final class Worker implements AutoCloseable {
         // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
         Settings current = settings;
         long idle = current != null ? current.minIdleMs() : Settings.UNPUBLISHED_IDLE_MS;
-        long now = System.nanoTime();
-        failedHere.put(id, new FailedHere(now - idle * 1_000_000, now));
-        return giveBack(List.of(id), idle, false).handle((ignored, error) -> {
+        leasing.acquireUninterruptibly();
+        CompletableFuture<Long> given;
+        try {
+            long now = System.nanoTime();
+            failedHere.put(id, new FailedHere(now - idle * 1_000_000, now));
+            given = giveBack(List.of(id), idle, false);
+        } catch (RuntimeException e) {
+            given = CompletableFuture.failedFuture(e);
+        }
+        return given.whenComplete((ignored, error) -> leasing.release()).handle((ignored, error) -> {
             if (error != null) {
                 LOG.log(Level.WARNING, where + "could not give " + id + " back for a retry: it is retried after minIdle: "
                         + Script.cause(error));
@@ -859,40 +871,49 @@ public final class Worker implements AutoCloseable {
                     LOG.log(Level.WARNING, where + "could not re-read the group's settings; the last ones stay: " + e);
                 }
             }
-            // Before the ids are gathered: a handler that fails (on its own thread) after its id was taken for this
-            // lease fails after sent, and the lease, which may reach the server after the failure, is accounted for.
-            long sent = System.nanoTime();
-            Map<String, Long> running = new HashMap<>();
-            for (InFlight entry : inFlight.values()) {
-                // A settled entry's outcome is being written: a lease after its give-back would undo the idle it set.
-                if (entry.state.get() == InFlight.RUNNING) {
-                    running.put(entry.id, entry.startedAt);
-                }
-            }
-            List<String> ids = maxHandling.leased(running, System.nanoTime());
-            List<String> kept;
-            // Just before the lease goes on the connection its give-backs go on, in order (see failedAtReply).
-            long leasing = System.nanoTime();
+            // A retry waits for the tick's end (see leasing).
+            leasing.acquireUninterruptibly();
             try {
-                kept = lease(ids);
-            } catch (RuntimeException e) {
-                if (!leaser.isShutdown()) {
-                    LOG.log(Level.WARNING, where + "could not extend the leases; retrying: " + e);
-                }
-                return;
+                leaseAndTakeUp();
             } finally {
-                failedAtReply(ids, sent, leasing, System.nanoTime());
-            }
-            warnLost(ids, kept);
-            try {
-                takeUpHandOvers();
-            } catch (RuntimeException e) {
-                if (!leaser.isShutdown()) {
-                    LOG.log(Level.WARNING, where + "could not take up hand-overs; looking again at the next tick: " + e);
-                }
+                leasing.release();
             }
         } finally {
             scheduleLease();
+        }
+    }
+
+    /** The lease of what runs, then the take-up of hand-overs; called with {@link #leasing} held. */
+    private void leaseAndTakeUp() {
+        // Before the ids are gathered: a handler that fails (on its own thread) after its id was taken for this lease
+        // fails after sent, and the lease, which may reach the server after the failure, is accounted for.
+        long sent = System.nanoTime();
+        Map<String, Long> running = new HashMap<>();
+        for (InFlight entry : inFlight.values()) {
+            // A settled entry's outcome is being written: a lease after its give-back would undo the idle it set.
+            if (entry.state.get() == InFlight.RUNNING) {
+                running.put(entry.id, entry.startedAt);
+            }
+        }
+        List<String> ids = maxHandling.leased(running, System.nanoTime());
+        List<String> kept;
+        try {
+            kept = lease(ids);
+        } catch (RuntimeException e) {
+            if (!leaser.isShutdown()) {
+                LOG.log(Level.WARNING, where + "could not extend the leases; retrying: " + e);
+            }
+            return;
+        } finally {
+            failedAtReply(ids, sent, System.nanoTime());
+        }
+        warnLost(ids, kept);
+        try {
+            takeUpHandOvers();
+        } catch (RuntimeException e) {
+            if (!leaser.isShutdown()) {
+                LOG.log(Level.WARNING, where + "could not take up hand-overs; looking again at the next tick: " + e);
+            }
         }
     }
 
@@ -900,14 +921,13 @@ public final class Worker implements AutoCloseable {
      * A handler that failed while the lease of {@code ids} was on its way (a paused server answers late): the lease may
      * have reset the entry's idle time after the failure, so the entry looks untouched since {@code answered}, not
      * since it failed; else the own-PEL check would take it for a hand-over and run it again here. Every id here was
-     * running when the lease gathered it (after {@code sent}). A retry's give-back, which sets the idle time itself,
-     * goes on the lease's connection after its mark: marked before {@code leasing}, its give-back went before the
-     * lease, which then undid its idle time; marked after, the lease went first and the give-back's idle stands.
+     * running when the lease gathered it (after {@code sent}). No retry is marked meanwhile: it waits for
+     * {@link #leasing}.
      */
-    private void failedAtReply(List<String> ids, long sent, long leasing, long answered) {
+    private void failedAtReply(List<String> ids, long sent, long answered) {
         for (String id : ids) {
-            failedHere.computeIfPresent(id, (key, failure) -> failure.at() - sent >= 0
-                    && (!failure.givenBack() || failure.at() - leasing < 0) ? new FailedHere(answered, answered) : failure);
+            failedHere.computeIfPresent(
+                    id, (key, failure) -> failure.at() - sent >= 0 ? new FailedHere(answered, answered) : failure);
         }
     }
 
