@@ -465,6 +465,46 @@ test("a hand-over is taken up: leased, read with XRANGE and handled", async () =
   assert.deepEqual(await pending(admin, stream, group), []);
 });
 
+test("a done is acknowledged at once while queued entries take every slot and long handlers run", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600 }); // a lease tick every 200 ms
+  const quick = (await admin.xadd(stream, "*", "n", "handed over, quick")) ?? "";
+  const long = (await admin.xadd(stream, "*", "n", "handed over, long")) ?? "";
+  await admin.xreadgroup("GROUP", group, "other", "COUNT", 2, "STREAMS", stream, ">");
+  const started: string[] = [];
+  let endQuick: () => void = () => undefined;
+  const quickEnds = new Promise<void>((resolve) => (endQuick = resolve));
+  let endAll: () => void = () => undefined;
+  const allEnd = new Promise<void>((resolve) => (endAll = resolve));
+  // Two slots, and a read of new entries blocking (5 s) while the lease ticks take up hand-overs.
+  const worker = workerFor(stream, { concurrency: 2, blockMs: 5000 });
+  start(worker, async (message) => {
+    started.push(message.id);
+    await (message.id === quick ? quickEnds : allEnd);
+    return done();
+  });
+  try {
+    await leaseTicks(stream, 1);
+    // The hand-overs take both slots; then the blocked read brings a new entry, which waits for a slot.
+    await admin.xclaim(stream, group, "w1", 0, quick, long, "RETRYCOUNT", 2);
+    await waitFor("the hand-overs running", () => started.length === 2);
+    const read = (await admin.xadd(stream, "*", "n", "read, queued")) ?? "";
+    await waitFor("the read's delivery", async () => (await pending(admin, stream, group)).length === 3);
+    endQuick();
+    // Its slot goes to the queued entry: no slot is left for a read, and the XACK does not wait for one.
+    await waitFor("the quick one acknowledged", async () =>
+      (await pending(admin, stream, group)).every(({ id }) => id !== quick),
+    );
+    assert.deepEqual(started, [quick, long, read]);
+    assert.deepEqual([worker.stats().done, worker.stats().inFlight], [1, 2]);
+  } finally {
+    endAll();
+    await worker.stop();
+  }
+  assert.equal(worker.stats().done, 3);
+  assert.deepEqual(await pending(admin, stream, group), []);
+});
+
 test("an entry a read delivered is no hand-over while the read's reply is on its way: it runs once", async () => {
   const proxy = await startProxy(server.port);
   const stream = freshStream();
