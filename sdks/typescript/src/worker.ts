@@ -885,8 +885,7 @@ export class Worker {
         this.requestStop();
       }
     }
-    // Also when this lease was sent, for every chunk: a handler that fails after its id was taken for this lease
-    // (while an earlier chunk is on its way) fails after it, and the chunk's lease is accounted for below.
+    // When this lease is sent, every chunk of it.
     const now = Date.now();
     const ids: string[] = [...this.queued.keys()];
     for (const [id, entry] of this.inFlight) {
@@ -902,38 +901,43 @@ export class Worker {
         );
       }
     }
-    for (const chunk of ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]) {
-      const sent = now;
-      try {
-        const kept = new Set(parseIds(await this.lease(chunk)));
-        for (const id of chunk) {
-          const entry = this.inFlight.get(id);
-          // Not ours any more while its handler runs: the pass took it (the handler may be slower than a lowered
-          // minIdle, or the process stalled). Said, never acknowledged twice by this worker's doing.
-          if (!kept.has(id) && entry && !entry.settled) {
-            this.log.warn("a message being handled was taken by the operator's pass: it may be handled twice", {
-              ...this.where(),
-              entryId: id,
-            });
-          }
-        }
-      } catch (error) {
-        this.log.warn("could not extend the leases of the messages being handled; retrying", {
-          ...this.where(),
-          error: errorText(error),
-        });
-      }
-      // A handler that failed while this lease was on its way (a paused server answers late): the lease may have
-      // reset the entry's idle time after the failure, so the entry looks untouched since now, not since it failed;
-      // else the own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by
-      // `minIdleMs`, before any lease: its give-back went after this lease.)
-      const answered = Date.now();
-      for (const id of chunk) {
-        const failedAt = this.failedHere.get(id);
-        if (failedAt !== undefined && failedAt >= sent) this.failedHere.set(id, answered);
-      }
-    }
+    // Every chunk is sent in this turn, right after the ids were gathered: a retry's give-back, sent on the same
+    // connection by a handler that ends from now on, reaches the server after all of them (one connection keeps
+    // its order), and no lease undoes the idle time it sets.
+    await Promise.all((ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]).map((chunk) => this.leaseChunk(chunk, now)));
     await this.takeUp();
+  }
+
+  /** One chunk of a lease tick sent at `sent`: says which entries the pass took, corrects what failed meanwhile. */
+  private async leaseChunk(chunk: readonly string[], sent: number): Promise<void> {
+    try {
+      const kept = new Set(parseIds(await this.lease(chunk)));
+      for (const id of chunk) {
+        const entry = this.inFlight.get(id);
+        // Not ours any more while its handler runs: the pass took it (the handler may be slower than a lowered
+        // minIdle, or the process stalled). Said, never acknowledged twice by this worker's doing.
+        if (!kept.has(id) && entry && !entry.settled) {
+          this.log.warn("a message being handled was taken by the operator's pass: it may be handled twice", {
+            ...this.where(),
+            entryId: id,
+          });
+        }
+      }
+    } catch (error) {
+      this.log.warn("could not extend the leases of the messages being handled; retrying", {
+        ...this.where(),
+        error: errorText(error),
+      });
+    }
+    // A handler that failed while this lease was on its way (a paused server answers late): the lease may have
+    // reset the entry's idle time after the failure, so the entry looks untouched since now, not since it failed;
+    // else the own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by
+    // `minIdleMs`, before any lease: its give-back went after this lease.)
+    const answered = Date.now();
+    for (const id of chunk) {
+      const failedAt = this.failedHere.get(id);
+      if (failedAt !== undefined && failedAt >= sent) this.failedHere.set(id, answered);
+    }
   }
 
   /** `lease.lua` for `ids` (at most 100; none: the heartbeat alone); replies the ids still this consumer's. */

@@ -465,6 +465,46 @@ test("a hand-over is taken up: leased, read with XRANGE and handled", async () =
   assert.deepEqual(await pending(admin, stream, group), []);
 });
 
+test("a done is acknowledged at once while queued entries take every slot and long handlers run", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 600 }); // a lease tick every 200 ms
+  const quick = (await admin.xadd(stream, "*", "n", "handed over, quick")) ?? "";
+  const long = (await admin.xadd(stream, "*", "n", "handed over, long")) ?? "";
+  await admin.xreadgroup("GROUP", group, "other", "COUNT", 2, "STREAMS", stream, ">");
+  const started: string[] = [];
+  let endQuick: () => void = () => undefined;
+  const quickEnds = new Promise<void>((resolve) => (endQuick = resolve));
+  let endAll: () => void = () => undefined;
+  const allEnd = new Promise<void>((resolve) => (endAll = resolve));
+  // Two slots, and a read of new entries blocking (5 s) while the lease ticks take up hand-overs.
+  const worker = workerFor(stream, { concurrency: 2, blockMs: 5000 });
+  start(worker, async (message) => {
+    started.push(message.id);
+    await (message.id === quick ? quickEnds : allEnd);
+    return done();
+  });
+  try {
+    await leaseTicks(stream, 1);
+    // The hand-overs take both slots; then the blocked read brings a new entry, which waits for a slot.
+    await admin.xclaim(stream, group, "w1", 0, quick, long, "RETRYCOUNT", 2);
+    await waitFor("the hand-overs running", () => started.length === 2);
+    const read = (await admin.xadd(stream, "*", "n", "read, queued")) ?? "";
+    await waitFor("the read's delivery", async () => (await pending(admin, stream, group)).length === 3);
+    endQuick();
+    // Its slot goes to the queued entry: no slot is left for a read, and the XACK does not wait for one.
+    await waitFor("the quick one acknowledged", async () =>
+      (await pending(admin, stream, group)).every(({ id }) => id !== quick),
+    );
+    assert.deepEqual(started, [quick, long, read]);
+    assert.deepEqual([worker.stats().done, worker.stats().inFlight], [1, 2]);
+  } finally {
+    endAll();
+    await worker.stop();
+  }
+  assert.equal(worker.stats().done, 3);
+  assert.deepEqual(await pending(admin, stream, group), []);
+});
+
 test("an entry a read delivered is no hand-over while the read's reply is on its way: it runs once", async () => {
   const proxy = await startProxy(server.port);
   const stream = freshStream();
@@ -511,6 +551,74 @@ test("an entry that failed here is handled again once it is handed back", async 
   assert.equal(calls, 2);
   assert.deepEqual(await pending(admin, stream, group), []);
   assert.equal(await admin.hexists(errorsKey(stream, group), id), 0);
+});
+
+test("a retry while a lease of more than 100 ids is on its way is not run again uncounted", async () => {
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 3000 }); // a lease tick every second
+  const add = async (count: number): Promise<string[]> => {
+    const ids: string[] = [];
+    for (let i = 0; i < count; i++) ids.push((await admin.xadd(stream, "*", "n", String(i))) ?? "");
+    return ids;
+  };
+  // 50 entries another consumer read, then 100 new ones.
+  const handedOver = await add(50);
+  await admin.xreadgroup("GROUP", group, "other", "COUNT", 50, "STREAMS", stream, ">");
+  await add(100);
+  const runs = new Map<string, number>();
+  let retryNow: () => void = () => undefined;
+  const retrying = new Promise<void>((resolve) => (retryNow = resolve));
+  let finishNow: () => void = () => undefined;
+  const finishing = new Promise<void>((resolve) => (finishNow = resolve));
+  // When the server ran each read of the settings (seconds): a lease tick begins with it.
+  const ticks: number[] = [];
+  const monitor = await admin.monitor();
+  monitor.on("monitor", (time: string, args: string[]) => {
+    if (args[0]?.toUpperCase() === "HGETALL" && args[1] === settingsKey(stream, group)) ticks.push(Number(time));
+  });
+  const worker = workerFor(stream, { concurrency: 150 });
+  start(worker, async (message) => {
+    const run = (runs.get(message.id) ?? 0) + 1;
+    runs.set(message.id, run);
+    if (run > 1) return retry();
+    const retried = handedOver.includes(message.id);
+    await (retried ? retrying : finishing);
+    return retried ? retry() : done();
+  });
+  try {
+    await waitFor("the 100 new entries running", () => worker.stats().inFlight === 100);
+    // Handed over (the delivery counted): first in the pending list, started after the others, so a lease carries
+    // them in its second chunk of 100 ids.
+    await admin.xclaim(stream, group, "w1", 0, ...handedOver);
+    await waitFor("the hand-overs running", () => worker.stats().inFlight === 150);
+    // The pause holds the scripts (the lease's chunks, the give-backs), not the settings' read.
+    await admin.call("CLIENT", "PAUSE", 5000, "WRITE");
+    const [seconds, micros] = await admin.time();
+    const pausedAt = Number(seconds) + Number(micros) / 1e6;
+    await waitFor("a lease tick under the pause", () => ticks.some((at) => at > pausedAt));
+    // The tick gathered its ids and sent its first chunk: the hand-overs' handlers end with a retry now, their
+    // give-backs held by the pause too.
+    await sleep(100);
+    retryNow();
+    await sleep(100);
+    await admin.call("CLIENT", "UNPAUSE");
+    await waitFor("the 50 retries", () => worker.stats().retried >= 50);
+    // The paused tick has ended, its hand-overs taken up, once the one after the next begins.
+    const seen = ticks.length;
+    await waitFor("two more lease ticks", () => ticks.length >= seen + 2);
+  } finally {
+    monitor.disconnect();
+    await admin.call("CLIENT", "UNPAUSE");
+    finishNow();
+    await worker.stop();
+  }
+  // Each retried entry ran once for its one delivery here, and waits for the operator's pass.
+  const left = await pending(admin, stream, group);
+  assert.deepEqual(
+    left.map(({ id, deliveries }) => [id, deliveries, runs.get(id)]),
+    handedOver.map((id) => [id, 2, 1]),
+  );
+  assert.equal(worker.stats().done, 100);
 });
 
 test("NOGROUP is waited out, said once; the worker never creates the group", async () => {
