@@ -226,7 +226,8 @@ class Worker:
                 "the client would give up on every blocking read"
             )
         self._running, self._fatal, self._own_pel_read, self._cancelling = True, None, False, False
-        self._stop, self._done = asyncio.Event(), asyncio.Event()
+        # Made for this run's event loop (a worker may run again under another).
+        self._stop, self._done, self._leasing = asyncio.Event(), asyncio.Event(), asyncio.Lock()
         writer = make_client(self._redis, socket_timeout=10.0, resend=True)
         self._calls = calls = _Writer(writer, self.stream, self.group, self.consumer)
         bridge = asyncio.create_task(self._follow(stop)) if stop is not None else None
