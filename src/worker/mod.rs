@@ -238,9 +238,10 @@ struct Counters {
     settings: Mutex<Option<WorkerSettings>>,
     /// Entries whose last error this worker recorded: their field goes with their ACK.
     errors_recorded: Mutex<HashSet<String>>,
-    /// Entries whose handler failed here, or whose outcome could not be written, and that stay pending, with when:
-    /// the operator's pass retries them, never this worker.
-    failed_here: Mutex<HashMap<String, FailedHere>>,
+    /// Entries whose handler failed here, or whose outcome could not be written, and that stay pending, with since
+    /// when they are untouched on the server as this worker left them (a retry's set back by the idle time its
+    /// give-back writes): the operator's pass retries them, never this worker.
+    failed_here: Mutex<HashMap<String, Instant>>,
     /// Held by a lease tick from gathering its ids to its last correction, by the own-PEL check from its XPENDING to
     /// its take-up, and by a retry from its mark to its give-back's reply. A retry's give-back (which sets the
     /// entry's idle time) must reach the server after a lease that gathered its id (which would undo that idle time),
@@ -289,7 +290,7 @@ impl Counters {
     /// `id` failed here (its handler, or writing its outcome) and stays pending for the operator's pass: this worker
     /// takes it up again only once it is handed back.
     fn left_pending(&self, id: &str, ran: Duration) {
-        self.failed_here.lock().expect("failed lock").insert(id.to_string(), FailedHere::now());
+        self.failed_here.lock().expect("failed lock").insert(id.to_string(), Instant::now());
         self.count(Ended::NotWritten, ran);
     }
 
@@ -699,7 +700,7 @@ impl Worker {
         // delivery; one still idle since it failed here waits for the operator.
         let handed_back = |id: &str, idle_ms: i64| {
             failed_here.get(id).is_none_or(|failed| {
-                let since = asked_at.saturating_duration_since(failed.untouched);
+                let since = asked_at.saturating_duration_since(*failed);
                 Duration::from_millis(idle_ms.max(0) as u64) + HAND_OVER_MARGIN <= since
             })
         };
@@ -884,26 +885,11 @@ async fn hold_leases(
             let now = Instant::now();
             let mut failed = counters.failed_here.lock().expect("failed lock");
             for id in chunk {
-                if let Some(failure) = failed.get_mut(id).filter(|f| f.at >= sent) {
-                    *failure = FailedHere { untouched: now, at: now };
+                if let Some(untouched) = failed.get_mut(id).filter(|untouched| **untouched >= sent) {
+                    *untouched = now;
                 }
             }
         }
-    }
-}
-
-/// An entry that failed here: since when it is untouched on the server as this worker last left it (set back by the
-/// idle time a retry's give-back writes), and when it was marked.
-#[derive(Clone, Copy, Debug)]
-struct FailedHere {
-    untouched: Instant,
-    at: Instant,
-}
-
-impl FailedHere {
-    fn now() -> FailedHere {
-        let now = Instant::now();
-        FailedHere { untouched: now, at: now }
     }
 }
 
@@ -1151,9 +1137,9 @@ where
             let idle = counters.settings.lock().expect("settings lock").map(|s| s.min_idle_ms);
             let idle = idle.unwrap_or(UNPUBLISHED_IDLE.as_millis() as u64);
             let leasing = counters.leasing.lock().await;
-            let at = Instant::now();
-            let untouched = at.checked_sub(Duration::from_millis(idle)).unwrap_or(at);
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere { untouched, at });
+            let now = Instant::now();
+            let untouched = now.checked_sub(Duration::from_millis(idle)).unwrap_or(now);
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), untouched);
             let given = write_again_if_broken(&conn, |mut conn| {
                 let ids = std::slice::from_ref(&id);
                 async move { give_back(&mut conn, config, ids, idle, true).await }
@@ -1161,14 +1147,14 @@ where
             if let Err(e) = given.await {
                 warn!(stream, group, entry_id = %id, error = %e, "could not give the message back for a retry: it is retried after minIdle");
                 // Not given back: untouched since it failed here, never since `idle` ago.
-                counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
+                counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             }
             drop(leasing);
             counters.count(Ended::Retried, ran);
         }
         Ok(Err(e)) => {
             warn!(stream, group, entry_id = %id, error = %e, "handler failed; the message stays pending for the operator's retry");
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&conn, stream, group, &id, &e.to_string(), counters).await;
             counters.count(Ended::Errored, ran);
         }
@@ -1179,7 +1165,7 @@ where
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("a panic");
             error!(stream, group, entry_id = %id, panic = what, "handler panicked; the message stays pending");
-            counters.failed_here.lock().expect("failed lock").insert(id.clone(), FailedHere::now());
+            counters.failed_here.lock().expect("failed lock").insert(id.clone(), Instant::now());
             record_error(&conn, stream, group, &id, &format!("the handler panicked: {what}"), counters).await;
             counters.count(Ended::Panicked, ran);
         }

@@ -130,8 +130,12 @@ public final class Worker implements AutoCloseable {
     /** The same counts through OpenTelemetry's metrics API, recorded with them. */
     private final Metering.WorkerMeter meter;
     private final Map<String, InFlight> inFlight = new ConcurrentHashMap<>();
-    /** Entry id -> when its handler failed or asked for a retry here: the pass retries it, never this worker. */
-    private final Map<String, FailedHere> failedHere = new ConcurrentHashMap<>();
+    /**
+     * Entry id -> since when (nanoTime) it is untouched on the server as this worker left it after its handler failed
+     * or asked for a retry here (a retry's set back by the idle time its give-back writes): the pass retries it, never
+     * this worker.
+     */
+    private final Map<String, Long> failedHere = new ConcurrentHashMap<>();
     /**
      * Held by a lease tick from gathering its ids to the end of its take-up of hand-overs, and by a retry from its mark
      * to its give-back's reply (released on the client's thread, hence a semaphore). A retry's give-back (which sets
@@ -559,9 +563,9 @@ public final class Worker implements AutoCloseable {
         for (PendingMessage p : pending) {
             // Read now, not before the call: one that failed while the XPENDING was out (its outcome written, so no
             // longer in flight) failed after askedAt, and is not handed back.
-            FailedHere failure = failedHere.get(p.getId());
-            boolean handedBack = failure == null
-                    || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failure.untouchedSince()) / 1_000_000;
+            Long failedAt = failedHere.get(p.getId());
+            boolean handedBack = failedAt == null
+                    || p.getMsSinceLastDelivery() + HAND_OVER_MARGIN_MS <= (askedAt - failedAt) / 1_000_000;
             boolean perhapsRead = p.getRedeliveryCount() == 1
                     && p.getMsSinceLastDelivery() * 1_000_000 <= sinceReadNanos;
             if (!inFlight.containsKey(p.getId()) && handedBack && !perhapsRead && candidates.size() < count) {
@@ -723,18 +727,6 @@ public final class Worker implements AutoCloseable {
         };
     }
 
-    /**
-     * An entry that failed here: since when it is untouched on the server as this worker last left it
-     * ({@code untouchedSince}, set back by the idle time a retry's give-back writes), and when it was marked
-     * ({@code at}); both {@code System.nanoTime()}.
-     */
-    private record FailedHere(long untouchedSince, long at) {
-        static FailedHere now() {
-            long now = System.nanoTime();
-            return new FailedHere(now, now);
-        }
-    }
-
     /** Takes {@code id} out of flight. */
     private void land(String id) {
         if (inFlight.remove(id) != null) {
@@ -793,8 +785,7 @@ public final class Worker implements AutoCloseable {
         leasing.acquireUninterruptibly();
         CompletableFuture<Long> given;
         try {
-            long now = System.nanoTime();
-            failedHere.put(id, new FailedHere(now - idle * 1_000_000, now));
+            failedHere.put(id, System.nanoTime() - idle * 1_000_000);
             given = giveBack(List.of(id), idle, false);
         } catch (RuntimeException e) {
             given = CompletableFuture.failedFuture(e);
@@ -804,7 +795,7 @@ public final class Worker implements AutoCloseable {
                 LOG.log(Level.WARNING, where + "could not give " + id + " back for a retry: it is retried after minIdle: "
                         + Script.cause(error));
                 // Not given back: untouched since it failed here, never since idle ago.
-                failedHere.put(id, FailedHere.now());
+                failedHere.put(id, System.nanoTime());
             }
             count(Metering.Ended.RETRIED, ran, null);
             return null;
@@ -816,7 +807,7 @@ public final class Worker implements AutoCloseable {
         // One line per failure, never a stack trace: a store outage fails every message, and the logs stay readable.
         LOG.log(Level.WARNING, where + "handler failed on " + id + " (" + text + "); the message stays pending for the "
                 + "operator's retry");
-        failedHere.put(id, FailedHere.now());
+        failedHere.put(id, System.nanoTime());
         count(Metering.Ended.FAILED, ran, error);
         return writes.hset(errorsKey, bytes(id), bytes(text)).toCompletableFuture().handle((ignored, failure) -> {
             if (failure != null) {
@@ -842,7 +833,7 @@ public final class Worker implements AutoCloseable {
                         + "stays pending: ";
         LOG.log(Level.WARNING, where + message + cause);
         // Left pending for the pass: this worker takes it up again only once it is handed back.
-        failedHere.put(id, FailedHere.now());
+        failedHere.put(id, System.nanoTime());
         count(Metering.Ended.FAILED, ran, null);
     }
 
@@ -926,8 +917,7 @@ public final class Worker implements AutoCloseable {
      */
     private void failedAtReply(List<String> ids, long sent, long answered) {
         for (String id : ids) {
-            failedHere.computeIfPresent(
-                    id, (key, failure) -> failure.at() - sent >= 0 ? new FailedHere(answered, answered) : failure);
+            failedHere.computeIfPresent(id, (key, at) -> at - sent >= 0 ? answered : at);
         }
     }
 
