@@ -295,6 +295,43 @@ def test_a_retry_given_back_while_a_lease_is_on_its_way_is_not_run_again(redis_u
     asyncio.run(main())
 
 
+def test_a_worker_run_again_under_another_event_loop_retries_while_a_lease_is_on_its_way(
+    redis_url: str, redis_port: int
+) -> None:
+    lease_sha = hashlib.sha1(script_source("lease").encode()).hexdigest().encode()
+    proxy_port: list[int] = []
+    # One worker, run once under each of two event loops (two asyncio.run calls), its clients made through a proxy
+    # of the running loop.
+    w = Worker(lambda: Redis.from_url(f"redis://127.0.0.1:{proxy_port[0]}"), STREAM, GROUP, CONSUMER)
+
+    async def run(n: int) -> None:
+        r = client(redis_url)
+        if n == 1:
+            await _group(r)
+            await write_settings(r, min_idle_ms=900)  # a lease tick every 300 ms
+        entry = await r.xadd(STREAM, {"n": str(n)})
+        proxy = SlowCommand(redis_port, lease_sha, 0.4)
+
+        async def handle(message: Message) -> Outcome:
+            proxy.held.clear()
+            await proxy.held.wait()  # a lease is on its way: the give-back waits for the leasing lock
+            return Outcome.retry()
+
+        async with proxy.serving() as port:
+            proxy_port[:] = [port]
+            async with running(w, handle) as task:
+                await eventually(lambda: _equal(w.stats.retried, n), what=f"run {n}'s retry")
+        assert task.exception() is None
+        [p] = await pending(r)
+        assert (p.id, p.consumer) == (entry, CONSUMER)
+        await r.xack(STREAM, GROUP, entry)
+        await r.aclose()
+
+    asyncio.run(run(1))
+    # A lock made under the first loop and waited on there would refuse the second: "bound to a different event loop".
+    asyncio.run(run(2))
+
+
 async def _max_idle_while(r: Redis, seconds: float) -> int:
     """The highest idle time of the PEL's entries, sampled every 50 ms for ``seconds``."""
     highest = 0
