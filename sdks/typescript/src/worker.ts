@@ -200,6 +200,13 @@ export class Worker {
   private reader: Connection | undefined;
   private writer: (Connection & ScriptCommands) | undefined;
   private leaseTimer: NodeJS.Timeout | undefined;
+  /**
+   * The lease tick under way, from gathering its ids to the end of its hand-over check; a retry's give-back waits
+   * for it. The writer keeps the order of what it sends, but ioredis sends a script again as `EVAL` once its
+   * `EVALSHA` is refused with `NOSCRIPT` (the script cache emptied): a lease that gathered the entry would then run
+   * after the give-back, undo the idle time it set, and the own PEL's check would take the entry for a hand-over.
+   */
+  private leasing: Promise<void> | undefined;
   /** `done` outcomes of handlers that finished together: acknowledged in one XACK (see `ack`). */
   private pendingAcks: PendingAck[] = [];
   /**
@@ -800,6 +807,8 @@ export class Worker {
   private async retry(id: string, seconds: number): Promise<void> {
     // Not re-read here: the give-back makes it look idle, not handed over. It looks untouched since `idleMs` ago: a
     // hand-over back to this worker (the only live one) may come within a second, and is told by its idle all the same.
+    while (this.leasing) await this.leasing;
+    // No lease tick gathers it from here on (it is settled), and this give-back is sent in this turn.
     const idleMs = this.settings?.minIdleMs ?? UNPUBLISHED_IDLE_MS;
     this.failedHere.set(id, Date.now() - idleMs);
     try {
@@ -885,6 +894,16 @@ export class Worker {
         this.requestStop();
       }
     }
+    this.leasing = this.leaseAndTakeUp();
+    try {
+      await this.leasing;
+    } finally {
+      this.leasing = undefined;
+    }
+  }
+
+  /** A lease tick's lease of what is in flight and queued, then its take-up of the hand-overs (never rejects). */
+  private async leaseAndTakeUp(): Promise<void> {
     // When this lease is sent, every chunk of it.
     const now = Date.now();
     const ids: string[] = [...this.queued.keys()];
@@ -901,9 +920,7 @@ export class Worker {
         );
       }
     }
-    // Every chunk is sent in this turn, right after the ids were gathered: a retry's give-back, sent on the same
-    // connection by a handler that ends from now on, reaches the server after all of them (one connection keeps
-    // its order), and no lease undoes the idle time it sets.
+    // Every chunk at once, in this turn: one round trip for the tick, however many entries are in flight.
     await Promise.all((ids.length > 0 ? chunks(ids, ID_BATCH) : [[]]).map((chunk) => this.leaseChunk(chunk, now)));
     await this.takeUp();
   }
@@ -932,7 +949,7 @@ export class Worker {
     // A handler that failed while this lease was on its way (a paused server answers late): the lease may have
     // reset the entry's idle time after the failure, so the entry looks untouched since now, not since it failed;
     // else the own-PEL check would take it for a hand-over and run it again here. (A retry's time is set back by
-    // `minIdleMs`, before any lease: its give-back went after this lease.)
+    // `minIdleMs`: its give-back waits for this lease, see `leasing`.)
     const answered = Date.now();
     for (const id of chunk) {
       const failedAt = this.failedHere.get(id);

@@ -1,5 +1,7 @@
 /** The worker against a real redis-server: every assertion is on the server's state (PEL, hashes) or the handler. */
 import assert from "node:assert/strict";
+import { createHash } from "node:crypto";
+import { readFileSync } from "node:fs";
 import { after, before, test } from "node:test";
 import { setTimeout as sleep } from "node:timers/promises";
 import type { Redis } from "ioredis";
@@ -52,6 +54,9 @@ function start(worker: Worker, handler: Handler): Promise<unknown> {
   return running;
 }
 
+/** The give-back's script as the package ships it, and its SHA1 (what `EVALSHA` names). */
+const GIVE_BACK_LUA = readFileSync(new URL("../../scripts/give_back.lua", import.meta.url), "utf8");
+const GIVE_BACK_SHA = createHash("sha1").update(GIVE_BACK_LUA).digest("hex");
 const SETTINGS = { minIdleMs: 60_000, retryAfterMs: 60_000, maxDeliveries: 5 };
 
 test("done acknowledges; the last error of a retried copy goes with its ACK", async () => {
@@ -619,6 +624,49 @@ test("a retry while a lease of more than 100 ids is on its way is not run again 
     handedOver.map((id) => [id, 2, 1]),
   );
   assert.equal(worker.stats().done, 100);
+});
+
+test("a retry while a lease is refused with NOSCRIPT and sent again waits for it: not run again uncounted", async () => {
+  const proxy = await startProxy(server.port);
+  const stream = freshStream();
+  await createGroup(admin, stream, group, { ...SETTINGS, minIdleMs: 900 }); // a lease tick every 300 ms
+  const id = (await admin.xadd(stream, "*", "n", "1")) ?? "";
+  let runs = 0;
+  let retryNow: () => void = () => undefined;
+  const retrying = new Promise<void>((resolve) => (retryNow = resolve));
+  const giveBacks = () => proxy.sent(GIVE_BACK_SHA);
+  const worker = workerFor(stream, { redis: `redis://127.0.0.1:${proxy.port}` });
+  start(worker, async () => {
+    if (++runs === 1) await retrying;
+    return retry();
+  });
+  try {
+    await waitFor("the handler running", () => runs === 1);
+    await leaseTicks(stream, 2); // the lease's script sent once on this connection: ioredis now sends its EVALSHA
+    // The script cache emptied (SCRIPT FLUSH, a failover), the give-back's script loaded again (by another worker,
+    // say): the next lease, which gathers the entry, is refused, and ioredis sends it again as EVAL once that reply
+    // is in.
+    const hold = proxy.holdReply("NOSCRIPT");
+    await admin.script("FLUSH");
+    await admin.script("LOAD", GIVE_BACK_LUA);
+    await waitFor("the lease refused", hold.held);
+    retryNow();
+    // The give-back would reach the server now, before the lease sent again; it waits for that lease instead.
+    const before = giveBacks();
+    await waitFor("the give-back sent, or 500 ms", () => giveBacks() > before, 500).catch(() => undefined);
+    hold.release();
+    await waitFor("the retry", () => worker.stats().retried === 1);
+    await leaseTicks(stream, 3);
+  } finally {
+    retryNow();
+    await worker.stop();
+    await proxy.close();
+  }
+  // Were the lease sent again after the give-back, it would reset the idle time the give-back set, and the own
+  // PEL's check would take the entry for a hand-over and run it again, its delivery not counted.
+  assert.equal(runs, 1);
+  const [left] = await pending(admin, stream, group);
+  assert.deepEqual([left?.id, left?.deliveries], [id, 1]);
 });
 
 test("NOGROUP is waited out, said once; the worker never creates the group", async () => {
